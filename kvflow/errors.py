@@ -1,0 +1,56 @@
+"""Errors raised by kvflow. Every one has a one-line message meant for a person."""
+
+from __future__ import annotations
+
+
+class KvflowError(Exception):
+    """Base class of every error kvflow raises on purpose."""
+
+
+class ConfigError(KvflowError, ValueError):
+    """A configuration value is invalid (F11)."""
+
+
+class IllegalTransition(KvflowError):
+    """An event is not legal in the current state; the state is unchanged.
+
+    Sticky only for the event that raised: the state itself stays usable, because nothing
+    was applied.
+    """
+
+    def __init__(self, state: str, event: str, detail: str = "") -> None:
+        self.state = state
+        self.event = event
+        self.detail = detail
+        msg = f"illegal transition: event {event} in state {state}"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class Rejected(KvflowError):
+    """A command was refused by the decision code (F12); nothing was appended."""
+
+
+class UnknownJob(Rejected):
+    """A result or wait named a job id kvflow never issued."""
+
+
+class UnknownRequest(Rejected):
+    """A command named a request kvflow does not know."""
+
+
+class BlockHeld(Rejected):
+    """A device block named by the engine is still held by a live transfer job."""
+
+
+class TraceError(KvflowError):
+    """A trace or workload file cannot be read; the message names file, line and field."""
+
+    def __init__(self, path: str, line: int | None, message: str) -> None:
+        self.path = path
+        self.line = line
+        where = f"{path}:{line}" if line is not None else path
+        super().__init__(f"{where}: {message}")
+
+
+class TransferError(KvflowError):
+    """An executor could not perform a copy (becomes a failed outcome, never escapes)."""

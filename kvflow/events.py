@@ -1,0 +1,329 @@
+"""The vocabulary: events (facts that happened), commands (requests to decide) and jobs.
+
+Events are frozen msgspec Structs forming one tagged union (`type` field). Each carries a
+gapless ``seq`` assigned by the state it is appended to; order is always ``seq``, never time.
+Events are *batched*: one event per job or per request, listing its blocks, so that folding a
+log costs one Python object per decision rather than one per block.
+
+Schema evolution rules (msgspec's): a new field gets a default, a field's type never changes,
+a tag is never reused. ``EVENT_VERSION`` is bumped when the meaning of a recorded event changes;
+the trace reader upgrades older records (see ``log.py``).
+
+This module is pure: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+EVENT_VERSION = 1
+
+Direction = Literal["store", "load"]
+STORE: Direction = "store"
+LOAD: Direction = "load"
+
+Hashes = tuple[int, ...]
+Blocks = tuple[int, ...]
+
+
+class _Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+    seq: int
+
+
+# --- store / load jobs ---------------------------------------------------------------------
+
+
+class StoreQueued(_Event, tag="store_queued"):
+    """A store job was queued: each hash takes the listed slot (STORE_QUEUED).
+
+    ``request_id`` is the request whose computed blocks these are (``None`` for lazy stores of
+    blocks the device cache evicts). ``device_blocks`` become held until the job is terminal.
+    """
+
+    job_id: int
+    request_id: str | None
+    hashes: Hashes
+    device_blocks: Blocks
+    slots: Blocks
+
+
+class LoadQueued(_Event, tag="load_queued"):
+    """A load job was queued for resident, pinned entries into the engine's device blocks."""
+
+    job_id: int
+    request_id: str
+    hashes: Hashes
+    device_blocks: Blocks
+    slots: Blocks
+
+
+class JobsSubmitted(_Event, tag="jobs_submitted"):
+    """Queued jobs were handed to the executor (queued -> in_flight), once each (F5).
+
+    Every job gets the same deadline, ``now_ms + config.job_deadline_ms``.
+    """
+
+    job_ids: tuple[int, ...]
+    now_ms: float
+    deadline_ms: float
+
+
+class RankSucceeded(_Event, tag="rank_succeeded"):
+    """One rank reported success for a job that still waits for other ranks."""
+
+    job_id: int
+    rank: int
+
+
+class _Terminal(_Event, kw_only=True):
+    # Carried so that consumers (notices, incidents, KV events) need no state lookup.
+    job_id: int
+    direction: Direction
+    request_id: str | None
+    hashes: Hashes
+    device_blocks: Blocks
+    slots: Blocks
+
+
+class JobCompleted(_Terminal, tag="job_completed"):
+    """Every rank succeeded. Store: entries become RESIDENT (visible). Load: pins released."""
+
+    rank: int
+
+
+class JobFailed(_Terminal, tag="job_failed"):
+    """A rank failed (or the job was cancelled). Recovery by direction (F1).
+
+    Store: entries removed, slots freed, hashes never visible. Load: entries stay resident,
+    the job's pins are released and ``device_blocks`` must be recomputed by the engine.
+    """
+
+    rank: int
+    error: str
+
+
+class JobTimedOut(_Terminal, tag="job_timed_out"):
+    """The job passed its deadline; recovery as for a failure."""
+
+    now_ms: float
+    deadline_ms: float
+
+
+class LateResultIgnored(_Event, tag="late_result_ignored"):
+    """A result for a job that is already terminal: recorded, changes nothing."""
+
+    job_id: int
+    rank: int
+    ok: bool
+    error: str | None = None
+
+
+# --- tier contents ---------------------------------------------------------------------------
+
+EvictReason = Literal["capacity", "explicit"]
+
+
+class BlocksEvicted(_Event, tag="blocks_evicted"):
+    """RESIDENT, unpinned entries removed (all-or-nothing, F8); their slots are freed."""
+
+    hashes: Hashes
+    slots: Blocks
+    reason: EvictReason
+
+
+class BlocksTouched(_Event, tag="blocks_touched"):
+    """Recency: the resident hashes were used, in this order (the last is the most recent)."""
+
+    hashes: Hashes
+
+
+class StoreRejected(_Event, tag="store_rejected"):
+    """Admission refused: no free slot and nothing evictable (pinned / in flight)."""
+
+    request_id: str | None
+    hashes: Hashes
+    device_blocks: Blocks
+    reason: str
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+class PinsAcquired(_Event, tag="pins_acquired"):
+    """A lookup hit pinned these resident hashes for the request (F7). Empty at a miss."""
+
+    request_id: str
+    hashes: Hashes
+    num_tokens: int
+
+
+class PinsReleased(_Event, tag="pins_released"):
+    """The request gave these pins back (hits not accepted, finish, preemption)."""
+
+    request_id: str
+    hashes: Hashes
+
+
+class RequestFinished(_Event, tag="request_finished"):
+    """The engine finished (or preempted) the request; cleanup waits for its live jobs."""
+
+    request_id: str
+    preempted: bool
+
+
+class RequestClosed(_Event, tag="request_closed"):
+    """A finished request has no live jobs and no pins left: it is forgotten."""
+
+    request_id: str
+
+
+class Reset(_Event, tag="reset"):
+    """Everything cleared (vLLM's AllBlocksCleared).
+
+    Queued jobs are failed before this event. Jobs still in flight are *abandoned*: their
+    slots and device blocks stay quarantined until the executor reports them (or they time
+    out), because a copy may still be writing there; then the slots are freed and nothing
+    becomes visible.
+    """
+
+    abandoned_job_ids: tuple[int, ...]
+
+
+Event = Union[
+    StoreQueued,
+    LoadQueued,
+    JobsSubmitted,
+    RankSucceeded,
+    JobCompleted,
+    JobFailed,
+    JobTimedOut,
+    LateResultIgnored,
+    BlocksEvicted,
+    BlocksTouched,
+    StoreRejected,
+    PinsAcquired,
+    PinsReleased,
+    RequestFinished,
+    RequestClosed,
+    Reset,
+]
+
+EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
+TERMINAL_TYPES = (JobCompleted, JobFailed, JobTimedOut)
+
+
+# --- commands: what the engine asks (recorded in traces, re-run by replay --redecide) --------
+
+
+class _Command(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+    pass
+
+
+class Lookup(_Command, tag="lookup"):
+    """How many blocks after ``device_hit_blocks`` can be loaded from the CPU tier?"""
+
+    request_id: str
+    block_hashes: Hashes
+    num_tokens: int
+    device_hit_blocks: int = 0
+
+
+class AcceptHits(_Command, tag="accept_hits"):
+    """The engine allocated ``device_blocks`` for the first ``len(device_blocks)`` hits."""
+
+    request_id: str
+    device_blocks: Blocks
+
+
+class BlocksComputed(_Command, tag="blocks_computed"):
+    """Eager mode: these full blocks were computed; store the ones not on the tier."""
+
+    request_id: str | None
+    block_hashes: Hashes
+    device_blocks: Blocks
+
+
+class DeviceBlocksEvicting(_Command, tag="device_blocks_evicting"):
+    """Lazy mode: the device cache is about to drop these blocks; store the missing ones."""
+
+    block_hashes: Hashes
+    device_blocks: Blocks
+
+
+class Touch(_Command, tag="touch"):
+    """Recency for resident hashes, in order (put the head of a chain last, F14)."""
+
+    block_hashes: Hashes
+
+
+class Evict(_Command, tag="evict"):
+    """Free ``num_blocks`` slots through the policy, all or nothing (F8)."""
+
+    num_blocks: int
+
+
+class PlanStep(_Command, tag="plan_step"):
+    """Hand every queued job to the executor exactly once (F5)."""
+
+    now_ms: float
+
+
+class JobResult(_Command, tag="job_result"):
+    """An executor outcome for one rank of one job."""
+
+    job_id: int
+    rank: int = 0
+    ok: bool = True
+    error: str | None = None
+
+
+class Tick(_Command, tag="tick"):
+    """Time passes: in-flight jobs past their deadline time out (F2)."""
+
+    now_ms: float
+
+
+class FinishRequest(_Command, tag="finish_request"):
+    """The request finished or was preempted: release exactly its pins."""
+
+    request_id: str
+    preempted: bool = False
+
+
+class ResetAll(_Command, tag="reset_all"):
+    """Drop everything; abandon in-flight work safely."""
+
+
+Command = Union[
+    Lookup,
+    AcceptHits,
+    BlocksComputed,
+    DeviceBlocksEvicting,
+    Touch,
+    Evict,
+    PlanStep,
+    JobResult,
+    Tick,
+    FinishRequest,
+    ResetAll,
+]
+
+COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]
+
+
+class TransferJob(msgspec.Struct, frozen=True):
+    """What an executor is asked to do: copy ``device_blocks[i]`` <-> host ``slots[i]``."""
+
+    job_id: int
+    direction: Direction
+    device_blocks: Blocks
+    slots: Blocks
+    hashes: Hashes = ()
+    request_id: str | None = None
+
+
+def event_name(event: object) -> str:
+    """The stable tag of an event or command (``job_failed``, ``lookup``...)."""
+    return type(event).__struct_config__.tag  # type: ignore[attr-defined,no-any-return]

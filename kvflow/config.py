@@ -1,0 +1,79 @@
+"""Configuration: everything the decisions depend on, validated up front (F11)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from kvflow.errors import ConfigError
+
+STORE_MODES = ("eager", "lazy")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    """Decision configuration. Recorded in every trace header; replay uses it verbatim.
+
+    ``cpu_blocks`` is the CPU tier's capacity in blocks; ``0`` disables offload.
+    ``block_tokens`` is the number of tokens per KV block. ``job_deadline_ms`` bounds how
+    long a submitted job may stay in flight before it times out (F2).
+    """
+
+    cpu_blocks: int
+    block_tokens: int = 16
+    policy: str = "lru"
+    store_mode: str = "eager"
+    world_size: int = 1
+    job_deadline_ms: float = 30_000.0
+
+    def __post_init__(self) -> None:
+        validate_config(self)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cpu_blocks > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+
+def validate_config(config: Config) -> None:
+    """Raise ConfigError with a one-line message for the first bad field."""
+    from kvflow.policies import POLICIES  # late: policies import nothing heavy
+
+    if not _is_int(config.cpu_blocks) or config.cpu_blocks < 0:
+        raise ConfigError(
+            f"cpu_blocks must be a whole number >= 0 (0 disables offload), got {config.cpu_blocks!r}"
+        )
+    if not _is_int(config.block_tokens) or config.block_tokens <= 0:
+        raise ConfigError(f"block_tokens must be a whole number > 0, got {config.block_tokens!r}")
+    if config.policy not in POLICIES:
+        known = ", ".join(sorted(POLICIES))
+        raise ConfigError(f"unknown policy {config.policy!r}; known policies: {known}")
+    if config.store_mode not in STORE_MODES:
+        raise ConfigError(
+            f"store_mode must be one of {', '.join(STORE_MODES)}, got {config.store_mode!r}"
+        )
+    if not _is_int(config.world_size) or config.world_size < 1:
+        raise ConfigError(f"world_size must be a whole number >= 1, got {config.world_size!r}")
+    deadline = config.job_deadline_ms
+    if (
+        isinstance(deadline, bool)
+        or not isinstance(deadline, (int, float))
+        or not math.isfinite(deadline)
+        or deadline <= 0
+    ):
+        raise ConfigError(f"job_deadline_ms must be a finite number > 0, got {deadline!r}")
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build a Config from a trace header / user dict, with one-line errors."""
+    try:
+        return msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config: {exc}") from None

@@ -1,0 +1,414 @@
+"""Decisions: the business rules. ``decide(state, command)`` yields the events to append.
+
+Each decider is a generator. The caller (``OffloadManager``, or ``replay --redecide``) applies
+every yielded event with ``evolve`` before resuming the generator, so a decision always reads
+the state its earlier events produced (an eviction frees the slots the next store takes).
+The generator's return value is the command's answer (hit count, job id, jobs to submit).
+
+Rule: a decider validates everything *before its first yield* and raises a
+:class:`~kvflow.errors.Rejected` subclass for a bad call (F12), so a refused command appends
+nothing. Pure: no I/O, no clock, no randomness, no logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+from kvflow.errors import BlockHeld, Rejected, UnknownJob, UnknownRequest
+from kvflow.events import (
+    LOAD,
+    STORE,
+    AcceptHits,
+    BlocksComputed,
+    BlocksEvicted,
+    BlocksTouched,
+    Command,
+    DeviceBlocksEvicting,
+    Event,
+    Evict,
+    FinishRequest,
+    JobCompleted,
+    JobFailed,
+    JobResult,
+    JobsSubmitted,
+    JobTimedOut,
+    LateResultIgnored,
+    LoadQueued,
+    Lookup,
+    PinsAcquired,
+    PinsReleased,
+    PlanStep,
+    RankSucceeded,
+    RequestClosed,
+    RequestFinished,
+    Reset,
+    ResetAll,
+    StoreQueued,
+    StoreRejected,
+    Tick,
+    Touch,
+    TransferJob,
+)
+from kvflow.state import RESIDENT, Job, JobState, State
+
+Decision = Generator[Event, None, Any]
+
+CANCELLED_BY_RESET = "cancelled by reset before submission"
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def hit_cap_blocks(num_tokens: int, block_tokens: int) -> int:
+    """At most ``num_tokens - 1`` tokens may hit, rounded down to whole blocks (F13)."""
+    return max(0, (num_tokens - 1) // block_tokens)
+
+
+# --- lookup and loads ----------------------------------------------------------------------
+
+
+def decide_lookup(state: State, cmd: Lookup) -> Decision:
+    if not _whole(cmd.num_tokens) or cmd.num_tokens < 0:
+        raise Rejected(f"lookup of request {cmd.request_id}: num_tokens must be >= 0")
+    if not _whole(cmd.device_hit_blocks) or cmd.device_hit_blocks < 0:
+        raise Rejected(f"lookup of request {cmd.request_id}: device_hit_blocks must be >= 0")
+    if not state.config.enabled:
+        return 0
+    req = state.requests.get(cmd.request_id)
+    if req is not None and req.finished:
+        raise Rejected(f"lookup of request {cmd.request_id}: the request is finished")
+    cap = hit_cap_blocks(cmd.num_tokens, state.config.block_tokens)
+    if req is not None and req.offered:
+        # A repeated lookup (the scheduler could not place the request last step) replaces the
+        # hits it offered before, so pins never pile up.
+        yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
+    entries = state.entries
+    hits: list[int] = []
+    for h in cmd.block_hashes[cmd.device_hit_blocks : cap]:
+        entry = entries.get(h)
+        if entry is None or entry.state is not RESIDENT:
+            break
+        hits.append(h)
+    yield PinsAcquired(
+        seq=state.next_seq, request_id=cmd.request_id, hashes=tuple(hits), num_tokens=cmd.num_tokens
+    )
+    return len(hits)
+
+
+def decide_accept_hits(state: State, cmd: AcceptHits) -> Decision:
+    req = state.requests.get(cmd.request_id)
+    if req is None or req.finished:
+        raise UnknownRequest(f"accept_hits: request {cmd.request_id} has no live lookup")
+    n = len(cmd.device_blocks)
+    if n > len(req.offered):
+        raise Rejected(
+            f"accept_hits: request {cmd.request_id} was offered {len(req.offered)} blocks, "
+            f"cannot accept {n}"
+        )
+    _check_device_blocks(state, cmd.device_blocks, allow_same_store={})
+    job_id = None
+    if n:
+        hashes = req.offered[:n]
+        entries = state.entries
+        job_id = state.last_job_id + 1
+        yield LoadQueued(
+            seq=state.next_seq,
+            job_id=job_id,
+            request_id=cmd.request_id,
+            hashes=hashes,
+            device_blocks=tuple(cmd.device_blocks),
+            slots=tuple(entries[h].slot for h in hashes),
+        )
+    if req.offered:
+        yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
+    return job_id
+
+
+# --- stores and eviction -------------------------------------------------------------------
+
+
+def _check_device_blocks(
+    state: State, device_blocks: Sequence[int], allow_same_store: dict[int, int]
+) -> None:
+    """Device blocks must not be held by a live job (F12), except a store of the same hash
+    (that one is a duplicate, F3). ``allow_same_store`` maps device block -> hash asked."""
+    held = state.held
+    seen: set[int] = set()
+    for d in device_blocks:
+        if not _whole(d) or d < 0:
+            raise Rejected(f"device block {d!r} is not a block id")
+        if d in seen:
+            raise Rejected(f"device block {d} is named twice in one call")
+        seen.add(d)
+        jid = held.get(d)
+        if jid is None:
+            continue
+        job = state.jobs[jid]
+        if job.direction == STORE and d in allow_same_store:
+            index = job.device_blocks.index(d)
+            if job.hashes[index] == allow_same_store[d]:
+                continue
+        raise BlockHeld(
+            f"device block {d} is held by live {job.direction} job {jid}; "
+            "wait for the job to finish before reusing it"
+        )
+
+
+def _victims_up_to(state: State, wanted: int) -> list[int]:
+    """As many victims as the policy can give, up to ``wanted``, in eviction order."""
+    if wanted <= 0:
+        return []
+    victims = state.policy.victims(wanted, state.evictable)
+    if victims is not None:
+        return victims
+    evictable = sum(1 for h in state.policy.resident() if state.evictable(h))
+    if evictable == 0:
+        return []
+    return state.policy.victims(evictable, state.evictable) or []
+
+
+def _decide_store(
+    state: State,
+    request_id: str | None,
+    block_hashes: Sequence[int],
+    device_blocks: Sequence[int],
+) -> Decision:
+    if len(block_hashes) != len(device_blocks):
+        raise Rejected(
+            f"store: {len(block_hashes)} hashes but {len(device_blocks)} device blocks"
+        )
+    if request_id is not None:
+        req = state.requests.get(request_id)
+        if req is not None and req.finished:
+            raise Rejected(f"store: request {request_id} is finished")
+    _check_device_blocks(state, device_blocks, dict(zip(device_blocks, block_hashes)))
+    if not state.config.enabled:
+        return None
+    entries = state.entries
+    todo_hashes: list[int] = []
+    todo_blocks: list[int] = []
+    seen: set[int] = set()
+    for h, d in zip(block_hashes, device_blocks):
+        # F3: a hash on the tier (resident, queued or in flight) is never stored twice
+        if h in entries or h in seen:
+            continue
+        seen.add(h)
+        todo_hashes.append(h)
+        todo_blocks.append(d)
+    if not todo_hashes:
+        return None
+    need = len(todo_hashes) - len(state.free_slots)
+    if need > 0:
+        victims = _victims_up_to(state, need)
+        if victims:
+            yield BlocksEvicted(
+                seq=state.next_seq,
+                hashes=tuple(victims),
+                slots=tuple(entries[h].slot for h in victims),
+                reason="capacity",
+            )
+    admitted = min(len(todo_hashes), len(state.free_slots))
+    job_id = None
+    if admitted:
+        free = state.free_slots
+        job_id = state.last_job_id + 1
+        yield StoreQueued(
+            seq=state.next_seq,
+            job_id=job_id,
+            request_id=request_id,
+            hashes=tuple(todo_hashes[:admitted]),
+            device_blocks=tuple(todo_blocks[:admitted]),
+            slots=tuple(free[len(free) - admitted :][::-1]),
+        )
+    if admitted < len(todo_hashes):
+        yield StoreRejected(
+            seq=state.next_seq,
+            request_id=request_id,
+            hashes=tuple(todo_hashes[admitted:]),
+            device_blocks=tuple(todo_blocks[admitted:]),
+            reason=f"tier full: {state.capacity} slots held by pinned or in-flight entries",
+        )
+    return job_id
+
+
+def decide_blocks_computed(state: State, cmd: BlocksComputed) -> Decision:
+    if state.config.store_mode != "eager":
+        _check_device_blocks(state, cmd.device_blocks, dict(zip(cmd.device_blocks, cmd.block_hashes)))
+        return None
+    return (yield from _decide_store(state, cmd.request_id, cmd.block_hashes, cmd.device_blocks))
+
+
+def decide_device_evicting(state: State, cmd: DeviceBlocksEvicting) -> Decision:
+    if state.config.store_mode != "lazy":
+        return None
+    return (yield from _decide_store(state, None, cmd.block_hashes, cmd.device_blocks))
+
+
+def decide_touch(state: State, cmd: Touch) -> Decision:
+    entries = state.entries
+    touched = tuple(
+        h for h in cmd.block_hashes if (e := entries.get(h)) is not None and e.state is RESIDENT
+    )
+    if touched:
+        yield BlocksTouched(seq=state.next_seq, hashes=touched)
+    return len(touched)
+
+
+def decide_evict(state: State, cmd: Evict) -> Decision:
+    if not _whole(cmd.num_blocks) or cmd.num_blocks < 0:
+        raise Rejected(f"evict: num_blocks must be >= 0, got {cmd.num_blocks!r}")
+    if cmd.num_blocks == 0:
+        return 0
+    victims = state.policy.victims(cmd.num_blocks, state.evictable)
+    if victims is None:
+        raise Rejected(f"evict: fewer than {cmd.num_blocks} unpinned resident blocks (all-or-nothing)")
+    yield BlocksEvicted(
+        seq=state.next_seq,
+        hashes=tuple(victims),
+        slots=tuple(state.entries[h].slot for h in victims),
+        reason="explicit",
+    )
+    return len(victims)
+
+
+# --- jobs ----------------------------------------------------------------------------------
+
+
+def _transfer_job(job: Job) -> TransferJob:
+    return TransferJob(
+        job_id=job.job_id,
+        direction=job.direction,  # type: ignore[arg-type]
+        device_blocks=job.device_blocks,
+        slots=job.slots,
+        hashes=job.hashes,
+        request_id=job.request_id,
+    )
+
+
+def decide_plan_step(state: State, cmd: PlanStep) -> Decision:
+    if not state.queued:
+        return []
+    job_ids = tuple(state.queued)
+    jobs = [_transfer_job(state.jobs[j]) for j in job_ids]
+    yield JobsSubmitted(
+        seq=state.next_seq,
+        job_ids=job_ids,
+        now_ms=cmd.now_ms,
+        deadline_ms=cmd.now_ms + state.config.job_deadline_ms,
+    )
+    return jobs
+
+
+def _terminal_fields(job: Job) -> dict[str, Any]:
+    return {
+        "job_id": job.job_id,
+        "direction": job.direction,
+        "request_id": job.request_id,
+        "hashes": job.hashes,
+        "device_blocks": job.device_blocks,
+        "slots": job.slots,
+    }
+
+
+def _maybe_close(state: State, request_id: str | None) -> Decision:
+    if request_id is None:
+        return
+    req = state.requests.get(request_id)
+    if req is not None and req.finished and not req.jobs and not req.pins:
+        yield RequestClosed(seq=state.next_seq, request_id=request_id)
+
+
+def decide_job_result(state: State, cmd: JobResult) -> Decision:
+    if not _whole(cmd.job_id) or not 0 < cmd.job_id <= state.last_job_id:
+        raise UnknownJob(f"result for unknown job {cmd.job_id!r} (last issued: {state.last_job_id})")
+    if not _whole(cmd.rank) or not 0 <= cmd.rank < state.config.world_size:
+        raise Rejected(f"result for job {cmd.job_id}: rank {cmd.rank!r} outside world size {state.config.world_size}")
+    job = state.jobs.get(cmd.job_id)
+    if job is None:
+        yield LateResultIgnored(
+            seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error
+        )
+        return None
+    if job.state is JobState.QUEUED:
+        raise Rejected(f"result for job {cmd.job_id}, which was never submitted")
+    bit = 1 << cmd.rank
+    if job.acks & bit:
+        yield LateResultIgnored(
+            seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error
+        )
+        return None
+    request_id = None if job.abandoned else job.request_id
+    if not cmd.ok:
+        yield JobFailed(
+            seq=state.next_seq, rank=cmd.rank, error=cmd.error or "unknown error", **_terminal_fields(job)
+        )
+    elif job.acks | bit == (1 << state.config.world_size) - 1:
+        yield JobCompleted(seq=state.next_seq, rank=cmd.rank, **_terminal_fields(job))
+    else:
+        yield RankSucceeded(seq=state.next_seq, job_id=job.job_id, rank=cmd.rank)
+        return None
+    yield from _maybe_close(state, request_id)
+    return None
+
+
+def decide_tick(state: State, cmd: Tick) -> Decision:
+    expired = [
+        job
+        for job in state.jobs.values()
+        if job.state is JobState.IN_FLIGHT and job.deadline_ms <= cmd.now_ms
+    ]
+    for job in expired:
+        request_id = None if job.abandoned else job.request_id
+        yield JobTimedOut(
+            seq=state.next_seq, now_ms=cmd.now_ms, deadline_ms=job.deadline_ms, **_terminal_fields(job)
+        )
+        yield from _maybe_close(state, request_id)
+    return len(expired)
+
+
+def decide_finish(state: State, cmd: FinishRequest) -> Decision:
+    req = state.requests.get(cmd.request_id)
+    if req is None:
+        if not state.config.enabled:
+            return None
+        raise UnknownRequest(f"finish: unknown request {cmd.request_id!r}")
+    if req.finished:
+        raise Rejected(f"finish: request {cmd.request_id!r} is already finished")
+    if req.offered:
+        yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
+    yield RequestFinished(seq=state.next_seq, request_id=cmd.request_id, preempted=cmd.preempted)
+    yield from _maybe_close(state, cmd.request_id)
+    return None
+
+
+def decide_reset(state: State, cmd: ResetAll) -> Decision:
+    for jid in list(state.queued):
+        job = state.jobs[jid]
+        yield JobFailed(seq=state.next_seq, rank=-1, error=CANCELLED_BY_RESET, **_terminal_fields(job))
+    yield Reset(seq=state.next_seq, abandoned_job_ids=tuple(state.jobs))
+    return None
+
+
+DECIDERS: dict[type, Callable[[State, Any], Decision]] = {
+    Lookup: decide_lookup,
+    AcceptHits: decide_accept_hits,
+    BlocksComputed: decide_blocks_computed,
+    DeviceBlocksEvicting: decide_device_evicting,
+    Touch: decide_touch,
+    Evict: decide_evict,
+    PlanStep: decide_plan_step,
+    JobResult: decide_job_result,
+    Tick: decide_tick,
+    FinishRequest: decide_finish,
+    ResetAll: decide_reset,
+}
+
+
+def decide(state: State, command: Command) -> Decision:
+    """The decision generator for ``command`` (see the module docstring for the protocol)."""
+    return DECIDERS[type(command)](state, command)
+
+
+__all__ = ["decide", "DECIDERS", "hit_cap_blocks", "CANCELLED_BY_RESET", "LOAD", "STORE"]

@@ -1,0 +1,281 @@
+"""The event log: in memory, and as a trace file (DESIGN §5).
+
+A trace is JSON lines (``.gz`` for gzip): one header line, then records in order: the commands
+given to kvflow, the events it appended, and periodic checkpoints carrying the state digest.
+Executor outcomes are the recorded ``job_result`` commands (with their error text).
+
+Reading is streaming. A torn last line (a crash mid-write) is reported through ``warnings`` and
+ignored; any other malformed line raises :class:`TraceError` naming file and line; a newer
+version is refused. Older versions are upgraded record by record (``_UPCASTS``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any, Union
+
+import msgspec
+
+from kvflow._version import __version__
+from kvflow.config import Config, config_from_dict
+from kvflow.errors import ConfigError, TraceError
+from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Command, Event
+
+TRACE_FORMAT = "kvflow-trace"
+TRACE_VERSION = 1
+DEFAULT_CHECKPOINT_EVERY = 10_000
+
+
+class Checkpoint(msgspec.Struct, frozen=True, tag="checkpoint", tag_field="type"):
+    """The state digest after every event up to ``seq`` was applied."""
+
+    seq: int
+    digest: str
+
+
+Record = Union[Command, Event, Checkpoint]  # type: ignore[valid-type]
+RECORD_TYPES: tuple[type, ...] = (*COMMAND_TYPES, *EVENT_TYPES, Checkpoint)
+_RecordUnion = Union[tuple(RECORD_TYPES)]  # type: ignore[valid-type]
+
+
+class Header(msgspec.Struct, frozen=True, kw_only=True):
+    format: str
+    version: int
+    kvflow: str
+    config: dict[str, Any]
+    meta: dict[str, Any] = {}
+
+
+class MemoryLog:
+    """Commands and events kept in a list; the default log of an OffloadManager."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.records: list[Any] = []
+
+    def record_command(self, command: Command) -> None:
+        self.records.append(command)
+
+    def record_events(self, events: list[Event]) -> None:
+        self.records.extend(events)
+
+    def after_command(self, state: Any) -> None:
+        pass
+
+    def events(self) -> list[Event]:
+        return [r for r in self.records if isinstance(r, EVENT_TYPES)]
+
+    def commands(self) -> list[Command]:
+        return [r for r in self.records if isinstance(r, COMMAND_TYPES)]
+
+    def close(self, state: Any = None) -> None:
+        pass
+
+
+class TraceWriter:
+    """Writes a trace file as the manager runs. Deterministic: the same run gives the same
+    bytes (no timestamps in the header; events carry only injected time)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: Config,
+        *,
+        meta: dict[str, Any] | None = None,
+        checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+    ) -> None:
+        self.path = str(path)
+        self.config = config
+        self.checkpoint_every = max(1, checkpoint_every)
+        self._encoder = msgspec.json.Encoder()
+        raw: IO[bytes]
+        if self.path.endswith(".gz"):
+            raw = gzip.GzipFile(self.path, "wb", compresslevel=6, mtime=0)
+        else:
+            raw = open(self.path, "wb")
+        self._file = raw
+        self._buffer: list[bytes] = []
+        self._since_checkpoint = 0
+        self._last_checkpoint_seq = 0
+        self.closed = False
+        header = Header(
+            format=TRACE_FORMAT,
+            version=TRACE_VERSION,
+            kvflow=__version__,
+            config=config.to_dict(),
+            meta=dict(meta or {}),
+        )
+        self._file.write(self._encoder.encode(header) + b"\n")
+
+    def record_command(self, command: Command) -> None:
+        self._buffer.append(self._encoder.encode(command))
+
+    def record_events(self, events: list[Event]) -> None:
+        encode = self._encoder.encode
+        self._buffer.extend(encode(e) for e in events)
+        self._since_checkpoint += len(events)
+
+    def after_command(self, state: Any) -> None:
+        if self._since_checkpoint >= self.checkpoint_every:
+            self.checkpoint(state)
+        if len(self._buffer) >= 4096:
+            self.flush()
+
+    def checkpoint(self, state: Any) -> None:
+        if state.last_seq == self._last_checkpoint_seq and self._last_checkpoint_seq:
+            return
+        self._buffer.append(self._encoder.encode(Checkpoint(seq=state.last_seq, digest=state.digest())))
+        self._since_checkpoint = 0
+        self._last_checkpoint_seq = state.last_seq
+
+    def flush(self) -> None:
+        if self._buffer:
+            self._buffer.append(b"")
+            self._file.write(b"\n".join(self._buffer))
+            self._buffer.clear()
+        self._file.flush()
+
+    def close(self, state: Any = None) -> None:
+        if self.closed:
+            return
+        if state is not None:
+            self.checkpoint(state)
+        self.flush()
+        self._file.close()
+        self.closed = True
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def _open_bytes(path: str) -> IO[bytes]:
+    try:
+        if path.endswith(".gz"):
+            return gzip.open(path, "rb")
+        return open(path, "rb")
+    except OSError as exc:
+        raise TraceError(path, None, f"cannot open: {exc.strerror or exc}") from None
+
+
+def _field_message(exc: msgspec.ValidationError | msgspec.DecodeError) -> str:
+    text = str(exc)
+    if " - at `$" in text:
+        what, _, where = text.partition(" - at `$")
+        field = where.rstrip("`").lstrip(".") or "record"
+        if field == "type" and what.startswith("Invalid value"):
+            return f"field 'type': unknown record type {what.split('Invalid value ', 1)[1]}"
+        return f"field '{field}': {what[0].lower()}{what[1:]}"
+    if text.startswith("Object missing required field"):
+        return "missing required field " + text.split("field", 1)[1].strip().replace("`", "'")
+    return text[0].lower() + text[1:] if text else "malformed record"
+
+
+class TraceReader:
+    """Streams a trace: ``header``/``config`` first, then ``records()`` (with line numbers).
+
+    ``warnings`` collects non-fatal findings (a torn last line).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+        self.warnings: list[str] = []
+        self._file = _open_bytes(self.path)
+        self._stream = io.BufferedReader(self._file) if not hasattr(self._file, "peek") else self._file
+        self.header = self._read_header()
+        self.version = self.header.version
+        try:
+            self.config = config_from_dict(self.header.config)
+        except ConfigError as exc:
+            raise TraceError(self.path, 1, f"field 'config': {exc}") from None
+        self._decoder = msgspec.json.Decoder(_RecordUnion)
+
+    def _read_header(self) -> Header:
+        try:
+            first = self._stream.readline()
+        except (OSError, EOFError, gzip.BadGzipFile) as exc:
+            raise TraceError(self.path, 1, f"cannot read: {exc}") from None
+        if not first.strip():
+            raise TraceError(self.path, 1, "empty file: expected a kvflow-trace header")
+        try:
+            raw = msgspec.json.decode(first)
+        except msgspec.DecodeError:
+            raise TraceError(self.path, 1, "header is not JSON (is this a kvflow trace?)") from None
+        if not isinstance(raw, dict) or raw.get("format") != TRACE_FORMAT:
+            raise TraceError(self.path, 1, "field 'format': not a kvflow-trace header")
+        version = raw.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise TraceError(self.path, 1, f"field 'version': expected a positive integer, got {version!r}")
+        if version > TRACE_VERSION:
+            raise TraceError(
+                self.path,
+                1,
+                f"field 'version': trace version {version} is newer than this kvflow "
+                f"({__version__}) reads (up to {TRACE_VERSION}); upgrade kvflow",
+            )
+        try:
+            return msgspec.convert(raw, Header)
+        except msgspec.ValidationError as exc:
+            raise TraceError(self.path, 1, _field_message(exc)) from None
+
+    def records(self) -> Iterator[tuple[int, Any]]:
+        """Yield ``(line_number, record)`` for every record after the header."""
+        decode = self._decoder.decode
+        upcast = _UPCASTS.get(self.version)
+        lineno = 1
+        try:
+            for line in self._stream:
+                lineno += 1
+                try:
+                    rec = decode(line)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    if not line.endswith(b"\n"):
+                        # only the last line can lack its newline: a crash mid-write
+                        self.warnings.append(
+                            f"{self.path}:{lineno}: torn last line ({len(line)} bytes) ignored"
+                        )
+                        return
+                    if not line.strip():
+                        continue
+                    raise TraceError(self.path, lineno, _field_message(exc)) from None
+                yield lineno, (upcast(rec) if upcast else rec)
+        except EOFError:
+            # a gzip stream cut short is the compressed form of a torn last line
+            self.warnings.append(f"{self.path}:{lineno}: compressed stream ends early; rest ignored")
+        except (OSError, gzip.BadGzipFile) as exc:
+            raise TraceError(self.path, lineno, f"cannot read: {exc}") from None
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> TraceReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# Version upgrades: version -> function mapping an old record to the current form.
+_UPCASTS: dict[int, Any] = {}
+
+
+def read_trace(path: str | os.PathLike[str]) -> tuple[TraceReader, list[tuple[int, Any]]]:
+    """Read a whole trace (small traces, tests). Prefer ``TraceReader.records()`` to stream."""
+    reader = TraceReader(path)
+    with reader:
+        records = list(reader.records())
+    return reader, records
+
+
+def write_records(path: str | os.PathLike[str], config: Config, records: list[Any], meta: dict[str, Any] | None = None) -> None:
+    """Write a trace from a list of commands/events/checkpoints verbatim (tools, tests)."""
+    encoder = msgspec.json.Encoder()
+    header = Header(format=TRACE_FORMAT, version=TRACE_VERSION, kvflow=__version__, config=config.to_dict(), meta=dict(meta or {}))
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(Path(path), "wb") as fh:  # type: ignore[operator]
+        fh.write(encoder.encode(header) + b"\n")
+        for rec in records:
+            fh.write(encoder.encode(rec) + b"\n")

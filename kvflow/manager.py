@@ -1,0 +1,232 @@
+"""The synchronous, engine-facing API: commands in, events applied, answers and notices out.
+
+``OffloadManager`` is what a vLLM-like scheduler embeds. Every method builds a command, runs
+the decision generator, appends and applies each event, and returns the answer. Outcomes that
+arrive later (loads finished or failed, device blocks released) accumulate as *notices* that
+the engine collects with :meth:`take_notices` whenever it likes, many steps later included (F4).
+
+A refused call raises a :class:`~kvflow.errors.Rejected` subclass and changes nothing (F12).
+This module is pure apart from the log it is handed (the log decides whether to write a file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow.config import Config
+from kvflow.decide import decide
+from kvflow.events import (
+    LOAD,
+    STORE,
+    AcceptHits,
+    BlocksComputed,
+    BlocksEvicted,
+    Command,
+    DeviceBlocksEvicting,
+    Event,
+    Evict,
+    FinishRequest,
+    JobCompleted,
+    JobFailed,
+    JobResult,
+    JobTimedOut,
+    Lookup,
+    PlanStep,
+    Reset,
+    ResetAll,
+    StoreRejected,
+    Tick,
+    Touch,
+    TransferJob,
+)
+from kvflow.log import MemoryLog
+from kvflow.state import State, evolve
+
+
+@dataclass
+class LoadFailure:
+    """A load that did not land: ``device_blocks`` hold garbage and must be recomputed."""
+
+    request_id: str
+    job_id: int
+    device_blocks: tuple[int, ...]
+    error: str
+
+
+@dataclass
+class Notices:
+    """What happened since the engine last asked (F4: kept until taken)."""
+
+    loads_finished: list[tuple[str, int]] = field(default_factory=list)  # (request, job)
+    loads_failed: list[LoadFailure] = field(default_factory=list)
+    stores_finished: list[int] = field(default_factory=list)  # job ids
+    stores_failed: list[tuple[int, str]] = field(default_factory=list)  # (job, error)
+    released_device_blocks: list[int] = field(default_factory=list)  # holds that ended
+    rejected_store_blocks: int = 0
+    all_blocks_cleared: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.loads_finished
+            or self.loads_failed
+            or self.stores_finished
+            or self.stores_failed
+            or self.released_device_blocks
+            or self.rejected_store_blocks
+            or self.all_blocks_cleared
+        )
+
+    def observe(self, event: Event) -> None:
+        kind = type(event)
+        if kind is JobCompleted or kind is JobFailed or kind is JobTimedOut:
+            self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
+            error = None
+            if kind is JobFailed:
+                error = event.error  # type: ignore[union-attr]
+            elif kind is JobTimedOut:
+                error = f"timed out at {event.now_ms} ms (deadline {event.deadline_ms} ms)"  # type: ignore[union-attr]
+            if event.direction == LOAD and event.request_id is not None:  # type: ignore[union-attr]
+                if error is None:
+                    self.loads_finished.append((event.request_id, event.job_id))  # type: ignore[union-attr]
+                else:
+                    self.loads_failed.append(
+                        LoadFailure(event.request_id, event.job_id, event.device_blocks, error)  # type: ignore[union-attr,arg-type]
+                    )
+            elif event.direction == STORE:  # type: ignore[union-attr]
+                if error is None:
+                    self.stores_finished.append(event.job_id)  # type: ignore[union-attr]
+                else:
+                    self.stores_failed.append((event.job_id, error))  # type: ignore[union-attr]
+        elif kind is StoreRejected:
+            self.rejected_store_blocks += len(event.hashes)  # type: ignore[union-attr]
+        elif kind is Reset:
+            self.all_blocks_cleared = True
+
+
+class OffloadManager:
+    """The offload decisions for one engine (all ranks): pure state + log + notices."""
+
+    def __init__(self, config: Config, log: Any = None) -> None:
+        self.config = config
+        self.state = State(config)
+        self.log = log if log is not None else MemoryLog(config)
+        self._notices = Notices()
+        self.observers: list[Any] = []  # callables receiving each applied event
+
+    # -- the core loop -------------------------------------------------------------------
+
+    def handle(self, command: Command) -> tuple[Any, list[Event]]:
+        """Decide and apply one command; returns (answer, events appended)."""
+        state = self.state
+        gen = decide(state, command)
+        events: list[Event] = []
+        try:
+            event = next(gen)  # validation happens here: a Rejected leaves everything as is
+        except StopIteration as stop:
+            self.log.record_command(command)
+            self.log.after_command(state)
+            return stop.value, events
+        self.log.record_command(command)
+        notices = self._notices
+        observers = self.observers
+        try:
+            while True:
+                evolve(state, event)
+                events.append(event)
+                notices.observe(event)
+                for observe in observers:
+                    observe(event)
+                event = gen.send(None)
+        except StopIteration as stop:
+            answer = stop.value
+        finally:
+            self.log.record_events(events)
+        self.log.after_command(state)
+        return answer, events
+
+    def take_notices(self) -> Notices:
+        notices, self._notices = self._notices, Notices()
+        return notices
+
+    # -- the engine API ------------------------------------------------------------------
+
+    def lookup(
+        self, request_id: str, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0
+    ) -> int:
+        """Blocks after the device hit that can be loaded from the CPU tier; pins them (F7)."""
+        answer, _ = self.handle(
+            Lookup(
+                request_id=request_id,
+                block_hashes=tuple(block_hashes),
+                num_tokens=num_tokens,
+                device_hit_blocks=device_hit_blocks,
+            )
+        )
+        return int(answer)
+
+    def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
+        """The engine allocated device blocks for the first hits: queue their load."""
+        answer, _ = self.handle(AcceptHits(request_id=request_id, device_blocks=tuple(device_blocks)))
+        return answer  # type: ignore[no-any-return]
+
+    def blocks_computed(
+        self, request_id: str | None, block_hashes: Sequence[int], device_blocks: Sequence[int]
+    ) -> int | None:
+        """Eager mode: store the computed blocks not yet on the tier (F3 dedupe)."""
+        answer, _ = self.handle(
+            BlocksComputed(
+                request_id=request_id, block_hashes=tuple(block_hashes), device_blocks=tuple(device_blocks)
+            )
+        )
+        return answer  # type: ignore[no-any-return]
+
+    def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
+        """Lazy mode: store blocks the device cache is about to drop."""
+        answer, _ = self.handle(
+            DeviceBlocksEvicting(block_hashes=tuple(block_hashes), device_blocks=tuple(device_blocks))
+        )
+        return answer  # type: ignore[no-any-return]
+
+    def touch(self, block_hashes: Sequence[int]) -> int:
+        answer, _ = self.handle(Touch(block_hashes=tuple(block_hashes)))
+        return int(answer)
+
+    def evict(self, num_blocks: int) -> int:
+        answer, _ = self.handle(Evict(num_blocks=num_blocks))
+        return int(answer)
+
+    def plan_step(self, now_ms: float = 0.0) -> list[TransferJob]:
+        """The jobs to hand to the executor now; each job is returned once (F5)."""
+        answer, _ = self.handle(PlanStep(now_ms=now_ms))
+        return answer  # type: ignore[no-any-return]
+
+    def job_result(self, job_id: int, rank: int = 0, ok: bool = True, error: str | None = None) -> None:
+        self.handle(JobResult(job_id=job_id, rank=rank, ok=ok, error=error))
+
+    def tick(self, now_ms: float) -> int:
+        """Time out in-flight jobs whose deadline has passed (F2); returns how many."""
+        answer, _ = self.handle(Tick(now_ms=now_ms))
+        return int(answer)
+
+    def finish_request(self, request_id: str, preempted: bool = False) -> None:
+        self.handle(FinishRequest(request_id=request_id, preempted=preempted))
+
+    def reset(self) -> None:
+        self.handle(ResetAll())
+
+    def close(self) -> None:
+        self.log.close(self.state)
+
+    # -- views ---------------------------------------------------------------------------
+
+    def held_device_blocks(self) -> list[int]:
+        """Device blocks the engine must not reuse yet (named by a live job)."""
+        return list(self.state.held)
+
+    def has_live_jobs(self) -> bool:
+        return bool(self.state.jobs)
+
+
+__all__ = ["OffloadManager", "Notices", "LoadFailure", "BlocksEvicted"]

@@ -1,0 +1,39 @@
+"""The eviction-policy interface.
+
+A policy is *part of the state*: it is mutated only by ``evolve`` (through ``insert``,
+``touch`` and ``remove``) so that folding a log rebuilds it exactly. ``victims`` is a pure
+query used by ``decide``. Policies are deterministic: no sets iterated, no clocks, no random.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+
+class Policy(Protocol):
+    name: str
+
+    def insert(self, block_hash: int) -> None:
+        """``block_hash`` became RESIDENT (a store completed). It is the most recent."""
+
+    def touch(self, block_hash: int) -> None:
+        """``block_hash`` (resident) was used: it becomes the most recent."""
+
+    def remove(self, block_hash: int) -> None:
+        """``block_hash`` left the tier (evicted / reset)."""
+
+    def victims(self, num_blocks: int, evictable: Callable[[int], bool]) -> list[int] | None:
+        """The ``num_blocks`` hashes to evict, in eviction order, or ``None`` if fewer than
+        ``num_blocks`` resident hashes are evictable (all-or-nothing, F8). Does not mutate."""
+
+    def resident(self) -> list[int]:
+        """The resident hashes the policy tracks, in a deterministic order."""
+
+    def snapshot(self) -> object:
+        """A deterministic, msgspec-encodable picture of the policy state (for digests)."""
+
+    def clear(self) -> None:
+        """Forget everything (reset)."""
+
+    def __len__(self) -> int: ...

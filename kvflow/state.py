@@ -1,0 +1,790 @@
+"""The state machine: every transition of a CPU-tier entry and of a transfer job lives here.
+
+This module does no I/O, reads no clock, draws no random numbers and logs nothing.
+
+``evolve(state, event)`` applies one event. It *validates the whole event first* and only then
+mutates, so an illegal event raises :class:`IllegalTransition` and leaves the state exactly as
+it was. (The state is mutated in place for speed: folding a log must run at millions of block
+changes per second; ``State.copy()`` gives an independent snapshot when one is needed.)
+
+Legality is read from two tables, ``BLOCK_TRANSITIONS`` and ``JOB_TRANSITIONS``; the CLI prints
+the lifecycle diagram from them (``kvflow diagram``), so the docs cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Any
+
+import msgspec
+
+from kvflow.config import Config
+from kvflow.errors import IllegalTransition
+from kvflow.events import (
+    LOAD,
+    STORE,
+    BlocksEvicted,
+    BlocksTouched,
+    Event,
+    JobCompleted,
+    JobFailed,
+    JobsSubmitted,
+    JobTimedOut,
+    LateResultIgnored,
+    LoadQueued,
+    PinsAcquired,
+    PinsReleased,
+    RankSucceeded,
+    RequestClosed,
+    RequestFinished,
+    Reset,
+    StoreQueued,
+    StoreRejected,
+    event_name,
+)
+from kvflow.policies import make_policy
+from kvflow.policies.base import Policy
+
+
+class BlockState(IntEnum):
+    ABSENT = 0
+    STORE_QUEUED = 1
+    STORING = 2
+    RESIDENT = 3
+
+
+class JobState(IntEnum):
+    NEW = 0
+    QUEUED = 1
+    IN_FLIGHT = 2
+    COMPLETED = 3
+    FAILED = 4
+    TIMED_OUT = 5
+
+
+ABSENT, STORE_QUEUED, STORING, RESIDENT = (
+    BlockState.ABSENT,
+    BlockState.STORE_QUEUED,
+    BlockState.STORING,
+    BlockState.RESIDENT,
+)
+
+# (state, event tag) -> next state, for one CPU-tier entry named by the event.
+# Pins are a counter on a RESIDENT entry (see PIN rules in evolve), not a separate state.
+BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
+    ABSENT: {"store_queued": STORE_QUEUED},
+    STORE_QUEUED: {
+        "jobs_submitted": STORING,
+        "job_failed": ABSENT,  # cancelled before submission (reset)
+    },
+    STORING: {
+        "job_completed": RESIDENT,
+        "job_failed": ABSENT,
+        "job_timed_out": ABSENT,
+    },
+    RESIDENT: {
+        "load_queued": RESIDENT,
+        "job_completed": RESIDENT,  # a load finished: its pin is released
+        "job_failed": RESIDENT,  # a load failed: entry stays, pin released (F1)
+        "job_timed_out": RESIDENT,
+        "pins_acquired": RESIDENT,
+        "pins_released": RESIDENT,
+        "blocks_touched": RESIDENT,
+        "blocks_evicted": ABSENT,  # only when unpinned
+        "reset": ABSENT,
+    },
+}
+
+JOB_TRANSITIONS: dict[JobState, dict[str, JobState]] = {
+    JobState.NEW: {"store_queued": JobState.QUEUED, "load_queued": JobState.QUEUED},
+    JobState.QUEUED: {
+        "jobs_submitted": JobState.IN_FLIGHT,
+        "job_failed": JobState.FAILED,  # cancelled by reset before submission
+    },
+    JobState.IN_FLIGHT: {
+        "rank_succeeded": JobState.IN_FLIGHT,
+        "job_completed": JobState.COMPLETED,
+        "job_failed": JobState.FAILED,
+        "job_timed_out": JobState.TIMED_OUT,
+        "reset": JobState.IN_FLIGHT,  # abandoned: stays in flight until it reports
+    },
+    JobState.COMPLETED: {"late_result_ignored": JobState.COMPLETED},
+    JobState.FAILED: {"late_result_ignored": JobState.FAILED},
+    JobState.TIMED_OUT: {"late_result_ignored": JobState.TIMED_OUT},
+}
+TERMINAL_JOB_STATES = (JobState.COMPLETED, JobState.FAILED, JobState.TIMED_OUT)
+
+
+class Entry:
+    """One CPU-tier entry, keyed by block hash in ``State.entries``."""
+
+    __slots__ = ("state", "slot", "pins", "job_id")
+
+    def __init__(self, state: BlockState, slot: int, job_id: int) -> None:
+        self.state = state
+        self.slot = slot
+        self.pins = 0
+        self.job_id = job_id  # the live store job while STORE_QUEUED / STORING, else 0
+
+    def __repr__(self) -> str:
+        return f"Entry({self.state.name}, slot={self.slot}, pins={self.pins}, job={self.job_id})"
+
+
+class Job:
+    """A live transfer job (terminal jobs leave the state; their events stay in the log)."""
+
+    __slots__ = (
+        "job_id",
+        "direction",
+        "request_id",
+        "hashes",
+        "device_blocks",
+        "slots",
+        "state",
+        "deadline_ms",
+        "acks",
+        "abandoned",
+    )
+
+    def __init__(
+        self,
+        job_id: int,
+        direction: str,
+        request_id: str | None,
+        hashes: tuple[int, ...],
+        device_blocks: tuple[int, ...],
+        slots: tuple[int, ...],
+    ) -> None:
+        self.job_id = job_id
+        self.direction = direction
+        self.request_id = request_id
+        self.hashes = hashes
+        self.device_blocks = device_blocks
+        self.slots = slots
+        self.state = JobState.QUEUED
+        self.deadline_ms = 0.0
+        self.acks = 0  # bit mask of ranks that reported success
+        self.abandoned = False
+
+    def __repr__(self) -> str:
+        return (
+            f"Job({self.job_id}, {self.direction}, {self.state.name}, request={self.request_id},"
+            f" blocks={len(self.hashes)})"
+        )
+
+
+class Request:
+    """What kvflow remembers of a request: its pins and its live jobs."""
+
+    __slots__ = ("request_id", "pins", "offered", "jobs", "finished", "preempted")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.pins: dict[int, int] = {}  # hash -> pin count held by this request
+        self.offered: tuple[int, ...] = ()  # lookup hits not yet accepted into a load job
+        self.jobs: dict[int, None] = {}  # live job ids, in order
+        self.finished = False
+        self.preempted = False
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, pins={sum(self.pins.values())}, "
+            f"jobs={list(self.jobs)}, finished={self.finished})"
+        )
+
+
+class State:
+    """The whole CPU-tier state. Built empty from a Config, changed only by ``evolve``."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.next_seq = 1
+        self.last_job_id = 0
+        self.entries: dict[int, Entry] = {}
+        # Free slots as a stack: allocation takes from the end, so a fresh tier hands out
+        # 0, 1, 2... (contiguous host runs keep the executor's copies at full speed).
+        self.free_slots: list[int] = list(range(config.cpu_blocks - 1, -1, -1))
+        self.quarantine: dict[int, int] = {}  # slot -> abandoned job still using it
+        self.jobs: dict[int, Job] = {}  # live jobs by id (queued or in flight)
+        self.queued: dict[int, None] = {}  # queued, not yet submitted, in id order
+        self.held: dict[int, int] = {}  # device block -> live job holding it
+        self.requests: dict[str, Request] = {}
+        self.policy: Policy = make_policy(config.policy, config.cpu_blocks)
+
+    # -- queries -------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.config.cpu_blocks
+
+    @property
+    def last_seq(self) -> int:
+        return self.next_seq - 1
+
+    def block_state(self, block_hash: int) -> BlockState:
+        entry = self.entries.get(block_hash)
+        return ABSENT if entry is None else entry.state
+
+    def is_resident(self, block_hash: int) -> bool:
+        entry = self.entries.get(block_hash)
+        return entry is not None and entry.state is RESIDENT
+
+    def evictable(self, block_hash: int) -> bool:
+        entry = self.entries.get(block_hash)
+        return entry is not None and entry.state is RESIDENT and entry.pins == 0
+
+    def num_resident(self) -> int:
+        return len(self.policy)
+
+    def copy(self) -> State:
+        """An independent deep copy (used by tests and by ``inspect --at``)."""
+        clone = State.__new__(State)
+        clone.config = self.config
+        clone.next_seq = self.next_seq
+        clone.last_job_id = self.last_job_id
+        clone.entries = {}
+        for h, e in self.entries.items():
+            ne = Entry(e.state, e.slot, e.job_id)
+            ne.pins = e.pins
+            clone.entries[h] = ne
+        clone.free_slots = list(self.free_slots)
+        clone.quarantine = dict(self.quarantine)
+        clone.jobs = {}
+        for jid, j in self.jobs.items():
+            nj = Job(j.job_id, j.direction, j.request_id, j.hashes, j.device_blocks, j.slots)
+            nj.state, nj.deadline_ms, nj.acks, nj.abandoned = (
+                j.state,
+                j.deadline_ms,
+                j.acks,
+                j.abandoned,
+            )
+            clone.jobs[jid] = nj
+        clone.queued = dict(self.queued)
+        clone.held = dict(self.held)
+        clone.requests = {}
+        for rid, r in self.requests.items():
+            nr = Request(rid)
+            nr.pins = dict(r.pins)
+            nr.offered = r.offered
+            nr.jobs = dict(r.jobs)
+            nr.finished, nr.preempted = r.finished, r.preempted
+            clone.requests[rid] = nr
+        clone.policy = copy.deepcopy(self.policy)
+        return clone
+
+    # -- determinism ---------------------------------------------------------------------
+
+    def canonical(self) -> tuple[Any, ...]:
+        """A deterministic, order-independent picture of the state (digest input)."""
+        entries = sorted((h, int(e.state), e.slot, e.pins, e.job_id) for h, e in self.entries.items())
+        jobs = [
+            (
+                j.job_id,
+                j.direction,
+                j.request_id,
+                list(j.hashes),
+                list(j.device_blocks),
+                list(j.slots),
+                int(j.state),
+                j.deadline_ms,
+                j.acks,
+                j.abandoned,
+            )
+            for j in sorted(self.jobs.values(), key=lambda j: j.job_id)
+        ]
+        requests = [
+            (
+                r.request_id,
+                sorted(r.pins.items()),
+                list(r.offered),
+                sorted(r.jobs),
+                r.finished,
+                r.preempted,
+            )
+            for r in sorted(self.requests.values(), key=lambda r: r.request_id)
+        ]
+        return (
+            self.next_seq,
+            self.last_job_id,
+            entries,
+            list(self.free_slots),
+            sorted(self.quarantine.items()),
+            jobs,
+            sorted(self.queued),
+            sorted(self.held.items()),
+            requests,
+            self.policy.snapshot(),
+        )
+
+    def digest(self) -> str:
+        """A short hash of ``canonical()``: equal digests mean equal states."""
+        blob = msgspec.msgpack.encode(self.canonical())
+        return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+# --- evolve ------------------------------------------------------------------------------
+
+
+def _illegal(state: State, event: Event, what: str, detail: str) -> IllegalTransition:
+    return IllegalTransition(what, f"{event_name(event)}#{event.seq}", detail)
+
+
+def _check_block(state: State, event: Event, tag: str, block_hash: int) -> Entry | None:
+    entry = state.entries.get(block_hash)
+    current = ABSENT if entry is None else entry.state
+    if tag not in BLOCK_TRANSITIONS.get(current, {}):
+        raise _illegal(state, event, current.name, f"block {block_hash}")
+    return entry
+
+
+def _check_job(state: State, event: Event, tag: str, job_id: int) -> Job:
+    job = state.jobs.get(job_id)
+    if job is None:
+        if 0 < job_id <= state.last_job_id:
+            raise _illegal(state, event, "TERMINAL", f"job {job_id} is already terminal")
+        raise _illegal(state, event, "NEW", f"job {job_id} was never queued")
+    if tag not in JOB_TRANSITIONS[job.state]:
+        raise _illegal(state, event, job.state.name, f"job {job_id}")
+    return job
+
+
+def _check_free_slots(state: State, event: Event, slots: tuple[int, ...]) -> None:
+    n = len(slots)
+    free = state.free_slots
+    if n > len(free) or tuple(free[len(free) - n :][::-1]) != slots:
+        raise _illegal(
+            state, event, "SLOTS", f"slots {list(slots)[:8]} are not the next free slots"
+        )
+
+
+def _check_device_blocks_free(state: State, event: Event, device_blocks: tuple[int, ...]) -> None:
+    held = state.held
+    for d in device_blocks:
+        if d in held:
+            raise _illegal(state, event, "HELD", f"device block {d} is held by job {held[d]}")
+    if len(set(device_blocks)) != len(device_blocks):
+        raise _illegal(state, event, "HELD", "device blocks repeat within one job")
+
+
+def _new_job_checks(state: State, event: StoreQueued | LoadQueued) -> None:
+    if event.job_id != state.last_job_id + 1:
+        raise _illegal(state, event, "NEW", f"job id {event.job_id} is not {state.last_job_id + 1}")
+    if not (len(event.hashes) == len(event.device_blocks) == len(event.slots)) or not event.hashes:
+        raise _illegal(state, event, "NEW", "hashes, device_blocks and slots must match, non-empty")
+    _check_device_blocks_free(state, event, event.device_blocks)
+
+
+def _request(state: State, request_id: str | None) -> Request | None:
+    if request_id is None:
+        return None
+    req = state.requests.get(request_id)
+    if req is None:
+        req = Request(request_id)
+        state.requests[request_id] = req
+    return req
+
+
+def _add_job(state: State, event: StoreQueued | LoadQueued, direction: str) -> Job:
+    job = Job(
+        event.job_id, direction, event.request_id, event.hashes, event.device_blocks, event.slots
+    )
+    state.jobs[event.job_id] = job
+    state.queued[event.job_id] = None
+    state.last_job_id = event.job_id
+    held = state.held
+    for d in event.device_blocks:
+        held[d] = event.job_id
+    req = _request(state, event.request_id)
+    if req is not None:
+        req.jobs[event.job_id] = None
+    return job
+
+
+def _evolve_store_queued(state: State, event: StoreQueued) -> None:
+    _new_job_checks(state, event)
+    entries = state.entries
+    seen: set[int] = set()
+    for h in event.hashes:
+        if h in entries or h in seen:
+            raise _illegal(state, event, state.block_state(h).name, f"block {h} is already on the tier")
+        seen.add(h)
+    _check_free_slots(state, event, event.slots)
+    req = state.requests.get(event.request_id) if event.request_id is not None else None
+    if req is not None and req.finished:
+        raise _illegal(state, event, "FINISHED", f"request {event.request_id} is finished")
+    # apply
+    free = state.free_slots
+    del free[len(free) - len(event.slots) :]
+    jid = event.job_id
+    for h, s in zip(event.hashes, event.slots):
+        entries[h] = Entry(STORE_QUEUED, s, jid)
+    _add_job(state, event, STORE)
+
+
+def _evolve_load_queued(state: State, event: LoadQueued) -> None:
+    _new_job_checks(state, event)
+    req = state.requests.get(event.request_id)
+    if req is None or req.finished:
+        raise _illegal(state, event, "NO_REQUEST", f"request {event.request_id} is not live")
+    n = len(event.hashes)
+    if req.offered[:n] != event.hashes:
+        raise _illegal(state, event, "PINS", "a load must take the request's offered hits, in order")
+    entries = state.entries
+    for h, s in zip(event.hashes, event.slots):
+        entry = _check_block(state, event, "load_queued", h)
+        assert entry is not None
+        if entry.slot != s:
+            raise _illegal(state, event, "RESIDENT", f"block {h} lives in slot {entry.slot}, not {s}")
+    # apply: the request's pins move from "offered" to the job (counts are unchanged)
+    req.offered = req.offered[n:]
+    _add_job(state, event, LOAD)
+    del entries  # (nothing else changes)
+
+
+def _evolve_jobs_submitted(state: State, event: JobsSubmitted) -> None:
+    jobs = state.jobs
+    for jid in event.job_ids:
+        job = _check_job(state, event, "jobs_submitted", jid)
+        if jid not in state.queued:
+            raise _illegal(state, event, job.state.name, f"job {jid} is not queued")
+    if len(set(event.job_ids)) != len(event.job_ids):
+        raise _illegal(state, event, "IN_FLIGHT", "a job is submitted twice in one event")
+    entries = state.entries
+    queued = state.queued
+    for jid in event.job_ids:
+        job = jobs[jid]
+        job.state = JobState.IN_FLIGHT
+        job.deadline_ms = event.deadline_ms
+        del queued[jid]
+        if job.direction == STORE:
+            for h in job.hashes:
+                entries[h].state = STORING
+
+
+def _finish_job(state: State, job: Job) -> None:
+    del state.jobs[job.job_id]
+    state.queued.pop(job.job_id, None)
+    held = state.held
+    for d in job.device_blocks:
+        del held[d]
+    if job.request_id is not None and not job.abandoned:
+        req = state.requests[job.request_id]
+        del req.jobs[job.job_id]
+
+
+def _release_quarantine(state: State, job: Job) -> None:
+    quarantine = state.quarantine
+    free = state.free_slots
+    for s in reversed(job.slots):
+        del quarantine[s]
+        free.append(s)
+
+
+def _unpin(state: State, req: Request, hashes: tuple[int, ...]) -> None:
+    entries = state.entries
+    pins = req.pins
+    for h in hashes:
+        entries[h].pins -= 1
+        left = pins[h] - 1
+        if left:
+            pins[h] = left
+        else:
+            del pins[h]
+
+
+def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, tag: str) -> Job:
+    job = _check_job(state, event, tag, event.job_id)
+    if (
+        job.hashes != event.hashes
+        or job.direction != event.direction
+        or job.device_blocks != event.device_blocks
+    ):
+        raise _illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
+    if not job.abandoned:
+        for h in job.hashes:
+            _check_block(state, event, tag, h)
+    return job
+
+
+def _evolve_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut) -> None:
+    tag = event_name(event)
+    job = _check_terminal(state, event, tag)
+    if isinstance(event, JobCompleted):
+        if job.acks | (1 << event.rank) != (1 << state.config.world_size) - 1:
+            raise _illegal(state, event, job.state.name, f"job {job.job_id} lacks rank results")
+        if not 0 <= event.rank < state.config.world_size:
+            raise _illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+    # apply
+    _finish_job(state, job)
+    if job.abandoned:
+        _release_quarantine(state, job)
+        return
+    entries = state.entries
+    if job.direction == STORE:
+        if isinstance(event, JobCompleted):
+            policy = state.policy
+            for h in job.hashes:
+                entries[h].state = RESIDENT
+                entries[h].job_id = 0
+                policy.insert(h)
+        else:
+            free = state.free_slots
+            for h in reversed(job.hashes):
+                free.append(entries.pop(h).slot)
+    else:
+        req = state.requests[job.request_id]  # type: ignore[index]
+        _unpin(state, req, job.hashes)
+
+
+def _evolve_rank_succeeded(state: State, event: RankSucceeded) -> None:
+    job = _check_job(state, event, "rank_succeeded", event.job_id)
+    bit = 1 << event.rank
+    if not 0 <= event.rank < state.config.world_size or job.acks & bit:
+        raise _illegal(state, event, job.state.name, f"rank {event.rank} cannot report again")
+    if job.acks | bit == (1 << state.config.world_size) - 1:
+        raise _illegal(state, event, job.state.name, "the last rank's success is JobCompleted")
+    job.acks |= bit
+
+
+def _evolve_late(state: State, event: LateResultIgnored) -> None:
+    if event.job_id in state.jobs or not 0 < event.job_id <= state.last_job_id:
+        raise _illegal(state, event, "LIVE", f"job {event.job_id} is not terminal")
+
+
+def _evolve_evicted(state: State, event: BlocksEvicted) -> None:
+    entries = state.entries
+    if len(event.hashes) != len(event.slots):
+        raise _illegal(state, event, "RESIDENT", "hashes and slots differ in length")
+    seen: set[int] = set()
+    for h, s in zip(event.hashes, event.slots):
+        entry = _check_block(state, event, "blocks_evicted", h)
+        assert entry is not None
+        if entry.pins or entry.slot != s or h in seen:
+            raise _illegal(state, event, "RESIDENT", f"block {h} is pinned or not in slot {s}")
+        seen.add(h)
+    policy = state.policy
+    free = state.free_slots
+    for h in reversed(event.hashes):
+        free.append(entries.pop(h).slot)
+    for h in event.hashes:
+        policy.remove(h)
+
+
+def _evolve_touched(state: State, event: BlocksTouched) -> None:
+    entries = state.entries
+    for h in event.hashes:
+        entry = entries.get(h)
+        if entry is None or entry.state is not RESIDENT:
+            raise _illegal(state, event, state.block_state(h).name, f"block {h}")
+    touch = state.policy.touch
+    for h in event.hashes:
+        touch(h)
+
+
+def _evolve_rejected(state: State, event: StoreRejected) -> None:
+    if not event.hashes:
+        raise _illegal(state, event, "RESIDENT", "a rejection names at least one block")
+    _request(state, event.request_id)
+
+
+def _evolve_pins_acquired(state: State, event: PinsAcquired) -> None:
+    req = state.requests.get(event.request_id)
+    if req is not None and (req.finished or req.offered):
+        raise _illegal(state, event, "PINS", f"request {event.request_id} has offered pins or is finished")
+    for h in event.hashes:
+        _check_block(state, event, "pins_acquired", h)
+    req = _request(state, event.request_id)
+    assert req is not None
+    entries = state.entries
+    pins = req.pins
+    for h in event.hashes:
+        entries[h].pins += 1
+        pins[h] = pins.get(h, 0) + 1
+    req.offered = event.hashes
+
+
+def _evolve_pins_released(state: State, event: PinsReleased) -> None:
+    req = state.requests.get(event.request_id)
+    if req is None:
+        raise _illegal(state, event, "NO_REQUEST", f"request {event.request_id}")
+    n = len(event.hashes)
+    offered = req.offered
+    # Only pins offered by a lookup and not taken by a load job can be released directly;
+    # a load job's pins are released by its terminal event.
+    if offered[len(offered) - n :] != event.hashes or n == 0:
+        raise _illegal(state, event, "PINS", f"request {event.request_id} does not hold these offered pins")
+    req.offered = offered[: len(offered) - n]
+    _unpin(state, req, event.hashes)
+
+
+def _evolve_finished(state: State, event: RequestFinished) -> None:
+    req = state.requests.get(event.request_id)
+    if req is None or req.finished:
+        raise _illegal(state, event, "NO_REQUEST" if req is None else "FINISHED", f"request {event.request_id}")
+    if req.offered:
+        raise _illegal(state, event, "PINS", "release offered pins before finishing")
+    req.finished = True
+    req.preempted = event.preempted
+
+
+def _evolve_closed(state: State, event: RequestClosed) -> None:
+    req = state.requests.get(event.request_id)
+    if req is None or not req.finished or req.jobs or req.pins:
+        raise _illegal(state, event, "LIVE", f"request {event.request_id} cannot close yet")
+    del state.requests[event.request_id]
+
+
+def _evolve_reset(state: State, event: Reset) -> None:
+    abandoned = event.abandoned_job_ids
+    if state.queued:
+        raise _illegal(state, event, "QUEUED", "queued jobs must be cancelled before a reset")
+    if list(abandoned) != [j for j in state.jobs]:
+        raise _illegal(state, event, "IN_FLIGHT", "the reset must abandon exactly the in-flight jobs")
+    # apply: in-flight jobs keep their slots (quarantined) and device blocks until they report
+    quarantine = state.quarantine
+    for jid in abandoned:
+        job = state.jobs[jid]
+        if job.abandoned:
+            continue
+        job.abandoned = True
+        for s in job.slots:
+            quarantine[s] = jid
+    free = state.free_slots
+    for e in state.entries.values():
+        if e.slot not in quarantine:
+            free.append(e.slot)
+    state.entries.clear()
+    state.requests.clear()
+    state.policy.clear()
+
+
+_EVOLVERS: dict[type, Callable[[State, Any], None]] = {
+    StoreQueued: _evolve_store_queued,
+    LoadQueued: _evolve_load_queued,
+    JobsSubmitted: _evolve_jobs_submitted,
+    RankSucceeded: _evolve_rank_succeeded,
+    JobCompleted: _evolve_terminal,
+    JobFailed: _evolve_terminal,
+    JobTimedOut: _evolve_terminal,
+    LateResultIgnored: _evolve_late,
+    BlocksEvicted: _evolve_evicted,
+    BlocksTouched: _evolve_touched,
+    StoreRejected: _evolve_rejected,
+    PinsAcquired: _evolve_pins_acquired,
+    PinsReleased: _evolve_pins_released,
+    RequestFinished: _evolve_finished,
+    RequestClosed: _evolve_closed,
+    Reset: _evolve_reset,
+}
+
+
+def evolve(state: State, event: Event) -> State:
+    """Apply one event (in place) and return the state; illegal → IllegalTransition, no change."""
+    if event.seq != state.next_seq:
+        raise IllegalTransition(
+            f"SEQ {state.next_seq}", f"{event_name(event)}#{event.seq}", "events must be gapless"
+        )
+    _EVOLVERS[type(event)](state, event)
+    state.next_seq += 1
+    return state
+
+
+def fold(state: State, events: Any) -> State:
+    """Replay: apply every event in order."""
+    for event in events:
+        evolve(state, event)
+    return state
+
+
+# --- invariants ----------------------------------------------------------------------------
+
+
+class InvariantViolation(Exception):
+    pass
+
+
+def check_invariants(state: State) -> list[str]:
+    """Every structural rule of the state; returns the violations (empty when consistent)."""
+    problems: list[str] = []
+    cap = state.capacity
+    owner: dict[int, str] = {}
+
+    def own(slot: int, who: str) -> None:
+        if not 0 <= slot < cap:
+            problems.append(f"slot {slot} outside 0..{cap - 1} ({who})")
+        elif slot in owner:
+            problems.append(f"slot {slot} owned twice: {owner[slot]} and {who}")
+        else:
+            owner[slot] = who
+
+    for s in state.free_slots:
+        own(s, "free")
+    for h, e in state.entries.items():
+        own(e.slot, f"block {h}")
+    for s, jid in state.quarantine.items():
+        own(s, f"quarantine of job {jid}")
+    if len(owner) != cap and not problems:
+        problems.append(f"free + used + quarantined = {len(owner)} != capacity {cap}")
+
+    # pins
+    pin_totals: dict[int, int] = {}
+    for r in state.requests.values():
+        for h, n in r.pins.items():
+            if n <= 0:
+                problems.append(f"request {r.request_id} holds {n} pins on block {h}")
+            pin_totals[h] = pin_totals.get(h, 0) + n
+    for h, e in state.entries.items():
+        if e.pins < 0:
+            problems.append(f"block {h} has negative pins {e.pins}")
+        if e.pins != pin_totals.get(h, 0):
+            problems.append(f"block {h} has {e.pins} pins but requests hold {pin_totals.get(h, 0)}")
+        if e.pins and e.state is not RESIDENT:
+            problems.append(f"block {h} is pinned in state {e.state.name}")
+        if e.state in (STORE_QUEUED, STORING):
+            job = state.jobs.get(e.job_id)
+            if job is None or job.direction != STORE or h not in job.hashes:
+                problems.append(f"block {h} ({e.state.name}) has no live store job")
+            elif (job.state is JobState.QUEUED) != (e.state is STORE_QUEUED):
+                problems.append(f"block {h} is {e.state.name} but job {job.job_id} is {job.state.name}")
+    for h in pin_totals:
+        if h not in state.entries:
+            problems.append(f"pins on block {h} which is not on the tier")
+
+    # policy tracks exactly the resident entries
+    resident = [h for h, e in state.entries.items() if e.state is RESIDENT]
+    tracked = state.policy.resident()
+    if sorted(tracked) != sorted(resident) or len(tracked) != len(set(tracked)):
+        problems.append(f"policy tracks {len(tracked)} blocks, tier has {len(resident)} resident")
+
+    # holds match live jobs; queued index matches job states
+    expected_held: dict[int, int] = {}
+    for jid, job in state.jobs.items():
+        if job.state not in (JobState.QUEUED, JobState.IN_FLIGHT):
+            problems.append(f"job {jid} is live in state {job.state.name}")
+        if (jid in state.queued) != (job.state is JobState.QUEUED):
+            problems.append(f"job {jid} queued index disagrees with state {job.state.name}")
+        for d in job.device_blocks:
+            expected_held[d] = jid
+        if not job.abandoned and job.request_id is not None:
+            req = state.requests.get(job.request_id)
+            if req is None or jid not in req.jobs:
+                problems.append(f"job {jid} is not listed by request {job.request_id}")
+    if expected_held != state.held:
+        problems.append("device-block holds do not match the live jobs")
+    for r in state.requests.values():
+        for jid in r.jobs:
+            if jid not in state.jobs:
+                problems.append(f"request {r.request_id} lists job {jid} which is not live")
+        for h in r.offered:
+            if r.pins.get(h, 0) <= 0:
+                problems.append(f"request {r.request_id} offers block {h} without a pin")
+    return problems
+
+
+def assert_invariants(state: State) -> None:
+    problems = check_invariants(state)
+    if problems:
+        raise InvariantViolation("; ".join(problems[:5]))

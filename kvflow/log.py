@@ -87,8 +87,10 @@ class TraceWriter:
         *,
         meta: dict[str, Any] | None = None,
         checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+        auto_flush: bool = True,
     ) -> None:
         self.path = str(path)
+        self.auto_flush = auto_flush
         self.config = config
         self.checkpoint_every = max(1, checkpoint_every)
         self._encoder = msgspec.json.Encoder()
@@ -122,8 +124,23 @@ class TraceWriter:
     def after_command(self, state: Any) -> None:
         if self._since_checkpoint >= self.checkpoint_every:
             self.checkpoint(state)
-        if len(self._buffer) >= 4096:
+        if self.auto_flush and len(self._buffer) >= 4096:
             self.flush()
+
+    def take_pending(self) -> bytes:
+        """Detach the encoded lines not yet written (the async engine writes them from a
+        worker thread with ``write_bytes``, keeping file I/O off the event loop)."""
+        if not self._buffer:
+            return b""
+        self._buffer.append(b"")
+        blob = b"\n".join(self._buffer)
+        self._buffer.clear()
+        return blob
+
+    def write_bytes(self, blob: bytes) -> None:
+        if blob:
+            self._file.write(blob)
+            self._file.flush()
 
     def checkpoint(self, state: Any) -> None:
         if state.last_seq == self._last_checkpoint_seq and self._last_checkpoint_seq:

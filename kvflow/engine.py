@@ -1,0 +1,506 @@
+"""The engine: what a serving engine embeds. Decisions + an executor + a clock + a log.
+
+``SyncEngine`` is the façade for synchronous schedulers (vLLM's is): call ``lookup`` /
+``accept_hits`` / ``blocks_computed`` while scheduling, then ``step()`` once per engine step.
+``Engine`` is the asyncio (anyio) version: one task group owns the completion pump, the
+decisions and the trace writer; completions cross from the executor through one bounded
+memory stream.
+
+Guarantees to the embedding engine:
+
+* it never raises because a transfer failed: executor exceptions (at submit or poll) become
+  failed job results (F2), results for unknown jobs are logged and counted, and every job
+  has a deadline driven by the engine's clock;
+* every job is handed to the executor exactly once (F5), and its device blocks stay *held*
+  until ``StepReport.released_device_blocks`` names them;
+* logging goes through structlog with stable dotted event names (``kvflow.job_failed``)
+  and bound ``job`` / ``request`` ids; the library never configures logging. When the
+  application has not configured structlog (``structlog.is_configured()`` is false), only
+  executor errors are emitted, so an unconfigured embedding is not flooded; failed jobs are
+  always visible in the counters, the step reports and the trace.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from kvflow.config import Config
+from kvflow.errors import KvflowError, Rejected
+from kvflow.events import (
+    LOAD,
+    STORE,
+    BlocksEvicted,
+    Event,
+    JobCompleted,
+    JobFailed,
+    JobResult,
+    JobsSubmitted,
+    JobTimedOut,
+    LateResultIgnored,
+    PinsAcquired,
+    StoreRejected,
+    TransferJob,
+    event_name,
+)
+from kvflow.log import TraceWriter
+from kvflow.manager import LoadFailure, OffloadManager
+
+
+class Executor(Protocol):
+    """What the engine needs from an executor (torch, simulated, or a rank group)."""
+
+    def submit(self, jobs: Sequence[TransferJob], compute_done: Any = None) -> None: ...
+
+    def poll(self) -> list[JobResult]: ...
+
+    def close(self) -> None: ...
+
+
+def monotonic_ms() -> float:
+    return time.monotonic() * 1000.0
+
+
+@dataclass
+class Counters:
+    """Running totals, readable at any time from Python (``engine.counters``)."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    jobs_submitted: int = 0
+    jobs_completed: int = 0
+    jobs_failed: int = 0
+    jobs_timed_out: int = 0
+    late_results: int = 0
+    unknown_results: int = 0
+    executor_errors: int = 0
+    blocks_stored: int = 0
+    blocks_loaded: int = 0
+    blocks_evicted: int = 0
+    blocks_rejected: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+@dataclass
+class Latencies:
+    """Submit-to-terminal time of each job, in ms, by direction."""
+
+    load_ms: list[float] = field(default_factory=list)
+    store_ms: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for name, values in (("load", self.load_ms), ("store", self.store_ms)):
+            for q in (50, 90, 99):
+                out[f"{name}_p{q}_ms"] = percentile(values, q)
+        return out
+
+
+@dataclass
+class StepReport:
+    """What one ``step()`` did and what the engine must act on."""
+
+    now_ms: float
+    submitted: list[TransferJob] = field(default_factory=list)
+    loads_finished: list[tuple[str, int]] = field(default_factory=list)
+    loads_failed: list[LoadFailure] = field(default_factory=list)
+    stores_finished: list[int] = field(default_factory=list)
+    stores_failed: list[tuple[int, str]] = field(default_factory=list)
+    released_device_blocks: list[int] = field(default_factory=list)
+    timed_out: int = 0
+
+
+class SyncEngine:
+    """Decisions, executor and clock behind one synchronous step API."""
+
+    def __init__(
+        self,
+        config: Config,
+        executor: Executor,
+        *,
+        clock: Callable[[], float] = monotonic_ms,
+        trace_path: str | None = None,
+        trace_meta: dict[str, Any] | None = None,
+        bytes_per_block: int = 0,
+        logger: Any = None,
+        checkpoint_every: int = 10_000,
+        _auto_flush: bool = True,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.clock = clock
+        self.bytes_per_block = bytes_per_block
+        self.writer: TraceWriter | None = None
+        if trace_path is not None:
+            self.writer = TraceWriter(
+                trace_path, config, meta=trace_meta, checkpoint_every=checkpoint_every, auto_flush=_auto_flush
+            )
+        self.manager = OffloadManager(config, log=self.writer)
+        self.counters = Counters()
+        self.latencies = Latencies()
+        self._submitted_at: dict[int, float] = {}
+        self._log = logger if logger is not None else structlog.get_logger("kvflow")
+        self._debug = logger is not None or structlog.is_configured()
+        self.manager.observers.append(self._observe)
+        self.closed = False
+
+    # -- scheduling-time calls (forwarded; Rejected propagates: it is the caller's bug) ---
+
+    def lookup(
+        self, request_id: str, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0
+    ) -> int:
+        hits = self.manager.lookup(request_id, block_hashes, num_tokens, device_hit_blocks)
+        self.counters.lookups += 1
+        self.counters.lookup_tokens += num_tokens
+        return hits
+
+    def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
+        job = self.manager.accept_hits(request_id, device_blocks)
+        self.counters.hit_tokens += len(device_blocks) * self.config.block_tokens
+        return job
+
+    def blocks_computed(
+        self, request_id: str | None, block_hashes: Sequence[int], device_blocks: Sequence[int]
+    ) -> int | None:
+        return self.manager.blocks_computed(request_id, block_hashes, device_blocks)
+
+    def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
+        return self.manager.device_blocks_evicting(block_hashes, device_blocks)
+
+    def touch(self, block_hashes: Sequence[int]) -> int:
+        return self.manager.touch(block_hashes)
+
+    def finish_request(self, request_id: str, preempted: bool = False) -> None:
+        self.manager.finish_request(request_id, preempted)
+
+    def reset(self) -> None:
+        self.manager.reset()
+
+    def held_device_blocks(self) -> list[int]:
+        return self.manager.held_device_blocks()
+
+    def has_live_jobs(self) -> bool:
+        return self.manager.has_live_jobs()
+
+    # -- the step ------------------------------------------------------------------------
+
+    def apply_results(self, results: Sequence[JobResult]) -> None:
+        """Feed executor outcomes to the decisions; never raises for a bad result."""
+        for result in results:
+            try:
+                self.manager.job_result(result.job_id, result.rank, result.ok, result.error)
+            except Rejected as exc:
+                self.counters.unknown_results += 1
+                self._log.warning("kvflow.result_rejected", job=result.job_id, rank=result.rank, error=str(exc))
+
+    def step(self, compute_done: Any = None, results: Sequence[JobResult] | None = None) -> StepReport:
+        """Collect completions, time out late jobs, submit the queued jobs; report."""
+        now = self.clock()
+        if results is None:
+            results = self._poll()
+        self.apply_results(results)
+        timed_out = self.manager.tick(now)
+        jobs = self.manager.plan_step(now)
+        if jobs:
+            self._submit(jobs, compute_done, now)
+        notices = self.manager.take_notices()
+        return StepReport(
+            now_ms=now,
+            submitted=jobs,
+            loads_finished=notices.loads_finished,
+            loads_failed=notices.loads_failed,
+            stores_finished=notices.stores_finished,
+            stores_failed=notices.stores_failed,
+            released_device_blocks=notices.released_device_blocks,
+            timed_out=timed_out,
+        )
+
+    def _poll(self) -> list[JobResult]:
+        try:
+            return self.executor.poll()
+        except Exception as exc:  # an executor bug must not kill the engine (F2)
+            self.counters.executor_errors += 1
+            self._log.error("kvflow.executor_poll_failed", error=repr(exc))
+            return []
+
+    def _submit(self, jobs: list[TransferJob], compute_done: Any, now: float) -> None:
+        for job in jobs:
+            self._submitted_at[job.job_id] = now
+        try:
+            self.executor.submit(jobs, compute_done)
+        except Exception as exc:  # F2: becomes a failed outcome for every job of the batch
+            self.counters.executor_errors += 1
+            self._log.error("kvflow.executor_submit_failed", jobs=len(jobs), error=repr(exc))
+            # one failed rank fails the job, whatever the world size
+            failures = [
+                JobResult(job_id=j.job_id, rank=0, ok=False, error=f"submit failed: {exc!r}") for j in jobs
+            ]
+            self.apply_results(failures)
+
+    # -- observation: counters, latencies, logs ------------------------------------------
+
+    def _observe(self, event: Event) -> None:
+        kind = type(event)
+        c = self.counters
+        if kind is JobsSubmitted:
+            c.jobs_submitted += len(event.job_ids)  # type: ignore[union-attr]
+        elif kind is JobCompleted or kind is JobFailed or kind is JobTimedOut:
+            n = len(event.hashes)  # type: ignore[union-attr]
+            started = self._submitted_at.pop(event.job_id, None)  # type: ignore[union-attr]
+            if kind is JobCompleted:
+                c.jobs_completed += 1
+                if event.direction == STORE:  # type: ignore[union-attr]
+                    c.blocks_stored += n
+                    c.bytes_stored += n * self.bytes_per_block
+                else:
+                    c.blocks_loaded += n
+                    c.bytes_loaded += n * self.bytes_per_block
+            else:
+                if kind is JobFailed:
+                    c.jobs_failed += 1
+                else:
+                    c.jobs_timed_out += 1
+                if self._debug:
+                    self._log.warning(
+                        f"kvflow.{event_name(event)}",
+                        job=event.job_id,  # type: ignore[union-attr]
+                        request=event.request_id,  # type: ignore[union-attr]
+                        direction=event.direction,  # type: ignore[union-attr]
+                        blocks=n,
+                        error=getattr(event, "error", "deadline passed"),
+                    )
+            if started is not None:
+                latency = self.clock() - started
+                (self.latencies.load_ms if event.direction == LOAD else self.latencies.store_ms).append(latency)  # type: ignore[union-attr]
+        elif kind is BlocksEvicted:
+            c.blocks_evicted += len(event.hashes)  # type: ignore[union-attr]
+        elif kind is StoreRejected:
+            c.blocks_rejected += len(event.hashes)  # type: ignore[union-attr]
+        elif kind is LateResultIgnored:
+            c.late_results += 1
+        if self._debug:
+            fields: dict[str, Any] = {"seq": event.seq}
+            job = getattr(event, "job_id", None)
+            if job is not None:
+                fields["job"] = job
+            request = getattr(event, "request_id", None)
+            if request is not None:
+                fields["request"] = request
+            if kind is PinsAcquired:
+                fields["hits"] = len(event.hashes)  # type: ignore[union-attr]
+            self._log.debug(f"kvflow.{event_name(event)}", **fields)
+
+    # -- teardown ------------------------------------------------------------------------
+
+    def drain(self, timeout_ms: float | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
+        """Step until no job is live (or ``timeout_ms`` of the engine's clock passes)."""
+        start = self.clock()
+        while self.manager.has_live_jobs():
+            self.step()
+            if timeout_ms is not None and self.clock() - start > timeout_ms:
+                break
+            if self.manager.has_live_jobs():
+                sleep(0.0005)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.executor.close()
+        finally:
+            self.manager.close()
+
+
+class Engine(AbstractAsyncContextManager["Engine"]):
+    """The asyncio engine: ``async with Engine(config, executor) as engine: ...``.
+
+    A task group owns a completion pump (polls the executor, sends results through a bounded
+    memory stream) and, when recording, a trace writer that writes from a worker thread.
+    All decisions run on the event loop, in the caller's task, in call order.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        executor: Executor,
+        *,
+        clock: Callable[[], float] = monotonic_ms,
+        trace_path: str | None = None,
+        trace_meta: dict[str, Any] | None = None,
+        bytes_per_block: int = 0,
+        poll_interval_s: float = 0.0005,
+        flush_interval_s: float = 0.05,
+        logger: Any = None,
+    ) -> None:
+        self.core = SyncEngine(
+            config,
+            executor,
+            clock=clock,
+            trace_path=trace_path,
+            trace_meta=trace_meta,
+            bytes_per_block=bytes_per_block,
+            logger=logger,
+            _auto_flush=False,
+        )
+        self.poll_interval_s = poll_interval_s
+        self.flush_interval_s = flush_interval_s
+        self._tg: Any = None
+        self._send: Any = None
+        self._recv: Any = None
+        self._progress: Any = None
+
+    # convenient pass-throughs
+    @property
+    def counters(self) -> Counters:
+        return self.core.counters
+
+    @property
+    def latencies(self) -> Latencies:
+        return self.core.latencies
+
+    @property
+    def manager(self) -> OffloadManager:
+        return self.core.manager
+
+    def lookup(self, request_id: str, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0) -> int:
+        return self.core.lookup(request_id, block_hashes, num_tokens, device_hit_blocks)
+
+    def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
+        return self.core.accept_hits(request_id, device_blocks)
+
+    def blocks_computed(self, request_id: str | None, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
+        return self.core.blocks_computed(request_id, block_hashes, device_blocks)
+
+    def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
+        return self.core.device_blocks_evicting(block_hashes, device_blocks)
+
+    def touch(self, block_hashes: Sequence[int]) -> int:
+        return self.core.touch(block_hashes)
+
+    def finish_request(self, request_id: str, preempted: bool = False) -> None:
+        self.core.finish_request(request_id, preempted)
+
+    def reset(self) -> None:
+        self.core.reset()
+
+    async def __aenter__(self) -> Engine:
+        import anyio
+
+        self._send, self._recv = anyio.create_memory_object_stream[list[JobResult]](max_buffer_size=256)
+        self._progress = anyio.Event()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            await self._tg.start(self._pump)
+            if self.core.writer is not None:
+                await self._tg.start(self._flusher)
+        except BaseException:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        import anyio
+
+        self._tg.cancel_scope.cancel()
+        try:
+            await self._tg.__aexit__(*exc_info)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                self._send.close()
+                self._recv.close()
+                writer = self.core.writer
+                if writer is not None and not writer.closed:
+                    blob = writer.take_pending()
+                    await anyio.to_thread.run_sync(writer.write_bytes, blob)
+                self.core.close()
+        return None
+
+    async def _pump(self, *, task_status: Any) -> None:
+        import anyio
+
+        task_status.started()
+        while True:
+            results = self.core._poll()
+            if results:
+                await self._send.send(results)
+                self._progress.set()
+            await anyio.sleep(self.poll_interval_s)
+
+    async def _flusher(self, *, task_status: Any) -> None:
+        import anyio
+
+        writer = self.core.writer
+        assert writer is not None
+        task_status.started()
+        while True:
+            await anyio.sleep(self.flush_interval_s)
+            blob = writer.take_pending()
+            if blob:
+                await anyio.to_thread.run_sync(writer.write_bytes, blob)
+
+    def _drain_stream(self) -> list[JobResult]:
+        import anyio
+
+        out: list[JobResult] = []
+        while True:
+            try:
+                out.extend(self._recv.receive_nowait())
+            except anyio.WouldBlock:
+                return out
+
+    async def step(self, compute_done: Any = None) -> StepReport:
+        """One engine step: apply completions that arrived, time out, submit queued jobs."""
+        return self.core.step(compute_done, results=self._drain_stream())
+
+    async def wait_idle(self, timeout_s: float = 30.0) -> StepReport:
+        """Step until no job is live; the merged report of every step taken."""
+        import anyio
+
+        merged = StepReport(now_ms=self.core.clock())
+        with anyio.move_on_after(timeout_s):
+            while True:
+                report = await self.step()
+                _merge(merged, report)
+                if not self.core.has_live_jobs():
+                    break
+                self._progress = anyio.Event()
+                with anyio.move_on_after(max(self.poll_interval_s * 4, 0.001)):
+                    await self._progress.wait()
+        merged.now_ms = self.core.clock()
+        return merged
+
+
+def _merge(into: StepReport, report: StepReport) -> None:
+    into.submitted.extend(report.submitted)
+    into.loads_finished.extend(report.loads_finished)
+    into.loads_failed.extend(report.loads_failed)
+    into.stores_finished.extend(report.stores_finished)
+    into.stores_failed.extend(report.stores_failed)
+    into.released_device_blocks.extend(report.released_device_blocks)
+    into.timed_out += report.timed_out
+
+
+__all__ = ["Engine", "SyncEngine", "StepReport", "Counters", "Latencies", "Executor", "percentile", "KvflowError"]

@@ -1,0 +1,197 @@
+"""A simulated transfer executor on a virtual clock, with seeded faults.
+
+It is a real component (used by ``kvflow simulate`` and the fault tests), not a stand-in for
+the torch executor: it models two copy streams (one per direction) that each run their jobs
+one after another, a per-job latency plus bytes over bandwidth, and faults:
+
+* ``fault_rate``: each job fails with this probability, drawn once per job *in submission
+  order* from ``random.Random(seed)`` (DESIGN §7 rule 6);
+* ``fail_jobs``: the k-th submitted jobs (1-based) fail;
+* ``hang_jobs``: the k-th submitted jobs never complete (they time out in the engine);
+* ``fail_rank``: with several ranks, which rank reports the failure (others succeed).
+
+Deterministic for a seed. Reads time only from the clock it is given.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow.errors import ConfigError, UnknownJob
+from kvflow.events import JobResult, TransferJob
+
+
+class VirtualClock:
+    """Milliseconds that move only when told to."""
+
+    def __init__(self, now_ms: float = 0.0) -> None:
+        self.now_ms = now_ms
+
+    def __call__(self) -> float:
+        return self.now_ms
+
+    def advance_to(self, now_ms: float) -> None:
+        if now_ms > self.now_ms:
+            self.now_ms = now_ms
+
+
+@dataclass
+class TransferModel:
+    """How long a job takes: ``latency_us + bytes / bandwidth``.
+
+    Defaults follow DESIGN §8's measurement (one pinned copy ~55.5 GB/s each way) and a KV
+    block of a 7B-class model at 512 tokens (32 layers x 2 x 512 x 4096 x 2 bytes = 256 MiB
+    would be one whole block; we use bytes_per_block given by the caller).
+    """
+
+    bytes_per_block: int = 2 * 1024 * 1024
+    bandwidth_gbps: float = 55.5  # GB/s (1e9 bytes per second)
+    latency_us: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_block <= 0:
+            raise ConfigError(f"bytes_per_block must be > 0, got {self.bytes_per_block}")
+        if self.bandwidth_gbps <= 0:
+            raise ConfigError(f"bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
+        if self.latency_us < 0:
+            raise ConfigError(f"latency_us must be >= 0, got {self.latency_us}")
+
+    def duration_ms(self, num_blocks: int) -> float:
+        seconds = num_blocks * self.bytes_per_block / (self.bandwidth_gbps * 1e9)
+        return self.latency_us / 1000.0 + seconds * 1000.0
+
+
+@dataclass
+class _Pending:
+    job: TransferJob
+    ordinal: int
+    submitted_ms: float
+    done_ms: float
+    fails: bool
+    error: str = ""
+
+
+@dataclass
+class SimStats:
+    jobs: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    faults_injected: int = 0
+    hung: int = 0
+    busy_ms: dict[str, float] = field(default_factory=lambda: {"store": 0.0, "load": 0.0})
+
+
+class SimulatedExecutor:
+    """Executes TransferJobs on a virtual clock. ``poll()`` returns the results due by now."""
+
+    def __init__(
+        self,
+        clock: VirtualClock,
+        model: TransferModel | None = None,
+        *,
+        world_size: int = 1,
+        fault_rate: float = 0.0,
+        seed: int = 0,
+        fail_jobs: Iterable[int] = (),
+        hang_jobs: Iterable[int] = (),
+        fail_rank: int = 0,
+        error_text: str = "simulated transfer failure",
+    ) -> None:
+        if not 0.0 <= fault_rate <= 1.0:
+            raise ConfigError(f"fault_rate must be within 0..1, got {fault_rate}")
+        if not 0 <= fail_rank < world_size:
+            raise ConfigError(f"fail_rank {fail_rank} outside world size {world_size}")
+        self.clock = clock
+        self.model = model or TransferModel()
+        self.world_size = world_size
+        self.fault_rate = fault_rate
+        self.rng = random.Random(seed)
+        self.fail_jobs = frozenset(fail_jobs)
+        self.hang_jobs = frozenset(hang_jobs)
+        self.fail_rank = fail_rank
+        self.error_text = error_text
+        self.stats = SimStats()
+        self._ordinal = 0
+        self._stream_free_ms = {"store": 0.0, "load": 0.0}
+        self._heap: list[tuple[float, int, int]] = []  # (done_ms, ordinal, job_id)
+        self._pending: dict[int, _Pending] = {}
+        self._known: set[int] = set()
+        self._ready: list[JobResult] = []
+
+    def submit(self, jobs: Sequence[TransferJob], compute_done: Any = None) -> None:
+        """Queue jobs; each starts when its direction's stream is free (copies overlap
+        across directions, not within one)."""
+        now = self.clock.now_ms
+        for job in jobs:
+            if job.job_id in self._known:
+                raise ValueError(f"job {job.job_id} submitted twice (F5)")
+            self._known.add(job.job_id)
+            self._ordinal += 1
+            fails = self._ordinal in self.fail_jobs
+            if self.fault_rate > 0.0:
+                fails = (self.rng.random() < self.fault_rate) or fails
+            start = max(now, self._stream_free_ms[job.direction])
+            duration = self.model.duration_ms(len(job.device_blocks))
+            done = start + duration
+            self._stream_free_ms[job.direction] = done
+            self.stats.jobs += 1
+            self.stats.blocks += len(job.device_blocks)
+            self.stats.bytes += len(job.device_blocks) * self.model.bytes_per_block
+            self.stats.busy_ms[job.direction] += duration
+            if self._ordinal in self.hang_jobs:
+                self.stats.hung += 1
+                continue  # never completes: the engine's deadline must catch it
+            if fails:
+                self.stats.faults_injected += 1
+            self._pending[job.job_id] = _Pending(job, self._ordinal, now, done, fails)
+            heapq.heappush(self._heap, (done, self._ordinal, job.job_id))
+
+    def next_completion_ms(self) -> float | None:
+        """Virtual time of the next result, or None when nothing will complete."""
+        return self._heap[0][0] if self._heap else None
+
+    def poll(self) -> list[JobResult]:
+        """Results whose completion time has come, in completion order (all ranks)."""
+        now = self.clock.now_ms
+        out, self._ready = self._ready, []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _, _, job_id = heapq.heappop(heap)
+            pending = self._pending.pop(job_id)
+            out.extend(self._results(pending))
+        return out
+
+    def _results(self, pending: _Pending) -> list[JobResult]:
+        job_id = pending.job.job_id
+        results = []
+        for rank in range(self.world_size):
+            if pending.fails and rank == self.fail_rank:
+                results.append(JobResult(job_id=job_id, rank=rank, ok=False, error=self.error_text))
+            else:
+                results.append(JobResult(job_id=job_id, rank=rank, ok=True))
+        return results
+
+    def wait(self, job_id: int) -> list[JobResult]:
+        """Advance the clock to this job's completion and return its results (F12: unknown
+        ids raise)."""
+        if job_id not in self._known:
+            raise UnknownJob(f"wait on unknown job {job_id}")
+        pending = self._pending.get(job_id)
+        if pending is None:
+            return []
+        self.clock.advance_to(pending.done_ms)
+        due = self.poll()
+        mine = [r for r in due if r.job_id == job_id]
+        self._ready = [r for r in due if r.job_id != job_id]  # kept for the next poll()
+        return mine
+
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        self._pending.clear()
+        self._heap.clear()

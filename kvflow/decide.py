@@ -31,6 +31,7 @@ from kvflow.events import (
     JobCompleted,
     JobFailed,
     JobResult,
+    JobResults,
     JobsSubmitted,
     JobTimedOut,
     LateResultIgnored,
@@ -134,14 +135,21 @@ def _check_device_blocks(
 ) -> None:
     """Device blocks must not be held by a live job (F12), except a store of the same hash
     (that one is a duplicate, F3). ``allow_same_store`` maps device block -> hash asked."""
+    if not device_blocks:
+        return
+    unique = set(device_blocks)
+    if len(unique) != len(device_blocks):
+        raise Rejected("a device block is named twice in one call")
+    try:
+        lowest = min(unique)
+    except TypeError:
+        raise Rejected(f"device blocks must be integers, got {list(device_blocks)[:4]!r}") from None
+    if lowest < 0:
+        raise Rejected(f"device block {lowest} is not a block id")
     held = state.held
-    seen: set[int] = set()
+    if not held or held.keys().isdisjoint(unique):
+        return
     for d in device_blocks:
-        if not _whole(d) or d < 0:
-            raise Rejected(f"device block {d!r} is not a block id")
-        if d in seen:
-            raise Rejected(f"device block {d} is named twice in one call")
-        seen.add(d)
         jid = held.get(d)
         if jid is None:
             continue
@@ -183,7 +191,9 @@ def _decide_store(
         req = state.requests.get(request_id)
         if req is not None and req.finished:
             raise Rejected(f"store: request {request_id} is finished")
-    _check_device_blocks(state, device_blocks, dict(zip(device_blocks, block_hashes)))
+    held = state.held
+    same = dict(zip(device_blocks, block_hashes)) if held and not held.keys().isdisjoint(device_blocks) else {}
+    _check_device_blocks(state, device_blocks, same)
     if not state.config.enabled:
         return None
     entries = state.entries
@@ -353,6 +363,25 @@ def decide_job_result(state: State, cmd: JobResult) -> Decision:
     return None
 
 
+def decide_job_results(state: State, cmd: JobResults) -> Decision:
+    """Many executor outcomes at once (one command per engine step instead of one per job).
+    All are checked before anything is applied, so a bad one refuses the whole batch."""
+    last = state.last_job_id
+    world = state.config.world_size
+    jobs = state.jobs
+    for r in cmd.results:
+        if not _whole(r.job_id) or not 0 < r.job_id <= last:
+            raise UnknownJob(f"result for unknown job {r.job_id!r} (last issued: {last})")
+        if not _whole(r.rank) or not 0 <= r.rank < world:
+            raise Rejected(f"result for job {r.job_id}: rank {r.rank!r} outside world size {world}")
+        job = jobs.get(r.job_id)
+        if job is not None and job.state is JobState.QUEUED:
+            raise Rejected(f"result for job {r.job_id}, which was never submitted")
+    for r in cmd.results:
+        yield from decide_job_result(state, r)
+    return None
+
+
 def decide_tick(state: State, cmd: Tick) -> Decision:
     expired = [
         job
@@ -400,6 +429,7 @@ DECIDERS: dict[type, Callable[[State, Any], Decision]] = {
     Evict: decide_evict,
     PlanStep: decide_plan_step,
     JobResult: decide_job_result,
+    JobResults: decide_job_results,
     Tick: decide_tick,
     FinishRequest: decide_finish,
     ResetAll: decide_reset,

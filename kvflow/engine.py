@@ -206,6 +206,13 @@ class SyncEngine:
 
     def apply_results(self, results: Sequence[JobResult]) -> None:
         """Feed executor outcomes to the decisions; never raises for a bad result."""
+        if not results:
+            return
+        try:
+            self.manager.job_results(results)
+            return
+        except Rejected:
+            pass  # isolate the bad result(s): apply one by one
         for result in results:
             try:
                 self.manager.job_result(result.job_id, result.rank, result.ok, result.error)

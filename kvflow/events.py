@@ -279,6 +279,12 @@ class JobResult(_Command, tag="job_result"):
     error: str | None = None
 
 
+class JobResults(_Command, tag="job_results"):
+    """Several executor outcomes, applied in order (what one engine step collected)."""
+
+    results: tuple[JobResult, ...]
+
+
 class Tick(_Command, tag="tick"):
     """Time passes: in-flight jobs past their deadline time out (F2)."""
 
@@ -305,6 +311,7 @@ Command = Union[
     Evict,
     PlanStep,
     JobResult,
+    JobResults,
     Tick,
     FinishRequest,
     ResetAll,

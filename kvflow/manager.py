@@ -17,6 +17,7 @@ from typing import Any
 
 from kvflow.config import Config
 from kvflow.decide import decide
+from kvflow.errors import Rejected
 from kvflow.events import (
     LOAD,
     STORE,
@@ -31,6 +32,7 @@ from kvflow.events import (
     JobCompleted,
     JobFailed,
     JobResult,
+    JobResults,
     JobTimedOut,
     Lookup,
     PlanStep,
@@ -43,6 +45,19 @@ from kvflow.events import (
 )
 from kvflow.log import MemoryLog
 from kvflow.state import State, evolve
+
+
+def _ints(values: Sequence[int]) -> tuple[int, ...]:
+    """Block ids and hashes as plain ints (numpy integers and ranges welcome)."""
+    if type(values) is tuple and all(type(v) is int for v in values):
+        return values
+    try:
+        out = tuple(map(int, values))
+    except (TypeError, ValueError):
+        raise Rejected(f"expected integers, got {list(values)[:4]!r}") from None
+    if out != tuple(values):  # e.g. 1.5 would silently become 1
+        raise Rejected(f"expected integers, got {list(values)[:4]!r}")
+    return out
 
 
 @dataclass
@@ -159,7 +174,7 @@ class OffloadManager:
         answer, _ = self.handle(
             Lookup(
                 request_id=request_id,
-                block_hashes=tuple(block_hashes),
+                block_hashes=_ints(block_hashes),
                 num_tokens=num_tokens,
                 device_hit_blocks=device_hit_blocks,
             )
@@ -168,7 +183,7 @@ class OffloadManager:
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated device blocks for the first hits: queue their load."""
-        answer, _ = self.handle(AcceptHits(request_id=request_id, device_blocks=tuple(device_blocks)))
+        answer, _ = self.handle(AcceptHits(request_id=request_id, device_blocks=_ints(device_blocks)))
         return answer  # type: ignore[no-any-return]
 
     def blocks_computed(
@@ -177,7 +192,7 @@ class OffloadManager:
         """Eager mode: store the computed blocks not yet on the tier (F3 dedupe)."""
         answer, _ = self.handle(
             BlocksComputed(
-                request_id=request_id, block_hashes=tuple(block_hashes), device_blocks=tuple(device_blocks)
+                request_id=request_id, block_hashes=_ints(block_hashes), device_blocks=_ints(device_blocks)
             )
         )
         return answer  # type: ignore[no-any-return]
@@ -185,12 +200,12 @@ class OffloadManager:
     def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
         """Lazy mode: store blocks the device cache is about to drop."""
         answer, _ = self.handle(
-            DeviceBlocksEvicting(block_hashes=tuple(block_hashes), device_blocks=tuple(device_blocks))
+            DeviceBlocksEvicting(block_hashes=_ints(block_hashes), device_blocks=_ints(device_blocks))
         )
         return answer  # type: ignore[no-any-return]
 
     def touch(self, block_hashes: Sequence[int]) -> int:
-        answer, _ = self.handle(Touch(block_hashes=tuple(block_hashes)))
+        answer, _ = self.handle(Touch(block_hashes=_ints(block_hashes)))
         return int(answer)
 
     def evict(self, num_blocks: int) -> int:
@@ -204,6 +219,11 @@ class OffloadManager:
 
     def job_result(self, job_id: int, rank: int = 0, ok: bool = True, error: str | None = None) -> None:
         self.handle(JobResult(job_id=job_id, rank=rank, ok=ok, error=error))
+
+    def job_results(self, results: Sequence[JobResult]) -> None:
+        """Apply many outcomes in one command; a bad one refuses the batch (nothing applied)."""
+        if results:
+            self.handle(JobResults(results=tuple(results)))
 
     def tick(self, now_ms: float) -> int:
         """Time out in-flight jobs whose deadline has passed (F2); returns how many."""

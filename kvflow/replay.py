@@ -15,7 +15,7 @@ from typing import Any
 from kvflow.decide import decide
 from kvflow.errors import IllegalTransition, KvflowError
 from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Event, event_name
-from kvflow.log import Checkpoint, TraceReader
+from kvflow.log import COMMAND_STUB_TYPES, Checkpoint, TraceReader
 from kvflow.state import State, check_invariants, evolve
 
 
@@ -108,7 +108,7 @@ def replay(
         if redecide:
             _redecide(reader.records(), result, until, strict, on_event)
         else:
-            _fold(reader.records(), result, until, strict, on_event)
+            _fold(reader.records(command_stubs=True), result, until, strict, on_event)
         result.warnings.extend(reader.warnings)
     if result.divergence is None and result.stopped_at is None:
         problems = check_invariants(result.state)
@@ -161,6 +161,14 @@ def _apply(result: ReplayResult, line: int, event: Event, strict: bool) -> bool:
     return True
 
 
+_KIND: dict[type, int] = {
+    **{t: 0 for t in EVENT_TYPES},
+    **{t: 1 for t in COMMAND_TYPES},
+    **{t: 1 for t in COMMAND_STUB_TYPES},
+    Checkpoint: 2,
+}
+
+
 def _fold(
     records: Iterable[tuple[int, Any]],
     result: ReplayResult,
@@ -169,20 +177,38 @@ def _fold(
     on_event: Callable[[int, Any], None] | None,
 ) -> None:
     state = result.state
-    for line, rec in records:
-        if isinstance(rec, Checkpoint):
-            if not _check_point(result, line, rec):
-                return
-        elif isinstance(rec, COMMAND_TYPES):
-            result.commands += 1
-        else:
-            if until is not None and rec.seq > until:
-                result.stopped_at = state.last_seq
-                return
-            if not _apply(result, line, rec, strict):
-                return
-            if on_event is not None:
-                on_event(line, rec)
+    kinds = _KIND
+    limit = until if until is not None else float("inf")
+    fast = not strict and on_event is None
+    applied = 0
+    try:
+        for line, rec in records:
+            kind = kinds[type(rec)]
+            if kind == 0:
+                if rec.seq > limit:
+                    result.stopped_at = state.last_seq
+                    return
+                if fast:
+                    try:
+                        evolve(state, rec)
+                    except IllegalTransition as exc:
+                        result.divergence = Divergence("illegal", rec.seq, line, str(exc), recorded=rec)
+                        return
+                    applied += 1
+                    continue
+                if not _apply(result, line, rec, strict):
+                    return
+                if on_event is not None:
+                    on_event(line, rec)
+            elif kind == 1:
+                result.commands += 1
+            else:
+                result.events += applied
+                applied = 0
+                if not _check_point(result, line, rec):
+                    return
+    finally:
+        result.events += applied
     if until is not None and state.last_seq >= until:
         result.stopped_at = state.last_seq
 

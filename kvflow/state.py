@@ -117,6 +117,13 @@ JOB_TRANSITIONS: dict[JobState, dict[str, JobState]] = {
 }
 TERMINAL_JOB_STATES = (JobState.COMPLETED, JobState.FAILED, JobState.TIMED_OUT)
 
+# For the hot loops: per event tag, the (present) entry states in which it is legal.
+_ALLOWED: dict[str, frozenset[BlockState]] = {}
+for _st, _edges in BLOCK_TRANSITIONS.items():
+    for _tag in _edges:
+        if _st is not BlockState.ABSENT:
+            _ALLOWED[_tag] = _ALLOWED.get(_tag, frozenset()) | {_st}
+
 
 class Entry:
     """One CPU-tier entry, keyed by block hash in ``State.entries``."""
@@ -351,6 +358,16 @@ def _check_job(state: State, event: Event, tag: str, job_id: int) -> Job:
     return job
 
 
+def _check_blocks(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:
+    """Every hash must name an entry in a state where ``tag`` is legal (fast path)."""
+    allowed = _ALLOWED.get(tag, frozenset())
+    get = state.entries.get
+    for h in hashes:
+        e = get(h)
+        if e is None or e.state not in allowed:
+            _check_block(state, event, tag, h)
+
+
 def _check_free_slots(state: State, event: Event, slots: tuple[int, ...]) -> None:
     n = len(slots)
     free = state.free_slots
@@ -433,9 +450,9 @@ def _evolve_load_queued(state: State, event: LoadQueued) -> None:
     if req.offered[:n] != event.hashes:
         raise _illegal(state, event, "PINS", "a load must take the request's offered hits, in order")
     entries = state.entries
+    _check_blocks(state, event, "load_queued", event.hashes)
     for h, s in zip(event.hashes, event.slots):
-        entry = _check_block(state, event, "load_queued", h)
-        assert entry is not None
+        entry = entries[h]
         if entry.slot != s:
             raise _illegal(state, event, "RESIDENT", f"block {h} lives in slot {entry.slot}, not {s}")
     # apply: the request's pins move from "offered" to the job (counts are unchanged)
@@ -504,8 +521,7 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
     ):
         raise _illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
     if not job.abandoned:
-        for h in job.hashes:
-            _check_block(state, event, tag, h)
+        _check_blocks(state, event, tag, job.hashes)
     return job
 
 
@@ -558,13 +574,13 @@ def _evolve_evicted(state: State, event: BlocksEvicted) -> None:
     entries = state.entries
     if len(event.hashes) != len(event.slots):
         raise _illegal(state, event, "RESIDENT", "hashes and slots differ in length")
-    seen: set[int] = set()
+    _check_blocks(state, event, "blocks_evicted", event.hashes)
     for h, s in zip(event.hashes, event.slots):
-        entry = _check_block(state, event, "blocks_evicted", h)
-        assert entry is not None
-        if entry.pins or entry.slot != s or h in seen:
+        entry = entries[h]
+        if entry.pins or entry.slot != s:
             raise _illegal(state, event, "RESIDENT", f"block {h} is pinned or not in slot {s}")
-        seen.add(h)
+    if len(set(event.hashes)) != len(event.hashes):
+        raise _illegal(state, event, "RESIDENT", "a block is evicted twice in one event")
     policy = state.policy
     free = state.free_slots
     for h in reversed(event.hashes):
@@ -574,11 +590,7 @@ def _evolve_evicted(state: State, event: BlocksEvicted) -> None:
 
 
 def _evolve_touched(state: State, event: BlocksTouched) -> None:
-    entries = state.entries
-    for h in event.hashes:
-        entry = entries.get(h)
-        if entry is None or entry.state is not RESIDENT:
-            raise _illegal(state, event, state.block_state(h).name, f"block {h}")
+    _check_blocks(state, event, "blocks_touched", event.hashes)
     touch = state.policy.touch
     for h in event.hashes:
         touch(h)
@@ -594,8 +606,7 @@ def _evolve_pins_acquired(state: State, event: PinsAcquired) -> None:
     req = state.requests.get(event.request_id)
     if req is not None and (req.finished or req.offered):
         raise _illegal(state, event, "PINS", f"request {event.request_id} has offered pins or is finished")
-    for h in event.hashes:
-        _check_block(state, event, "pins_acquired", h)
+    _check_blocks(state, event, "pins_acquired", event.hashes)
     req = _request(state, event.request_id)
     assert req is not None
     entries = state.entries

@@ -1,0 +1,194 @@
+"""Adaptive Replacement Cache (Megiddo & Modha, FAST 2003) for a tier whose size the state owns.
+
+The state counts slots and decides *when* to evict; this policy only orders the residents
+and remembers recently evicted hashes, so it decides *what* to evict:
+
+- ``T1``: residents seen once recently; ``T2``: residents seen at least twice.
+- ``B1`` / ``B2``: ghosts, hashes recently evicted from ``T1`` / ``T2`` (no data).
+- ``p``: the adaptive target size of ``T1``. A ghost hit in ``B1`` means recency was
+  evicted too eagerly, so ``p`` grows; a ghost hit in ``B2`` shrinks it.
+
+Differences from the paper, all because the state, not the policy, performs evictions:
+
+- ``victims`` plays the paper's REPLACE ``n`` times on read-only cursors and never mutates;
+  the evictions happen later, when ``evolve`` calls ``remove`` for each victim.
+- Pinned or in-flight entries are skipped (``evictable``). If the preferred list has no
+  evictable entry left, the other one is used.
+- REPLACE's tie rule (``x in B2 and |T1| == p``) needs the incoming hash, which ``victims``
+  does not get; ties go to ``T2``.
+- The directory bounds are kept as in the paper whenever the residents fit in
+  ``capacity``: ``|T1| + |B1| <= capacity`` and ``|T1| + |T2| + |B1| + |B2| <= 2 * capacity``.
+  Residents are never dropped to honour them; only ghosts are trimmed (oldest first).
+
+``p`` is an int (the paper's ``max(1, |B2| / |B1|)`` step uses floor division), so the
+snapshot, and with it the state digest, is exact.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from kvflow.errors import ConfigError
+
+
+class ARCPolicy:
+    """ARC ordering plus ghost lists; see the module docstring for how it maps onto the state."""
+
+    __slots__ = ("_b1", "_b2", "_p", "_t1", "_t2", "capacity")
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        """``capacity`` is the tier's size in blocks: it bounds ``p`` and the ghost lists."""
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ConfigError(f"arc policy capacity must be an int >= 0, got {capacity!r}")
+        self.capacity = capacity
+        # OrderedDicts, coldest first: O(1) move_to_end / popitem at both ends, and the cold
+        # end is found in O(1) (a plain dict leaves holes at the front that iteration skips).
+        self._t1: OrderedDict[int, None] = OrderedDict()
+        self._t2: OrderedDict[int, None] = OrderedDict()
+        self._b1: OrderedDict[int, None] = OrderedDict()
+        self._b2: OrderedDict[int, None] = OrderedDict()
+        self._p = 0
+
+    @property
+    def p(self) -> int:
+        """The adaptive target size of ``T1``, in ``[0, capacity]``."""
+        return self._p
+
+    def insert(self, block_hash: int) -> None:
+        """``block_hash`` became resident. A ghost hit adapts ``p`` and goes to ``T2``
+        (it was wanted again after eviction); a first sighting goes to ``T1``.
+
+        Raises ``ValueError`` if it is already resident: the state and the policy disagree.
+        """
+        if block_hash in self._t1 or block_hash in self._t2:
+            raise ValueError(f"block hash {block_hash} is already resident in the arc policy")
+        b1 = self._b1
+        b2 = self._b2
+        if block_hash in b1:
+            # Step computed with the hit still counted in B1, as in the paper.
+            self._p = min(self.capacity, self._p + max(1, len(b2) // len(b1)))
+            del b1[block_hash]
+            self._t2[block_hash] = None
+        elif block_hash in b2:
+            self._p = max(0, self._p - max(1, len(b1) // len(b2)))
+            del b2[block_hash]
+            self._t2[block_hash] = None
+        else:
+            self._t1[block_hash] = None
+            self._trim_ghosts()
+
+    def touch(self, block_hash: int) -> None:
+        """A resident hash was used: it becomes the most recent of ``T2``.
+        ``KeyError`` if it is not resident."""
+        t1 = self._t1
+        if block_hash in t1:
+            del t1[block_hash]
+            self._t2[block_hash] = None
+        else:
+            self._t2.move_to_end(block_hash)
+
+    def remove(self, block_hash: int, ghost: bool = True) -> None:
+        """``block_hash`` left the tier. An eviction (``ghost=True``) remembers it in ``B1`` or
+        ``B2`` so a quick return adapts ``p``; any other removal (a reset, a failed entry)
+        says nothing about the workload and leaves no ghost. ``KeyError`` if not resident."""
+        t1 = self._t1
+        if block_hash in t1:
+            del t1[block_hash]
+            if ghost:
+                self._b1[block_hash] = None
+        else:
+            del self._t2[block_hash]
+            if ghost:
+                self._b2[block_hash] = None
+        if ghost:
+            self._trim_ghosts()
+
+    def _trim_ghosts(self) -> None:
+        """Drop the oldest ghosts until the directory bounds hold (see module docstring)."""
+        capacity = self.capacity
+        t1, b1, b2 = self._t1, self._b1, self._b2
+        while b1 and len(t1) + len(b1) > capacity:
+            b1.popitem(last=False)
+        excess = len(t1) + len(self._t2) + len(b1) + len(b2) - 2 * capacity
+        while excess > 0 and (b1 or b2):
+            (b2 or b1).popitem(last=False)
+            excess -= 1
+
+    def victims(self, num_blocks: int, evictable: Callable[[int], bool]) -> list[int] | None:
+        """The paper's REPLACE choice made ``num_blocks`` times, skipping non-evictable
+        entries, or ``None`` if fewer are evictable (all-or-nothing, F8). Does not mutate.
+
+        Take ``T1``'s coldest when ``|T1| > p`` (``|T1|`` shrinking as victims are taken from
+        it), else ``T2``'s coldest; when the preferred list has nothing evictable left, the
+        other list's. Each list is scanned at most once, from its cold end.
+        """
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if num_blocks > len(self._t1) + len(self._t2):
+            return None
+        # filter() over the dicts: C-speed skipping of pinned entries, lazily consumed.
+        cold1 = filter(evictable, self._t1)
+        cold2 = filter(evictable, self._t2)
+        # The next evictable entry of each list, peeked only when needed (None: none left).
+        head1: int | None = None
+        head2: int | None = None
+        peeked1 = peeked2 = False
+        t1_left = len(self._t1)
+        p = self._p
+        chosen: list[int] = []
+        append = chosen.append
+        for _ in range(num_blocks):
+            if t1_left > p:
+                if not peeked1:
+                    head1, peeked1 = next(cold1, None), True
+                if head1 is not None:
+                    append(head1)
+                    peeked1 = False
+                    t1_left -= 1
+                    continue
+            if not peeked2:
+                head2, peeked2 = next(cold2, None), True
+            if head2 is not None:
+                append(head2)
+                peeked2 = False
+                continue
+            if not peeked1:
+                head1, peeked1 = next(cold1, None), True
+            if head1 is None:
+                return None
+            append(head1)
+            peeked1 = False
+            t1_left -= 1
+        return chosen
+
+    def resident(self) -> list[int]:
+        """Resident hashes: ``T1`` then ``T2``, each coldest first."""
+        return [*self._t1, *self._t2]
+
+    def snapshot(self) -> tuple[str, list[int], list[int], list[int], list[int], int]:
+        """``(name, T1, T2, B1, B2, p)``, lists coldest first: everything that drives
+        decisions, ghosts included, so two runs that differ only in history still differ."""
+        return (self.name, list(self._t1), list(self._t2), list(self._b1), list(self._b2), self._p)
+
+    def clear(self) -> None:
+        """Forget everything, ghosts and ``p`` included (reset)."""
+        self._t1.clear()
+        self._t2.clear()
+        self._b1.clear()
+        self._b2.clear()
+        self._p = 0
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._t1 or block_hash in self._t2
+
+    def __repr__(self) -> str:
+        return (
+            f"ARCPolicy(capacity={self.capacity}, p={self._p}, t1={len(self._t1)}, "
+            f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
+        )

@@ -1,0 +1,83 @@
+"""Least-recently-used eviction: the tier's entries in recency order, coldest first.
+
+Part of the pure state (see ``base.py``): mutated only by ``evolve``, queried by ``decide``.
+An ``OrderedDict`` keeps the order rather than a plain ``dict``: re-inserting into a plain
+dict leaves holes at its front that every ``victims`` call would have to skip (measured
+~170 µs per call on a churned 100k-entry dict against ~0.5 µs here), and ``move_to_end`` is
+also the fastest touch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from itertools import islice
+
+
+class LRUPolicy:
+    """Evicts the least recently inserted-or-touched resident hash first.
+
+    The chain rule (F14) is the caller's part: touching a chain deepest-first leaves the
+    head most recent, so tails go before heads.
+    """
+
+    __slots__ = ("_order",)
+
+    name = "lru"
+
+    def __init__(self, capacity: int = 0) -> None:
+        """``capacity`` is accepted so every policy is built the same way; LRU keeps no
+        history beyond the residents, so it does not need it."""
+        # Values are unused: the keys' order (coldest first) is the whole state.
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def insert(self, block_hash: int) -> None:
+        """``block_hash`` became resident and is the most recent.
+
+        Raises ``ValueError`` if it is already tracked: the state and the policy disagree,
+        and silently keeping the old position would corrupt the order.
+        """
+        order = self._order
+        if block_hash in order:
+            raise ValueError(f"block hash {block_hash} is already resident in the lru policy")
+        order[block_hash] = None
+
+    def touch(self, block_hash: int) -> None:
+        """``block_hash`` was used: it becomes the most recent. ``KeyError`` if not resident."""
+        self._order.move_to_end(block_hash)
+
+    def remove(self, block_hash: int, ghost: bool = True) -> None:
+        """``block_hash`` left the tier. ``ghost`` is accepted for interface parity with
+        ARC (LRU remembers nothing about evicted hashes). ``KeyError`` if not resident."""
+        del self._order[block_hash]
+
+    def victims(self, num_blocks: int, evictable: Callable[[int], bool]) -> list[int] | None:
+        """The ``num_blocks`` coldest evictable hashes, coldest first, or ``None`` if there
+        are fewer (all-or-nothing, F8). Scans from the cold end and stops at ``num_blocks``."""
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if num_blocks > len(self._order):
+            return None
+        chosen = list(islice(filter(evictable, self._order), num_blocks))
+        return chosen if len(chosen) == num_blocks else None
+
+    def resident(self) -> list[int]:
+        """Resident hashes, coldest first."""
+        return list(self._order)
+
+    def snapshot(self) -> tuple[str, list[int]]:
+        """``(name, resident hashes coldest first)``: everything that drives decisions."""
+        return (self.name, list(self._order))
+
+    def clear(self) -> None:
+        """Forget everything (reset)."""
+        self._order.clear()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._order
+
+    def __repr__(self) -> str:
+        return f"LRUPolicy(resident={len(self._order)})"

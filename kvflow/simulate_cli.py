@@ -1,0 +1,223 @@
+"""The ``kvflow simulate`` verb (DESIGN §6, §7). Heavy imports (rich, matplotlib) are lazy."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from kvflow.errors import KvflowError
+
+
+def _fail(message: str) -> None:
+    click.echo(f"kvflow: error: {message}", err=True)
+    sys.exit(2)
+
+
+def _count_lines(path: str) -> int | None:
+    if path.endswith(".gz"):
+        return None
+    try:
+        with open(path, "rb") as fh:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
+    except OSError:
+        return None
+
+
+def _run(path: str, options: Any, show_progress: bool) -> dict[str, Any]:
+    from kvflow.simulate import simulate
+
+    if not show_progress:
+        return simulate(path, options)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    total = _count_lines(path)
+    with Progress(
+        TextColumn("[bold]simulate[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+        console=None,
+    ) as progress:
+        task = progress.add_task("requests", total=total)
+        return simulate(path, options, progress=lambda: progress.advance(task))
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = summary["config"]
+    table = Table(
+        title=(
+            f"kvflow simulate · {summary['mode']} · cpu {cfg['cpu_blocks']} blocks · device "
+            f"{cfg['device_blocks']} · {cfg['policy']} · {cfg['store']}"
+        ),
+        show_header=True,
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    prompt = summary["prompt_tokens"] or 1
+    rows: list[tuple[str, str]] = [
+        ("requests", f"{summary['requests']:,}"),
+        ("prompt tokens", f"{summary['prompt_tokens']:,}"),
+        ("hit tokens", f"{summary['hit_tokens']:,} ({summary['hit_tokens'] / prompt:.1%})"),
+        ("  device hit tokens", f"{summary['device_hit_tokens']:,}"),
+        ("  cpu hit tokens", f"{summary['cpu_hit_tokens']:,}"),
+        ("stored blocks", f"{summary['stored_blocks']:,}"),
+        ("loaded blocks", f"{summary['loaded_blocks']:,}"),
+        ("evicted blocks", f"{summary['evicted_blocks']:,}"),
+        ("rejected blocks", f"{summary['rejected_blocks']:,}"),
+        ("failed jobs", f"{summary['failed_jobs']:,} (timed out {summary['timed_out_jobs']:,})"),
+        ("bytes stored / loaded", f"{summary['bytes_stored'] / 1e9:,.1f} GB / {summary['bytes_loaded'] / 1e9:,.1f} GB"),
+        ("simulated time", f"{summary['sim_time_ms'] / 1000:,.1f} s"),
+    ]
+    for key in ("load_p50_ms", "load_p90_ms", "load_p99_ms"):
+        if summary.get(key) is not None:
+            rows.append((key.replace("_", " "), f"{summary[key]:.3f} ms"))
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def _parse_caps(text: str) -> list[int]:
+    caps = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise KvflowError(f"--sweep: {part!r} is not a whole number of CPU blocks") from None
+        if value < 0:
+            raise KvflowError(f"--sweep: capacity {value} is negative")
+        caps.append(value)
+    if not caps:
+        raise KvflowError("--sweep needs at least one capacity, e.g. --sweep 500,1000,2000")
+    return caps
+
+
+def _sweep(path: str, base: Any, caps: list[int], plot: str, as_json: bool) -> None:
+    import dataclasses
+
+    from kvflow.simulate import simulate
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise KvflowError("--sweep writes a PNG with matplotlib: pip install 'kvflow[plot]'") from None
+    results: dict[str, list[dict[str, Any]]] = {}
+    for policy in ("lru", "arc"):
+        for cap in caps:
+            options = dataclasses.replace(base, cpu_blocks=cap, policy=policy, record=None)
+            summary = simulate(path, options)
+            results.setdefault(policy, []).append(summary)
+            if not as_json:
+                click.echo(
+                    f"{policy:>4} cpu_blocks={cap:>8,}  hit rate {summary['hit_rate']:.2%}  "
+                    f"(cpu {summary['cpu_hit_tokens'] / max(1, summary['prompt_tokens']):.2%})"
+                )
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy, rows in results.items():
+        ax.plot(caps, [r["hit_rate"] * 100 for r in rows], marker="o", label=policy.upper())
+    ax.set_xlabel("CPU tier capacity (blocks)")
+    ax.set_ylabel("prefix hit rate (% of prompt tokens)")
+    ax.set_title(f"kvflow simulate --sweep · device {base.device_blocks} blocks · {base.store}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(plot, dpi=120)
+    except OSError as exc:
+        raise KvflowError(f"cannot write plot {plot}: {exc.strerror or exc}") from None
+    if as_json:
+        click.echo(json.dumps({"plot": plot, "capacities": caps, "results": results}))
+    else:
+        click.echo(f"plot written to {plot}")
+
+
+@click.command()
+@click.argument("workload", type=click.Path(dir_okay=False))
+@click.option("--cpu-blocks", type=int, default=2000, show_default=True, help="CPU tier capacity in blocks (0 disables offload).")
+@click.option("--device-blocks", type=int, default=0, show_default=True, help="Device prefix-cache capacity in blocks (0 allowed).")
+@click.option("--policy", default="lru", show_default=True, help="Eviction policy (lru, arc).")
+@click.option("--store", "store", default="eager", show_default=True, help="Store mode: eager or lazy.")
+@click.option("--block-tokens", type=int, default=512, show_default=True, help="Tokens per block (Mooncake: 512).")
+@click.option("--fault-rate", type=float, default=0.0, show_default=True, help="Probability that a transfer job fails.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the fault draws.")
+@click.option("--mode", type=click.Choice(["sequential", "timed"]), default="sequential", show_default=True,
+              help="sequential: DESIGN §7 one request at a time; timed: arrivals at timestamp, concurrent.")
+@click.option("--bytes-per-block", type=int, default=2 * 1024 * 1024, show_default=True, help="Bytes per KV block (all layers).")
+@click.option("--bandwidth-gbps", type=float, default=55.5, show_default=True, help="Copy bandwidth per direction, GB/s.")
+@click.option("--latency-us", type=float, default=20.0, show_default=True, help="Fixed cost per transfer job, µs.")
+@click.option("--prefill-tokens-per-ms", type=float, default=10.0, show_default=True, help="Timed mode: prefill speed.")
+@click.option("--record", type=click.Path(dir_okay=False), default=None, help="Write a kvflow trace of the run here.")
+@click.option("--sweep", default=None, metavar="CAPS", help="Comma-separated CPU capacities: run both policies at each, plot hit rate.")
+@click.option("--plot", default="sweep.png", show_default=True, help="PNG written by --sweep.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal, not with --json).")
+def simulate(
+    workload: str,
+    cpu_blocks: int,
+    device_blocks: int,
+    policy: str,
+    store: str,
+    block_tokens: int,
+    fault_rate: float,
+    seed: int,
+    mode: str,
+    bytes_per_block: int,
+    bandwidth_gbps: float,
+    latency_us: float,
+    prefill_tokens_per_ms: float,
+    record: str | None,
+    sweep: str | None,
+    plot: str,
+    as_json: bool,
+    progress: bool | None,
+) -> None:
+    """Drive the real decision code over a Mooncake-format WORKLOAD on a virtual clock."""
+    from kvflow.simulate import SimOptions
+
+    try:
+        options = SimOptions(
+            cpu_blocks=cpu_blocks,
+            device_blocks=device_blocks,
+            policy=policy,
+            store=store,
+            block_tokens=block_tokens,
+            fault_rate=fault_rate,
+            seed=seed,
+            mode=mode,
+            bytes_per_block=bytes_per_block,
+            bandwidth_gbps=bandwidth_gbps,
+            latency_us=latency_us,
+            prefill_tokens_per_ms=prefill_tokens_per_ms,
+            record=record,
+        )
+        options.validate()
+        options.config()  # F11: bad capacities / policy names fail before any work
+        if sweep is not None:
+            _sweep(workload, options, _parse_caps(sweep), plot, as_json)
+            return
+        show = progress if progress is not None else (not as_json and sys.stderr.isatty())
+        summary = _run(workload, options, bool(show))
+    except KvflowError as exc:
+        _fail(str(exc))
+        return
+    except OSError as exc:
+        _fail(f"{getattr(exc, 'filename', None) or workload}: {exc.strerror or exc}")
+        return
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        _print_summary(summary)
+        if record:
+            click.echo(f"trace written to {record}")

@@ -1,0 +1,183 @@
+"""Benchmark of the pure core on one core (issue 2's performance targets).
+
+Prints, measured in this one run:
+  * fold speed: block state changes applied per second by ``evolve`` (target >= 1,000,000/s);
+  * trace replay: events per second for decode + fold + checkpoint checks (target >= 300,000/s);
+  * decision overhead: µs per block for an engine step of 256 requests / 4,096 blocks
+    (lookup, accept, stores, plan, results, finish; target <= 1 µs per block).
+
+Usage: python tools/bench_core.py [--requests N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+from kvflow.config import Config
+from kvflow.events import (
+    BlocksEvicted,
+    JobResult,
+    BlocksTouched,
+    JobCompleted,
+    JobFailed,
+    JobsSubmitted,
+    JobTimedOut,
+    LoadQueued,
+    PinsAcquired,
+    PinsReleased,
+    StoreQueued,
+)
+from kvflow.log import TraceWriter
+from kvflow.manager import OffloadManager
+from kvflow.replay import replay
+from kvflow.state import State, fold
+
+
+def block_changes(events: list, store_jobs: dict[int, int]) -> int:
+    """How many per-block state changes the events carry (each block named once per change)."""
+    n = 0
+    for e in events:
+        t = type(e)
+        if t is StoreQueued:
+            store_jobs[e.job_id] = len(e.hashes)
+            n += len(e.hashes)
+        elif t is JobsSubmitted:
+            n += sum(store_jobs.get(j, 0) for j in e.job_ids)  # STORE_QUEUED -> STORING
+        elif t in (JobCompleted, JobFailed, JobTimedOut, BlocksEvicted, BlocksTouched, PinsAcquired, PinsReleased, LoadQueued):
+            n += len(e.hashes)
+    return n
+
+
+def engine_like_run(manager: OffloadManager, requests: int, seed: int, blocks_per_request: int = 16) -> None:
+    """Requests sharing prefixes (a few system prompts + conversations) with 5% failures."""
+    rng = random.Random(seed)
+    next_device = 0
+    roots = [[rng.getrandbits(60) for _ in range(8)] for _ in range(16)]
+    convs: list[list[int]] = []
+    now = 0.0
+    for i in range(requests):
+        if convs and rng.random() < 0.6:
+            conv = rng.choice(convs)
+            conv.extend(rng.getrandbits(60) for _ in range(rng.randint(1, 4)))
+        else:
+            conv = list(rng.choice(roots)) + [rng.getrandbits(60) for _ in range(rng.randint(1, 8))]
+            convs.append(conv)
+            if len(convs) > 64:
+                convs.pop(0)
+        hashes = conv[:blocks_per_request * 4]
+        rid = f"r{i}"
+        tokens = len(hashes) * 16 + 5
+        hits = manager.lookup(rid, hashes, tokens)
+        if hits:
+            manager.accept_hits(rid, range(next_device, next_device + hits))
+            next_device += hits
+        manager.blocks_computed(rid, hashes, range(next_device, next_device + len(hashes)))
+        next_device += len(hashes)
+        now += 1.0
+        for job in manager.plan_step(now):
+            manager.job_result(job.job_id, ok=rng.random() > 0.05, error="bench failure")
+        manager.touch(list(reversed(hashes)))
+        manager.finish_request(rid)
+
+
+def bench_fold(requests: int) -> tuple[float, int, int]:
+    config = Config(cpu_blocks=4096, block_tokens=16)
+    manager = OffloadManager(config)
+    engine_like_run(manager, requests, seed=1)
+    events = manager.log.events()
+    changes = block_changes(events, {})
+    best = float("inf")
+    for _ in range(5):
+        state = State(config)
+        t0 = time.perf_counter()
+        fold(state, events)
+        best = min(best, time.perf_counter() - t0)
+    assert state.digest() == manager.state.digest(), "fold must rebuild the live state"
+    return changes / best, changes, len(events)
+
+
+def bench_replay(requests: int) -> tuple[float, int, int]:
+    config = Config(cpu_blocks=4096, block_tokens=16)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.jsonl")
+        writer = TraceWriter(path, config, checkpoint_every=10_000)
+        manager = OffloadManager(config, log=writer)
+        engine_like_run(manager, requests, seed=2)
+        manager.close()
+        size = os.path.getsize(path)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            result = replay(path)
+            best = min(best, time.perf_counter() - t0)
+            assert result.ok, result.divergence
+        return result.events / best, result.events, size
+
+
+def bench_step(steps: int, requests_per_step: int = 256, blocks_per_request: int = 16) -> tuple[float, int]:
+    """µs of decision time per block for a full engine step."""
+    config = Config(cpu_blocks=64 * 1024, block_tokens=16)
+    manager = OffloadManager(config)
+    rng = random.Random(3)
+    next_device = 0
+    pool = [rng.getrandbits(60) for _ in range(requests_per_step * blocks_per_request * 2)]
+    per_block: list[float] = []
+    blocks_involved = 0
+    for step in range(steps):
+        reqs = []
+        for r in range(requests_per_step):
+            start = rng.randrange(0, len(pool) - blocks_per_request)
+            reqs.append((f"s{step}r{r}", pool[start : start + blocks_per_request]))
+        t0 = time.perf_counter()
+        blocks_involved = 0
+        for rid, hashes in reqs:
+            hits = manager.lookup(rid, hashes, blocks_per_request * 16 + 1)
+            if hits:
+                manager.accept_hits(rid, range(next_device, next_device + hits))
+                next_device += hits
+            manager.blocks_computed(rid, hashes, range(next_device, next_device + blocks_per_request))
+            next_device += blocks_per_request
+            blocks_involved += blocks_per_request
+        jobs = manager.plan_step(float(step))
+        manager.job_results([JobResult(job_id=job.job_id) for job in jobs])
+        for rid, _ in reqs:
+            manager.finish_request(rid)
+        manager.take_notices()
+        elapsed = time.perf_counter() - t0
+        per_block.append(elapsed / blocks_involved * 1e6)
+    return statistics.median(per_block[1:] or per_block), blocks_involved
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    args = parser.parse_args()
+    requests = 1_000 if args.quick else args.requests
+    rate, changes, events = bench_fold(requests)
+    rrate, revents, size = bench_replay(requests)
+    us_per_block, blocks = bench_step(3 if args.quick else 12)
+    rows = [
+        ("fold", f"{rate:,.0f} block changes/s", f"({changes:,} changes in {events:,} events)", 1_000_000, rate, ">="),
+        ("trace replay", f"{rrate:,.0f} events/s", f"({revents:,} events, {size / 1e6:.1f} MB)", 300_000, rrate, ">="),
+        ("engine step", f"{us_per_block:.3f} µs/block", f"(256 requests, {blocks:,} blocks)", 1.0, us_per_block, "<="),
+    ]
+    print(f"kvflow bench_core · python {sys.version.split()[0]} · one core")
+    print(f"{'measure':<14} {'result':<28} {'target':<14} {'ratio':>7}  detail")
+    ok = True
+    for name, result, detail, target, value, cmp in rows:
+        ratio = value / target if cmp == ">=" else target / value
+        passed = ratio >= 1.0
+        ok &= passed
+        print(f"{name:<14} {result:<28} {cmp + ' ' + format(target, ','):<14} {ratio:>6.2f}x  {detail} {'PASS' if passed else 'MISS'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -326,7 +326,7 @@ def _maybe_close(state: State, request_id: str | None) -> Decision:
     if request_id is None:
         return
     req = state.requests.get(request_id)
-    if req is not None and req.finished and not req.jobs and not req.pins:
+    if req is not None and req.finished and not req.jobs and not req.holds_pins():
         yield RequestClosed(seq=state.next_seq, request_id=request_id)
 
 

@@ -47,9 +47,12 @@ from kvflow.log import MemoryLog
 from kvflow.state import State, evolve
 
 
+_INT_ONLY = {int}
+
+
 def _ints(values: Sequence[int]) -> tuple[int, ...]:
     """Block ids and hashes as plain ints (numpy integers and ranges welcome)."""
-    if type(values) is tuple and all(type(v) is int for v in values):
+    if type(values) is tuple and set(map(type, values)) <= _INT_ONLY:
         return values
     try:
         out = tuple(map(int, values))
@@ -123,8 +126,11 @@ class Notices:
 class OffloadManager:
     """The offload decisions for one engine (all ranks): pure state + log + notices."""
 
-    def __init__(self, config: Config, log: Any = None) -> None:
+    def __init__(self, config: Config, log: Any = None, *, paranoid: bool = False) -> None:
+        """``paranoid=True`` re-checks every event's legality as it is applied (tests,
+        debugging); by default the decider's own validation is trusted on the live path."""
         self.config = config
+        self.paranoid = paranoid
         self.state = State(config)
         self.log = log if log is not None else MemoryLog(config)
         self._notices = Notices()
@@ -146,9 +152,10 @@ class OffloadManager:
         self.log.record_command(command)
         notices = self._notices
         observers = self.observers
+        check = self.paranoid
         try:
             while True:
-                evolve(state, event)
+                evolve(state, event, check)
                 events.append(event)
                 notices.observe(event)
                 for observe in observers:

@@ -186,15 +186,28 @@ class Job:
 class Request:
     """What kvflow remembers of a request: its pins and its live jobs."""
 
-    __slots__ = ("request_id", "pins", "offered", "jobs", "finished", "preempted")
+    __slots__ = ("request_id", "offered", "loading", "jobs", "finished", "preempted")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.pins: dict[int, int] = {}  # hash -> pin count held by this request
+        # A request's pins are its offered hits plus the blocks of its live load jobs.
         self.offered: tuple[int, ...] = ()  # lookup hits not yet accepted into a load job
+        self.loading: dict[int, tuple[int, ...]] = {}  # live load job -> its pinned hashes
         self.jobs: dict[int, None] = {}  # live job ids, in order
         self.finished = False
         self.preempted = False
+
+    @property
+    def pins(self) -> dict[int, int]:
+        """hash -> pins this request holds on it (offered hits and live loads)."""
+        counts: dict[int, int] = {}
+        for hashes in (self.offered, *self.loading.values()):
+            for h in hashes:
+                counts[h] = counts.get(h, 0) + 1
+        return counts
+
+    def holds_pins(self) -> bool:
+        return bool(self.offered or self.loading)
 
     def __repr__(self) -> str:
         return (
@@ -274,7 +287,7 @@ class State:
         clone.requests = {}
         for rid, r in self.requests.items():
             nr = Request(rid)
-            nr.pins = dict(r.pins)
+            nr.loading = dict(r.loading)
             nr.offered = r.offered
             nr.jobs = dict(r.jobs)
             nr.finished, nr.preempted = r.finished, r.preempted
@@ -358,6 +371,17 @@ def _check_job(state: State, event: Event, tag: str, job_id: int) -> Job:
     return job
 
 
+def _policy_many(policy: Policy, op: str, hashes: tuple[int, ...]) -> None:
+    """Apply ``op`` to every hash in order, through the policy's bulk method if it has one."""
+    bulk = getattr(policy, op + "_many", None)
+    if bulk is not None:
+        bulk(hashes)
+    else:
+        method = getattr(policy, op)
+        for h in hashes:
+            method(h)
+
+
 def _check_blocks(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:
     """Every hash must name an entry in a state where ``tag`` is legal (fast path)."""
     allowed = _ALLOWED.get(tag, frozenset())
@@ -379,6 +403,8 @@ def _check_free_slots(state: State, event: Event, slots: tuple[int, ...]) -> Non
 
 def _check_device_blocks_free(state: State, event: Event, device_blocks: tuple[int, ...]) -> None:
     held = state.held
+    if held.keys().isdisjoint(device_blocks) and len(set(device_blocks)) == len(device_blocks):
+        return
     for d in device_blocks:
         if d in held:
             raise _illegal(state, event, "HELD", f"device block {d} is held by job {held[d]}")
@@ -411,27 +437,24 @@ def _add_job(state: State, event: StoreQueued | LoadQueued, direction: str) -> J
     state.jobs[event.job_id] = job
     state.queued[event.job_id] = None
     state.last_job_id = event.job_id
-    held = state.held
-    for d in event.device_blocks:
-        held[d] = event.job_id
+    state.held.update(dict.fromkeys(event.device_blocks, event.job_id))
     req = _request(state, event.request_id)
     if req is not None:
         req.jobs[event.job_id] = None
     return job
 
 
-def _evolve_store_queued(state: State, event: StoreQueued) -> None:
-    _new_job_checks(state, event)
+def _evolve_store_queued(state: State, event: StoreQueued, check: bool) -> None:
     entries = state.entries
-    seen: set[int] = set()
-    for h in event.hashes:
-        if h in entries or h in seen:
+    if check:
+        _new_job_checks(state, event)
+        if not entries.keys().isdisjoint(event.hashes) or len(set(event.hashes)) != len(event.hashes):
+            h = next((h for h in event.hashes if h in entries), event.hashes[0])
             raise _illegal(state, event, state.block_state(h).name, f"block {h} is already on the tier")
-        seen.add(h)
-    _check_free_slots(state, event, event.slots)
-    req = state.requests.get(event.request_id) if event.request_id is not None else None
-    if req is not None and req.finished:
-        raise _illegal(state, event, "FINISHED", f"request {event.request_id} is finished")
+        _check_free_slots(state, event, event.slots)
+        req = state.requests.get(event.request_id) if event.request_id is not None else None
+        if req is not None and req.finished:
+            raise _illegal(state, event, "FINISHED", f"request {event.request_id} is finished")
     # apply
     free = state.free_slots
     del free[len(free) - len(event.slots) :]
@@ -441,34 +464,37 @@ def _evolve_store_queued(state: State, event: StoreQueued) -> None:
     _add_job(state, event, STORE)
 
 
-def _evolve_load_queued(state: State, event: LoadQueued) -> None:
-    _new_job_checks(state, event)
+def _evolve_load_queued(state: State, event: LoadQueued, check: bool) -> None:
     req = state.requests.get(event.request_id)
-    if req is None or req.finished:
-        raise _illegal(state, event, "NO_REQUEST", f"request {event.request_id} is not live")
     n = len(event.hashes)
-    if req.offered[:n] != event.hashes:
-        raise _illegal(state, event, "PINS", "a load must take the request's offered hits, in order")
-    entries = state.entries
-    _check_blocks(state, event, "load_queued", event.hashes)
-    for h, s in zip(event.hashes, event.slots):
-        entry = entries[h]
-        if entry.slot != s:
-            raise _illegal(state, event, "RESIDENT", f"block {h} lives in slot {entry.slot}, not {s}")
+    if check:
+        _new_job_checks(state, event)
+        if req is None or req.finished:
+            raise _illegal(state, event, "NO_REQUEST", f"request {event.request_id} is not live")
+        if req.offered[:n] != event.hashes:
+            raise _illegal(state, event, "PINS", "a load must take the request's offered hits, in order")
+        entries = state.entries
+        _check_blocks(state, event, "load_queued", event.hashes)
+        for h, s in zip(event.hashes, event.slots):
+            entry = entries[h]
+            if entry.slot != s:
+                raise _illegal(state, event, "RESIDENT", f"block {h} lives in slot {entry.slot}, not {s}")
+    assert req is not None
     # apply: the request's pins move from "offered" to the job (counts are unchanged)
     req.offered = req.offered[n:]
+    req.loading[event.job_id] = event.hashes
     _add_job(state, event, LOAD)
-    del entries  # (nothing else changes)
 
 
-def _evolve_jobs_submitted(state: State, event: JobsSubmitted) -> None:
+def _evolve_jobs_submitted(state: State, event: JobsSubmitted, check: bool) -> None:
     jobs = state.jobs
-    for jid in event.job_ids:
-        job = _check_job(state, event, "jobs_submitted", jid)
-        if jid not in state.queued:
-            raise _illegal(state, event, job.state.name, f"job {jid} is not queued")
-    if len(set(event.job_ids)) != len(event.job_ids):
-        raise _illegal(state, event, "IN_FLIGHT", "a job is submitted twice in one event")
+    if check:
+        for jid in event.job_ids:
+            job = _check_job(state, event, "jobs_submitted", jid)
+            if jid not in state.queued:
+                raise _illegal(state, event, job.state.name, f"job {jid} is not queued")
+        if len(set(event.job_ids)) != len(event.job_ids):
+            raise _illegal(state, event, "IN_FLIGHT", "a job is submitted twice in one event")
     entries = state.entries
     queued = state.queued
     for jid in event.job_ids:
@@ -500,16 +526,10 @@ def _release_quarantine(state: State, job: Job) -> None:
         free.append(s)
 
 
-def _unpin(state: State, req: Request, hashes: tuple[int, ...]) -> None:
+def _unpin(state: State, hashes: tuple[int, ...]) -> None:
     entries = state.entries
-    pins = req.pins
     for h in hashes:
         entries[h].pins -= 1
-        left = pins[h] - 1
-        if left:
-            pins[h] = left
-        else:
-            del pins[h]
 
 
 def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, tag: str) -> Job:
@@ -525,14 +545,16 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
     return job
 
 
-def _evolve_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut) -> None:
-    tag = event_name(event)
-    job = _check_terminal(state, event, tag)
-    if isinstance(event, JobCompleted):
-        if job.acks | (1 << event.rank) != (1 << state.config.world_size) - 1:
-            raise _illegal(state, event, job.state.name, f"job {job.job_id} lacks rank results")
-        if not 0 <= event.rank < state.config.world_size:
-            raise _illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+def _evolve_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check: bool) -> None:
+    if check:
+        job = _check_terminal(state, event, event_name(event))
+        if isinstance(event, JobCompleted):
+            if job.acks | (1 << event.rank) != (1 << state.config.world_size) - 1:
+                raise _illegal(state, event, job.state.name, f"job {job.job_id} lacks rank results")
+            if not 0 <= event.rank < state.config.world_size:
+                raise _illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+    else:
+        job = state.jobs[event.job_id]
     # apply
     _finish_job(state, job)
     if job.abandoned:
@@ -541,21 +563,21 @@ def _evolve_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut
     entries = state.entries
     if job.direction == STORE:
         if isinstance(event, JobCompleted):
-            policy = state.policy
             for h in job.hashes:
-                entries[h].state = RESIDENT
-                entries[h].job_id = 0
-                policy.insert(h)
+                e = entries[h]
+                e.state = RESIDENT
+                e.job_id = 0
+            _policy_many(state.policy, "insert", job.hashes)
         else:
             free = state.free_slots
             for h in reversed(job.hashes):
                 free.append(entries.pop(h).slot)
     else:
-        req = state.requests[job.request_id]  # type: ignore[index]
-        _unpin(state, req, job.hashes)
+        del state.requests[job.request_id].loading[job.job_id]  # type: ignore[index]
+        _unpin(state, job.hashes)
 
 
-def _evolve_rank_succeeded(state: State, event: RankSucceeded) -> None:
+def _evolve_rank_succeeded(state: State, event: RankSucceeded, check: bool = True) -> None:
     job = _check_job(state, event, "rank_succeeded", event.job_id)
     bit = 1 << event.rank
     if not 0 <= event.rank < state.config.world_size or job.acks & bit:
@@ -565,59 +587,56 @@ def _evolve_rank_succeeded(state: State, event: RankSucceeded) -> None:
     job.acks |= bit
 
 
-def _evolve_late(state: State, event: LateResultIgnored) -> None:
+def _evolve_late(state: State, event: LateResultIgnored, check: bool = True) -> None:
     if event.job_id in state.jobs or not 0 < event.job_id <= state.last_job_id:
         raise _illegal(state, event, "LIVE", f"job {event.job_id} is not terminal")
 
 
-def _evolve_evicted(state: State, event: BlocksEvicted) -> None:
+def _evolve_evicted(state: State, event: BlocksEvicted, check: bool) -> None:
     entries = state.entries
-    if len(event.hashes) != len(event.slots):
-        raise _illegal(state, event, "RESIDENT", "hashes and slots differ in length")
-    _check_blocks(state, event, "blocks_evicted", event.hashes)
-    for h, s in zip(event.hashes, event.slots):
-        entry = entries[h]
-        if entry.pins or entry.slot != s:
-            raise _illegal(state, event, "RESIDENT", f"block {h} is pinned or not in slot {s}")
-    if len(set(event.hashes)) != len(event.hashes):
-        raise _illegal(state, event, "RESIDENT", "a block is evicted twice in one event")
-    policy = state.policy
+    if check:
+        if len(event.hashes) != len(event.slots):
+            raise _illegal(state, event, "RESIDENT", "hashes and slots differ in length")
+        _check_blocks(state, event, "blocks_evicted", event.hashes)
+        for h, s in zip(event.hashes, event.slots):
+            entry = entries[h]
+            if entry.pins or entry.slot != s:
+                raise _illegal(state, event, "RESIDENT", f"block {h} is pinned or not in slot {s}")
+        if len(set(event.hashes)) != len(event.hashes):
+            raise _illegal(state, event, "RESIDENT", "a block is evicted twice in one event")
     free = state.free_slots
     for h in reversed(event.hashes):
         free.append(entries.pop(h).slot)
-    for h in event.hashes:
-        policy.remove(h)
+    _policy_many(state.policy, "remove", event.hashes)
 
 
-def _evolve_touched(state: State, event: BlocksTouched) -> None:
-    _check_blocks(state, event, "blocks_touched", event.hashes)
-    touch = state.policy.touch
-    for h in event.hashes:
-        touch(h)
+def _evolve_touched(state: State, event: BlocksTouched, check: bool) -> None:
+    if check:
+        _check_blocks(state, event, "blocks_touched", event.hashes)
+    _policy_many(state.policy, "touch", event.hashes)
 
 
-def _evolve_rejected(state: State, event: StoreRejected) -> None:
+def _evolve_rejected(state: State, event: StoreRejected, check: bool = True) -> None:
     if not event.hashes:
         raise _illegal(state, event, "RESIDENT", "a rejection names at least one block")
     _request(state, event.request_id)
 
 
-def _evolve_pins_acquired(state: State, event: PinsAcquired) -> None:
-    req = state.requests.get(event.request_id)
-    if req is not None and (req.finished or req.offered):
-        raise _illegal(state, event, "PINS", f"request {event.request_id} has offered pins or is finished")
-    _check_blocks(state, event, "pins_acquired", event.hashes)
+def _evolve_pins_acquired(state: State, event: PinsAcquired, check: bool) -> None:
+    if check:
+        req = state.requests.get(event.request_id)
+        if req is not None and (req.finished or req.offered):
+            raise _illegal(state, event, "PINS", f"request {event.request_id} has offered pins or is finished")
+        _check_blocks(state, event, "pins_acquired", event.hashes)
     req = _request(state, event.request_id)
     assert req is not None
     entries = state.entries
-    pins = req.pins
     for h in event.hashes:
         entries[h].pins += 1
-        pins[h] = pins.get(h, 0) + 1
     req.offered = event.hashes
 
 
-def _evolve_pins_released(state: State, event: PinsReleased) -> None:
+def _evolve_pins_released(state: State, event: PinsReleased, check: bool = True) -> None:
     req = state.requests.get(event.request_id)
     if req is None:
         raise _illegal(state, event, "NO_REQUEST", f"request {event.request_id}")
@@ -628,10 +647,10 @@ def _evolve_pins_released(state: State, event: PinsReleased) -> None:
     if offered[len(offered) - n :] != event.hashes or n == 0:
         raise _illegal(state, event, "PINS", f"request {event.request_id} does not hold these offered pins")
     req.offered = offered[: len(offered) - n]
-    _unpin(state, req, event.hashes)
+    _unpin(state, event.hashes)
 
 
-def _evolve_finished(state: State, event: RequestFinished) -> None:
+def _evolve_finished(state: State, event: RequestFinished, check: bool = True) -> None:
     req = state.requests.get(event.request_id)
     if req is None or req.finished:
         raise _illegal(state, event, "NO_REQUEST" if req is None else "FINISHED", f"request {event.request_id}")
@@ -641,14 +660,14 @@ def _evolve_finished(state: State, event: RequestFinished) -> None:
     req.preempted = event.preempted
 
 
-def _evolve_closed(state: State, event: RequestClosed) -> None:
+def _evolve_closed(state: State, event: RequestClosed, check: bool = True) -> None:
     req = state.requests.get(event.request_id)
-    if req is None or not req.finished or req.jobs or req.pins:
+    if req is None or not req.finished or req.jobs or req.holds_pins():
         raise _illegal(state, event, "LIVE", f"request {event.request_id} cannot close yet")
     del state.requests[event.request_id]
 
 
-def _evolve_reset(state: State, event: Reset) -> None:
+def _evolve_reset(state: State, event: Reset, check: bool = True) -> None:
     abandoned = event.abandoned_job_ids
     if state.queued:
         raise _illegal(state, event, "QUEUED", "queued jobs must be cancelled before a reset")
@@ -692,13 +711,18 @@ _EVOLVERS: dict[type, Callable[[State, Any], None]] = {
 }
 
 
-def evolve(state: State, event: Event) -> State:
-    """Apply one event (in place) and return the state; illegal → IllegalTransition, no change."""
+def evolve(state: State, event: Event, check: bool = True) -> State:
+    """Apply one event (in place) and return the state; illegal → IllegalTransition, no change.
+
+    ``check=False`` skips the per-block legality checks. Only the live path uses it, for
+    events its own ``decide`` just produced from this very state (the decider validated
+    them); folds and replays of recorded logs always check.
+    """
     if event.seq != state.next_seq:
         raise IllegalTransition(
             f"SEQ {state.next_seq}", f"{event_name(event)}#{event.seq}", "events must be gapless"
         )
-    _EVOLVERS[type(event)](state, event)
+    _EVOLVERS[type(event)](state, event, check)
     state.next_seq += 1
     return state
 

@@ -9,7 +9,7 @@ also the fastest touch.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from itertools import islice
 
@@ -45,6 +45,22 @@ class LRUPolicy:
     def touch(self, block_hash: int) -> None:
         """``block_hash`` was used: it becomes the most recent. ``KeyError`` if not resident."""
         self._order.move_to_end(block_hash)
+
+    def insert_many(self, hashes: tuple[int, ...]) -> None:
+        """``insert`` for each hash in order (one C-level update on the hot path)."""
+        order = self._order
+        if not order.keys().isdisjoint(hashes):
+            dup = next(h for h in hashes if h in order)
+            raise ValueError(f"block hash {dup} is already resident in the lru policy")
+        order.update(dict.fromkeys(hashes))
+
+    def touch_many(self, hashes: tuple[int, ...]) -> None:
+        """``touch`` for each hash in order."""
+        deque(map(self._order.move_to_end, hashes), 0)
+
+    def remove_many(self, hashes: tuple[int, ...]) -> None:
+        """``remove`` for each hash."""
+        deque(map(self._order.__delitem__, hashes), 0)
 
     def remove(self, block_hash: int, ghost: bool = True) -> None:
         """``block_hash`` left the tier. ``ghost`` is accepted for interface parity with

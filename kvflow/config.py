@@ -52,7 +52,7 @@ def validate_config(config: Config) -> None:
         )
     if not _is_int(config.block_tokens) or config.block_tokens <= 0:
         raise ConfigError(f"block_tokens must be a whole number > 0, got {config.block_tokens!r}")
-    if config.policy not in POLICIES:
+    if not isinstance(config.policy, str) or config.policy not in POLICIES:
         known = ", ".join(sorted(POLICIES))
         raise ConfigError(f"unknown policy {config.policy!r}; known policies: {known}")
     if config.store_mode not in STORE_MODES:

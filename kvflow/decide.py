@@ -99,6 +99,10 @@ def decide_lookup(state: State, cmd: Lookup) -> Decision:
 
 
 def decide_accept_hits(state: State, cmd: AcceptHits) -> Decision:
+    if not state.config.enabled:
+        if cmd.device_blocks:
+            raise Rejected(f"accept_hits: offload is disabled, request {cmd.request_id} was offered nothing")
+        return None
     req = state.requests.get(cmd.request_id)
     if req is None or req.finished:
         raise UnknownRequest(f"accept_hits: request {cmd.request_id} has no live lookup")
@@ -305,14 +309,15 @@ def decide_plan_step(state: State, cmd: PlanStep) -> Decision:
     yield JobsSubmitted(
         seq=state.next_seq,
         job_ids=job_ids,
-        now_ms=cmd.now_ms,
-        deadline_ms=cmd.now_ms + state.config.job_deadline_ms,
+        now_ms=float(cmd.now_ms),
+        deadline_ms=float(cmd.now_ms + state.config.job_deadline_ms),
     )
     return jobs
 
 
 def _terminal_fields(job: Job) -> dict[str, Any]:
     return {
+        "abandoned": job.abandoned,
         "job_id": job.job_id,
         "direction": job.direction,
         "request_id": job.request_id,
@@ -391,7 +396,7 @@ def decide_tick(state: State, cmd: Tick) -> Decision:
     for job in expired:
         request_id = None if job.abandoned else job.request_id
         yield JobTimedOut(
-            seq=state.next_seq, now_ms=cmd.now_ms, deadline_ms=job.deadline_ms, **_terminal_fields(job)
+            seq=state.next_seq, now_ms=float(cmd.now_ms), deadline_ms=float(job.deadline_ms), **_terminal_fields(job)
         )
         yield from _maybe_close(state, request_id)
     return len(expired)

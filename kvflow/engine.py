@@ -271,6 +271,8 @@ class SyncEngine:
         c = self.counters
         if kind is JobsSubmitted:
             c.jobs_submitted += len(event.job_ids)  # type: ignore[union-attr]
+        elif (kind is JobCompleted or kind is JobFailed or kind is JobTimedOut) and event.abandoned:  # type: ignore[union-attr]
+            self._submitted_at.pop(event.job_id, None)  # type: ignore[union-attr]
         elif kind is JobCompleted or kind is JobFailed or kind is JobTimedOut:
             n = len(event.hashes)  # type: ignore[union-attr]
             started = self._submitted_at.pop(event.job_id, None)  # type: ignore[union-attr]

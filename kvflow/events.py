@@ -85,6 +85,9 @@ class _Terminal(_Event, kw_only=True):
     hashes: Hashes
     device_blocks: Blocks
     slots: Blocks
+    # True for a job a reset abandoned: its end only frees quarantined slots and device
+    # blocks; nothing becomes visible and no request is told.
+    abandoned: bool = False
 
 
 class JobCompleted(_Terminal, tag="job_completed"):
@@ -112,7 +115,8 @@ class JobTimedOut(_Terminal, tag="job_timed_out"):
 
 
 class LateResultIgnored(_Event, tag="late_result_ignored"):
-    """A result for a job that is already terminal: recorded, changes nothing."""
+    """A result for a job that is already terminal, or a rank repeating its success:
+    recorded, changes nothing."""
 
     job_id: int
     rank: int

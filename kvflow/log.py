@@ -201,10 +201,13 @@ def _field_message(exc: msgspec.ValidationError | msgspec.DecodeError) -> str:
         field = where.rstrip("`").lstrip(".") or "record"
         if field == "type" and what.startswith("Invalid value"):
             return f"field 'type': unknown record type {what.split('Invalid value ', 1)[1]}"
-        return f"field '{field}': {what[0].lower()}{what[1:]}"
+        return f"field '{field}': {what[0].lower() + what[1:] if what[1:2].islower() else what}"
     if text.startswith("Object missing required field"):
         return "missing required field " + text.split("field", 1)[1].strip().replace("`", "'")
-    return text[0].lower() + text[1:] if text else "malformed record"
+    if not text:
+        return "malformed record"
+    # "Expected ..." -> "expected ...", but keep "JSON is malformed" as it is
+    return text[0].lower() + text[1:] if text[1:2].islower() else text
 
 
 class TraceReader:

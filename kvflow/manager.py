@@ -63,6 +63,16 @@ def _ints(values: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
+def _hashes(values: Sequence[int]) -> tuple[int, ...]:
+    """Block hashes: integers that fit in 64 bits (signed or unsigned), so that traces and
+    state digests encode them exactly. Hash a longer digest down first (e.g. its first 8
+    bytes as an int)."""
+    out = _ints(values)
+    if out and (min(out) < -(2**63) or max(out) >= 2**64):
+        raise Rejected("block hashes must fit in 64 bits; hash a longer digest down to 8 bytes first")
+    return out
+
+
 @dataclass
 class LoadFailure:
     """A load that did not land: ``device_blocks`` hold garbage and must be recomputed."""
@@ -100,6 +110,8 @@ class Notices:
         kind = type(event)
         if kind is JobCompleted or kind is JobFailed or kind is JobTimedOut:
             self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
+            if event.abandoned:  # type: ignore[union-attr]
+                return  # a reset already told the engine; only the holds end now
             error = None
             if kind is JobFailed:
                 error = event.error  # type: ignore[union-attr]
@@ -181,7 +193,7 @@ class OffloadManager:
         answer, _ = self.handle(
             Lookup(
                 request_id=request_id,
-                block_hashes=_ints(block_hashes),
+                block_hashes=_hashes(block_hashes),
                 num_tokens=num_tokens,
                 device_hit_blocks=device_hit_blocks,
             )
@@ -199,7 +211,7 @@ class OffloadManager:
         """Eager mode: store the computed blocks not yet on the tier (F3 dedupe)."""
         answer, _ = self.handle(
             BlocksComputed(
-                request_id=request_id, block_hashes=_ints(block_hashes), device_blocks=_ints(device_blocks)
+                request_id=request_id, block_hashes=_hashes(block_hashes), device_blocks=_ints(device_blocks)
             )
         )
         return answer  # type: ignore[no-any-return]
@@ -207,12 +219,12 @@ class OffloadManager:
     def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
         """Lazy mode: store blocks the device cache is about to drop."""
         answer, _ = self.handle(
-            DeviceBlocksEvicting(block_hashes=_ints(block_hashes), device_blocks=_ints(device_blocks))
+            DeviceBlocksEvicting(block_hashes=_hashes(block_hashes), device_blocks=_ints(device_blocks))
         )
         return answer  # type: ignore[no-any-return]
 
     def touch(self, block_hashes: Sequence[int]) -> int:
-        answer, _ = self.handle(Touch(block_hashes=_ints(block_hashes)))
+        answer, _ = self.handle(Touch(block_hashes=_hashes(block_hashes)))
         return int(answer)
 
     def evict(self, num_blocks: int) -> int:

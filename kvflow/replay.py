@@ -33,6 +33,7 @@ class Divergence:
     digest_before: str | None = None
     digest_recorded: str | None = None
     digest_produced: str | None = None
+    command_line: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         import msgspec
@@ -51,6 +52,7 @@ class Divergence:
             "digest_before": self.digest_before,
             "digest_recorded": self.digest_recorded,
             "digest_produced": self.digest_produced,
+            "command_line": self.command_line,
         }
 
 
@@ -108,7 +110,9 @@ def replay(
         if redecide:
             _redecide(reader.records(), result, until, strict, on_event)
         else:
-            _fold(reader.records(command_stubs=True), result, until, strict, on_event)
+            # commands are decoded and validated in full even though a fold does not use them:
+            # a malformed line must stop the replay with its file and line (DESIGN §5)
+            _fold(reader.records(), result, until, strict, on_event)
         result.warnings.extend(reader.warnings)
     if result.divergence is None and result.stopped_at is None:
         problems = check_invariants(result.state)
@@ -325,6 +329,7 @@ class _Redecider:
             digest_before=digest_before,
             digest_recorded=digest_recorded,
             digest_produced=digest_produced,
+            command_line=self.command_line,
         )
 
 
@@ -362,7 +367,9 @@ def _redecide(
     redecider.finish()
 
 
-def repro_command(path: str, divergence: Divergence, redecide: bool) -> str:
-    """The one command that reproduces a divergence."""
-    flag = " --redecide" if redecide else ""
-    return f"kvflow replay {path}{flag} --until {divergence.seq}"
+def repro_command(path: str, divergence: Divergence, redecide: bool, strict: bool = False) -> str:
+    """The one command that reproduces a divergence (the path shell-quoted)."""
+    import shlex
+
+    flags = (" --redecide" if redecide else "") + (" --strict" if strict else "")
+    return f"kvflow replay {shlex.quote(path)}{flags} --until {divergence.seq}"

@@ -75,7 +75,7 @@ ABSENT, STORE_QUEUED, STORING, RESIDENT = (
 # (state, event tag) -> next state, for one CPU-tier entry named by the event.
 # Pins are a counter on a RESIDENT entry (see PIN rules in evolve), not a separate state.
 BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
-    ABSENT: {"store_queued": STORE_QUEUED},
+    ABSENT: {"store_queued": STORE_QUEUED, "reset": ABSENT},
     STORE_QUEUED: {
         "jobs_submitted": STORING,
         "job_failed": ABSENT,  # cancelled before submission (reset)
@@ -84,9 +84,11 @@ BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
         "job_completed": RESIDENT,
         "job_failed": ABSENT,
         "job_timed_out": ABSENT,
+        "reset": ABSENT,  # dropped; its slot stays quarantined until the job reports
     },
     RESIDENT: {
         "load_queued": RESIDENT,
+        "jobs_submitted": RESIDENT,  # its load job was handed to the executor
         "job_completed": RESIDENT,  # a load finished: its pin is released
         "job_failed": RESIDENT,  # a load failed: entry stays, pin released (F1)
         "job_timed_out": RESIDENT,
@@ -110,6 +112,7 @@ JOB_TRANSITIONS: dict[JobState, dict[str, JobState]] = {
         "job_failed": JobState.FAILED,
         "job_timed_out": JobState.TIMED_OUT,
         "reset": JobState.IN_FLIGHT,  # abandoned: stays in flight until it reports
+        "late_result_ignored": JobState.IN_FLIGHT,  # a rank repeated its success
     },
     JobState.COMPLETED: {"late_result_ignored": JobState.COMPLETED},
     JobState.FAILED: {"late_result_ignored": JobState.FAILED},
@@ -227,7 +230,8 @@ class State:
         # Free slots as a stack: allocation takes from the end, so a fresh tier hands out
         # 0, 1, 2... (contiguous host runs keep the executor's copies at full speed).
         self.free_slots: list[int] = list(range(config.cpu_blocks - 1, -1, -1))
-        self.quarantine: dict[int, int] = {}  # slot -> abandoned job still using it
+        # slot -> abandoned jobs still using it (two abandoned loads can read one slot)
+        self.quarantine: dict[int, tuple[int, ...]] = {}
         self.jobs: dict[int, Job] = {}  # live jobs by id (queued or in flight)
         self.queued: dict[int, None] = {}  # queued, not yet submitted, in id order
         self.held: dict[int, int] = {}  # device block -> live job holding it
@@ -331,7 +335,7 @@ class State:
             self.last_job_id,
             entries,
             list(self.free_slots),
-            sorted(self.quarantine.items()),
+            sorted((s, list(j)) for s, j in self.quarantine.items()),
             jobs,
             sorted(self.queued),
             sorted(self.held.items()),
@@ -521,9 +525,14 @@ def _finish_job(state: State, job: Job) -> None:
 def _release_quarantine(state: State, job: Job) -> None:
     quarantine = state.quarantine
     free = state.free_slots
+    jid = job.job_id
     for s in reversed(job.slots):
-        del quarantine[s]
-        free.append(s)
+        users = tuple(j for j in quarantine[s] if j != jid)
+        if users:
+            quarantine[s] = users  # another abandoned job still reads this slot
+        else:
+            del quarantine[s]
+            free.append(s)
 
 
 def _unpin(state: State, hashes: tuple[int, ...]) -> None:
@@ -548,6 +557,8 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
 def _evolve_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check: bool) -> None:
     if check:
         job = _check_terminal(state, event, event_name(event))
+        if event.abandoned != job.abandoned:
+            raise _illegal(state, event, job.state.name, f"job {job.job_id} abandoned is {job.abandoned}")
         if isinstance(event, JobCompleted):
             if job.acks | (1 << event.rank) != (1 << state.config.world_size) - 1:
                 raise _illegal(state, event, job.state.name, f"job {job.job_id} lacks rank results")
@@ -588,8 +599,13 @@ def _evolve_rank_succeeded(state: State, event: RankSucceeded, check: bool = Tru
 
 
 def _evolve_late(state: State, event: LateResultIgnored, check: bool = True) -> None:
-    if event.job_id in state.jobs or not 0 < event.job_id <= state.last_job_id:
-        raise _illegal(state, event, "LIVE", f"job {event.job_id} is not terminal")
+    job = state.jobs.get(event.job_id)
+    if job is not None:
+        # legal for a live job only as a repeat of a rank that already reported success
+        if not (0 <= event.rank < 64 and job.acks & (1 << event.rank)):
+            raise _illegal(state, event, job.state.name, f"job {event.job_id} is live")
+    elif not 0 < event.job_id <= state.last_job_id:
+        raise _illegal(state, event, "NEW", f"job {event.job_id} was never queued")
 
 
 def _evolve_evicted(state: State, event: BlocksEvicted, check: bool) -> None:
@@ -681,7 +697,7 @@ def _evolve_reset(state: State, event: Reset, check: bool = True) -> None:
             continue
         job.abandoned = True
         for s in job.slots:
-            quarantine[s] = jid
+            quarantine[s] = quarantine.get(s, ()) + (jid,)
     free = state.free_slots
     for e in state.entries.values():
         if e.slot not in quarantine:
@@ -759,8 +775,12 @@ def check_invariants(state: State) -> list[str]:
         own(s, "free")
     for h, e in state.entries.items():
         own(e.slot, f"block {h}")
-    for s, jid in state.quarantine.items():
-        own(s, f"quarantine of job {jid}")
+    for s, jids in state.quarantine.items():
+        own(s, f"quarantine of jobs {list(jids)}")
+        for jid in jids:
+            job = state.jobs.get(jid)
+            if job is None or not job.abandoned or s not in job.slots:
+                problems.append(f"slot {s} quarantined for job {jid}, which is not an abandoned job using it")
     if len(owner) != cap and not problems:
         problems.append(f"free + used + quarantined = {len(owner)} != capacity {cap}")
 

@@ -63,22 +63,32 @@ class ARCPolicy:
 
         Raises ``ValueError`` if it is already resident: the state and the policy disagree.
         """
-        if block_hash in self._t1 or block_hash in self._t2:
-            raise ValueError(f"block hash {block_hash} is already resident in the arc policy")
         b1 = self._b1
         b2 = self._b2
+        # Ghosts are never resident, so a ghost hit needs no residency check.
         if block_hash in b1:
             # Step computed with the hit still counted in B1, as in the paper.
             self._p = min(self.capacity, self._p + max(1, len(b2) // len(b1)))
             del b1[block_hash]
             self._t2[block_hash] = None
-        elif block_hash in b2:
+            return
+        if block_hash in b2:
             self._p = max(0, self._p - max(1, len(b1) // len(b2)))
             del b2[block_hash]
             self._t2[block_hash] = None
-        else:
-            self._t1[block_hash] = None
-            self._trim_ghosts()
+            return
+        t1 = self._t1
+        t2 = self._t2
+        if block_hash in t1 or block_hash in t2:
+            raise ValueError(f"block hash {block_hash} is already resident in the arc policy")
+        t1[block_hash] = None
+        # The hot path of a full tier, inlined: L1 and L1 + L2 grew by one and the bounds
+        # held before, so at most one ghost of each kind has to go (_trim_ghosts, unrolled).
+        capacity = self.capacity
+        if b1 and len(t1) + len(b1) > capacity:
+            b1.popitem(last=False)
+        if (b1 or b2) and len(t1) + len(t2) + len(b1) + len(b2) > 2 * capacity:
+            (b2 or b1).popitem(last=False)
 
     def touch(self, block_hash: int) -> None:
         """A resident hash was used: it becomes the most recent of ``T2``.
@@ -95,15 +105,18 @@ class ARCPolicy:
         ``B2`` so a quick return adapts ``p``; any other removal (a reset, a failed entry)
         says nothing about the workload and leaves no ghost. ``KeyError`` if not resident."""
         t1 = self._t1
+        t2 = self._t2
         if block_hash in t1:
             del t1[block_hash]
             if ghost:
                 self._b1[block_hash] = None
         else:
-            del self._t2[block_hash]
+            del t2[block_hash]
             if ghost:
                 self._b2[block_hash] = None
-        if ghost:
+        # Moving T -> B keeps L1 and L1 + L2, so the bounds still hold unless the residents
+        # alone exceeded the capacity (a state that overfilled the tier).
+        if ghost and len(t1) + len(t2) >= self.capacity:
             self._trim_ghosts()
 
     def _trim_ghosts(self) -> None:

@@ -47,12 +47,20 @@ class LRUPolicy:
         self._order.move_to_end(block_hash)
 
     def insert_many(self, hashes: tuple[int, ...]) -> None:
-        """``insert`` for each hash in order (one C-level update on the hot path)."""
+        """``insert`` for each hash in order (one C-level update on the hot path).
+
+        All-or-nothing: a hash already resident, or repeated in ``hashes`` (which ``insert``
+        one by one would also refuse), raises ``ValueError`` before anything changes.
+        """
         order = self._order
-        if not order.keys().isdisjoint(hashes):
-            dup = next(h for h in hashes if h in order)
-            raise ValueError(f"block hash {dup} is already resident in the lru policy")
-        order.update(dict.fromkeys(hashes))
+        fresh = dict.fromkeys(hashes)
+        if len(fresh) != len(hashes) or not order.keys().isdisjoint(fresh):
+            seen: set[int] = set()
+            for h in hashes:
+                if h in order or h in seen:
+                    raise ValueError(f"block hash {h} is already resident in the lru policy")
+                seen.add(h)
+        order.update(fresh)
 
     def touch_many(self, hashes: tuple[int, ...]) -> None:
         """``touch`` for each hash in order."""

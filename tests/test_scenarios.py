@@ -1,0 +1,541 @@
+"""End-to-end scenarios through ``OffloadManager`` as an engine would drive it, and the trace
+file round trip (TraceWriter → replay / redecide), including damaged and newer traces."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvflow.config import Config
+from kvflow.errors import TraceError
+from kvflow.events import (
+    BlocksEvicted,
+    JobCompleted,
+    JobFailed,
+    LateResultIgnored,
+    LoadQueued,
+    PinsReleased,
+    RankSucceeded,
+    RequestClosed,
+    RequestFinished,
+    StoreQueued,
+    StoreRejected,
+)
+from kvflow.log import TRACE_VERSION, TraceReader, TraceWriter, read_trace
+from kvflow.manager import OffloadManager
+from kvflow.replay import replay
+from kvflow.state import BlockState, State, check_invariants, fold
+
+BT = 4
+DEADLINE_MS = 1000.0
+A, B, C, D, E, F = 21, 22, 23, 24, 25, 26
+
+
+def config(cpu_blocks: int = 4, **kw: Any) -> Config:
+    kw.setdefault("job_deadline_ms", DEADLINE_MS)
+    return Config(cpu_blocks=cpu_blocks, block_tokens=BT, **kw)
+
+
+def manager(cpu_blocks: int = 4, log: Any = None, **kw: Any) -> OffloadManager:
+    return OffloadManager(config(cpu_blocks, **kw), log=log)
+
+
+def tokens(num_blocks: int) -> int:
+    return num_blocks * BT + 1
+
+
+def store(
+    m: OffloadManager, request_id: str | None, hashes: list[int], device_blocks: list[int]
+) -> int:
+    job_id = m.blocks_computed(request_id, hashes, device_blocks)
+    assert job_id is not None
+    m.plan_step(0.0)
+    for rank in range(m.config.world_size):
+        m.job_result(job_id, rank=rank)
+    return job_id
+
+
+def consistent(m: OffloadManager) -> None:
+    assert check_invariants(m.state) == []
+    assert fold(State(m.config), m.log.events()).digest() == m.state.digest()
+
+
+def new_events(m: OffloadManager, start: int) -> list[Any]:
+    return m.log.events()[start:]
+
+
+# --- stores and loads ----------------------------------------------------------------------
+
+
+def test_eager_store_then_load_round_trip() -> None:
+    m = manager(cpu_blocks=8)
+    store_id = m.blocks_computed("r1", [A, B, C], [1, 2, 3])
+    (store_job,) = m.plan_step(0.0)
+    m.job_result(store_id)
+    assert m.take_notices().stores_finished == [store_id]
+    m.finish_request("r1")
+    # a second request with the same prefix
+    assert m.lookup("r2", [A, B, C, D], tokens(4)) == 3
+    load_id = m.accept_hits("r2", [10, 11, 12])
+    (load_job,) = m.plan_step(1.0)
+    assert load_job.direction == "load" and load_job.slots == store_job.slots
+    assert load_job.device_blocks == (10, 11, 12)
+    assert all(m.state.entries[h].pins == 1 for h in (A, B, C))
+    m.job_result(load_id)
+    notices = m.take_notices()
+    assert notices.loads_finished == [("r2", load_id)]
+    assert sorted(notices.released_device_blocks) == [10, 11, 12]
+    assert all(m.state.entries[h].pins == 0 for h in (A, B, C))
+    # r2 computes D and stores only it
+    assert m.blocks_computed("r2", [A, B, C, D], [10, 11, 12, 13]) is not None
+    (job,) = m.plan_step(2.0)
+    assert job.hashes == (D,)
+    m.job_result(job.job_id)
+    m.finish_request("r2")
+    assert not m.state.requests and not m.state.jobs and not m.state.held
+    consistent(m)
+
+
+def test_prompt_exactly_two_blocks_long_hits_only_one_block() -> None:
+    m = manager()
+    store(m, "w", [A, B], [1, 2])
+    assert m.lookup("r", [A, B], 2 * BT) == 1
+    load_id = m.accept_hits("r", [30])
+    (job,) = m.plan_step(1.0)
+    assert job.hashes == (A,)
+    m.job_result(load_id)
+    # the last block is computed (it is already on the tier: no store)
+    assert m.blocks_computed("r", [A, B], [30, 31]) is None
+    m.finish_request("r")
+    consistent(m)
+
+
+def test_second_request_reusing_in_flight_device_blocks_stores_nothing_new() -> None:
+    m = manager(cpu_blocks=8)
+    first = m.blocks_computed("r1", [A, B], [1, 2])
+    m.plan_step(0.0)
+    # before the store lands, r2 shares the prefix on the device (same blocks, same hashes)
+    assert m.lookup("r2", [A, B, C], tokens(3)) == 0
+    start = len(m.log.events())
+    assert m.blocks_computed("r2", [A, B], [1, 2]) is None
+    assert m.plan_step(1.0) == []
+    assert not any(isinstance(e, StoreQueued) for e in new_events(m, start))
+    m.job_result(first)
+    assert m.state.jobs == {} and m.state.held == {}
+    assert m.lookup("r3", [A, B, C], tokens(3)) == 2
+    consistent(m)
+
+
+def test_duplicate_store_of_resident_hashes_uses_no_slots() -> None:
+    m = manager(cpu_blocks=4)
+    store(m, "w", [A, B], [1, 2])
+    free = list(m.state.free_slots)
+    start = len(m.log.events())
+    assert m.blocks_computed("x", [A, B], [5, 6]) is None
+    assert m.state.free_slots == free and new_events(m, start) == []
+    # a mixed call stores only the new hash
+    job_id = m.blocks_computed("x", [A, B, C], [5, 6, 7])
+    assert m.state.jobs[job_id].hashes == (C,)
+    assert len(m.state.free_slots) == len(free) - 1
+    consistent(m)
+
+
+# --- eviction ------------------------------------------------------------------------------
+
+
+def test_lru_storing_c_evicts_a() -> None:
+    m = manager(cpu_blocks=2)
+    store(m, "a", [A], [1])
+    store(m, "b", [B], [2])
+    start = len(m.log.events())
+    store(m, "c", [C], [3])
+    (evicted,) = [e for e in new_events(m, start) if isinstance(e, BlocksEvicted)]
+    assert evicted.hashes == (A,) and evicted.reason == "capacity"
+    assert set(m.state.entries) == {B, C}
+    consistent(m)
+
+
+def test_touched_blocks_survive_eviction() -> None:
+    m = manager(cpu_blocks=2)
+    store(m, "a", [A], [1])
+    store(m, "b", [B], [2])
+    assert m.touch([A, 99]) == 1  # unknown hashes are skipped
+    store(m, "c", [C], [3])
+    assert set(m.state.entries) == {A, C}
+    consistent(m)
+
+
+def test_hit_pinned_at_lookup_survives_cache_pressure_before_allocation() -> None:
+    m = manager(cpu_blocks=3)
+    store(m, "w", [A, B, C], [1, 2, 3])
+    assert m.lookup("r", [A, B, 99], tokens(3)) == 2  # pins A, B (the coldest)
+    # before the engine allocates device blocks, other requests push hard on the tier
+    for i in range(4):
+        m.blocks_computed(f"x{i}", [100 + i], [40 + i])
+        m.plan_step(float(i))
+        m.job_result(m.state.last_job_id)
+    assert m.state.is_resident(A) and m.state.is_resident(B)
+    assert (
+        sum(isinstance(e, StoreRejected) for e in m.log.events()) == 0
+    )  # one slot kept turning over
+    load_id = m.accept_hits("r", [50, 51])
+    m.plan_step(10.0)
+    m.job_result(load_id)
+    assert m.take_notices().loads_finished == [("r", load_id)]
+    consistent(m)
+
+
+# --- request cleanup -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("outcome", ["ok", "failed", "timed_out"])
+@pytest.mark.parametrize("direction", ["load", "store"])
+def test_finish_during_in_flight_job_closes_only_after_completion(
+    direction: str, outcome: str
+) -> None:
+    m = manager(cpu_blocks=8)
+    if direction == "load":
+        store(m, "w", [A, B], [1, 2])
+        m.finish_request("w")
+        assert m.lookup("r", [A, B, 99], tokens(3)) == 2
+        job_id = m.accept_hits("r", [10, 11])
+    else:
+        job_id = m.blocks_computed("r", [A, B], [10, 11])
+    m.plan_step(0.0)
+    start = len(m.log.events())
+    m.finish_request("r", preempted=(direction == "store"))
+    events = new_events(m, start)
+    assert [type(e) for e in events] == [RequestFinished]
+    assert "r" in m.state.requests and m.state.requests["r"].finished
+    assert sorted(m.held_device_blocks()) == [10, 11]
+    if outcome == "ok":
+        m.job_result(job_id)
+    elif outcome == "failed":
+        m.job_result(job_id, ok=False, error="boom")
+    else:
+        m.tick(DEADLINE_MS)
+    last = m.log.events()[-1]
+    assert isinstance(last, RequestClosed) and last.request_id == "r"
+    assert "r" not in m.state.requests and not m.held_device_blocks()
+    if direction == "load":
+        assert m.state.entries[A].pins == 0 and m.state.entries[B].pins == 0
+    consistent(m)
+
+
+def test_engine_accepts_two_of_four_offered_hits() -> None:
+    m = manager(cpu_blocks=8)
+    store(m, "w", [A, B, C, D], [1, 2, 3, 4])
+    assert m.lookup("r", [A, B, C, D, E], tokens(5)) == 4
+    start = len(m.log.events())
+    load_id = m.accept_hits("r", [10, 11])
+    events = new_events(m, start)
+    assert [type(e) for e in events] == [LoadQueued, PinsReleased]
+    assert events[0].hashes == (A, B) and events[1].hashes == (C, D)
+    assert [m.state.entries[h].pins for h in (A, B, C, D)] == [1, 1, 0, 0]
+    m.plan_step(1.0)
+    m.job_result(load_id)
+    assert [m.state.entries[h].pins for h in (A, B, C, D)] == [0, 0, 0, 0]
+    consistent(m)
+
+
+# --- reset ---------------------------------------------------------------------------------
+
+
+def test_reset_with_jobs_in_flight_quarantines_slots_until_they_report() -> None:
+    m = manager(cpu_blocks=4)
+    store(m, "w", [A, B], [1, 2])
+    m.finish_request("w")
+    assert m.lookup("r", [A, 99], tokens(2)) == 1
+    load_id = m.accept_hits("r", [10])
+    store_id = m.blocks_computed("s", [C], [11])
+    m.plan_step(0.0)
+    queued_id = m.blocks_computed("s2", [D], [12])  # queued: cancelled by the reset
+    m.take_notices()
+    m.reset()
+    notices = m.take_notices()
+    assert notices.all_blocks_cleared
+    cancelled = [e for e in m.log.events() if isinstance(e, JobFailed)]
+    assert [e.job_id for e in cancelled] == [queued_id]
+    quarantined = {m.state.jobs[load_id].slots[0], m.state.jobs[store_id].slots[0]}
+    assert set(m.state.quarantine) == quarantined
+    assert m.state.entries == {} and m.state.requests == {}
+    assert sorted(m.held_device_blocks()) == [10, 11]  # still being copied
+    # new stores may not take quarantined slots: only 2 of 4 are usable
+    m.blocks_computed("n", [E, F, 27], [20, 21, 22])
+    used = {e.slot for e in m.state.entries.values()}
+    assert len(used) == 2 and not used & quarantined
+    assert sum(len(e.hashes) for e in m.log.events() if isinstance(e, StoreRejected)) == 1
+    # the abandoned jobs report: their slots are freed, nothing becomes visible
+    m.job_result(store_id)
+    m.job_result(load_id, ok=False, error="late")
+    assert m.state.quarantine == {} and not {10, 11} & set(m.held_device_blocks())
+    assert quarantined <= set(m.state.free_slots)
+    assert m.state.block_state(C) is BlockState.ABSENT
+    assert m.lookup("q", [C, 99], tokens(2)) == 0
+    consistent(m)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: two in-flight loads of one resident block share its slot; reset quarantines "
+    "the slot once (slot -> last job), so the first report frees it and the second raises "
+    "KeyError out of evolve (after mutating state)",
+)
+def test_reset_with_two_loads_of_one_block_in_flight() -> None:
+    m = manager(cpu_blocks=4)
+    store(m, "w", [A], [1])
+    m.finish_request("w")
+    jobs = []
+    for request_id, device_block in (("r1", 10), ("r2", 11)):
+        assert m.lookup(request_id, [A, 99], tokens(2)) == 1
+        jobs.append(m.accept_hits(request_id, [device_block]))
+    m.plan_step(0.0)
+    m.reset()
+    slot = m.state.jobs[jobs[0]].slots[0]
+    m.job_result(jobs[0])
+    assert slot in m.state.quarantine, "the other load still reads this slot"
+    m.job_result(jobs[1])
+    assert m.state.quarantine == {} and slot in m.state.free_slots
+    consistent(m)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: an abandoned store that completes after a reset is reported in "
+    "Notices.stores_finished (and its JobCompleted looks like a real store), though nothing "
+    "became resident",
+)
+def test_abandoned_store_completing_after_reset_is_not_reported_as_stored() -> None:
+    m = manager(cpu_blocks=4)
+    job_id = m.blocks_computed("r", [A], [1])
+    m.plan_step(0.0)
+    m.reset()
+    m.take_notices()
+    m.job_result(job_id)
+    notices = m.take_notices()
+    assert notices.released_device_blocks == [1]
+    assert m.state.block_state(A) is BlockState.ABSENT
+    assert job_id not in notices.stores_finished
+
+
+# --- several ranks -------------------------------------------------------------------------
+
+
+def test_world_size_two_completes_only_after_both_ranks() -> None:
+    m = manager(cpu_blocks=4, world_size=2)
+    job_id = m.blocks_computed("r", [A], [1])
+    m.plan_step(0.0)
+    m.job_result(job_id, rank=1)
+    assert isinstance(m.log.events()[-1], RankSucceeded)
+    assert m.lookup("q", [A, 99], tokens(2)) == 0  # not visible yet
+    assert m.held_device_blocks() == [1]
+    m.job_result(job_id, rank=0)
+    last = m.log.events()[-1]
+    assert isinstance(last, JobCompleted) and last.rank == 0
+    assert m.lookup("q", [A, 99], tokens(2)) == 1
+    consistent(m)
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+@pytest.mark.parametrize("failure_first", [True, False])
+def test_world_size_two_fails_if_either_rank_fails(failing_rank: int, failure_first: bool) -> None:
+    m = manager(cpu_blocks=4, world_size=2)
+    job_id = m.blocks_computed("r", [A], [1])
+    m.plan_step(0.0)
+    other = 1 - failing_rank
+    if not failure_first:
+        m.job_result(job_id, rank=other)
+    m.job_result(job_id, rank=failing_rank, ok=False, error="rank died")
+    failed = [e for e in m.log.events() if isinstance(e, JobFailed)]
+    assert [(e.job_id, e.rank) for e in failed] == [(job_id, failing_rank)]
+    if failure_first:
+        m.job_result(job_id, rank=other)
+        last = m.log.events()[-1]
+        assert isinstance(last, LateResultIgnored) and (last.job_id, last.rank) == (job_id, other)
+    assert m.state.block_state(A) is BlockState.ABSENT and not m.state.jobs
+    consistent(m)
+
+
+# --- ARC -----------------------------------------------------------------------------------
+
+
+def test_arc_policy_through_the_manager() -> None:
+    """ARC keeps a block used twice over a newer block used once (LRU would not), and a quick
+    return of an evicted block adapts p."""
+    runs = {}
+    for policy in ("lru", "arc"):
+        m = manager(cpu_blocks=2, policy=policy)
+        store(m, "a", [A], [1])
+        m.touch([A])  # A used twice: ARC moves it to T2
+        store(m, "b", [B], [2])  # B seen once, and more recent than A
+        store(m, "c", [C], [3])
+        runs[policy] = m
+        consistent(m)
+    assert set(runs["lru"].state.entries) == {B, C}
+    arc = runs["arc"]
+    assert set(arc.state.entries) == {A, C}
+    name, t1, t2, b1, b2, p = arc.state.policy.snapshot()
+    assert (name, t1, t2, b1, p) == ("arc", [C], [A], [B], 0)
+    store(arc, "b", [B], [4])  # B returns from the B1 ghost list: p grows, B goes to T2
+    name, t1, t2, b1, b2, p = arc.state.policy.snapshot()
+    assert p == 1 and B in t2
+    consistent(arc)
+    # replay rebuilds the same ARC state, ghosts included
+    assert (
+        fold(State(arc.config), arc.log.events()).policy.snapshot() == arc.state.policy.snapshot()
+    )
+
+
+# --- traces --------------------------------------------------------------------------------
+
+
+def drive_workload(m: OffloadManager) -> None:
+    """Stores, loads, a failure, a timeout, a late result, eviction, reset, more stores."""
+    store(m, "w1", [A, B, C], [1, 2, 3])
+    m.finish_request("w1")
+    assert m.lookup("r1", [A, B, C, D], tokens(4)) == 3
+    load_id = m.accept_hits("r1", [10, 11])
+    m.plan_step(4.0)
+    m.job_result(load_id)
+    m.blocks_computed("r1", [A, B, C, D], [10, 11, 12, 13])
+    m.plan_step(5.0)
+    m.job_result(m.state.last_job_id, ok=False, error="store failed")
+    m.touch([C, B, A])
+    m.finish_request("r1")
+    m.blocks_computed("r2", [E, F], [20, 21])
+    m.plan_step(6.0)
+    m.tick(6.0 + DEADLINE_MS)
+    m.job_result(m.state.last_job_id)  # late
+    m.evict(1)
+    m.blocks_computed("r3", [30, 31, 32], [30, 31, 32])
+    m.plan_step(7.0)
+    m.reset()
+    m.blocks_computed("r4", [40], [40])
+    m.plan_step(8.0)
+    m.job_result(m.state.last_job_id - 1)
+    m.job_result(m.state.last_job_id)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_trace_round_trip_replays_to_the_live_digest(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"run{suffix}"
+    cfg = config(cpu_blocks=4)
+    m = OffloadManager(cfg, log=TraceWriter(path, cfg, checkpoint_every=3))
+    drive_workload(m)
+    live = m.state.digest()
+    m.close()
+    if suffix.endswith(".gz"):
+        with gzip.open(path, "rb") as fh:
+            assert json.loads(fh.readline())["format"] == "kvflow-trace"
+    folded = replay(path)
+    assert folded.ok, folded.divergence
+    assert folded.state.digest() == live and folded.checkpoints >= 3 and folded.warnings == []
+    redecided = replay(path, redecide=True)
+    assert redecided.ok, redecided.divergence
+    assert redecided.state.digest() == live and redecided.commands > 10
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: an int job_deadline_ms (Config accepts it) with an int clock makes "
+    "deadline_ms an int in the live state but a float after the JSON round trip, so the "
+    "checkpoint digests differ",
+)
+def test_trace_round_trip_with_an_integer_deadline(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    cfg = Config(cpu_blocks=4, block_tokens=BT, job_deadline_ms=1000)
+    m = OffloadManager(cfg, log=TraceWriter(path, cfg, checkpoint_every=1))
+    m.blocks_computed("r", [A], [1])
+    m.plan_step(0)  # an integer virtual clock
+    m.close()
+    result = replay(path)
+    assert result.ok, result.divergence
+
+
+def write_trace(path: Path) -> OffloadManager:
+    cfg = config(cpu_blocks=4)
+    m = OffloadManager(cfg, log=TraceWriter(path, cfg, checkpoint_every=1000))
+    drive_workload(m)
+    m.close()
+    return m
+
+
+def test_torn_last_line_is_reported_and_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "torn.jsonl"
+    m = write_trace(path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    # a crash while writing one more record: half a line, no newline
+    path.write_bytes(b"".join(lines) + b'{"type":"blocks_touched","hashes":[21,')
+    result = replay(path)
+    assert result.ok, result.divergence
+    assert result.state.digest() == m.state.digest()
+    (warning,) = result.warnings
+    assert "torn" in warning and f"{path}:{len(lines) + 1}" in warning
+    # a torn *event* line: replay stops before it, still without error
+    path.write_bytes(b"".join(lines[:-2]) + lines[-2][: len(lines[-2]) // 2])
+    result = replay(path)
+    assert result.ok and len(result.warnings) == 1
+
+
+def test_truncated_gzip_trace_is_reported_not_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "cut.jsonl.gz"
+    write_trace(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 30])
+    result = replay(path)
+    assert result.warnings
+
+
+def test_malformed_middle_line_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    write_trace(path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[4] = b'{"type":"blocks_touched","hashes":"not a list","seq":3}\n'
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(TraceError) as caught:
+        replay(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}:5:") and "\n" not in message and "hashes" in message
+    lines[4] = b"this is not json\n"
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(TraceError) as caught:
+        read_trace(path)
+    assert str(caught.value).startswith(f"{path}:5:")
+    assert caught.value.line == 5
+
+
+def test_newer_trace_version_is_refused_with_a_clear_message(tmp_path: Path) -> None:
+    path = tmp_path / "future.jsonl"
+    write_trace(path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    header = json.loads(lines[0])
+    header["version"] = TRACE_VERSION + 1
+    path.write_bytes(json.dumps(header).encode() + b"\n" + b"".join(lines[1:]))
+    with pytest.raises(TraceError) as caught:
+        TraceReader(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}:1:")
+    assert "newer" in message and str(TRACE_VERSION + 1) in message and "upgrade" in message
+
+
+def test_a_trace_streams_records_with_line_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "stream.jsonl"
+    m = write_trace(path)
+    with TraceReader(path) as reader:
+        assert reader.config == m.config
+        first_line, first = next(iter(reader.records()))
+    assert first_line == 2 and type(first).__name__ == "BlocksComputed"
+
+
+KVEVENTS = Path(__file__).resolve().parents[1] / "kvflow" / "kvevents.py"
+
+
+@pytest.mark.skipif(not KVEVENTS.exists(), reason="kvflow/kvevents.py not written yet")
+def test_kv_events_module_imports() -> None:  # pragma: no cover - placeholder until it lands
+    import importlib
+
+    importlib.import_module("kvflow.kvevents")

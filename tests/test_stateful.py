@@ -1,0 +1,361 @@
+"""Hypothesis drives ``OffloadManager`` like a (misbehaving) engine would: lookups over a small
+hash pool (so hits happen), partial acceptance of hits, stores that reuse in-flight device
+blocks (F3), submission, results from any rank (ok or failed), time passing (timeouts), late
+results, finish/preempt, touches, explicit evictions and resets.
+
+After every step: the structural invariants hold, folding the log into a fresh ``State`` gives
+the live digest, every issued job has at most one terminal event (exactly one once it left the
+state), no pin is negative and free + used + quarantined == capacity.
+
+A refused call (``Rejected``) must change nothing: neither the state nor the log.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvflow.config import Config
+from kvflow.errors import BlockHeld, Rejected, UnknownRequest
+from kvflow.events import TERMINAL_TYPES, BlocksEvicted, JobResult, LateResultIgnored
+from kvflow.manager import OffloadManager
+from kvflow.state import RESIDENT, JobState, State, check_invariants, fold
+
+BT = 4
+DEADLINE_MS = 100.0
+HASH_POOL = st.integers(min_value=1, max_value=7)
+PREFIX = st.lists(HASH_POOL, min_size=1, max_size=4, unique=True)
+
+SETTINGS = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+class OffloadMachine(RuleBasedStateMachine):
+    WORLD_SIZE = 1
+    POLICY = "lru"
+    STORE_MODE = "eager"
+    CPU_BLOCKS = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = Config(
+            cpu_blocks=self.CPU_BLOCKS,
+            block_tokens=BT,
+            policy=self.POLICY,
+            store_mode=self.STORE_MODE,
+            world_size=self.WORLD_SIZE,
+            job_deadline_ms=DEADLINE_MS,
+        )
+        self.m = OffloadManager(self.config)
+        self.now = 0.0
+        self.next_device_block = 1000
+        self.next_request = 0
+        self.live: list[str] = []  # requests the engine has not finished
+        self.handed_out: set[int] = set()  # job ids returned by plan_step (F5)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def fresh_blocks(self, n: int) -> list[int]:
+        start = self.next_device_block
+        self.next_device_block += n
+        return list(range(start, start + n))
+
+    def refused(self, call: Any, expected: type[Exception] = Rejected) -> bool:
+        """Run ``call``; a refusal must be of ``expected`` and change nothing."""
+        digest, records = self.m.state.digest(), len(self.m.log.records)
+        try:
+            call()
+        except Rejected as exc:
+            assert isinstance(exc, expected), f"{type(exc).__name__}: {exc}"
+            assert self.m.state.digest() == digest, "a refused command changed the state"
+            assert len(self.m.log.records) == records, "a refused command was logged"
+            return True
+        return False
+
+    def request_id(self, data: Any) -> str:
+        if self.live and data.draw(st.booleans(), label="existing request"):
+            return data.draw(st.sampled_from(self.live), label="request")
+        self.next_request += 1
+        rid = f"req{self.next_request}"
+        self.live.append(rid)
+        return rid
+
+    def in_flight(self) -> list[int]:
+        return [j for j, job in self.m.state.jobs.items() if job.state is JobState.IN_FLIGHT]
+
+    def terminal_job_ids(self) -> list[int]:
+        return [j for j in range(1, self.m.state.last_job_id + 1) if j not in self.m.state.jobs]
+
+    def expected_block_held(self, hashes: list[int], device_blocks: list[int]) -> bool:
+        state = self.m.state
+        for h, d in zip(hashes, device_blocks, strict=True):
+            jid = state.held.get(d)
+            if jid is None:
+                continue
+            job = state.jobs[jid]
+            if job.direction != "store" or job.hashes[job.device_blocks.index(d)] != h:
+                return True
+        return False
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @initialize(hashes=st.lists(HASH_POOL, max_size=4, unique=True))
+    def warm_tier(self, hashes: list[int]) -> None:
+        """Start with some resident blocks so that lookups hit early."""
+        if not hashes:
+            return
+        blocks = self.fresh_blocks(len(hashes))
+        if self.STORE_MODE == "eager":
+            job_id = self.m.blocks_computed("warm", hashes, blocks)
+        else:
+            job_id = self.m.device_blocks_evicting(hashes, blocks)
+        self.m.plan_step(self.now)
+        for rank in range(self.WORLD_SIZE):
+            self.m.job_result(job_id, rank=rank)
+        if "warm" in self.m.state.requests:
+            self.m.finish_request("warm")
+        assert all(self.m.state.is_resident(h) for h in hashes)
+
+    @rule(data=st.data(), hashes=PREFIX, extra_tokens=st.integers(0, BT))
+    def lookup(self, data: Any, hashes: list[int], extra_tokens: int) -> None:
+        rid = self.request_id(data)
+        resident = [h for h in self.m.state.policy.resident() if self.m.state.is_resident(h)]
+        if resident and data.draw(st.booleans(), label="aim at resident blocks"):
+            head = data.draw(
+                st.lists(st.sampled_from(resident), min_size=1, unique=True), label="head"
+            )
+            hashes = head + [h for h in hashes if h not in head]
+        num_tokens = (len(hashes) - 1) * BT + extra_tokens  # sometimes an exact multiple (F13)
+        device_hit = data.draw(st.integers(0, 1), label="device hit blocks")
+        hits = self.m.lookup(rid, hashes, num_tokens, device_hit_blocks=device_hit)
+        cap = max(0, (num_tokens - 1) // BT)
+        assert 0 <= hits <= max(0, cap - device_hit)
+        assert self.m.state.requests[rid].offered == tuple(hashes[device_hit : device_hit + hits])
+        if hits and data.draw(st.booleans(), label="accept at once"):
+            self.accept_hits_of(rid, data)
+
+    def accept_hits_of(self, rid: str, data: Any) -> None:
+        n = data.draw(st.integers(0, len(self.m.state.requests[rid].offered)), label="accepted")
+        job_id = self.m.accept_hits(rid, self.fresh_blocks(n))
+        assert (job_id is None) == (n == 0)
+        assert self.m.state.requests[rid].offered == ()
+
+    @precondition(lambda self: any(r.offered for r in self.m.state.requests.values()))
+    @rule(data=st.data())
+    def accept_hits(self, data: Any) -> None:
+        offered = sorted(r for r, req in self.m.state.requests.items() if req.offered)
+        self.accept_hits_of(data.draw(st.sampled_from(offered), label="request with hits"), data)
+
+    @rule(data=st.data(), hashes=PREFIX)
+    def blocks_computed(self, data: Any, hashes: list[int]) -> None:
+        rid = (
+            None if data.draw(st.integers(0, 5), label="no request") == 0 else self.request_id(data)
+        )
+        device_blocks = self.fresh_blocks(len(hashes))
+        # F3: sometimes the engine names the device block an in-flight store already copies
+        for i, h in enumerate(hashes):
+            entry = self.m.state.entries.get(h)
+            if entry is not None and entry.job_id and data.draw(st.booleans(), label="reuse"):
+                job = self.m.state.jobs[entry.job_id]
+                device_blocks[i] = job.device_blocks[job.hashes.index(h)]
+        # ...and sometimes, wrongly, one held by a live load (F12)
+        loads = [j for j in self.m.state.jobs.values() if j.direction == "load"]
+        if loads and data.draw(st.integers(0, 4), label="misuse") == 0:
+            device_blocks[0] = data.draw(st.sampled_from(loads), label="load").device_blocks[0]
+        expect_held = self.expected_block_held(hashes, device_blocks)
+        in_flight = {
+            h: (e.state, e.job_id)
+            for h in hashes
+            if (e := self.m.state.entries.get(h)) and e.job_id
+        }
+        refused = self.refused(
+            lambda: self.m.blocks_computed(rid, hashes, device_blocks), BlockHeld
+        )
+        assert refused == expect_held
+        for h, (state, job_id) in in_flight.items():
+            # a hash queued or in flight is never stored twice (F3): same entry, same job
+            entry = self.m.state.entries[h]
+            assert (entry.state, entry.job_id) == (state, job_id)
+
+    @rule(data=st.data(), hashes=PREFIX)
+    def device_blocks_evicting(self, data: Any, hashes: list[int]) -> None:
+        device_blocks = self.fresh_blocks(len(hashes))
+        self.m.device_blocks_evicting(hashes, device_blocks)
+
+    @rule()
+    def plan_step(self) -> None:
+        queued = list(self.m.state.queued)
+        jobs = self.m.plan_step(self.now)
+        ids = [j.job_id for j in jobs]
+        assert ids == queued
+        assert not set(ids) & self.handed_out, "a job was handed out twice (F5)"
+        self.handed_out.update(ids)
+        for job in jobs:
+            assert len(job.hashes) == len(job.device_blocks) == len(job.slots) > 0
+
+    @precondition(
+        lambda self: any(j.state is JobState.IN_FLIGHT for j in self.m.state.jobs.values())
+    )
+    @rule(data=st.data(), ok=st.integers(0, 3))
+    def job_result(self, data: Any, ok: int) -> None:
+        job_id = data.draw(st.sampled_from(self.in_flight()), label="job")
+        job = self.m.state.jobs[job_id]
+        # a rank that has not reported yet (a repeated report is a known bug, see
+        # test_failure_rules.py::test_F2_repeated_rank_result_for_a_live_job_never_raises...)
+        ranks = [r for r in range(self.WORLD_SIZE) if not job.acks & (1 << r)]
+        rank = data.draw(st.sampled_from(ranks), label="rank")
+        self.m.job_result(job_id, rank=rank, ok=ok != 0, error=None if ok else "copy failed")
+
+    @precondition(lambda self: bool(self.m.state.queued) or bool(self.in_flight()))
+    @rule(data=st.data(), batched=st.booleans())
+    def executor_step(self, data: Any, batched: bool) -> None:
+        """A whole engine step: submit what is queued, then every in-flight job reports on
+        every rank that has not reported yet (mostly successes), one by one or as a batch."""
+        self.plan_step()
+        results = []
+        for job_id in self.in_flight():
+            job = self.m.state.jobs[job_id]
+            for rank in range(self.WORLD_SIZE):
+                if not job.acks & (1 << rank):
+                    ok = data.draw(st.integers(0, 5), label="ok") != 0
+                    results.append(
+                        JobResult(job_id=job_id, rank=rank, ok=ok, error=None if ok else "x")
+                    )
+        if batched:
+            self.m.job_results(results)
+        else:
+            for result in results:
+                self.m.handle(result)
+        assert not self.in_flight()
+
+    @precondition(lambda self: self.m.state.last_job_id > len(self.m.state.jobs))
+    @rule(data=st.data(), ok=st.booleans())
+    def late_result(self, data: Any, ok: bool) -> None:
+        job_id = data.draw(st.sampled_from(self.terminal_job_ids()), label="terminal job")
+        rank = data.draw(st.integers(0, self.WORLD_SIZE - 1), label="rank")
+        before = self.m.state.canonical()
+        self.m.job_result(job_id, rank=rank, ok=ok, error=None if ok else "late")
+        after = self.m.state.canonical()
+        assert after[0] == before[0] + 1 and after[1:] == before[1:]
+        assert isinstance(self.m.log.events()[-1], LateResultIgnored)
+
+    @rule(advance=st.sampled_from([0.0, 10.0, DEADLINE_MS / 2, DEADLINE_MS]))
+    def tick(self, advance: float) -> None:
+        self.now += advance
+        due = [
+            j
+            for j, job in self.m.state.jobs.items()
+            if job.state is JobState.IN_FLIGHT and job.deadline_ms <= self.now
+        ]
+        assert self.m.tick(self.now) == len(due)
+        assert not set(due) & set(self.m.state.jobs)
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), preempted=st.booleans())
+    def finish(self, data: Any, preempted: bool) -> None:
+        rid = data.draw(st.sampled_from(self.live), label="request")
+        self.live.remove(rid)
+        known = rid in self.m.state.requests
+        refused = self.refused(lambda: self.m.finish_request(rid, preempted), UnknownRequest)
+        assert refused == (not known)  # a reset made kvflow forget it
+        if known:
+            req = self.m.state.requests.get(rid)
+            assert req is None or (req.finished and (req.jobs or req.pins))
+            assert req is None or not req.offered
+
+    @rule(hashes=st.lists(HASH_POOL, max_size=5, unique=True))
+    def touch(self, hashes: list[int]) -> None:
+        resident = [h for h in hashes if self.m.state.is_resident(h)]
+        assert self.m.touch(hashes) == len(resident)
+
+    @rule(n=st.integers(0, 4))
+    def evict(self, n: int) -> None:
+        evictable = sum(
+            1 for h, e in self.m.state.entries.items() if e.state is RESIDENT and e.pins == 0
+        )
+        if n > evictable:
+            assert self.refused(lambda: self.m.evict(n))  # all or nothing (F8)
+            return
+        start = len(self.m.log.events())
+        assert self.m.evict(n) == n
+        evicted = [
+            h for e in self.m.log.events()[start:] if isinstance(e, BlocksEvicted) for h in e.hashes
+        ]
+        assert len(evicted) == n and not set(evicted) & set(self.m.state.entries)
+
+    def loads_share_a_slot(self) -> bool:
+        slots = [s for j in self.m.state.jobs.values() if j.direction == "load" for s in j.slots]
+        return len(slots) != len(set(slots))
+
+    @rule(go=st.integers(0, 5))
+    def reset(self, go: int) -> None:
+        if go or self.loads_share_a_slot():
+            # rare on purpose (it wipes the tier). Loads sharing a slot at a reset are a known
+            # bug: test_scenarios.py::test_reset_with_two_loads_of_one_block_in_flight
+            return
+        in_flight = set(self.in_flight())
+        self.m.reset()
+        assert set(self.m.state.jobs) == in_flight
+        assert all(job.abandoned for job in self.m.state.jobs.values())
+        assert self.m.state.entries == {} and self.m.state.requests == {}
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def structure(self) -> None:
+        assert check_invariants(self.m.state) == []
+
+    @invariant()
+    def log_replays_to_the_live_state(self) -> None:
+        replayed = fold(State(self.config), self.m.log.events())
+        assert replayed.digest() == self.m.state.digest()
+
+    @invariant()
+    def every_job_ends_exactly_once(self) -> None:
+        terminal = Counter(e.job_id for e in self.m.log.events() if isinstance(e, TERMINAL_TYPES))
+        for job_id in range(1, self.m.state.last_job_id + 1):
+            assert terminal[job_id] == (0 if job_id in self.m.state.jobs else 1), job_id
+        assert set(terminal) <= set(range(1, self.m.state.last_job_id + 1))
+
+    @invariant()
+    def pins_never_negative(self) -> None:
+        assert all(e.pins >= 0 for e in self.m.state.entries.values())
+        assert all(n > 0 for r in self.m.state.requests.values() for n in r.pins.values())
+
+    @invariant()
+    def slots_add_up(self) -> None:
+        s = self.m.state
+        assert (
+            len(s.free_slots) + len(s.entries) + len(s.quarantine) == s.capacity == self.CPU_BLOCKS
+        )
+
+
+class OffloadMachineTwoRanks(OffloadMachine):
+    WORLD_SIZE = 2
+
+
+class OffloadMachineARC(OffloadMachine):
+    POLICY = "arc"
+
+
+class OffloadMachineLazyTwoRanks(OffloadMachine):
+    WORLD_SIZE = 2
+    STORE_MODE = "lazy"
+
+
+TestOneRank = OffloadMachine.TestCase
+TestOneRank.settings = SETTINGS
+TestTwoRanks = OffloadMachineTwoRanks.TestCase
+TestTwoRanks.settings = SETTINGS
+TestARC = OffloadMachineARC.TestCase
+TestARC.settings = SETTINGS
+TestLazyTwoRanks = OffloadMachineLazyTwoRanks.TestCase
+TestLazyTwoRanks.settings = SETTINGS

@@ -1,0 +1,301 @@
+"""The torch executor with real tensors: CPU always, CUDA when present (same code path)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvflow.errors import ConfigError, Rejected, UnknownJob  # noqa: E402
+from kvflow.events import TransferJob  # noqa: E402
+from kvflow.executors.host_pool import HostPool  # noqa: E402
+from kvflow.executors.layout import KVLayout  # noqa: E402
+from kvflow.executors.torch_executor import TorchExecutor  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+N_BLOCKS, LAYERS, BS, HEADS, DIM = 32, 3, 4, 2, 8
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _rand(shape: tuple[int, ...], device: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=gen) * 4 + 0.5).to(torch.float16).to(device)  # never zero
+
+
+def make_kv(kind: str, device: str, seed: int = 1) -> list[torch.Tensor] | torch.Tensor:
+    page = (BS, HEADS, DIM)
+    if kind == "separate":  # per layer K and V: 2*L tensors [N, ...]
+        return [_rand((N_BLOCKS, *page), device, seed + i) for i in range(2 * LAYERS)]
+    if kind == "stacked":  # per layer [2, N, ...]
+        return [_rand((2, N_BLOCKS, *page), device, seed + i) for i in range(LAYERS)]
+    if kind == "cross":  # one tensor [N, L, 2, ...]
+        return _rand((N_BLOCKS, LAYERS, 2, *page), device, seed)
+    raise AssertionError(kind)
+
+
+def refill(kv: list[torch.Tensor] | torch.Tensor, seed: int) -> None:
+    """Overwrite every device block with other random data."""
+    tensors = [kv] if isinstance(kv, torch.Tensor) else kv
+    for i, t in enumerate(tensors):
+        t.copy_(_rand(tuple(t.shape), str(t.device), seed + 100 + i))
+
+
+def pages(ex: TorchExecutor, blocks: list[int]) -> list[torch.Tensor]:
+    """Every region's pages of ``blocks``, copied to the CPU."""
+    idx = torch.tensor(blocks, device=ex.device)
+    return [r.pages.index_select(0, idx).cpu() for r in ex.layout.regions]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def run(ex: TorchExecutor, jobs: list[TransferJob]) -> dict[int, object]:
+    ex.submit(jobs)
+    return {j.job_id: ex.wait(j.job_id, timeout_s=30) for j in jobs}
+
+
+@pytest.mark.parametrize(
+    "kind,path",
+    [
+        ("separate", "chunk"),
+        ("stacked", "chunk"),
+        ("cross", "chunk"),
+        ("separate", "one-region-chunks"),
+        ("stacked", "per-region-loop"),
+    ],
+)
+def test_round_trip_into_different_blocks(device: str, kind: str, path: str) -> None:
+    kv = make_kv(kind, device)
+    regions = {"separate": 2 * LAYERS, "stacked": 2 * LAYERS, "cross": 1}[kind]
+    staging = 1 if path == "one-region-chunks" else 256 << 20
+    with TorchExecutor(kv, 16, staging_bytes=staging) as ex:
+        ex._batched = path != "per-region-loop"
+        assert ex.layout.num_regions == regions and ex.layout.num_blocks == N_BLOCKS
+        src = [3, 17, 5, 20, 9]
+        before = pages(ex, src)
+        res = run(ex, [TransferJob(1, "store", tuple(src), (4, 5, 6, 7, 8))])
+        assert res[1].ok, res[1]
+        refill(kv, seed=7)
+        assert not same(pages(ex, src), before)
+        untouched = pages(ex, [0])
+        dst = [1, 2, 30, 31, 4]
+        res = run(ex, [TransferJob(2, "load", tuple(dst), (4, 5, 6, 7, 8))])
+        assert res[2].ok, res[2]
+        assert same(pages(ex, dst), before)
+        assert same(pages(ex, [0]), untouched)
+        block = ex.layout.block_bytes
+        assert ex.stats["bytes_stored"] == 5 * block and ex.stats["bytes_loaded"] == 5 * block
+
+
+@pytest.mark.parametrize("scatter,max_runs", [("runs", 16), ("host", 1), ("uva", 1), ("auto", 1)])
+def test_scattered_slots(device: str, scatter: str, max_runs: int) -> None:
+    if scatter == "uva" and device != "cuda":
+        with pytest.raises(ConfigError, match="needs a CUDA device"):
+            TorchExecutor(make_kv("stacked", device), 24, scatter="uva")
+        return
+    kv = make_kv("stacked", device)
+    with TorchExecutor(kv, 24, scatter=scatter, max_runs=max_runs, checksums=True) as ex:
+        if scatter == "auto":
+            assert ex.scatter == ("uva" if device == "cuda" else "host")
+        src, slots = [8, 1, 30, 12, 4, 22], (11, 2, 7, 19, 0, 5)
+        before = pages(ex, src)
+        assert run(ex, [TransferJob(1, "store", tuple(src), slots)])[1].ok
+        refill(kv, seed=3)
+        dst = [29, 3, 14, 0, 9, 17]
+        assert run(ex, [TransferJob(2, "load", tuple(dst), slots)])[2].ok
+        assert same(pages(ex, dst), before)
+
+
+def test_multi_job_batching_and_both_directions_in_one_submit(device: str) -> None:
+    kv = make_kv("separate", device)
+    with TorchExecutor(kv, 16) as ex:
+        a, b, c = [0, 1, 2], [10, 11], [20]
+        want = {k: pages(ex, blk) for k, blk in (("a", a), ("b", b), ("c", c))}
+        ex.submit(
+            [
+                TransferJob(1, "store", tuple(a), (0, 1, 2)),
+                TransferJob(2, "store", tuple(b), (3, 4)),
+                TransferJob(3, "store", tuple(c), (9,)),
+            ]
+        )
+        assert [r.ok for r in (ex.wait(1), ex.wait(2), ex.wait(3))] == [True] * 3
+        assert ex.stats["submissions"] == 1
+        refill(kv, seed=11)
+        snapshot = pages(ex, [5, 6])
+        # One submit: load a and c back, and store two fresh blocks, in both directions at once.
+        ex.submit(
+            [
+                TransferJob(4, "load", (25, 26, 27), (0, 1, 2)),
+                TransferJob(5, "store", (5, 6), (12, 13)),
+                TransferJob(6, "load", (31,), (9,)),
+            ]
+        )
+        results = {i: ex.wait(i, timeout_s=30) for i in (4, 5, 6)}
+        assert all(r.ok for r in results.values()), results
+        assert same(pages(ex, [25, 26, 27]), want["a"]) and same(pages(ex, [31]), want["c"])
+        refill(kv, seed=12)
+        assert run(ex, [TransferJob(7, "load", (7, 8), (12, 13))])[7].ok
+        assert same(pages(ex, [7, 8]), snapshot)
+        polled = ex.poll()
+        assert sorted(r.job_id for r in polled) == [1, 2, 3, 4, 5, 6, 7]  # each exactly once
+        assert ex.poll() == []
+
+
+def test_bad_jobs_fail_alone_and_executor_keeps_serving(device: str) -> None:
+    kv = make_kv("stacked", device)
+    with TorchExecutor(kv, 8) as ex:
+        ex.submit(
+            [
+                TransferJob(1, "store", (1, 2), (0, 1)),
+                TransferJob(2, "store", (3,), (99,)),
+                TransferJob(3, "store", (N_BLOCKS,), (2,)),
+                TransferJob(4, "store", (4, 5), (3,)),
+                TransferJob(5, "store", (6,), (0,)),  # slot 0 also written by job 1
+            ]
+        )
+        res = {i: ex.wait(i, timeout_s=30) for i in range(1, 6)}
+        assert res[1].ok
+        assert not res[2].ok and "slot 99 out of range [0, 8)" in res[2].error
+        assert not res[3].ok and f"device block {N_BLOCKS} out of range" in res[3].error
+        assert not res[4].ok and "2 device blocks but 1 slots" in res[4].error
+        assert not res[5].ok and "slot 0" in res[5].error
+        assert ex.jobs_failed == 4 and ex.jobs_completed == 1
+        assert run(ex, [TransferJob(6, "load", (7, 8), (0, 1))])[6].ok
+
+
+def test_copy_that_raises_becomes_failed_result(device: str) -> None:
+    kv = make_kv("stacked", device)
+    with TorchExecutor(kv, 8, fail_job_ids={2}) as ex:
+        assert run(ex, [TransferJob(1, "store", (1,), (0,))])[1].ok
+        res = run(ex, [TransferJob(2, "load", (5,), (0,))])[2]
+        assert (
+            not res.ok
+            and "injected fault for job 2" in res.error
+            and "load launch failed" in res.error
+        )
+        assert run(ex, [TransferJob(3, "load", (5,), (0,))])[3].ok  # still serving
+
+
+def test_wait_unknown_and_duplicate_submission(device: str) -> None:
+    kv = make_kv("stacked", device)
+    with TorchExecutor(kv, 8) as ex:
+        with pytest.raises(UnknownJob, match="never submitted"):
+            ex.wait(42)
+        assert run(ex, [TransferJob(1, "store", (1,), (0,))])[1].ok
+        assert ex.wait(1).ok  # a finished job can still be waited for
+        with pytest.raises(Rejected, match="job 1 was already submitted"):
+            ex.submit([TransferJob(1, "store", (2,), (1,))])
+        with pytest.raises(Rejected, match="job 2 was already submitted"):
+            ex.submit([TransferJob(2, "store", (2,), (1,)), TransferJob(2, "store", (3,), (2,))])
+        assert ex.stats["jobs_submitted"] == 1  # the rejected calls launched nothing
+
+
+def test_checksum_mismatch_fails_the_load(device: str) -> None:
+    kv = make_kv("separate", device)
+    with TorchExecutor(kv, 8, checksums=True) as ex:
+        assert run(ex, [TransferJob(1, "store", (1, 2, 3), (0, 1, 2))])[1].ok
+        assert run(ex, [TransferJob(2, "load", (10, 11, 12), (0, 1, 2))])[2].ok
+        raw = ex.pool.region(3)  # uint8 view of one region
+        raw[1, 5] ^= 0x5A  # corrupt one byte of slot 1
+        ex.submit([TransferJob(3, "load", (20,), (0,)), TransferJob(4, "load", (21, 22), (2, 1))])
+        ok, bad = ex.wait(3, timeout_s=30), ex.wait(4, timeout_s=30)
+        assert ok.ok
+        assert not bad.ok and "checksum mismatch: slot 1 -> device block 22" in bad.error
+        never = run(ex, [TransferJob(5, "load", (23,), (7,))])[5]
+        assert not never.ok and "no checksum recorded for slot 7" in never.error
+
+
+def test_cpu_blocks_zero_disables_offload(device: str) -> None:
+    with TorchExecutor(make_kv("stacked", device), 0) as ex:
+        assert not ex.pool.enabled
+        with pytest.raises(ConfigError, match="offload is disabled"):
+            ex.submit([TransferJob(1, "store", (1,), (0,))])
+
+
+def test_compute_done_event_orders_the_copy() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA events")
+    kv = make_kv("stacked", "cuda")
+    with TorchExecutor(kv, 8) as ex:
+        want = torch.full_like(kv[0][0, 3], 3.0)
+        # The engine writes block 3 on its compute stream after long kernels; the store sees it.
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            big = big @ big / 64
+        kv[0][0, 3].fill_(3.0)
+        done = torch.Event(device="cuda")
+        done.record(torch.accelerator.current_stream())
+        ex.submit([TransferJob(1, "store", (3,), (0,))], compute_done=done)
+        assert ex.wait(1, timeout_s=30).ok
+        host = ex.pool.region(0, ex.layout.regions[0].word_dtype)[0]
+        assert torch.equal(host.view(torch.float16).view_as(want).cpu(), want.cpu())
+
+
+# --- layout ----------------------------------------------------------------------------------
+
+
+def test_layout_detects_and_validates() -> None:
+    t = torch.zeros(2, 10, 4, 8, dtype=torch.float16)
+    lay = KVLayout.from_caches([t, t.clone()])
+    assert lay.num_regions == 4 and lay.num_blocks == 10 and lay.page_bytes == (64,) * 4
+    assert KVLayout.from_caches({"l0": t}, block_dim=0).num_blocks == 2  # explicit wins
+    assert KVLayout.from_caches(t, num_blocks=10).num_regions == 2
+    with pytest.raises(ConfigError, match="page is not contiguous"):
+        KVLayout.from_caches(torch.zeros(10, 4, 16)[:, :, :8])
+    with pytest.raises(ConfigError, match="disagree on num_blocks"):
+        KVLayout.from_caches([torch.zeros(10, 8), torch.zeros(12, 8)])
+    with pytest.raises(ConfigError, match="pages overlap"):
+        KVLayout.from_caches(torch.zeros(16).as_strided((8, 4), (1, 1)))
+    with pytest.raises(ConfigError, match="page is not contiguous"):
+        KVLayout.from_caches(torch.zeros(8, 10).t())  # block dim transposed
+
+
+def test_layout_sizes_pages_from_shape_not_storage() -> None:
+    big = torch.arange(40 * 6, dtype=torch.float32).view(40, 6)
+    view = big[5:25]  # 20 blocks inside a larger storage
+    lay = KVLayout.from_caches(view)
+    assert lay.num_blocks == 20 and lay.page_bytes == (24,)
+    first, last = big[5].clone(), big[24].clone()
+    with TorchExecutor(view, 4) as ex:
+        assert run(ex, [TransferJob(1, "store", (0, 19), (0, 1))])[1].ok
+        host = ex.pool.region(0).view(torch.float32)
+        assert torch.equal(host[0], first) and torch.equal(host[1], last)
+        outside = big[25:].clone()
+        assert run(ex, [TransferJob(2, "load", (19, 18), (0, 1))])[2].ok
+        assert torch.equal(view[19], first) and torch.equal(view[18], last)
+        assert torch.equal(big[25:], outside)  # nothing beyond the view was written
+
+
+# --- host pool -------------------------------------------------------------------------------
+
+
+def test_host_pool_errors_are_clear() -> None:
+    with pytest.raises(ConfigError, match="cpu_blocks must be >= 0"):
+        HostPool.create([64], -1)
+    with pytest.raises(ConfigError, match="cannot allocate host pool"):
+        HostPool.create([1 << 30], 1 << 30)
+    with pytest.raises(ConfigError, match="shared host pool needs"):
+        HostPool.create([1 << 30], 1 << 30, shared=True)
+
+
+def test_shared_pool_is_one_memory_and_fixed_layout() -> None:
+    pool = HostPool.create([64, 128], 4, shared=True)
+    try:
+        assert pool.path is not None and pool.nbytes == 2 * 4096
+        other = HostPool.attach(pool.spec, first_region=1, num_regions=1)
+        other.region(0)[2].fill_(7)
+        assert int(pool.region(1)[2].sum()) == 7 * 128
+        assert pool.region(0).shape == (4, 64) and int(pool.region(0).sum()) == 0
+        assert torch.equal(pool.for_rank(1, 1).region(0), other.region(0))  # rank 1's view
+        other.close()
+    finally:
+        path = pool.path
+        pool.close()
+    import os
+
+    assert not os.path.exists(path)

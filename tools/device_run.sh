@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The one command used on the GPU machine (see docs/executor.md):
+#   bash tools/device_run.sh [all|tests|bench|ranks]
+# Run from the repository root. Logs and results go under $OUT (default /tmp/kvflow-out).
+# msgspec is not in the GPU image: carry `.whl` (a msgspec cp312 wheel) and it is installed here.
+set -uo pipefail
+OUT=${OUT:-/tmp/kvflow-out}
+mkdir -p "$OUT"
+MODE=${1:-all}
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+
+if ! $PY -c "import msgspec" 2>/dev/null; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  else
+    echo "msgspec missing and no .whl folder carried" >&2; exit 1
+  fi
+fi
+
+probe() {
+  { nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv || true
+    df -h /dev/shm || true
+    $PY - <<'PY'
+import sys, torch, msgspec, numpy
+print("python", sys.version.split()[0], "torch", torch.__version__, "msgspec", msgspec.__version__, "numpy", numpy.__version__)
+print("cuda", torch.cuda.is_available(), torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+print("Stream.__enter__", hasattr(torch.Stream, "__enter__"), "accelerator", torch.accelerator.current_accelerator())
+try:
+    import cuda.bindings; print("cuda-bindings", cuda.bindings.__version__)
+except Exception as e: print("cuda-bindings: no", e)
+PY
+  } 2>&1 | tee "$OUT/probe.txt"
+}
+
+tests() {
+  $PY -m pytest -q -p no:cacheprovider tests/test_torch_executor.py tests/test_npu_adapter.py tests/test_ranks.py -rs 2>&1 | tee "$OUT/tests.log"
+}
+
+bench() {
+  $PY tools/bench_transfer.py --quick 2>&1 | tee "$OUT/bench_quick.log"
+  $PY tools/bench_transfer.py --out "$OUT/bench_transfer_results.md" 2>&1 | tee "$OUT/bench.log"
+}
+
+rc=0
+case "$MODE" in
+  all) probe; tests || rc=$?; bench || rc=$? ;;
+  tests) probe; tests || rc=$? ;;
+  bench) bench || rc=$? ;;
+  ranks) probe; $PY -m pytest -q -p no:cacheprovider tests/test_ranks.py -rs 2>&1 | tee "$OUT/ranks.log" || rc=$? ;;
+  *) echo "usage: $0 [all|tests|bench|ranks]" >&2; exit 2 ;;
+esac
+exit $rc

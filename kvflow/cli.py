@@ -106,6 +106,10 @@ def _user_errors() -> Iterator[None]:
         yield
     except KvflowError as exc:
         _fail(str(exc))
+    except BrokenPipeError:
+        # the reader went away (`kvflow kv-events t | head`): not an error of ours
+        sys.stderr.close()
+        _exit(0)
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         _fail(f"{where}{exc.strerror or exc}")
@@ -528,3 +532,33 @@ def diagram(which: str, mermaid: bool) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@main.command("kv-events")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("--until", type=int, default=None, help="Stop after this seq.")
+def kv_events_command(trace: str, until: int | None) -> None:
+    """The vLLM-compatible KV events (BlockStored / BlockRemoved / AllBlocksCleared, medium
+    CPU) that TRACE's events imply, as JSON lines."""
+    import msgspec
+
+    from kvflow.events import EVENT_TYPES
+    from kvflow.kvevents import kv_event
+    from kvflow.log import TraceReader
+
+    encoder = msgspec.json.Encoder()
+    out = click.get_text_stream("stdout")
+    with _user_errors():
+        reader = TraceReader(trace)
+        with reader:
+            block_tokens = reader.config.block_tokens
+            for _, rec in reader.records():
+                if not isinstance(rec, EVENT_TYPES):
+                    continue
+                if until is not None and rec.seq > until:
+                    break
+                kv = kv_event(rec, block_tokens)
+                if kv is not None:
+                    out.write(encoder.encode(kv).decode() + "\n")
+        for warning in reader.warnings:
+            _warn(warning)

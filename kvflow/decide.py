@@ -266,7 +266,7 @@ def decide_touch(state: State, cmd: Touch) -> Decision:
         h for h in cmd.block_hashes if (e := entries.get(h)) is not None and e.state is RESIDENT
     )
     if touched:
-        yield BlocksTouched(seq=state.next_seq, hashes=touched)
+        yield BlocksTouched(seq=state.next_seq, hashes=touched, reuse=cmd.reuse)
     return len(touched)
 
 

@@ -187,8 +187,8 @@ class SyncEngine:
     def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
         return self.manager.device_blocks_evicting(block_hashes, device_blocks)
 
-    def touch(self, block_hashes: Sequence[int]) -> int:
-        return self.manager.touch(block_hashes)
+    def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
+        return self.manager.touch(block_hashes, reuse)
 
     def finish_request(self, request_id: str, preempted: bool = False) -> None:
         self.manager.finish_request(request_id, preempted)
@@ -404,8 +404,8 @@ class Engine(AbstractAsyncContextManager["Engine"]):
     def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
         return self.core.device_blocks_evicting(block_hashes, device_blocks)
 
-    def touch(self, block_hashes: Sequence[int]) -> int:
-        return self.core.touch(block_hashes)
+    def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
+        return self.core.touch(block_hashes, reuse)
 
     def finish_request(self, request_id: str, preempted: bool = False) -> None:
         self.core.finish_request(request_id, preempted)

@@ -138,9 +138,13 @@ class BlocksEvicted(_Event, tag="blocks_evicted"):
 
 
 class BlocksTouched(_Event, tag="blocks_touched"):
-    """Recency: the resident hashes were used, in this order (the last is the most recent)."""
+    """Recency: the resident hashes were used, in this order (the last is the most recent).
+
+    ``reuse=False`` only reorders (the end-of-request pass that puts a chain's head last,
+    F14): frequency-aware policies (ARC) do not count it as a second use."""
 
     hashes: Hashes
+    reuse: bool = True
 
 
 class StoreRejected(_Event, tag="store_rejected"):
@@ -257,9 +261,11 @@ class DeviceBlocksEvicting(_Command, tag="device_blocks_evicting"):
 
 
 class Touch(_Command, tag="touch"):
-    """Recency for resident hashes, in order (put the head of a chain last, F14)."""
+    """Recency for resident hashes, in order (put the head of a chain last, F14).
+    ``reuse=False``: ordering only, not a new use (see BlocksTouched)."""
 
     block_hashes: Hashes
+    reuse: bool = True
 
 
 class Evict(_Command, tag="evict"):

@@ -223,8 +223,9 @@ class OffloadManager:
         )
         return answer  # type: ignore[no-any-return]
 
-    def touch(self, block_hashes: Sequence[int]) -> int:
-        answer, _ = self.handle(Touch(block_hashes=_hashes(block_hashes)))
+    def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
+        """Recency for resident blocks in this order; ``reuse=False`` only reorders."""
+        answer, _ = self.handle(Touch(block_hashes=_hashes(block_hashes), reuse=reuse))
         return int(answer)
 
     def evict(self, num_blocks: int) -> int:

@@ -193,7 +193,7 @@ class Simulation:
         if not self.lazy and self.config.enabled and full:
             engine.blocks_computed(rid, full, self.ids.take(len(full)))
             self._run_until_idle()
-        engine.touch(tuple(reversed(full)))
+        engine.touch(tuple(reversed(full)), reuse=False)
         evicted = self.device.use(full)
         if self.lazy and evicted and self.config.enabled:
             engine.device_blocks_evicting(evicted, self.ids.take(len(evicted)))
@@ -240,7 +240,7 @@ class Simulation:
             schedule(clock.now_ms + uncached / self.options.prefill_tokens_per_ms, "computed", live)
 
         def end(live: _Live) -> None:
-            engine.touch(tuple(reversed(live.full)))
+            engine.touch(tuple(reversed(live.full)), reuse=False)
             evicted = self.device.use(live.full)
             if self.lazy and evicted and self.config.enabled:
                 engine.device_blocks_evicting(evicted, self.ids.take(len(evicted)))

@@ -629,7 +629,7 @@ def _evolve_evicted(state: State, event: BlocksEvicted, check: bool) -> None:
 def _evolve_touched(state: State, event: BlocksTouched, check: bool) -> None:
     if check:
         _check_blocks(state, event, "blocks_touched", event.hashes)
-    _policy_many(state.policy, "touch", event.hashes)
+    _policy_many(state.policy, "touch" if event.reuse else "refresh", event.hashes)
 
 
 def _evolve_rejected(state: State, event: StoreRejected, check: bool = True) -> None:

@@ -100,6 +100,15 @@ class ARCPolicy:
         else:
             self._t2.move_to_end(block_hash)
 
+    def refresh(self, block_hash: int) -> None:
+        """Reorder without a new use: the most recent of its own list (T1 stays T1).
+        ``KeyError`` if it is not resident."""
+        t1 = self._t1
+        if block_hash in t1:
+            t1.move_to_end(block_hash)
+        else:
+            self._t2.move_to_end(block_hash)
+
     def remove(self, block_hash: int, ghost: bool = True) -> None:
         """``block_hash`` left the tier. An eviction (``ghost=True``) remembers it in ``B1`` or
         ``B2`` so a quick return adapts ``p``; any other removal (a reset, a failed entry)

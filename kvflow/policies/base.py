@@ -20,6 +20,10 @@ class Policy(Protocol):
     def touch(self, block_hash: int) -> None:
         """``block_hash`` (resident) was used: it becomes the most recent."""
 
+    def refresh(self, block_hash: int) -> None:
+        """Reorder only: ``block_hash`` becomes the most recent without counting as a new
+        use (LRU: same as touch; ARC: stays in its list)."""
+
     def remove(self, block_hash: int) -> None:
         """``block_hash`` left the tier (evicted / reset)."""
 

@@ -62,6 +62,13 @@ class LRUPolicy:
                 seen.add(h)
         order.update(fresh)
 
+    def refresh(self, block_hash: int) -> None:
+        """LRU has no notion of frequency: a reorder is a touch."""
+        self._order.move_to_end(block_hash)
+
+    def refresh_many(self, hashes: tuple[int, ...]) -> None:
+        deque(map(self._order.move_to_end, hashes), 0)
+
     def touch_many(self, hashes: tuple[int, ...]) -> None:
         """``touch`` for each hash in order."""
         deque(map(self._order.move_to_end, hashes), 0)

@@ -1,0 +1,99 @@
+"""vLLM-compatible KV cache events, derived from kvflow's event log.
+
+Consumers outside kvflow (a KV-aware router, a cache index) subscribe to vLLM's KV events:
+``BlockStored`` when blocks become available in a medium, ``BlockRemoved`` when they leave it,
+``AllBlocksCleared`` on a reset. kvflow derives them from its own events, with medium ``CPU``:
+
+* a store job completed (and was not abandoned by a reset) -> ``BlockStored``;
+* blocks evicted -> ``BlockRemoved``;
+* a reset -> ``AllBlocksCleared``.
+
+A hash becomes visible only when its store completes (F3), so consumers never learn of a
+block that is not readable. Pure: a function of the events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Union
+
+import msgspec
+
+from kvflow.events import STORE, BlocksEvicted, Event, JobCompleted, Reset
+
+MEDIUM_CPU = "CPU"
+
+
+class BlockStored(msgspec.Struct, frozen=True, tag="BlockStored"):
+    """Blocks now readable in ``medium`` (vLLM's field names)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str = MEDIUM_CPU
+    seq: int = 0  # the kvflow event that caused it
+
+
+class BlockRemoved(msgspec.Struct, frozen=True, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str = MEDIUM_CPU
+    seq: int = 0
+
+
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag="AllBlocksCleared"):
+    medium: str = MEDIUM_CPU
+    seq: int = 0
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+def kv_event(event: Event, block_tokens: int) -> KVEvent | None:
+    """The KV event one kvflow event implies, or None."""
+    kind = type(event)
+    if kind is JobCompleted:
+        if event.direction != STORE or event.abandoned:  # type: ignore[union-attr]
+            return None
+        return BlockStored(
+            block_hashes=list(event.hashes),  # type: ignore[union-attr]
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=block_tokens,
+            lora_id=None,
+            seq=event.seq,
+        )
+    if kind is BlocksEvicted:
+        return BlockRemoved(block_hashes=list(event.hashes), seq=event.seq)  # type: ignore[union-attr]
+    if kind is Reset:
+        return AllBlocksCleared(seq=event.seq)
+    return None
+
+
+def kv_events(events: Iterable[Event], block_tokens: int) -> list[KVEvent]:
+    """Every KV event the log implies, in log order."""
+    out: list[KVEvent] = []
+    for event in events:
+        kv = kv_event(event, block_tokens)
+        if kv is not None:
+            out.append(kv)
+    return out
+
+
+class KVEventPublisher:
+    """Collects KV events as a manager applies events: ``manager.observers.append(pub)``,
+    then ``pub.take()`` each step (e.g. to hand to vLLM's ``KVEventBatch``)."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self._pending: list[KVEvent] = []
+
+    def __call__(self, event: Event) -> None:
+        kv = kv_event(event, self.block_tokens)
+        if kv is not None:
+            self._pending.append(kv)
+
+    def take(self) -> list[KVEvent]:
+        out, self._pending = self._pending, []
+        return out

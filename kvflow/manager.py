@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.config import Config
-from kvflow.decide import decide
+from kvflow.decide import DECIDERS
 from kvflow.errors import Rejected
 from kvflow.events import (
     LOAD,
@@ -44,7 +44,7 @@ from kvflow.events import (
     TransferJob,
 )
 from kvflow.log import MemoryLog
-from kvflow.state import State, evolve
+from kvflow.state import _EVOLVERS, State, evolve
 
 
 _INT_ONLY = {int}
@@ -135,6 +135,9 @@ class Notices:
             self.all_blocks_cleared = True
 
 
+_NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, StoreRejected, Reset})
+
+
 class OffloadManager:
     """The offload decisions for one engine (all ranks): pure state + log + notices."""
 
@@ -153,31 +156,39 @@ class OffloadManager:
     def handle(self, command: Command) -> tuple[Any, list[Event]]:
         """Decide and apply one command; returns (answer, events appended)."""
         state = self.state
-        gen = decide(state, command)
+        gen = DECIDERS[type(command)](state, command)
+        log = self.log
         events: list[Event] = []
         try:
             event = next(gen)  # validation happens here: a Rejected leaves everything as is
         except StopIteration as stop:
-            self.log.record_command(command)
-            self.log.after_command(state)
+            log.record_command(command)
+            log.after_command(state)
             return stop.value, events
-        self.log.record_command(command)
-        notices = self._notices
-        observers = self.observers
+        log.record_command(command)
         check = self.paranoid
+        append = events.append
         try:
             while True:
-                evolve(state, event, check)
-                events.append(event)
-                notices.observe(event)
-                for observe in observers:
-                    observe(event)
+                # evolve(), inlined: this loop runs for every event of the live engine
+                if event.seq != state.next_seq:
+                    evolve(state, event, check)  # raises IllegalTransition with context
+                _EVOLVERS[type(event)](state, event, check)
+                state.next_seq += 1
+                append(event)
                 event = gen.send(None)
         except StopIteration as stop:
             answer = stop.value
         finally:
-            self.log.record_events(events)
-        self.log.after_command(state)
+            log.record_events(events)
+            notices = self._notices
+            for event in events:
+                if type(event) in _NOTICE_TYPES:
+                    notices.observe(event)
+            for observe in self.observers:
+                for event in events:
+                    observe(event)
+        log.after_command(state)
         return answer, events
 
     def take_notices(self) -> Notices:

@@ -529,13 +529,3 @@ def test_a_trace_streams_records_with_line_numbers(tmp_path: Path) -> None:
         assert reader.config == m.config
         first_line, first = next(iter(reader.records()))
     assert first_line == 2 and type(first).__name__ == "BlocksComputed"
-
-
-KVEVENTS = Path(__file__).resolve().parents[1] / "kvflow" / "kvevents.py"
-
-
-@pytest.mark.skipif(not KVEVENTS.exists(), reason="kvflow/kvevents.py not written yet")
-def test_kv_events_module_imports() -> None:  # pragma: no cover - placeholder until it lands
-    import importlib
-
-    importlib.import_module("kvflow.kvevents")

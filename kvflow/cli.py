@@ -309,7 +309,7 @@ def _print_incidents(report: Any) -> None:
         cells = [
             str(incident.seq),
             str(incident.step),
-            "-" if incident.time_ms is None else f"{incident.time_ms:g}",
+            "-" if incident.time_ms is None else f"{incident.time_ms:,.1f}" if incident.time_ms >= 1000 else f"{incident.time_ms:.3f}".rstrip("0").rstrip("."),
             str(incident.job_id),
             what,
             ", ".join(incident.requests) or "-",

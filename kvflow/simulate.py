@@ -154,6 +154,7 @@ class Simulation:
             trace_path=options.record,
             trace_meta=meta,
             bytes_per_block=options.bytes_per_block,
+            checkpoint_every=1_000,
         )
         self.device = DeviceCache(options.device_blocks)
         self.ids = _Ids()

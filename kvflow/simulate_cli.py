@@ -52,9 +52,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
     cfg = summary["config"]
     table = Table(
-        title=(
-            f"kvflow simulate · {summary['mode']} · cpu {cfg['cpu_blocks']} blocks · device "
-            f"{cfg['device_blocks']} · {cfg['policy']} · {cfg['store']}"
+        title=f"kvflow simulate ({summary['mode']})",
+        caption=(
+            f"cpu {cfg['cpu_blocks']:,} blocks · device {cfg['device_blocks']:,} · {cfg['policy']} · "
+            f"{cfg['store']} · {cfg['block_tokens']} tokens/block · faults {cfg['fault_rate']} seed {cfg['seed']}"
         ),
         show_header=True,
     )

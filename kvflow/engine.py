@@ -149,6 +149,12 @@ class SyncEngine:
         self.config = config
         self.executor = executor
         self.clock = clock
+        if not bytes_per_block:  # a torch executor knows its KV layout; a simulated one its model
+            layout = getattr(executor, "layout", None)
+            model = getattr(executor, "model", None)
+            bytes_per_block = int(
+                getattr(layout, "block_bytes", 0) or getattr(model, "bytes_per_block", 0) or 0
+            )
         self.bytes_per_block = bytes_per_block
         self.writer: TraceWriter | None = None
         if trace_path is not None:

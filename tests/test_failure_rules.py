@@ -22,10 +22,10 @@ from kvflow.errors import (
 )
 from kvflow.events import (
     TERMINAL_TYPES,
-    JobResult,
     BlocksEvicted,
     JobCompleted,
     JobFailed,
+    JobResult,
     JobsSubmitted,
     JobTimedOut,
     LateResultIgnored,

@@ -200,31 +200,46 @@ def _decide_store(
     _check_device_blocks(state, device_blocks, same)
     if not state.config.enabled:
         return None
+    # DESIGN §7 step 3, block by block in prefix order: a block not on the tier (resident,
+    # queued or in flight; F3) takes a free slot, else evicts the policy's next victim; if
+    # nothing is evictable it and every later block are rejected. A victim may be a later
+    # block of this very command: when its turn comes it is no longer on the tier, so it is
+    # stored again. Evictions and admissions are still emitted as one event each.
     entries = state.entries
-    todo_hashes: list[int] = []
-    todo_blocks: list[int] = []
+    free_avail = len(state.free_slots)
+    admit_hashes: list[int] = []
+    admit_blocks: list[int] = []
     seen: set[int] = set()
-    for h, d in zip(block_hashes, device_blocks):
-        # F3: a hash on the tier (resident, queued or in flight) is never stored twice
-        if h in entries or h in seen:
+    victims: list[int] = []
+    gone: set[int] = set()
+    candidates: list[int] | None = None
+    rejected_from = -1
+    for i, (h, d) in enumerate(zip(block_hashes, device_blocks)):
+        if h in seen or (h in entries and h not in gone):
             continue
         seen.add(h)
-        todo_hashes.append(h)
-        todo_blocks.append(d)
-    if not todo_hashes:
-        return None
-    need = len(todo_hashes) - len(state.free_slots)
-    if need > 0:
-        victims = _victims_up_to(state, need)
-        if victims:
-            yield BlocksEvicted(
-                seq=state.next_seq,
-                hashes=tuple(victims),
-                slots=tuple(entries[h].slot for h in victims),
-                reason="capacity",
-            )
-    admitted = min(len(todo_hashes), len(state.free_slots))
+        if free_avail:
+            free_avail -= 1
+        else:
+            if candidates is None:  # each later block needs at most one victim
+                candidates = _victims_up_to(state, len(block_hashes) - i)
+            if len(victims) == len(candidates):
+                rejected_from = i
+                break
+            victim = candidates[len(victims)]
+            victims.append(victim)
+            gone.add(victim)
+        admit_hashes.append(h)
+        admit_blocks.append(d)
+    if victims:
+        yield BlocksEvicted(
+            seq=state.next_seq,
+            hashes=tuple(victims),
+            slots=tuple(entries[h].slot for h in victims),
+            reason="capacity",
+        )
     job_id = None
+    admitted = len(admit_hashes)
     if admitted:
         free = state.free_slots
         job_id = state.last_job_id + 1
@@ -232,16 +247,24 @@ def _decide_store(
             seq=state.next_seq,
             job_id=job_id,
             request_id=request_id,
-            hashes=tuple(todo_hashes[:admitted]),
-            device_blocks=tuple(todo_blocks[:admitted]),
+            hashes=tuple(admit_hashes),
+            device_blocks=tuple(admit_blocks),
             slots=tuple(free[len(free) - admitted :][::-1]),
         )
-    if admitted < len(todo_hashes):
+    if rejected_from >= 0:
+        rej_hashes: list[int] = []
+        rej_blocks: list[int] = []
+        taken = set(admit_hashes)
+        for h, d in zip(block_hashes[rejected_from:], device_blocks[rejected_from:]):
+            if h not in taken and (h not in entries or h in gone):
+                taken.add(h)
+                rej_hashes.append(h)
+                rej_blocks.append(d)
         yield StoreRejected(
             seq=state.next_seq,
             request_id=request_id,
-            hashes=tuple(todo_hashes[admitted:]),
-            device_blocks=tuple(todo_blocks[admitted:]),
+            hashes=tuple(rej_hashes),
+            device_blocks=tuple(rej_blocks),
             reason=f"tier full: {state.capacity} slots held by pinned or in-flight entries",
         )
     return job_id

@@ -327,15 +327,21 @@ class SyncEngine:
 
     # -- teardown ------------------------------------------------------------------------
 
-    def drain(self, timeout_ms: float | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
-        """Step until no job is live (or ``timeout_ms`` of the engine's clock passes)."""
+    def drain(
+        self, timeout_ms: float | None = None, sleep: Callable[[float], None] = time.sleep
+    ) -> StepReport:
+        """Step until no job is live (or ``timeout_ms`` of the engine's clock passes); the
+        merged report of every step taken, so nothing that finished meanwhile is lost (F4)."""
         start = self.clock()
+        merged = StepReport(now_ms=start)
         while self.manager.has_live_jobs():
-            self.step()
+            _merge(merged, self.step())
             if timeout_ms is not None and self.clock() - start > timeout_ms:
                 break
             if self.manager.has_live_jobs():
                 sleep(0.0005)
+        merged.now_ms = self.clock()
+        return merged
 
     def close(self) -> None:
         if self.closed:
@@ -439,9 +445,12 @@ class Engine(AbstractAsyncContextManager["Engine"]):
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         import anyio
 
+        # The body's own exception is not the task group's business: cancel the group's
+        # tasks, let them finish, and let the body's exception propagate unchanged (not
+        # wrapped in an ExceptionGroup). A failure of the group's own tasks still surfaces.
         self._tg.cancel_scope.cancel()
         try:
-            await self._tg.__aexit__(*exc_info)
+            await self._tg.__aexit__(None, None, None)
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                 self._send.close()

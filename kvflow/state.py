@@ -526,7 +526,7 @@ def _release_quarantine(state: State, job: Job) -> None:
     quarantine = state.quarantine
     free = state.free_slots
     jid = job.job_id
-    for s in reversed(job.slots):
+    for s in reversed(dict.fromkeys(job.slots)):  # a load may read one slot twice
         users = tuple(j for j in quarantine[s] if j != jid)
         if users:
             quarantine[s] = users  # another abandoned job still reads this slot
@@ -696,7 +696,7 @@ def _evolve_reset(state: State, event: Reset, check: bool = True) -> None:
         if job.abandoned:
             continue
         job.abandoned = True
-        for s in job.slots:
+        for s in dict.fromkeys(job.slots):
             quarantine[s] = quarantine.get(s, ()) + (jid,)
     free = state.free_slots
     for e in state.entries.values():

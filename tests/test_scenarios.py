@@ -323,12 +323,6 @@ def test_abandoned_store_completing_after_reset_is_not_reported_as_stored() -> N
     consistent(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a lookup naming one hash twice gives a load job with a repeated slot; a reset "
-    "quarantines it as (job, job) and the job's report raises KeyError in _release_quarantine "
-    "(live state then differs from the log)",
-)
 def test_reset_with_a_load_that_names_one_block_twice() -> None:
     m = manager(cpu_blocks=4)
     store(m, "w", [A], [1])

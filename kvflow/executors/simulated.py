@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.errors import ConfigError, UnknownJob
+from kvflow.errors import ConfigError, Rejected, UnknownJob
 from kvflow.events import JobResult, TransferJob
 
 
@@ -126,9 +126,11 @@ class SimulatedExecutor:
         """Queue jobs; each starts when its direction's stream is free (copies overlap
         across directions, not within one)."""
         now = self.clock.now_ms
+        ids = [job.job_id for job in jobs]
+        repeated = [j for j in ids if j in self._known] or [j for j in ids if ids.count(j) > 1]
+        if repeated:  # refuse the whole call: nothing launched, no fault drawn (F5)
+            raise Rejected(f"job {repeated[0]} submitted twice (F5)")
         for job in jobs:
-            if job.job_id in self._known:
-                raise ValueError(f"job {job.job_id} submitted twice (F5)")
             self._known.add(job.job_id)
             self._ordinal += 1
             fails = self._ordinal in self.fail_jobs

@@ -1,0 +1,240 @@
+"""The engine with the REAL TorchExecutor: bytes go out to the host pool and come back.
+
+CPU always; CUDA when present (same code path). Two rank processes (RankGroup) on the CPU
+through a SyncEngine with world_size 2: few tests, since spawning ranks is slow.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvflow.config import Config  # noqa: E402
+from kvflow.engine import StepReport, SyncEngine  # noqa: E402
+from kvflow.executors.rank_worker import RandomKV, RankGroup  # noqa: E402
+from kvflow.executors.torch_executor import TorchExecutor  # noqa: E402
+from kvflow.state import check_invariants  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+LAYERS, NUM_BLOCKS, CPU_BLOCKS, B = 4, 32, 12, 16
+A_HASHES = (11, 12, 13)
+A_BLOCKS = (0, 1, 2)
+B_BLOCKS = (20, 21, 22)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def random_kv(device: str, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn((NUM_BLOCKS, 2, 16, 8), generator=gen).to(device) for _ in range(LAYERS)]
+
+
+def overwrite(kv: list[torch.Tensor], seed: int) -> None:
+    fresh = random_kv("cpu", seed)
+    for t, f in zip(kv, fresh, strict=True):
+        t.copy_(f.to(t.device))
+
+
+def blocks_of(kv: list[torch.Tensor], blocks: tuple[int, ...]) -> list[torch.Tensor]:
+    idx = torch.tensor(blocks, device=kv[0].device)
+    return [t.index_select(0, idx).cpu() for t in kv]
+
+
+def merge(into: StepReport, r: StepReport) -> None:
+    into.submitted += r.submitted
+    into.loads_finished += r.loads_finished
+    into.loads_failed += r.loads_failed
+    into.stores_finished += r.stores_finished
+    into.stores_failed += r.stores_failed
+    into.released_device_blocks += r.released_device_blocks
+    into.timed_out += r.timed_out
+
+
+def step_until_idle(engine: SyncEngine, timeout_s: float = 30.0) -> StepReport:
+    """Step (real clock) until no job is live; every report merged."""
+    merged = engine.step()
+    deadline = time.monotonic() + timeout_s
+    while engine.has_live_jobs():
+        assert time.monotonic() < deadline, "jobs never finished"
+        time.sleep(0.001)
+        merge(merged, engine.step())
+    return merged
+
+
+@pytest.fixture
+def rig(device: str) -> Iterator[tuple[SyncEngine, TorchExecutor, list[torch.Tensor]]]:
+    rigs: list[SyncEngine] = []
+
+    def build(**executor: Any) -> tuple[SyncEngine, TorchExecutor, list[torch.Tensor]]:
+        kv = random_kv(device, seed=1)
+        ex = TorchExecutor(kv, CPU_BLOCKS, device=device, **executor)
+        engine = SyncEngine(
+            Config(cpu_blocks=CPU_BLOCKS, block_tokens=B), ex, bytes_per_block=ex.layout.block_bytes
+        )
+        rigs.append(engine)
+        return engine, ex, kv
+
+    yield build  # type: ignore[misc]
+    for engine in rigs:
+        engine.close()
+
+
+def store_request_a(engine: SyncEngine) -> None:
+    engine.lookup("A", A_HASHES, 3 * B + 1)
+    job = engine.blocks_computed("A", A_HASHES, A_BLOCKS)
+    assert job is not None
+    first = engine.step()
+    assert [j.job_id for j in first.submitted] == [job]
+    engine.drain(timeout_ms=30_000)
+    assert not engine.has_live_jobs()
+    assert engine.counters.jobs_completed == 1 and engine.counters.blocks_stored == 3
+    engine.finish_request("A")
+
+
+def assert_clean(engine: SyncEngine) -> None:
+    assert check_invariants(engine.manager.state) == []
+    assert engine.held_device_blocks() == []
+    assert not engine.has_live_jobs()
+
+
+def test_stored_blocks_come_back_byte_for_byte_into_other_device_blocks(rig: Any) -> None:
+    engine, ex, kv = rig()
+    original = blocks_of(kv, A_BLOCKS)
+    store_request_a(engine)
+    assert ex.stats["bytes_stored"] == 3 * ex.layout.block_bytes
+
+    overwrite(kv, seed=2)  # the device blocks are reused for other data
+    assert not all(torch.equal(a, b) for a, b in zip(blocks_of(kv, A_BLOCKS), original, strict=True))
+    before_b = blocks_of(kv, B_BLOCKS)
+
+    assert engine.lookup("B", (*A_HASHES, 14), 3 * B + 7) == 3
+    job = engine.accept_hits("B", B_BLOCKS)
+    report = step_until_idle(engine)
+    assert report.loads_finished == [("B", job)]
+    assert report.loads_failed == []
+    assert sorted(report.released_device_blocks) == list(B_BLOCKS)
+    for got, want, was in zip(blocks_of(kv, B_BLOCKS), original, before_b, strict=True):
+        assert torch.equal(got, want)
+        assert not torch.equal(got, was)
+    # nothing else was written
+    untouched = tuple(b for b in range(NUM_BLOCKS) if b not in B_BLOCKS)
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(blocks_of(kv, untouched), blocks_of(random_kv("cpu", 2), untouched), strict=True)
+    )
+    engine.finish_request("B")
+    assert_clean(engine)
+    assert engine.counters.bytes_loaded == 3 * ex.layout.block_bytes
+
+
+def test_an_injected_load_failure_reports_the_device_blocks_and_keeps_the_entries(rig: Any) -> None:
+    engine, ex, kv = rig(fail_job_ids={2})  # job 1: A's store; job 2: B's load
+    store_request_a(engine)
+    assert engine.lookup("B", (*A_HASHES, 14), 3 * B + 7) == 3
+    job = engine.accept_hits("B", B_BLOCKS)
+    assert job == 2
+    report = step_until_idle(engine)
+    assert report.loads_finished == []
+    [failure] = report.loads_failed
+    assert (failure.request_id, failure.job_id, failure.device_blocks) == ("B", 2, B_BLOCKS)
+    assert "injected fault" in failure.error
+    assert sorted(report.released_device_blocks) == list(B_BLOCKS)
+    state = engine.manager.state
+    assert all(state.is_resident(h) and state.evictable(h) for h in A_HASHES)  # F1
+    engine.finish_request("B")
+    assert_clean(engine)
+    # the entries are still good: a retry loads them
+    original = blocks_of(random_kv("cpu", 1), A_BLOCKS)
+    assert engine.lookup("C", (*A_HASHES, 14), 3 * B + 7) == 3
+    engine.accept_hits("C", (25, 26, 27))
+    assert len(step_until_idle(engine).loads_finished) == 1
+    assert all(torch.equal(x, y) for x, y in zip(blocks_of(kv, (25, 26, 27)), original, strict=True))
+
+
+def test_a_corrupted_host_slot_fails_the_load_by_checksum(rig: Any) -> None:
+    engine, ex, kv = rig(checksums=True)
+    store_request_a(engine)
+    slot = engine.manager.state.entries[A_HASHES[1]].slot
+    region = ex.layout.regions[2]
+    host = ex.pool.region(2, region.word_dtype)
+    host[slot, 5] += 1  # one word of one page flips on the host
+    engine.lookup("B", (*A_HASHES, 14), 3 * B + 7)
+    engine.accept_hits("B", B_BLOCKS)
+    report = step_until_idle(engine)
+    [failure] = report.loads_failed
+    assert failure.device_blocks == B_BLOCKS
+    assert "checksum mismatch" in failure.error
+    assert all(engine.manager.state.is_resident(h) for h in A_HASHES)
+    engine.finish_request("B")
+    assert_clean(engine)
+
+
+# --- two ranks, two processes ----------------------------------------------------------------
+
+FACTORY = RandomKV(num_layers=2, num_blocks=16, page_shape=(16, 8), dtype="float32", stacked=False, seed=3)
+
+
+@pytest.fixture
+def group() -> Iterator[RankGroup]:
+    g = RankGroup(FACTORY, cpu_blocks=8, world_size=2, device_type="cpu", fail_job_ids={1: {3}})
+    try:
+        yield g
+    finally:
+        g.close()
+
+
+def test_rank_group_through_the_engine(group: RankGroup) -> None:
+    """Job 1 (store) completes only after both ranks; job 2 (load) puts each rank's shard
+    back; job 3 (store) fails on rank 1 only, and that fails the job."""
+    engine = SyncEngine(Config(cpu_blocks=8, block_tokens=B, world_size=2), group)
+    engine.lookup("A", A_HASHES, 3 * B + 1)
+    job = engine.blocks_computed("A", A_HASHES, (3, 4, 5))
+    assert job == 1
+    engine.step()
+    results = group.wait(job, timeout_s=60)
+    assert sorted(r.rank for r in results) == [0, 1] and all(r.ok for r in results)
+    assert {r.job_id for r in group.poll()} == {job}  # the engine is fed by hand below
+    half = engine.step(results=[r for r in results if r.rank == 0])
+    assert half.stores_finished == [] and engine.has_live_jobs()
+    assert engine.lookup("X", A_HASHES, 3 * B + 1) == 0
+    full = engine.step(results=[r for r in results if r.rank == 1])
+    assert full.stores_finished == [job]
+    assert sorted(full.released_device_blocks) == [3, 4, 5]
+    engine.finish_request("A")
+    engine.finish_request("X")
+
+    # a load through the normal polling path: each rank's shard lands in its own device
+    assert engine.lookup("B", (*A_HASHES, 14), 3 * B + 7) == 3
+    job_b = engine.accept_hits("B", (10, 11, 12))
+    report = step_until_idle(engine, timeout_s=60)
+    assert report.loads_finished == [("B", job_b)]
+    for rank in (0, 1):
+        want = [t[3:6] for t in FACTORY.build(rank, torch.device("cpu"))]
+        got = group.read_device_pages(rank, [10, 11, 12])
+        assert got == b"".join(w.contiguous().numpy().tobytes() for w in want)
+    engine.finish_request("B")
+
+    # rank 1 fails job 3; rank 0 succeeds: the job fails, nothing becomes visible
+    engine.lookup("C", (31, 32), 2 * B + 1)
+    job_c = engine.blocks_computed("C", (31, 32), (6, 7))
+    assert job_c == 3
+    report = step_until_idle(engine, timeout_s=60)
+    assert report.stores_finished == []
+    [(failed, error)] = report.stores_failed
+    assert failed == 3 and "injected fault" in error
+    assert sorted(report.released_device_blocks) == [6, 7]
+    assert engine.lookup("D", (31, 32), 2 * B + 1) == 0
+    engine.finish_request("C")
+    engine.finish_request("D")
+    assert_clean(engine)
+    assert len(engine.manager.state.free_slots) == 8 - 3
+    assert engine.counters.jobs_failed == 1 and engine.counters.jobs_completed == 2
+    engine.manager.close()

@@ -353,6 +353,19 @@ class SyncEngine:
             self.manager.close()
 
 
+def _forward(name: str) -> Any:
+    """A method of Engine that calls the same method of its SyncEngine (``self.core``)."""
+    target = getattr(SyncEngine, name)
+
+    def method(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.core, name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__qualname__ = f"Engine.{name}"
+    method.__doc__ = target.__doc__
+    return method
+
+
 class Engine(AbstractAsyncContextManager["Engine"]):
     """The asyncio engine: ``async with Engine(config, executor) as engine: ...``.
 
@@ -404,26 +417,14 @@ class Engine(AbstractAsyncContextManager["Engine"]):
     def manager(self) -> OffloadManager:
         return self.core.manager
 
-    def lookup(self, request_id: str, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0) -> int:
-        return self.core.lookup(request_id, block_hashes, num_tokens, device_hit_blocks)
-
-    def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
-        return self.core.accept_hits(request_id, device_blocks)
-
-    def blocks_computed(self, request_id: str | None, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
-        return self.core.blocks_computed(request_id, block_hashes, device_blocks)
-
-    def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
-        return self.core.device_blocks_evicting(block_hashes, device_blocks)
-
-    def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
-        return self.core.touch(block_hashes, reuse)
-
-    def finish_request(self, request_id: str, preempted: bool = False) -> None:
-        self.core.finish_request(request_id, preempted)
-
-    def reset(self) -> None:
-        self.core.reset()
+    # The scheduling-time calls are the SyncEngine's, run on the caller's task.
+    lookup = _forward("lookup")
+    accept_hits = _forward("accept_hits")
+    blocks_computed = _forward("blocks_computed")
+    device_blocks_evicting = _forward("device_blocks_evicting")
+    touch = _forward("touch")
+    finish_request = _forward("finish_request")
+    reset = _forward("reset")
 
     async def __aenter__(self) -> Engine:
         import anyio

@@ -196,11 +196,6 @@ def test_a_failed_store_frees_its_slots_and_never_shows_the_hashes() -> None:
     assert engine.counters.blocks_stored == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: SyncEngine.drain() steps and throws each StepReport away, so loads that "
-    "finish or fail while draining are never reported to the engine (F4)",
-)
 def test_drain_does_not_lose_a_load_failure() -> None:
     engine, ex, clock = make(fail_jobs=[2])
     store_a(engine, ex, clock)
@@ -210,9 +205,20 @@ def test_drain_does_not_lose_a_load_failure() -> None:
     # drain's sleep hook moves the virtual clock, so the load comes due while draining
     drained = engine.drain(timeout_ms=1000, sleep=lambda _s: clock.advance_to(clock.now_ms + 0.5))
     assert not engine.has_live_jobs()
-    reported = list(drained.loads_failed) if isinstance(drained, StepReport) else []
-    reported += engine.step().loads_failed  # or, at the latest, at the next step
-    assert [(f.job_id, f.device_blocks) for f in reported] == [(job, (10, 11, 12))]
+    assert isinstance(drained, StepReport)
+    assert [(f.job_id, f.device_blocks) for f in drained.loads_failed] == [(job, (10, 11, 12))]
+    assert sorted(drained.released_device_blocks) == [10, 11, 12]
+    assert engine.step().loads_failed == []  # reported once
+
+
+def test_drain_gives_up_after_its_timeout_on_the_engine_clock() -> None:
+    engine, ex, clock = make(hang_jobs=[1])
+    engine.lookup("A", A_HASHES, 3 * B + 1)
+    engine.blocks_computed("A", A_HASHES, (0, 1, 2))
+    drained = engine.drain(timeout_ms=5, sleep=lambda _s: clock.advance_to(clock.now_ms + 1))
+    assert engine.has_live_jobs()  # the hung job is still in flight: drain did not wait 40 ms
+    assert 5 < drained.now_ms < DEADLINE_MS
+    assert [j.job_id for j in drained.submitted] == [1]
 
 
 # --- deadlines and late results ----------------------------------------------------------
@@ -662,11 +668,6 @@ async def test_cancelling_the_task_group_closes_the_executor_and_flushes_the_tra
     assert result.events >= 3 and result.checkpoints >= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Engine.__aexit__ hands the body's exception to the task group, so "
-    "`async with Engine(...)` re-raises it wrapped in an ExceptionGroup",
-)
 async def test_an_exception_in_the_engine_body_propagates_unchanged() -> None:
     clock = VirtualClock()
     ex = SimulatedExecutor(clock, MODEL)
@@ -674,3 +675,4 @@ async def test_an_exception_in_the_engine_body_propagates_unchanged() -> None:
         async with Engine(Config(cpu_blocks=8, block_tokens=B), ex, clock=clock) as engine:
             engine.lookup("A", A_HASHES, 3 * B + 1)
             raise KeyError("the application's own error")
+    assert engine.core.closed

@@ -93,8 +93,10 @@ def store_request_a(engine: SyncEngine) -> None:
     assert job is not None
     first = engine.step()
     assert [j.job_id for j in first.submitted] == [job]
-    engine.drain(timeout_ms=30_000)
+    drained = engine.drain(timeout_ms=30_000)
     assert not engine.has_live_jobs()
+    assert drained.stores_finished == [job]
+    assert sorted(drained.released_device_blocks) == list(A_BLOCKS)
     assert engine.counters.jobs_completed == 1 and engine.counters.blocks_stored == 3
     engine.finish_request("A")
 

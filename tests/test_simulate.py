@@ -26,13 +26,6 @@ EXAMPLE = REPO / "traces" / "workloads" / "example.jsonl"
 MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 needs_mooncake = pytest.mark.skipif(not MOONCAKE.exists(), reason=f"{MOONCAKE} not present")
 
-DIVERGES = (
-    "bug: kvflow's _decide_store (decide.py) decides 'already on the tier' for the whole command "
-    "before evicting, so a resident block of the request evicted by that same store is not "
-    "re-stored; DESIGN §7 (and reference_sim) take each block in prefix order at its turn"
-)
-
-
 def ours(path: Path, **kw: object) -> dict[str, object]:
     return simulate(str(path), SimOptions(**kw))  # type: ignore[arg-type]
 
@@ -46,14 +39,13 @@ def counters(summary: dict[str, object]) -> dict[str, object]:
     return {k: summary[k] for k in SUMMARY_KEYS}
 
 
-# cpu_blocks x device_blocks x store x (fault_rate, seed); cells where the two disagree (the
-# store rule above: a 32-block tier behind a 64-block device cache evicts the request's own
-# device-hit blocks) are marked, so that a fix turns them into failures to unmark.
+# cpu_blocks x device_blocks x store x (fault_rate, seed). The 32-block tier behind a 64-block
+# device cache is the cell where a store evicts the request's own device-hit blocks, which §7
+# then stores again at their turn (see test_the_store_rule_on_a_three_request_workload).
 _FAULTS = [(0.0, 0), (0.1, 0), (0.1, 1)]
 _GRID = []
 for _cpu, _dev, _store, (_rate, _seed) in itertools.product([0, 32, 256, 10000], [0, 64], ["eager", "lazy"], _FAULTS):
-    _marks = [pytest.mark.xfail(strict=True, reason=DIVERGES)] if (_cpu, _dev) == (32, 64) else []
-    _GRID.append(pytest.param(_cpu, _dev, _store, _rate, _seed, marks=_marks,
+    _GRID.append(pytest.param(_cpu, _dev, _store, _rate, _seed,
                               id=f"cpu{_cpu}-dev{_dev}-{_store}-p{_rate}-s{_seed}"))
 
 
@@ -75,7 +67,6 @@ def test_example_workload_numbers_pinned_by_its_readme() -> None:
     assert ours(EXAMPLE, cpu_blocks=10_000)["hit_tokens"] == 950_272
 
 
-@pytest.mark.xfail(strict=True, reason=DIVERGES)
 def test_the_store_rule_on_a_three_request_workload(tmp_path: Path) -> None:
     """The smallest case of the divergence, worked by hand (4-token blocks, 2 CPU blocks, lazy,
     no device cache, so every full block is offered for storage at the end of its request):
@@ -101,8 +92,7 @@ _MOONCAKE_CONFIGS = [
     pytest.param(dict(cpu_blocks=2000), id="cpu2000-eager"),
     pytest.param(dict(cpu_blocks=500, device_blocks=200, store="lazy", fault_rate=0.1, seed=3), id="cpu500-dev200-lazy-faults"),
     pytest.param(dict(cpu_blocks=10_000, device_blocks=1000, fault_rate=0.05, seed=1), id="cpu10000-dev1000-faults"),
-    pytest.param(dict(cpu_blocks=100, store="lazy"), id="cpu100-lazy",
-                 marks=pytest.mark.xfail(strict=True, reason=DIVERGES)),
+    pytest.param(dict(cpu_blocks=100, store="lazy"), id="cpu100-lazy"),
 ]
 
 

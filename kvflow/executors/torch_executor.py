@@ -573,6 +573,21 @@ class TorchExecutor:
         """The regions the per-region loop still has to do (none when the batched path ran)."""
         return () if (single and not scattered and self._batched) else self.layout.regions
 
+    def _launch_indices(
+        self, plan: _Plan, scattered: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Device-side index tensors of a batch (on the current stream): device blocks, the
+        slots when GPU kernels address the pinned pool directly, and a checksum buffer."""
+        idx = torch.from_numpy(plan.device_blocks).to(self.device, non_blocking=True)
+        slot_idx = None
+        if scattered and self.scatter == "uva":
+            slot_idx = torch.from_numpy(plan.slots).to(self.device, non_blocking=True)
+        sums = None
+        if self.checksums:
+            n = len(plan.slots)
+            sums = torch.empty((self.layout.num_regions, n), dtype=torch.int64, device=self.device)
+        return idx, slot_idx, sums
+
     def _scattered(self, plan: _Plan) -> bool:
         return self.scatter != "runs" and len(plan.runs) > self.max_runs
 
@@ -586,15 +601,7 @@ class TorchExecutor:
         cs_host = None
         with self._on(lane.stream):
             self._wait_for(lane.stream, compute_done)
-            idx = torch.from_numpy(plan.device_blocks).to(self.device, non_blocking=True)
-            slot_idx = None
-            if scattered and self.scatter == "uva":
-                slot_idx = torch.from_numpy(slots).to(self.device, non_blocking=True)
-            sums = (
-                torch.empty((self.layout.num_regions, n), dtype=torch.int64, device=self.device)
-                if self.checksums
-                else None
-            )
+            idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
             if single and not scattered and self._batched:
                 s0 = runs[0][2]
@@ -660,15 +667,7 @@ class TorchExecutor:
         with self._on(lane.stream):
             self._wait_for(lane.stream, compute_done)
             self._wait_for(lane.stream, after)
-            idx = torch.from_numpy(plan.device_blocks).to(self.device, non_blocking=True)
-            slot_idx = None
-            if scattered and self.scatter == "uva":
-                slot_idx = torch.from_numpy(slots).to(self.device, non_blocking=True)
-            sums = (
-                torch.empty((self.layout.num_regions, n), dtype=torch.int64, device=self.device)
-                if self.checksums
-                else None
-            )
+            idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
             if single and not scattered and self._batched:
                 s0 = runs[0][2]

@@ -530,10 +530,6 @@ def diagram(which: str, mermaid: bool) -> None:
     click.echo("\n\n".join(chunks))
 
 
-if __name__ == "__main__":
-    main()
-
-
 @main.command("kv-events")
 @click.argument("trace", type=click.Path(dir_okay=False))
 @click.option("--until", type=int, default=None, help="Stop after this seq.")
@@ -547,7 +543,7 @@ def kv_events_command(trace: str, until: int | None) -> None:
     from kvflow.log import TraceReader
 
     encoder = msgspec.json.Encoder()
-    out = click.get_text_stream("stdout")
+    out = sys.stdout
     with _user_errors():
         reader = TraceReader(trace)
         with reader:
@@ -562,3 +558,7 @@ def kv_events_command(trace: str, until: int | None) -> None:
                     out.write(encoder.encode(kv).decode() + "\n")
         for warning in reader.warnings:
             _warn(warning)
+
+
+if __name__ == "__main__":
+    main()

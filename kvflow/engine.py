@@ -181,9 +181,7 @@ class SyncEngine:
         return hits
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
-        job = self.manager.accept_hits(request_id, device_blocks)
-        self.counters.hit_tokens += len(device_blocks) * self.config.block_tokens
-        return job
+        return self.manager.accept_hits(request_id, device_blocks)
 
     def blocks_computed(
         self, request_id: str | None, block_hashes: Sequence[int], device_blocks: Sequence[int]
@@ -290,6 +288,7 @@ class SyncEngine:
                 else:
                     c.blocks_loaded += n
                     c.bytes_loaded += n * self.bytes_per_block
+                    c.hit_tokens += n * self.config.block_tokens  # only loads that landed
             else:
                 if kind is JobFailed:
                     c.jobs_failed += 1

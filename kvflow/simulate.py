@@ -11,6 +11,7 @@ latency percentiles.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -63,8 +64,8 @@ class SimOptions:
             raise ConfigError(f"--fault-rate must be within 0..1, got {self.fault_rate!r}")
         if self.mode not in ("sequential", "timed"):
             raise ConfigError(f"--mode must be sequential or timed, got {self.mode!r}")
-        if self.prefill_tokens_per_ms <= 0:
-            raise ConfigError("--prefill-tokens-per-ms must be > 0")
+        if not math.isfinite(self.prefill_tokens_per_ms) or self.prefill_tokens_per_ms <= 0:
+            raise ConfigError(f"--prefill-tokens-per-ms must be a finite number > 0, got {self.prefill_tokens_per_ms}")
 
     def config(self) -> Config:
         return Config(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.errors import ConfigError
 from kvflow.replay import replay
 from kvflow.simulate import SUMMARY_KEYS, SimOptions, simulate
 from reference_sim import reference_simulate
@@ -141,6 +142,17 @@ def test_timed_mode_with_hung_jobs_finishes_every_request(workload: Path) -> Non
     s = ours(workload, cpu_blocks=500, mode="timed", hang_jobs=(2, 9), job_deadline_ms=50.0)
     assert s["timed_out_jobs"] == 2
     assert s["requests"] == ours(workload, cpu_blocks=500)["requests"]
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0])
+def test_a_nonpositive_prefill_rate_is_refused(bad: float) -> None:
+    with pytest.raises(ConfigError):
+        SimOptions(cpu_blocks=10, mode="timed", prefill_tokens_per_ms=bad).validate()
+
+
+def test_a_nan_prefill_rate_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        SimOptions(cpu_blocks=10, mode="timed", prefill_tokens_per_ms=float("nan")).validate()
 
 
 # --- policies -------------------------------------------------------------------------------

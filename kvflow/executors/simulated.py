@@ -16,6 +16,7 @@ Deterministic for a seed. Reads time only from the clock it is given.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -53,12 +54,13 @@ class TransferModel:
     latency_us: float = 20.0
 
     def __post_init__(self) -> None:
-        if self.bytes_per_block <= 0:
-            raise ConfigError(f"bytes_per_block must be > 0, got {self.bytes_per_block}")
-        if self.bandwidth_gbps <= 0:
-            raise ConfigError(f"bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
-        if self.latency_us < 0:
-            raise ConfigError(f"latency_us must be >= 0, got {self.latency_us}")
+        # NaN passes every comparison and would stall the virtual clock forever
+        if not isinstance(self.bytes_per_block, int) or self.bytes_per_block <= 0:
+            raise ConfigError(f"bytes_per_block must be a whole number > 0, got {self.bytes_per_block}")
+        if not math.isfinite(self.bandwidth_gbps) or self.bandwidth_gbps <= 0:
+            raise ConfigError(f"bandwidth_gbps must be a finite number > 0, got {self.bandwidth_gbps}")
+        if not math.isfinite(self.latency_us) or self.latency_us < 0:
+            raise ConfigError(f"latency_us must be a finite number >= 0, got {self.latency_us}")
 
     def duration_ms(self, num_blocks: int) -> float:
         seconds = num_blocks * self.bytes_per_block / (self.bandwidth_gbps * 1e9)

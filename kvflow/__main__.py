@@ -1,0 +1,5 @@
+"""``python -m kvflow``: the kvflow command."""
+
+from kvflow.cli import main
+
+main()

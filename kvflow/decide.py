@@ -51,7 +51,7 @@ from kvflow.events import (
     Touch,
     TransferJob,
 )
-from kvflow.state import RESIDENT, Job, JobState, State
+from kvflow.state import Job, JobState, State
 
 Decision = Generator[Event, None, Any]
 
@@ -85,11 +85,10 @@ def decide_lookup(state: State, cmd: Lookup) -> Decision:
         # A repeated lookup (the scheduler could not place the request last step) replaces the
         # hits it offered before, so pins never pile up.
         yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
-    entries = state.entries
+    slot_of, pending = state.slot_of, state.pending
     hits: list[int] = []
     for h in cmd.block_hashes[cmd.device_hit_blocks : cap]:
-        entry = entries.get(h)
-        if entry is None or entry.state is not RESIDENT:
+        if h not in slot_of or h in pending:  # only RESIDENT entries are visible
             break
         hits.append(h)
     yield PinsAcquired(
@@ -116,7 +115,6 @@ def decide_accept_hits(state: State, cmd: AcceptHits) -> Decision:
     job_id = None
     if n:
         hashes = req.offered[:n]
-        entries = state.entries
         job_id = state.last_job_id + 1
         yield LoadQueued(
             seq=state.next_seq,
@@ -124,7 +122,7 @@ def decide_accept_hits(state: State, cmd: AcceptHits) -> Decision:
             request_id=cmd.request_id,
             hashes=hashes,
             device_blocks=tuple(cmd.device_blocks),
-            slots=tuple(entries[h].slot for h in hashes),
+            slots=tuple(map(state.slot_of.__getitem__, hashes)),
         )
     if req.offered:
         yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
@@ -205,7 +203,7 @@ def _decide_store(
     # nothing is evictable it and every later block are rejected. A victim may be a later
     # block of this very command: when its turn comes it is no longer on the tier, so it is
     # stored again. Evictions and admissions are still emitted as one event each.
-    entries = state.entries
+    entries = state.slot_of  # every hash on the tier, whatever its state
     free_avail = len(state.free_slots)
     admit_hashes: list[int] = []
     admit_blocks: list[int] = []
@@ -235,7 +233,7 @@ def _decide_store(
         yield BlocksEvicted(
             seq=state.next_seq,
             hashes=tuple(victims),
-            slots=tuple(entries[h].slot for h in victims),
+            slots=tuple(map(entries.__getitem__, victims)),
             reason="capacity",
         )
     job_id = None
@@ -284,10 +282,8 @@ def decide_device_evicting(state: State, cmd: DeviceBlocksEvicting) -> Decision:
 
 
 def decide_touch(state: State, cmd: Touch) -> Decision:
-    entries = state.entries
-    touched = tuple(
-        h for h in cmd.block_hashes if (e := entries.get(h)) is not None and e.state is RESIDENT
-    )
+    slot_of, pending = state.slot_of, state.pending
+    touched = tuple(h for h in cmd.block_hashes if h in slot_of and h not in pending)
     if touched:
         yield BlocksTouched(seq=state.next_seq, hashes=touched, reuse=cmd.reuse)
     return len(touched)
@@ -304,7 +300,7 @@ def decide_evict(state: State, cmd: Evict) -> Decision:
     yield BlocksEvicted(
         seq=state.next_seq,
         hashes=tuple(victims),
-        slots=tuple(state.entries[h].slot for h in victims),
+        slots=tuple(map(state.slot_of.__getitem__, victims)),
         reason="explicit",
     )
     return len(victims)

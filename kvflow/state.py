@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from enum import IntEnum
 from typing import Any
 
@@ -129,18 +130,57 @@ for _st, _edges in BLOCK_TRANSITIONS.items():
 
 
 class Entry:
-    """One CPU-tier entry, keyed by block hash in ``State.entries``."""
+    """A read-only picture of one CPU-tier entry (``state.entries[hash]``).
+
+    The state stores entries column-wise (``slot_of``, ``pending``, ``pin_count``) so that
+    the hot paths are a few C-level dict operations per event rather than a Python object
+    per block; this view assembles one entry for readers (inspect, tests, invariants).
+    """
 
     __slots__ = ("state", "slot", "pins", "job_id")
 
-    def __init__(self, state: BlockState, slot: int, job_id: int) -> None:
+    def __init__(self, state: BlockState, slot: int, pins: int, job_id: int) -> None:
         self.state = state
         self.slot = slot
-        self.pins = 0
+        self.pins = pins
         self.job_id = job_id  # the live store job while STORE_QUEUED / STORING, else 0
 
     def __repr__(self) -> str:
         return f"Entry({self.state.name}, slot={self.slot}, pins={self.pins}, job={self.job_id})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Entry):
+            return NotImplemented
+        return (self.state, self.slot, self.pins, self.job_id) == (
+            other.state,
+            other.slot,
+            other.pins,
+            other.job_id,
+        )
+
+
+class EntriesView(Mapping[int, Entry]):
+    """``State.entries``: every hash on the tier -> its Entry (assembled on access)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: State) -> None:
+        self._state = state
+
+    def __getitem__(self, block_hash: int) -> Entry:
+        st = self._state
+        slot = st.slot_of[block_hash]
+        job_id = st.pending.get(block_hash, 0)
+        return Entry(st.block_state(block_hash), slot, st.pin_count.get(block_hash, 0), job_id)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._state.slot_of
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._state.slot_of)
+
+    def __len__(self) -> int:
+        return len(self._state.slot_of)
 
 
 class Job:
@@ -226,7 +266,12 @@ class State:
         self.config = config
         self.next_seq = 1
         self.last_job_id = 0
-        self.entries: dict[int, Entry] = {}
+        # Entries, column-wise: every hash on the tier -> its slot; the hashes of live store
+        # jobs (STORE_QUEUED / STORING, which one follows the job) -> that job; pinned hashes
+        # -> their pin count (absent means 0). RESIDENT = on the tier and not pending.
+        self.slot_of: dict[int, int] = {}
+        self.pending: dict[int, int] = {}
+        self.pin_count: dict[int, int] = {}
         # Free slots as a stack: allocation takes from the end, so a fresh tier hands out
         # 0, 1, 2... (contiguous host runs keep the executor's copies at full speed).
         self.free_slots: list[int] = list(range(config.cpu_blocks - 1, -1, -1))
@@ -248,17 +293,27 @@ class State:
     def last_seq(self) -> int:
         return self.next_seq - 1
 
+    @property
+    def entries(self) -> EntriesView:
+        return EntriesView(self)
+
     def block_state(self, block_hash: int) -> BlockState:
-        entry = self.entries.get(block_hash)
-        return ABSENT if entry is None else entry.state
+        if block_hash not in self.slot_of:
+            return ABSENT
+        job_id = self.pending.get(block_hash)
+        if job_id is None:
+            return RESIDENT
+        return STORE_QUEUED if self.jobs[job_id].state is JobState.QUEUED else STORING
 
     def is_resident(self, block_hash: int) -> bool:
-        entry = self.entries.get(block_hash)
-        return entry is not None and entry.state is RESIDENT
+        return block_hash in self.slot_of and block_hash not in self.pending
 
     def evictable(self, block_hash: int) -> bool:
-        entry = self.entries.get(block_hash)
-        return entry is not None and entry.state is RESIDENT and entry.pins == 0
+        return (
+            block_hash not in self.pin_count
+            and block_hash not in self.pending
+            and block_hash in self.slot_of
+        )
 
     def num_resident(self) -> int:
         return len(self.policy)
@@ -269,11 +324,9 @@ class State:
         clone.config = self.config
         clone.next_seq = self.next_seq
         clone.last_job_id = self.last_job_id
-        clone.entries = {}
-        for h, e in self.entries.items():
-            ne = Entry(e.state, e.slot, e.job_id)
-            ne.pins = e.pins
-            clone.entries[h] = ne
+        clone.slot_of = dict(self.slot_of)
+        clone.pending = dict(self.pending)
+        clone.pin_count = dict(self.pin_count)
         clone.free_slots = list(self.free_slots)
         clone.quarantine = dict(self.quarantine)
         clone.jobs = {}
@@ -303,7 +356,11 @@ class State:
 
     def canonical(self) -> tuple[Any, ...]:
         """A deterministic, order-independent picture of the state (digest input)."""
-        entries = sorted((h, int(e.state), e.slot, e.pins, e.job_id) for h, e in self.entries.items())
+        pending, pins = self.pending, self.pin_count
+        entries = sorted(
+            (h, int(self.block_state(h)), slot, pins.get(h, 0), pending.get(h, 0))
+            for h, slot in self.slot_of.items()
+        )
         jobs = [
             (
                 j.job_id,
@@ -356,12 +413,10 @@ def _illegal(state: State, event: Event, what: str, detail: str) -> IllegalTrans
     return IllegalTransition(what, f"{event_name(event)}#{event.seq}", detail)
 
 
-def _check_block(state: State, event: Event, tag: str, block_hash: int) -> Entry | None:
-    entry = state.entries.get(block_hash)
-    current = ABSENT if entry is None else entry.state
+def _check_block(state: State, event: Event, tag: str, block_hash: int) -> None:
+    current = state.block_state(block_hash)
     if tag not in BLOCK_TRANSITIONS.get(current, {}):
         raise _illegal(state, event, current.name, f"block {block_hash}")
-    return entry
 
 
 def _check_job(state: State, event: Event, tag: str, job_id: int) -> Job:
@@ -386,14 +441,24 @@ def _policy_many(policy: Policy, op: str, hashes: tuple[int, ...]) -> None:
             method(h)
 
 
-def _check_blocks(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:
-    """Every hash must name an entry in a state where ``tag`` is legal (fast path)."""
-    allowed = _ALLOWED.get(tag, frozenset())
-    get = state.entries.get
+def _check_resident(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:
+    """Every hash must be RESIDENT and ``tag`` legal there (set operations in C; the slow
+    path only runs to name the offending block)."""
+    if state.pending.keys().isdisjoint(hashes) and state.slot_of.keys() >= set(hashes):
+        if RESIDENT in _ALLOWED.get(tag, frozenset()):
+            return
     for h in hashes:
-        e = get(h)
-        if e is None or e.state not in allowed:
-            _check_block(state, event, tag, h)
+        _check_block(state, event, tag, h)
+    raise _illegal(state, event, "RESIDENT", f"event {tag} does not apply to resident blocks")
+
+
+def _check_pending(state: State, event: Event, tag: str, job: Job) -> None:
+    """Every hash of a live store job must still be pending on that job."""
+    if set(map(state.pending.get, job.hashes)) == {job.job_id}:
+        return
+    for h in job.hashes:
+        _check_block(state, event, tag, h)
+    raise _illegal(state, event, "PENDING", f"blocks of job {job.job_id} are not pending on it")
 
 
 def _check_free_slots(state: State, event: Event, slots: tuple[int, ...]) -> None:
@@ -449,11 +514,11 @@ def _add_job(state: State, event: StoreQueued | LoadQueued, direction: str) -> J
 
 
 def _evolve_store_queued(state: State, event: StoreQueued, check: bool) -> None:
-    entries = state.entries
+    slot_of = state.slot_of
     if check:
         _new_job_checks(state, event)
-        if not entries.keys().isdisjoint(event.hashes) or len(set(event.hashes)) != len(event.hashes):
-            h = next((h for h in event.hashes if h in entries), event.hashes[0])
+        if not slot_of.keys().isdisjoint(event.hashes) or len(set(event.hashes)) != len(event.hashes):
+            h = next((h for h in event.hashes if h in slot_of), event.hashes[0])
             raise _illegal(state, event, state.block_state(h).name, f"block {h} is already on the tier")
         _check_free_slots(state, event, event.slots)
         req = state.requests.get(event.request_id) if event.request_id is not None else None
@@ -462,9 +527,8 @@ def _evolve_store_queued(state: State, event: StoreQueued, check: bool) -> None:
     # apply
     free = state.free_slots
     del free[len(free) - len(event.slots) :]
-    jid = event.job_id
-    for h, s in zip(event.hashes, event.slots):
-        entries[h] = Entry(STORE_QUEUED, s, jid)
+    slot_of.update(zip(event.hashes, event.slots))
+    state.pending.update(dict.fromkeys(event.hashes, event.job_id))
     _add_job(state, event, STORE)
 
 
@@ -477,12 +541,9 @@ def _evolve_load_queued(state: State, event: LoadQueued, check: bool) -> None:
             raise _illegal(state, event, "NO_REQUEST", f"request {event.request_id} is not live")
         if req.offered[:n] != event.hashes:
             raise _illegal(state, event, "PINS", "a load must take the request's offered hits, in order")
-        entries = state.entries
-        _check_blocks(state, event, "load_queued", event.hashes)
-        for h, s in zip(event.hashes, event.slots):
-            entry = entries[h]
-            if entry.slot != s:
-                raise _illegal(state, event, "RESIDENT", f"block {h} lives in slot {entry.slot}, not {s}")
+        _check_resident(state, event, "load_queued", event.hashes)
+        if tuple(map(state.slot_of.__getitem__, event.hashes)) != event.slots:
+            raise _illegal(state, event, "RESIDENT", "the load's slots are not where its blocks live")
     assert req is not None
     # apply: the request's pins move from "offered" to the job (counts are unchanged)
     req.offered = req.offered[n:]
@@ -499,16 +560,13 @@ def _evolve_jobs_submitted(state: State, event: JobsSubmitted, check: bool) -> N
                 raise _illegal(state, event, job.state.name, f"job {jid} is not queued")
         if len(set(event.job_ids)) != len(event.job_ids):
             raise _illegal(state, event, "IN_FLIGHT", "a job is submitted twice in one event")
-    entries = state.entries
     queued = state.queued
+    deadline = event.deadline_ms
     for jid in event.job_ids:
         job = jobs[jid]
-        job.state = JobState.IN_FLIGHT
-        job.deadline_ms = event.deadline_ms
+        job.state = JobState.IN_FLIGHT  # its pending blocks are STORING from now on
+        job.deadline_ms = deadline
         del queued[jid]
-        if job.direction == STORE:
-            for h in job.hashes:
-                entries[h].state = STORING
 
 
 def _finish_job(state: State, job: Job) -> None:
@@ -536,9 +594,13 @@ def _release_quarantine(state: State, job: Job) -> None:
 
 
 def _unpin(state: State, hashes: tuple[int, ...]) -> None:
-    entries = state.entries
+    pins = state.pin_count
     for h in hashes:
-        entries[h].pins -= 1
+        left = pins[h] - 1
+        if left:
+            pins[h] = left
+        else:
+            del pins[h]
 
 
 def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, tag: str) -> Job:
@@ -550,7 +612,10 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
     ):
         raise _illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
     if not job.abandoned:
-        _check_blocks(state, event, tag, job.hashes)
+        if job.direction == STORE:
+            _check_pending(state, event, tag, job)
+        else:
+            _check_resident(state, event, tag, job.hashes)
     return job
 
 
@@ -571,18 +636,12 @@ def _evolve_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut
     if job.abandoned:
         _release_quarantine(state, job)
         return
-    entries = state.entries
     if job.direction == STORE:
-        if isinstance(event, JobCompleted):
-            for h in job.hashes:
-                e = entries[h]
-                e.state = RESIDENT
-                e.job_id = 0
-            _policy_many(state.policy, "insert", job.hashes)
+        deque(map(state.pending.__delitem__, job.hashes), 0)
+        if type(event) is JobCompleted:
+            _policy_many(state.policy, "insert", job.hashes)  # RESIDENT: visible from now on
         else:
-            free = state.free_slots
-            for h in reversed(job.hashes):
-                free.append(entries.pop(h).slot)
+            state.free_slots.extend(map(state.slot_of.pop, reversed(job.hashes)))
     else:
         del state.requests[job.request_id].loading[job.job_id]  # type: ignore[index]
         _unpin(state, job.hashes)
@@ -609,26 +668,24 @@ def _evolve_late(state: State, event: LateResultIgnored, check: bool = True) -> 
 
 
 def _evolve_evicted(state: State, event: BlocksEvicted, check: bool) -> None:
-    entries = state.entries
+    slot_of = state.slot_of
     if check:
         if len(event.hashes) != len(event.slots):
             raise _illegal(state, event, "RESIDENT", "hashes and slots differ in length")
-        _check_blocks(state, event, "blocks_evicted", event.hashes)
-        for h, s in zip(event.hashes, event.slots):
-            entry = entries[h]
-            if entry.pins or entry.slot != s:
-                raise _illegal(state, event, "RESIDENT", f"block {h} is pinned or not in slot {s}")
+        _check_resident(state, event, "blocks_evicted", event.hashes)
+        if not state.pin_count.keys().isdisjoint(event.hashes):
+            raise _illegal(state, event, "RESIDENT", "a pinned block cannot be evicted")
+        if tuple(map(slot_of.__getitem__, event.hashes)) != event.slots:
+            raise _illegal(state, event, "RESIDENT", "the evicted slots are not where the blocks live")
         if len(set(event.hashes)) != len(event.hashes):
             raise _illegal(state, event, "RESIDENT", "a block is evicted twice in one event")
-    free = state.free_slots
-    for h in reversed(event.hashes):
-        free.append(entries.pop(h).slot)
+    state.free_slots.extend(map(slot_of.pop, reversed(event.hashes)))
     _policy_many(state.policy, "remove", event.hashes)
 
 
 def _evolve_touched(state: State, event: BlocksTouched, check: bool) -> None:
     if check:
-        _check_blocks(state, event, "blocks_touched", event.hashes)
+        _check_resident(state, event, "blocks_touched", event.hashes)
     _policy_many(state.policy, "touch" if event.reuse else "refresh", event.hashes)
 
 
@@ -643,12 +700,13 @@ def _evolve_pins_acquired(state: State, event: PinsAcquired, check: bool) -> Non
         req = state.requests.get(event.request_id)
         if req is not None and (req.finished or req.offered):
             raise _illegal(state, event, "PINS", f"request {event.request_id} has offered pins or is finished")
-        _check_blocks(state, event, "pins_acquired", event.hashes)
+        if event.hashes:
+            _check_resident(state, event, "pins_acquired", event.hashes)
     req = _request(state, event.request_id)
     assert req is not None
-    entries = state.entries
+    pins = state.pin_count
     for h in event.hashes:
-        entries[h].pins += 1
+        pins[h] = pins.get(h, 0) + 1
     req.offered = event.hashes
 
 
@@ -699,10 +757,10 @@ def _evolve_reset(state: State, event: Reset, check: bool = True) -> None:
         for s in dict.fromkeys(job.slots):
             quarantine[s] = quarantine.get(s, ()) + (jid,)
     free = state.free_slots
-    for e in state.entries.values():
-        if e.slot not in quarantine:
-            free.append(e.slot)
-    state.entries.clear()
+    free.extend(s for s in state.slot_of.values() if s not in quarantine)
+    state.slot_of.clear()
+    state.pending.clear()
+    state.pin_count.clear()
     state.requests.clear()
     state.policy.clear()
 

@@ -2,7 +2,8 @@
 # The one command used on the GPU machine (see docs/executor.md):
 #   bash tools/device_run.sh [all|tests|bench|ranks]
 # Run from the repository root. Logs and results go under $OUT (default /tmp/kvflow-out).
-# msgspec is not in the GPU image: carry `.whl` (a msgspec cp312 wheel) and it is installed here.
+# msgspec and structlog are not in the GPU image: carry `.whl` (cp312 / pure wheels: msgspec,
+# structlog, anyio, sniffio, pytest-asyncio for the async engine tests) and they are installed.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvflow-out}
 mkdir -p "$OUT"
@@ -11,12 +12,12 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 
-if ! $PY -c "import msgspec" 2>/dev/null; then
+if ! $PY -c "import msgspec, structlog, anyio" 2>/dev/null; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
   else
-    echo "msgspec missing and no .whl folder carried" >&2; exit 1
+    echo "msgspec/structlog/anyio missing and no .whl folder carried" >&2; exit 1
   fi
 fi
 
@@ -36,7 +37,9 @@ PY
 }
 
 tests() {
-  $PY -m pytest -q -p no:cacheprovider tests/test_torch_executor.py tests/test_npu_adapter.py tests/test_ranks.py -rs 2>&1 | tee "$OUT/tests.log"
+  $PY -m pytest -q -p no:cacheprovider tests/test_torch_executor.py tests/test_npu_adapter.py \
+    tests/test_ranks.py tests/test_engine_torch.py tests/test_engine.py -rs 2>&1 | tee "$OUT/tests.log"
+  $PY tools/example_engine.py --device cuda 2>&1 | tee "$OUT/example.log"
 }
 
 bench() {

@@ -49,7 +49,7 @@ from kvflow.events import (
     TransferJob,
     event_name,
 )
-from kvflow.log import TraceWriter
+from kvflow.log import MemoryLog, NullLog, TraceWriter
 from kvflow.manager import LoadFailure, OffloadManager
 
 
@@ -144,8 +144,12 @@ class SyncEngine:
         bytes_per_block: int = 0,
         logger: Any = None,
         checkpoint_every: int = 10_000,
+        keep_log: bool = False,
         _auto_flush: bool = True,
     ) -> None:
+        """``trace_path`` records a trace file while running; without it the engine keeps no
+        log (``keep_log=True`` keeps one in memory, for tests and short runs: it grows with
+        every event)."""
         self.config = config
         self.executor = executor
         self.clock = clock
@@ -161,7 +165,10 @@ class SyncEngine:
             self.writer = TraceWriter(
                 trace_path, config, meta=trace_meta, checkpoint_every=checkpoint_every, auto_flush=_auto_flush
             )
-        self.manager = OffloadManager(config, log=self.writer)
+        log: Any = self.writer
+        if log is None:
+            log = MemoryLog(config) if keep_log else NullLog()
+        self.manager = OffloadManager(config, log=log)
         self.counters = Counters()
         self.latencies = Latencies()
         self._submitted_at: dict[int, float] = {}

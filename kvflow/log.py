@@ -66,8 +66,27 @@ class Header(msgspec.Struct, frozen=True, kw_only=True):
     meta: dict[str, Any] = {}
 
 
+class NullLog:
+    """Keeps nothing: what a long-running engine uses when it records no trace (the state is
+    the only thing it needs; a retained log would grow without bound)."""
+
+    def record_command(self, command: Command) -> None:
+        pass
+
+    def record_events(self, events: list[Event]) -> None:
+        pass
+
+    def after_command(self, state: Any) -> None:
+        pass
+
+    def close(self, state: Any = None) -> None:
+        pass
+
+
 class MemoryLog:
-    """Commands and events kept in a list; the default log of an OffloadManager."""
+    """Commands and events kept in a list; the default log of a bare OffloadManager (tests,
+    tools, short runs). It grows with every event: long-running engines use a trace file or
+    NullLog."""
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -103,10 +103,18 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 @dataclass
 class Latencies:
-    """Submit-to-terminal time of each job, in ms, by direction."""
+    """Submit-to-terminal time of recent jobs, in ms, by direction (the last ``window`` to
+    ``2 * window`` samples of each, so a long-running engine's memory stays bounded)."""
 
     load_ms: list[float] = field(default_factory=list)
     store_ms: list[float] = field(default_factory=list)
+    window: int = 100_000
+
+    def add(self, direction: str, latency_ms: float) -> None:
+        values = self.load_ms if direction == LOAD else self.store_ms
+        values.append(latency_ms)
+        if len(values) > 2 * self.window:
+            del values[: len(values) - self.window]
 
     def summary(self) -> dict[str, float | None]:
         out: dict[str, float | None] = {}
@@ -312,7 +320,7 @@ class SyncEngine:
                     )
             if started is not None:
                 latency = self.clock() - started
-                (self.latencies.load_ms if event.direction == LOAD else self.latencies.store_ms).append(latency)  # type: ignore[union-attr]
+                self.latencies.add(event.direction, latency)  # type: ignore[union-attr]
         elif kind is BlocksEvicted:
             c.blocks_evicted += len(event.hashes)  # type: ignore[union-attr]
         elif kind is StoreRejected:

@@ -690,3 +690,14 @@ def test_an_engine_without_a_trace_keeps_no_log_so_memory_stays_bounded() -> Non
         engine.finish_request(rid)
     assert engine.manager.state.last_seq > 100
     assert not hasattr(engine.manager.log, "records")  # nothing retained per event
+
+
+def test_latency_samples_stay_bounded() -> None:
+    from kvflow.engine import Latencies
+
+    lat = Latencies(window=10)
+    for i in range(100):
+        lat.add("load", float(i))
+    assert 10 <= len(lat.load_ms) <= 20
+    assert lat.load_ms[-1] == 99.0  # the most recent samples are kept
+    assert lat.summary()["load_p50_ms"] is not None and lat.store_ms == []

@@ -672,11 +672,12 @@ def state_to_dict(state: State) -> dict[str, Any]:
     }
 
 
-def _slot_owner(state: State, slot: int) -> tuple[str, int | None]:
+def _slot_owner(state: State, slot: int) -> tuple[str, Any]:
+    """Who owns a slot: ("quarantine", [abandoned job ids]), ("block", hash) or ("free", None)."""
     if slot in state.quarantine:
-        return "quarantine", state.quarantine[slot]
-    for h, e in state.entries.items():
-        if e.slot == slot:
+        return "quarantine", list(state.quarantine[slot])
+    for h, s in state.slot_of.items():
+        if s == slot:
             return "block", h
     if slot in state.free_slots:
         return "free", None
@@ -718,7 +719,7 @@ def focus_dict(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> di
         if owner == "block":
             out["entry"] = entry_dict(who, state)  # type: ignore[arg-type]
         elif owner == "quarantine":
-            out["job"] = who
+            out["jobs"] = who
     return out
 
 
@@ -746,7 +747,7 @@ def _view(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> str:
     if owner == "block":
         return f"block {who} ({state.entries[who].state.name})"  # type: ignore[index]
     if owner == "quarantine":
-        return f"quarantined by job {who}"
+        return f"quarantined by job{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}"
     return owner
 
 

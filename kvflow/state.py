@@ -765,7 +765,7 @@ def _evolve_reset(state: State, event: Reset, check: bool = True) -> None:
     state.policy.clear()
 
 
-_EVOLVERS: dict[type, Callable[[State, Any], None]] = {
+_EVOLVERS: dict[type, Callable[..., None]] = {
     StoreQueued: _evolve_store_queued,
     LoadQueued: _evolve_load_queued,
     JobsSubmitted: _evolve_jobs_submitted,

@@ -147,7 +147,7 @@ def test_fault_rate_draws_one_random_per_job_in_submission_order() -> None:
     jid = 0
     for batch in range(8):
         jobs = []
-        for k in range(5):
+        for _k in range(5):
             jid += 1
             jobs.append(job(jid, LOAD if (jid * 7) % 3 == 0 else STORE, blocks=1 + (jid * 5) % 9))
         order += [j.job_id for j in jobs]

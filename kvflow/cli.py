@@ -538,7 +538,9 @@ def kv_events_command(trace: str, until: int | None) -> None:
     CPU) that TRACE's events imply, as JSON lines."""
     import msgspec
 
-    from kvflow.events import EVENT_TYPES
+    from typing import cast
+
+    from kvflow.events import EVENT_TYPES, Event
     from kvflow.kvevents import kv_event
     from kvflow.log import TraceReader
 
@@ -551,6 +553,7 @@ def kv_events_command(trace: str, until: int | None) -> None:
             for _, rec in reader.records():
                 if not isinstance(rec, EVENT_TYPES):
                     continue
+                rec = cast("Event", rec)
                 if until is not None and rec.seq > until:
                     break
                 kv = kv_event(rec, block_tokens)

@@ -35,7 +35,7 @@ class _Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
 # --- store / load jobs ---------------------------------------------------------------------
 
 
-class StoreQueued(_Event, tag="store_queued"):
+class StoreQueued(_Event, frozen=True, tag="store_queued"):
     """A store job was queued: each hash takes the listed slot (STORE_QUEUED).
 
     ``request_id`` is the request whose computed blocks these are (``None`` for lazy stores of
@@ -49,7 +49,7 @@ class StoreQueued(_Event, tag="store_queued"):
     slots: Blocks
 
 
-class LoadQueued(_Event, tag="load_queued"):
+class LoadQueued(_Event, frozen=True, tag="load_queued"):
     """A load job was queued for resident, pinned entries into the engine's device blocks."""
 
     job_id: int
@@ -59,7 +59,7 @@ class LoadQueued(_Event, tag="load_queued"):
     slots: Blocks
 
 
-class JobsSubmitted(_Event, tag="jobs_submitted"):
+class JobsSubmitted(_Event, frozen=True, tag="jobs_submitted"):
     """Queued jobs were handed to the executor (queued -> in_flight), once each (F5).
 
     Every job gets the same deadline, ``now_ms + config.job_deadline_ms``.
@@ -70,14 +70,14 @@ class JobsSubmitted(_Event, tag="jobs_submitted"):
     deadline_ms: float
 
 
-class RankSucceeded(_Event, tag="rank_succeeded"):
+class RankSucceeded(_Event, frozen=True, tag="rank_succeeded"):
     """One rank reported success for a job that still waits for other ranks."""
 
     job_id: int
     rank: int
 
 
-class _Terminal(_Event, kw_only=True):
+class _Terminal(_Event, frozen=True, kw_only=True):
     # Carried so that consumers (notices, incidents, KV events) need no state lookup.
     job_id: int
     direction: Direction
@@ -90,13 +90,13 @@ class _Terminal(_Event, kw_only=True):
     abandoned: bool = False
 
 
-class JobCompleted(_Terminal, tag="job_completed"):
+class JobCompleted(_Terminal, frozen=True, tag="job_completed"):
     """Every rank succeeded. Store: entries become RESIDENT (visible). Load: pins released."""
 
     rank: int
 
 
-class JobFailed(_Terminal, tag="job_failed"):
+class JobFailed(_Terminal, frozen=True, tag="job_failed"):
     """A rank failed (or the job was cancelled). Recovery by direction (F1).
 
     Store: entries removed, slots freed, hashes never visible. Load: entries stay resident,
@@ -107,14 +107,14 @@ class JobFailed(_Terminal, tag="job_failed"):
     error: str
 
 
-class JobTimedOut(_Terminal, tag="job_timed_out"):
+class JobTimedOut(_Terminal, frozen=True, tag="job_timed_out"):
     """The job passed its deadline; recovery as for a failure."""
 
     now_ms: float
     deadline_ms: float
 
 
-class LateResultIgnored(_Event, tag="late_result_ignored"):
+class LateResultIgnored(_Event, frozen=True, tag="late_result_ignored"):
     """A result for a job that is already terminal, or a rank repeating its success:
     recorded, changes nothing."""
 
@@ -129,7 +129,7 @@ class LateResultIgnored(_Event, tag="late_result_ignored"):
 EvictReason = Literal["capacity", "explicit"]
 
 
-class BlocksEvicted(_Event, tag="blocks_evicted"):
+class BlocksEvicted(_Event, frozen=True, tag="blocks_evicted"):
     """RESIDENT, unpinned entries removed (all-or-nothing, F8); their slots are freed."""
 
     hashes: Hashes
@@ -137,7 +137,7 @@ class BlocksEvicted(_Event, tag="blocks_evicted"):
     reason: EvictReason
 
 
-class BlocksTouched(_Event, tag="blocks_touched"):
+class BlocksTouched(_Event, frozen=True, tag="blocks_touched"):
     """Recency: the resident hashes were used, in this order (the last is the most recent).
 
     ``reuse=False`` only reorders (the end-of-request pass that puts a chain's head last,
@@ -147,7 +147,7 @@ class BlocksTouched(_Event, tag="blocks_touched"):
     reuse: bool = True
 
 
-class StoreRejected(_Event, tag="store_rejected"):
+class StoreRejected(_Event, frozen=True, tag="store_rejected"):
     """Admission refused: no free slot and nothing evictable (pinned / in flight)."""
 
     request_id: str | None
@@ -159,7 +159,7 @@ class StoreRejected(_Event, tag="store_rejected"):
 # --- requests --------------------------------------------------------------------------------
 
 
-class PinsAcquired(_Event, tag="pins_acquired"):
+class PinsAcquired(_Event, frozen=True, tag="pins_acquired"):
     """A lookup hit pinned these resident hashes for the request (F7). Empty at a miss."""
 
     request_id: str
@@ -167,27 +167,27 @@ class PinsAcquired(_Event, tag="pins_acquired"):
     num_tokens: int
 
 
-class PinsReleased(_Event, tag="pins_released"):
+class PinsReleased(_Event, frozen=True, tag="pins_released"):
     """The request gave these pins back (hits not accepted, finish, preemption)."""
 
     request_id: str
     hashes: Hashes
 
 
-class RequestFinished(_Event, tag="request_finished"):
+class RequestFinished(_Event, frozen=True, tag="request_finished"):
     """The engine finished (or preempted) the request; cleanup waits for its live jobs."""
 
     request_id: str
     preempted: bool
 
 
-class RequestClosed(_Event, tag="request_closed"):
+class RequestClosed(_Event, frozen=True, tag="request_closed"):
     """A finished request has no live jobs and no pins left: it is forgotten."""
 
     request_id: str
 
 
-class Reset(_Event, tag="reset"):
+class Reset(_Event, frozen=True, tag="reset"):
     """Everything cleared (vLLM's AllBlocksCleared).
 
     Queued jobs are failed before this event. Jobs still in flight are *abandoned*: their
@@ -229,7 +229,7 @@ class _Command(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
     pass
 
 
-class Lookup(_Command, tag="lookup"):
+class Lookup(_Command, frozen=True, tag="lookup"):
     """How many blocks after ``device_hit_blocks`` can be loaded from the CPU tier?"""
 
     request_id: str
@@ -238,14 +238,14 @@ class Lookup(_Command, tag="lookup"):
     device_hit_blocks: int = 0
 
 
-class AcceptHits(_Command, tag="accept_hits"):
+class AcceptHits(_Command, frozen=True, tag="accept_hits"):
     """The engine allocated ``device_blocks`` for the first ``len(device_blocks)`` hits."""
 
     request_id: str
     device_blocks: Blocks
 
 
-class BlocksComputed(_Command, tag="blocks_computed"):
+class BlocksComputed(_Command, frozen=True, tag="blocks_computed"):
     """Eager mode: these full blocks were computed; store the ones not on the tier."""
 
     request_id: str | None
@@ -253,14 +253,14 @@ class BlocksComputed(_Command, tag="blocks_computed"):
     device_blocks: Blocks
 
 
-class DeviceBlocksEvicting(_Command, tag="device_blocks_evicting"):
+class DeviceBlocksEvicting(_Command, frozen=True, tag="device_blocks_evicting"):
     """Lazy mode: the device cache is about to drop these blocks; store the missing ones."""
 
     block_hashes: Hashes
     device_blocks: Blocks
 
 
-class Touch(_Command, tag="touch"):
+class Touch(_Command, frozen=True, tag="touch"):
     """Recency for resident hashes, in order (put the head of a chain last, F14).
     ``reuse=False``: ordering only, not a new use (see BlocksTouched)."""
 
@@ -268,19 +268,19 @@ class Touch(_Command, tag="touch"):
     reuse: bool = True
 
 
-class Evict(_Command, tag="evict"):
+class Evict(_Command, frozen=True, tag="evict"):
     """Free ``num_blocks`` slots through the policy, all or nothing (F8)."""
 
     num_blocks: int
 
 
-class PlanStep(_Command, tag="plan_step"):
+class PlanStep(_Command, frozen=True, tag="plan_step"):
     """Hand every queued job to the executor exactly once (F5)."""
 
     now_ms: float
 
 
-class JobResult(_Command, tag="job_result"):
+class JobResult(_Command, frozen=True, tag="job_result"):
     """An executor outcome for one rank of one job."""
 
     job_id: int
@@ -289,26 +289,26 @@ class JobResult(_Command, tag="job_result"):
     error: str | None = None
 
 
-class JobResults(_Command, tag="job_results"):
+class JobResults(_Command, frozen=True, tag="job_results"):
     """Several executor outcomes, applied in order (what one engine step collected)."""
 
     results: tuple[JobResult, ...]
 
 
-class Tick(_Command, tag="tick"):
+class Tick(_Command, frozen=True, tag="tick"):
     """Time passes: in-flight jobs past their deadline time out (F2)."""
 
     now_ms: float
 
 
-class FinishRequest(_Command, tag="finish_request"):
+class FinishRequest(_Command, frozen=True, tag="finish_request"):
     """The request finished or was preempted: release exactly its pins."""
 
     request_id: str
     preempted: bool = False
 
 
-class ResetAll(_Command, tag="reset_all"):
+class ResetAll(_Command, frozen=True, tag="reset_all"):
     """Drop everything; abandon in-flight work safely."""
 
 

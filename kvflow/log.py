@@ -16,7 +16,7 @@ import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Union
+from typing import IO, Any, Union, cast
 
 import msgspec
 
@@ -102,10 +102,10 @@ class MemoryLog:
         pass
 
     def events(self) -> list[Event]:
-        return [r for r in self.records if isinstance(r, EVENT_TYPES)]
+        return [cast(Event, r) for r in self.records if isinstance(r, EVENT_TYPES)]
 
     def commands(self) -> list[Command]:
-        return [r for r in self.records if isinstance(r, COMMAND_TYPES)]
+        return [cast(Command, r) for r in self.records if isinstance(r, COMMAND_TYPES)]
 
     def close(self, state: Any = None) -> None:
         pass
@@ -131,7 +131,7 @@ class TraceWriter:
         self._encoder = msgspec.json.Encoder()
         raw: IO[bytes]
         if self.path.endswith(".gz"):
-            raw = gzip.GzipFile(self.path, "wb", compresslevel=6, mtime=0)
+            raw = cast(IO[bytes], gzip.GzipFile(self.path, "wb", compresslevel=6, mtime=0))
         else:
             raw = open(self.path, "wb")
         self._file = raw
@@ -207,7 +207,7 @@ class TraceWriter:
 def _open_bytes(path: str) -> IO[bytes]:
     try:
         if path.endswith(".gz"):
-            return gzip.open(path, "rb")
+            return cast(IO[bytes], gzip.open(path, "rb"))
         return open(path, "rb")
     except OSError as exc:
         raise TraceError(path, None, f"cannot open: {exc.strerror or exc}") from None
@@ -239,7 +239,9 @@ class TraceReader:
         self.path = str(path)
         self.warnings: list[str] = []
         self._file = _open_bytes(self.path)
-        self._stream = io.BufferedReader(self._file) if not hasattr(self._file, "peek") else self._file
+        self._stream: IO[bytes] = (
+            self._file if hasattr(self._file, "peek") else cast(IO[bytes], io.BufferedReader(self._file))  # type: ignore[type-var]
+        )
         self.header = self._read_header()
         self.version = self.header.version
         try:

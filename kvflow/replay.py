@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvflow.decide import decide
 from kvflow.errors import IllegalTransition, KvflowError
@@ -354,6 +354,7 @@ def _redecide(
             if not redecider.start(line, rec):
                 return
         elif isinstance(rec, EVENT_TYPES):
+            rec = cast(Event, rec)
             if until is not None and rec.seq > until:
                 result.stopped_at = state.last_seq
                 return

@@ -23,7 +23,7 @@ import gzip
 import os
 import re
 from collections.abc import Iterator
-from typing import IO, Annotated
+from typing import IO, Annotated, cast
 
 import msgspec
 
@@ -90,7 +90,7 @@ def read_workload(
 
 def _read_requests(path: str, block_tokens: int) -> Iterator[WorkloadRequest]:
     try:
-        stream: IO[bytes] = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+        stream = cast(IO[bytes], gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb"))
     except OSError as exc:
         raise TraceError(path, None, f"cannot open: {exc.strerror or exc}") from exc
 

@@ -42,22 +42,6 @@ RECORD_TYPES: tuple[type, ...] = (*COMMAND_TYPES, *EVENT_TYPES, Checkpoint)
 _RecordUnion = Union[tuple(RECORD_TYPES)]  # type: ignore[valid-type]
 
 
-# Replay without --redecide does not use commands: they are decoded as stubs (JSON syntax and
-# record type are still checked, the fields are skipped), which nearly halves decode time.
-_COMMAND_STUBS = tuple(
-    msgspec.defstruct(
-        f"{t.__name__}Stub",
-        [],
-        tag=t.__struct_config__.tag,  # type: ignore[attr-defined]
-        tag_field="type",
-        frozen=True,
-    )
-    for t in COMMAND_TYPES
-)
-COMMAND_STUB_TYPES: tuple[type, ...] = _COMMAND_STUBS
-_FoldUnion = Union[tuple((*EVENT_TYPES, Checkpoint, *_COMMAND_STUBS))]  # type: ignore[valid-type]
-
-
 class Header(msgspec.Struct, frozen=True, kw_only=True):
     format: str
     version: int
@@ -249,7 +233,6 @@ class TraceReader:
         except ConfigError as exc:
             raise TraceError(self.path, 1, f"field 'config': {exc}") from None
         self._decoder = msgspec.json.Decoder(_RecordUnion)
-        self._fold_decoder = msgspec.json.Decoder(_FoldUnion)
 
     def _read_header(self) -> Header:
         try:
@@ -279,11 +262,9 @@ class TraceReader:
         except msgspec.ValidationError as exc:
             raise TraceError(self.path, 1, _field_message(exc)) from None
 
-    def records(self, command_stubs: bool = False) -> Iterator[tuple[int, Any]]:
-        """Yield ``(line_number, record)`` for every record after the header.
-
-        ``command_stubs=True`` decodes commands as field-less stubs (fold-only replay)."""
-        decode = (self._fold_decoder if command_stubs else self._decoder).decode
+    def records(self) -> Iterator[tuple[int, Any]]:
+        """Yield ``(line_number, record)`` for every record after the header."""
+        decode = self._decoder.decode
         upcast = _UPCASTS.get(self.version)
         lineno = 1
         try:

@@ -15,7 +15,7 @@ from typing import Any, cast
 from kvflow.decide import decide
 from kvflow.errors import IllegalTransition, KvflowError
 from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Event, event_name
-from kvflow.log import COMMAND_STUB_TYPES, Checkpoint, TraceReader
+from kvflow.log import Checkpoint, TraceReader
 from kvflow.state import State, check_invariants, evolve
 
 
@@ -168,7 +168,6 @@ def _apply(result: ReplayResult, line: int, event: Event, strict: bool) -> bool:
 _KIND: dict[type, int] = {
     **{t: 0 for t in EVENT_TYPES},
     **{t: 1 for t in COMMAND_TYPES},
-    **{t: 1 for t in COMMAND_STUB_TYPES},
     Checkpoint: 2,
 }
 

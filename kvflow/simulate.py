@@ -14,7 +14,7 @@ import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvflow.config import Config
@@ -371,7 +371,6 @@ class _Live:
     full: tuple[int, ...]
     d: int = 0
     c: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def simulate(path: str, options: SimOptions, progress: Callable[[], None] | None = None) -> dict[str, Any]:

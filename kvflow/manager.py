@@ -11,6 +11,7 @@ This module is pure apart from the log it is handed (the log decides whether to 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,16 +52,19 @@ _INT_ONLY = {int}
 
 
 def _ints(values: Sequence[int]) -> tuple[int, ...]:
-    """Block ids and hashes as plain ints (numpy integers and ranges welcome)."""
-    if type(values) is tuple and set(map(type, values)) <= _INT_ONLY:
-        return values
+    """Block ids and hashes as a tuple of plain ints. Tuples, lists and ranges of ints pass
+    straight through; numpy integers and other integer-likes are converted with
+    ``operator.index``, which refuses lossy values such as 1.5."""
+    kind = type(values)
+    if kind is tuple or kind is list:
+        if set(map(type, values)) <= _INT_ONLY:
+            return tuple(values)
+    elif kind is range:
+        return tuple(values)
     try:
-        out = tuple(map(int, values))
-    except (TypeError, ValueError):
+        return tuple(map(operator.index, values))
+    except TypeError:
         raise Rejected(f"expected integers, got {list(values)[:4]!r}") from None
-    if out != tuple(values):  # e.g. 1.5 would silently become 1
-        raise Rejected(f"expected integers, got {list(values)[:4]!r}")
-    return out
 
 
 def _hashes(values: Sequence[int]) -> tuple[int, ...]:

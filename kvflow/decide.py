@@ -410,7 +410,7 @@ def decide_tick(state: State, cmd: Tick) -> Decision:
     expired = [
         job
         for job in state.jobs.values()
-        if job.state is JobState.IN_FLIGHT and job.deadline_ms <= cmd.now_ms
+        if job.state is not JobState.QUEUED and job.deadline_ms <= cmd.now_ms
     ]
     for job in expired:
         request_id = None if job.abandoned else job.request_id

@@ -734,7 +734,7 @@ def _view(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> str:
     if selector.job is not None:
         job = state.jobs.get(selector.job)
         if job is not None:
-            return job.state.name + (" (abandoned)" if job.abandoned else "")
+            return job.state.name
         info = jobs.get(selector.job)
         return "NEW" if info is None or info.ended is None else info.ended.upper()
     if selector.request is not None:

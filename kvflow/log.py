@@ -15,7 +15,6 @@ import gzip
 import io
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import IO, Any, Union, cast
 
 import msgspec
@@ -309,14 +308,3 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[TraceReader, list[tuple[in
     with reader:
         records = list(reader.records())
     return reader, records
-
-
-def write_records(path: str | os.PathLike[str], config: Config, records: list[Any], meta: dict[str, Any] | None = None) -> None:
-    """Write a trace from a list of commands/events/checkpoints verbatim (tools, tests)."""
-    encoder = msgspec.json.Encoder()
-    header = Header(format=TRACE_FORMAT, version=TRACE_VERSION, kvflow=__version__, config=config.to_dict(), meta=dict(meta or {}))
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(Path(path), "wb") as fh:  # type: ignore[operator]
-        fh.write(encoder.encode(header) + b"\n")
-        for rec in records:
-            fh.write(encoder.encode(rec) + b"\n")

@@ -64,6 +64,9 @@ class JobState(IntEnum):
     COMPLETED = 3
     FAILED = 4
     TIMED_OUT = 5
+    # In flight when a reset came: the copy may still be running, so its slots stay
+    # quarantined and its device blocks held until it reports (or times out).
+    ABANDONED = 6
 
 
 ABSENT, STORE_QUEUED, STORING, RESIDENT = (
@@ -112,8 +115,17 @@ JOB_TRANSITIONS: dict[JobState, dict[str, JobState]] = {
         "job_completed": JobState.COMPLETED,
         "job_failed": JobState.FAILED,
         "job_timed_out": JobState.TIMED_OUT,
-        "reset": JobState.IN_FLIGHT,  # abandoned: stays in flight until it reports
+        "reset": JobState.ABANDONED,
         "late_result_ignored": JobState.IN_FLIGHT,  # a rank repeated its success
+    },
+    # Its end frees the quarantined slots and held device blocks; nothing becomes visible.
+    JobState.ABANDONED: {
+        "rank_succeeded": JobState.ABANDONED,
+        "job_completed": JobState.COMPLETED,
+        "job_failed": JobState.FAILED,
+        "job_timed_out": JobState.TIMED_OUT,
+        "late_result_ignored": JobState.ABANDONED,
+        "reset": JobState.ABANDONED,
     },
     JobState.COMPLETED: {"late_result_ignored": JobState.COMPLETED},
     JobState.FAILED: {"late_result_ignored": JobState.FAILED},
@@ -196,7 +208,6 @@ class Job:
         "state",
         "deadline_ms",
         "acks",
-        "abandoned",
     )
 
     def __init__(
@@ -217,7 +228,10 @@ class Job:
         self.state = JobState.QUEUED
         self.deadline_ms = 0.0
         self.acks = 0  # bit mask of ranks that reported success
-        self.abandoned = False
+
+    @property
+    def abandoned(self) -> bool:
+        return self.state is JobState.ABANDONED
 
     def __repr__(self) -> str:
         return (
@@ -332,12 +346,7 @@ class State:
         clone.jobs = {}
         for jid, j in self.jobs.items():
             nj = Job(j.job_id, j.direction, j.request_id, j.hashes, j.device_blocks, j.slots)
-            nj.state, nj.deadline_ms, nj.acks, nj.abandoned = (
-                j.state,
-                j.deadline_ms,
-                j.acks,
-                j.abandoned,
-            )
+            nj.state, nj.deadline_ms, nj.acks = j.state, j.deadline_ms, j.acks
             clone.jobs[jid] = nj
         clone.queued = dict(self.queued)
         clone.held = dict(self.held)
@@ -441,11 +450,14 @@ def _policy_many(policy: Policy, op: str, hashes: tuple[int, ...]) -> None:
             method(h)
 
 
+_RESIDENT_TAGS = frozenset(tag for tag, states in _ALLOWED.items() if RESIDENT in states)
+
+
 def _check_resident(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:
     """Every hash must be RESIDENT and ``tag`` legal there (set operations in C; the slow
     path only runs to name the offending block)."""
-    if state.pending.keys().isdisjoint(hashes) and state.slot_of.keys() >= set(hashes):
-        if RESIDENT in _ALLOWED.get(tag, frozenset()):
+    if tag in _RESIDENT_TAGS and state.pending.keys().isdisjoint(hashes):
+        if all(map(state.slot_of.__contains__, hashes)):
             return
     for h in hashes:
         _check_block(state, event, tag, h)
@@ -752,8 +764,8 @@ def _evolve_reset(state: State, event: Reset, check: bool = True) -> None:
     for jid in abandoned:
         job = state.jobs[jid]
         if job.abandoned:
-            continue
-        job.abandoned = True
+            continue  # a second reset: already abandoned
+        job.state = JobState.ABANDONED
         for s in dict.fromkeys(job.slots):
             quarantine[s] = quarantine.get(s, ()) + (jid,)
     free = state.free_slots
@@ -809,10 +821,6 @@ def fold(state: State, events: Any) -> State:
 
 
 # --- invariants ----------------------------------------------------------------------------
-
-
-class InvariantViolation(Exception):
-    pass
 
 
 def check_invariants(state: State) -> list[str]:
@@ -875,7 +883,7 @@ def check_invariants(state: State) -> list[str]:
     # holds match live jobs; queued index matches job states
     expected_held: dict[int, int] = {}
     for jid, job in state.jobs.items():
-        if job.state not in (JobState.QUEUED, JobState.IN_FLIGHT):
+        if job.state not in (JobState.QUEUED, JobState.IN_FLIGHT, JobState.ABANDONED):
             problems.append(f"job {jid} is live in state {job.state.name}")
         if (jid in state.queued) != (job.state is JobState.QUEUED):
             problems.append(f"job {jid} queued index disagrees with state {job.state.name}")
@@ -895,9 +903,3 @@ def check_invariants(state: State) -> list[str]:
             if r.pins.get(h, 0) <= 0:
                 problems.append(f"request {r.request_id} offers block {h} without a pin")
     return problems
-
-
-def assert_invariants(state: State) -> None:
-    problems = check_invariants(state)
-    if problems:
-        raise InvariantViolation("; ".join(problems[:5]))

@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from core_helpers import BT, DEADLINE_MS, consistent, manager, store, tokens
 
 from kvflow.config import Config, config_from_dict
 from kvflow.errors import (
@@ -35,33 +36,9 @@ from kvflow.events import (
     TransferJob,
 )
 from kvflow.manager import OffloadManager
-from kvflow.state import BlockState, State, check_invariants, evolve, fold
+from kvflow.state import BlockState, State, evolve
 
-BT = 4  # tokens per block
-DEADLINE_MS = 1000.0
 A, B, C, D, E = 11, 12, 13, 14, 15
-
-
-def manager(cpu_blocks: int = 4, **kw: Any) -> OffloadManager:
-    kw.setdefault("job_deadline_ms", DEADLINE_MS)
-    return OffloadManager(Config(cpu_blocks=cpu_blocks, block_tokens=BT, **kw))
-
-
-def tokens(num_blocks: int) -> int:
-    """A prompt one token longer than ``num_blocks`` blocks: all of them may hit (F13)."""
-    return num_blocks * BT + 1
-
-
-def store(
-    m: OffloadManager, request_id: str | None, hashes: list[int], device_blocks: list[int]
-) -> int:
-    """Store and complete on every rank; returns the job id."""
-    job_id = m.blocks_computed(request_id, hashes, device_blocks)
-    assert job_id is not None
-    m.plan_step(0.0)
-    for rank in range(m.config.world_size):
-        m.job_result(job_id, rank=rank)
-    return job_id
 
 
 def load(m: OffloadManager, request_id: str, hashes: list[int], device_blocks: list[int]) -> int:
@@ -71,12 +48,6 @@ def load(m: OffloadManager, request_id: str, hashes: list[int], device_blocks: l
     assert job_id is not None
     assert [j.job_id for j in m.plan_step(1.0)] == [job_id]
     return job_id
-
-
-def consistent(m: OffloadManager) -> None:
-    assert check_invariants(m.state) == []
-    replayed = fold(State(m.config), m.log.events())
-    assert replayed.digest() == m.state.digest()
 
 
 def terminal_counts(m: OffloadManager) -> Counter[int]:

@@ -261,7 +261,11 @@ DETERMINISM_SCRIPT = textwrap.dedent(
             elif op == 3:
                 m.plan_step(now)
             elif op == 4:
-                live = [j for j in m.state.jobs.values() if j.state is JobState.IN_FLIGHT]
+                live = [
+                    j
+                    for j in m.state.jobs.values()
+                    if j.state in (JobState.IN_FLIGHT, JobState.ABANDONED)
+                ]
                 if live:
                     job = rng.choice(live)
                     ranks = [r for r in range(2) if not job.acks & (1 << r)]

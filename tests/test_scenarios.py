@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from core_helpers import BT, DEADLINE_MS, config, consistent, manager, store, tokens
 
 from kvflow.config import Config
 from kvflow.errors import TraceError
@@ -37,40 +38,9 @@ from kvflow.kvevents import (
 from kvflow.log import TRACE_VERSION, TraceReader, TraceWriter, read_trace
 from kvflow.manager import OffloadManager
 from kvflow.replay import replay
-from kvflow.state import BlockState, State, check_invariants, fold
+from kvflow.state import BlockState, State, fold
 
-BT = 4
-DEADLINE_MS = 1000.0
 A, B, C, D, E, F = 21, 22, 23, 24, 25, 26
-
-
-def config(cpu_blocks: int = 4, **kw: Any) -> Config:
-    kw.setdefault("job_deadline_ms", DEADLINE_MS)
-    return Config(cpu_blocks=cpu_blocks, block_tokens=BT, **kw)
-
-
-def manager(cpu_blocks: int = 4, log: Any = None, **kw: Any) -> OffloadManager:
-    return OffloadManager(config(cpu_blocks, **kw), log=log)
-
-
-def tokens(num_blocks: int) -> int:
-    return num_blocks * BT + 1
-
-
-def store(
-    m: OffloadManager, request_id: str | None, hashes: list[int], device_blocks: list[int]
-) -> int:
-    job_id = m.blocks_computed(request_id, hashes, device_blocks)
-    assert job_id is not None
-    m.plan_step(0.0)
-    for rank in range(m.config.world_size):
-        m.job_result(job_id, rank=rank)
-    return job_id
-
-
-def consistent(m: OffloadManager) -> None:
-    assert check_invariants(m.state) == []
-    assert fold(State(m.config), m.log.events()).digest() == m.state.digest()
 
 
 def new_events(m: OffloadManager, start: int) -> list[Any]:

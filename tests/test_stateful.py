@@ -40,6 +40,8 @@ SETTINGS = settings(
 )
 
 
+SUBMITTED = (JobState.IN_FLIGHT, JobState.ABANDONED)
+
 class OffloadMachine(RuleBasedStateMachine):
     WORLD_SIZE = 1
     POLICY = "lru"
@@ -94,7 +96,8 @@ class OffloadMachine(RuleBasedStateMachine):
         return rid
 
     def in_flight(self) -> list[int]:
-        return [j for j, job in self.m.state.jobs.items() if job.state is JobState.IN_FLIGHT]
+        # submitted and not yet terminal: in flight, or abandoned by a reset and still copying
+        return [j for j, job in self.m.state.jobs.items() if job.state in SUBMITTED]
 
     def terminal_job_ids(self) -> list[int]:
         return [j for j in range(1, self.m.state.last_job_id + 1) if j not in self.m.state.jobs]
@@ -209,7 +212,7 @@ class OffloadMachine(RuleBasedStateMachine):
             assert len(job.hashes) == len(job.device_blocks) == len(job.slots) > 0
 
     @precondition(
-        lambda self: any(j.state is JobState.IN_FLIGHT for j in self.m.state.jobs.values())
+        lambda self: any(j.state in SUBMITTED for j in self.m.state.jobs.values())
     )
     @rule(data=st.data(), ok=st.integers(0, 3))
     def job_result(self, data: Any, ok: int) -> None:
@@ -260,7 +263,7 @@ class OffloadMachine(RuleBasedStateMachine):
         due = [
             j
             for j, job in self.m.state.jobs.items()
-            if job.state is JobState.IN_FLIGHT and job.deadline_ms <= self.now
+            if job.state in SUBMITTED and job.deadline_ms <= self.now
         ]
         assert self.m.tick(self.now) == len(due)
         assert not set(due) & set(self.m.state.jobs)

@@ -153,6 +153,7 @@ def terminal_fields(m: OffloadManager, job_id: int) -> dict[str, Any]:
             slots=(0,),
         )
     q = queued_event(m, job_id)
+    live = m.state.jobs.get(job_id)
     return dict(
         job_id=job_id,
         direction="store" if isinstance(q, StoreQueued) else "load",
@@ -160,6 +161,7 @@ def terminal_fields(m: OffloadManager, job_id: int) -> dict[str, Any]:
         hashes=q.hashes,
         device_blocks=q.device_blocks,
         slots=q.slots,
+        abandoned=live is not None and live.abandoned,
     )
 
 
@@ -375,6 +377,14 @@ def job_in(job_state: JobState, direction: str, world_size: int = 1) -> tuple[Of
         m.job_result(job_id, ok=False, error="copy failed")
     elif job_state is JobState.TIMED_OUT:
         assert m.tick(1.0 + DEADLINE_MS) == 1
+    elif job_state is JobState.ABANDONED:
+        m.reset()
+        # the reset cleared the tier: put LOADABLE and SPARE back, as fresh() has them
+        restored = m.blocks_computed("pre2", [LOADABLE, SPARE], [900, 901])
+        assert restored is not None
+        m.plan_step(1.0)
+        complete(m, restored)
+        m.finish_request("pre2")
     assert observed_job_state(m, job_id) is job_state
     assert check_invariants(m.state) == []
     return m, job_id
@@ -437,7 +447,7 @@ def job_event(tag: str, m: OffloadManager, job_id: int) -> Event:
         return JobTimedOut(seq=seq(m), now_ms=deadline, deadline_ms=deadline, **fields)
     if tag == "late_result_ignored":
         job = s.jobs.get(job_id)
-        if job is not None and job.state is JobState.IN_FLIGHT:
+        if job is not None and job.state in (JobState.IN_FLIGHT, JobState.ABANDONED):
             # the best case for legality: rank 0 already reported, this is a repeat
             m.job_result(job_id, rank=0)
         return LateResultIgnored(seq=seq(m), job_id=job_id, rank=0, ok=True)

@@ -1,0 +1,44 @@
+"""Helpers shared by the core's tests (test_failure_rules.py, test_scenarios.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvflow.config import Config
+from kvflow.manager import OffloadManager
+from kvflow.state import State, check_invariants, fold
+
+BT = 4  # tokens per block
+DEADLINE_MS = 1000.0
+
+
+def config(cpu_blocks: int = 4, **kw: Any) -> Config:
+    kw.setdefault("job_deadline_ms", DEADLINE_MS)
+    return Config(cpu_blocks=cpu_blocks, block_tokens=BT, **kw)
+
+
+def manager(cpu_blocks: int = 4, log: Any = None, **kw: Any) -> OffloadManager:
+    return OffloadManager(config(cpu_blocks, **kw), log=log)
+
+
+def tokens(num_blocks: int) -> int:
+    """A prompt one token longer than ``num_blocks`` blocks: all of them may hit (F13)."""
+    return num_blocks * BT + 1
+
+
+def store(
+    m: OffloadManager, request_id: str | None, hashes: list[int], device_blocks: list[int]
+) -> int:
+    """Store and complete on every rank; returns the job id."""
+    job_id = m.blocks_computed(request_id, hashes, device_blocks)
+    assert job_id is not None
+    m.plan_step(0.0)
+    for rank in range(m.config.world_size):
+        m.job_result(job_id, rank=rank)
+    return job_id
+
+
+def consistent(m: OffloadManager) -> None:
+    """Invariants hold and folding the log rebuilds the live state exactly."""
+    assert check_invariants(m.state) == []
+    assert fold(State(m.config), m.log.events()).digest() == m.state.digest()

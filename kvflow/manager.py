@@ -45,7 +45,8 @@ from kvflow.events import (
     TransferJob,
 )
 from kvflow.log import MemoryLog
-from kvflow.state import _EVOLVERS, State, evolve
+from kvflow.native import handle_function as native_handle_function
+from kvflow.state import State, evolve, evolve_python
 
 
 _INT_ONLY = {int}
@@ -145,11 +146,17 @@ _NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, StoreRejected, 
 class OffloadManager:
     """The offload decisions for one engine (all ranks): pure state + log + notices."""
 
-    def __init__(self, config: Config, log: Any = None, *, paranoid: bool = False) -> None:
+    def __init__(
+        self, config: Config, log: Any = None, *, paranoid: bool = False, native: bool = True
+    ) -> None:
         """``paranoid=True`` re-checks every event's legality as it is applied (tests,
-        debugging); by default the decider's own validation is trusted on the live path."""
+        debugging); by default the decider's own validation is trusted on the live path.
+        ``native=False`` runs the pure-Python core even when the C accelerator is built
+        (the results are identical; see kvflow.native)."""
         self.config = config
         self.paranoid = paranoid
+        self._native_handle = native_handle_function() if native else None
+        self._apply = evolve if native else evolve_python
         self.state = State(config)
         self.log = log if log is not None else MemoryLog(config)
         self._notices = Notices()
@@ -160,9 +167,18 @@ class OffloadManager:
     def handle(self, command: Command) -> tuple[Any, list[Event]]:
         """Decide and apply one command; returns (answer, events appended)."""
         state = self.state
-        gen = DECIDERS[type(command)](state, command)
         log = self.log
-        events: list[Event] = []
+        if self._native_handle is not None:
+            # the C deciders: decide + apply in one call; a refusal raises before any change
+            result = self._native_handle(state, command, self.paranoid)
+            if result is not NotImplemented:
+                answer, events = result
+                log.record_command(command)
+                self._after(events)
+                log.after_command(state)
+                return answer, events
+        gen = DECIDERS[type(command)](state, command)
+        events = []
         try:
             event = next(gen)  # validation happens here: a Rejected leaves everything as is
         except StopIteration as stop:
@@ -172,19 +188,23 @@ class OffloadManager:
         log.record_command(command)
         check = self.paranoid
         append = events.append
+        apply = self._apply
         try:
             while True:
-                # evolve(), inlined: this loop runs for every event of the live engine
-                if event.seq != state.next_seq:
-                    evolve(state, event, check)  # raises IllegalTransition with context
-                _EVOLVERS[type(event)](state, event, check)
-                state.next_seq += 1
+                apply(state, event, check)
                 append(event)
                 event = gen.send(None)
         except StopIteration as stop:
             answer = stop.value
         finally:
-            log.record_events(events)
+            self._after(events)
+        log.after_command(state)
+        return answer, events
+
+    def _after(self, events: list[Event]) -> None:
+        """Record the applied events and derive notices / observer calls from them."""
+        self.log.record_events(events)
+        if events:
             notices = self._notices
             for event in events:
                 if type(event) in _NOTICE_TYPES:
@@ -192,8 +212,6 @@ class OffloadManager:
             for observe in self.observers:
                 for event in events:
                     observe(event)
-        log.after_command(state)
-        return answer, events
 
     def take_notices(self) -> Notices:
         notices, self._notices = self._notices, Notices()

@@ -797,13 +797,30 @@ _EVOLVERS: dict[type, Callable[..., None]] = {
 }
 
 
+# The C mirror of ``evolve_python`` (kvflow._native, built from csrc/ when a compiler is
+# present); bound by kvflow.native at import, None for the pure-Python core.
+_native_evolve: Callable[[State, Event, bool], bool] | None = None
+
+
 def evolve(state: State, event: Event, check: bool = True) -> State:
     """Apply one event (in place) and return the state; illegal → IllegalTransition, no change.
 
     ``check=False`` skips the per-block legality checks. Only the live path uses it, for
     events its own ``decide`` just produced from this very state (the decider validated
     them); folds and replays of recorded logs always check.
+
+    With the C accelerator, the C mirror applies the event; whenever it declines (an illegal
+    event, or one it does not handle) it has changed nothing and this Python implementation
+    runs, so errors always come from one place.
     """
+    native = _native_evolve
+    if native is not None and native(state, event, check):
+        return state
+    return evolve_python(state, event, check)
+
+
+def evolve_python(state: State, event: Event, check: bool = True) -> State:
+    """The reference implementation of :func:`evolve` (pure Python)."""
     if event.seq != state.next_seq:
         raise IllegalTransition(
             f"SEQ {state.next_seq}", f"{event_name(event)}#{event.seq}", "events must be gapless"
@@ -903,3 +920,9 @@ def check_invariants(state: State) -> list[str]:
             if r.pins.get(h, 0) <= 0:
                 problems.append(f"request {r.request_id} offers block {h} without a pin")
     return problems
+
+
+# Bind the optional C accelerator now that every name it needs exists (see kvflow/native.py).
+import kvflow.native as _native_binding  # noqa: E402
+
+_native_binding.bind()

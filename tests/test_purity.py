@@ -23,13 +23,14 @@ PURE_MODULES = [
     "kvflow.decide",
     "kvflow.config",
     "kvflow.kvevents",  # "a function of the events" (its docstring)
+    "kvflow.native",  # binds the optional C accelerator (csrc/, itself pure: no clock/env/I/O)
     *sorted(
         "kvflow.policies" + ("" if p.stem == "__init__" else f".{p.stem}")
         for p in (PACKAGE / "policies").glob("*.py")
     ),
 ]
 # What the pure modules may import from kvflow itself (errors is plain exception classes).
-PURE_INTERNAL = {*PURE_MODULES, "kvflow.errors", "kvflow.policies"}
+PURE_INTERNAL = {*PURE_MODULES, "kvflow.errors", "kvflow.policies", "kvflow._native"}
 
 FORBIDDEN = {
     "time",

@@ -1,0 +1,67 @@
+"""The optional C accelerator of the pure core (``kvflow._native``, built from ``csrc/``).
+
+kvflow's decisions and state machine are written in Python (``decide.py``, ``state.py``):
+that code is the reference and the fallback. When a C compiler was available at install
+time, ``kvflow._native`` mirrors the hot paths (every ``evolve`` and the per-step deciders)
+on the very same Python objects, the way CPython pairs ``json`` with ``_json``. Differential
+tests run both on the same inputs and require equal events, answers, errors and digests.
+
+Whichever path runs, results are identical; only speed differs. ``kvflow --version`` says
+which core is active. This module is pure: it reads no environment.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import kvflow._native as _ext
+except ImportError:  # no compiler at install time: the pure-Python core runs
+    _ext = None
+
+_bound = False
+
+
+def available() -> bool:
+    """True when the C accelerator was built and bound."""
+    return _ext is not None and _bound
+
+
+def _namespace() -> dict[str, Any]:
+    import kvflow.decide as decide
+    import kvflow.errors as errors
+    import kvflow.events as events
+    import kvflow.state as state
+
+    ns: dict[str, Any] = {}
+    for module in (events, errors, state, decide):
+        ns.update((k, v) for k, v in vars(module).items() if not k.startswith("__"))
+    for member in state.JobState:
+        ns[f"JobState.{member.name}"] = member
+    for member in state.BlockState:
+        ns[f"BlockState.{member.name}"] = member
+    return ns
+
+
+def bind() -> None:
+    """Hand the C side kvflow's classes and switch ``evolve`` to it (idempotent)."""
+    global _bound
+    if _ext is None or _bound:
+        return
+    import kvflow.state as state
+
+    _ext.setup(_namespace())
+    _bound = True
+    state._native_evolve = _ext.evolve
+
+
+def handle_function() -> Any:
+    """``_native.handle`` (decide + apply of the hot commands in C), or None."""
+    if not available():
+        return None
+    return _ext.handle  # type: ignore[union-attr]
+
+
+def core_name() -> str:
+    """"native" or "python": which core runs decisions and folds."""
+    return "native" if available() else "python"

@@ -365,9 +365,16 @@ class State:
 
     def canonical(self) -> tuple[Any, ...]:
         """A deterministic, order-independent picture of the state (digest input)."""
-        pending, pins = self.pending, self.pin_count
+        pending, pins, jobs = self.pending, self.pin_count, self.jobs
+        queued = JobState.QUEUED
         entries = sorted(
-            (h, int(self.block_state(h)), slot, pins.get(h, 0), pending.get(h, 0))
+            (
+                h,
+                3 if h not in pending else (1 if jobs[pending[h]].state is queued else 2),
+                slot,
+                pins.get(h, 0),
+                pending.get(h, 0),
+            )
             for h, slot in self.slot_of.items()
         )
         jobs = [
@@ -841,65 +848,58 @@ def fold(state: State, events: Any) -> State:
 
 
 def check_invariants(state: State) -> list[str]:
-    """Every structural rule of the state; returns the violations (empty when consistent)."""
+    """Every structural rule of the state; returns the violations (empty when consistent).
+
+    Each section first checks its rule in bulk (C-level set and dict operations, as exact as
+    the per-item loop) and only walks item by item, to name the offenders, when that fails.
+    """
     problems: list[str] = []
     cap = state.capacity
-    owner: dict[int, str] = {}
+    slot_of, pending, pin_count, jobs = state.slot_of, state.pending, state.pin_count, state.jobs
 
-    def own(slot: int, who: str) -> None:
-        if not 0 <= slot < cap:
-            problems.append(f"slot {slot} outside 0..{cap - 1} ({who})")
-        elif slot in owner:
-            problems.append(f"slot {slot} owned twice: {owner[slot]} and {who}")
-        else:
-            owner[slot] = who
-
-    for s in state.free_slots:
-        own(s, "free")
-    for h, e in state.entries.items():
-        own(e.slot, f"block {h}")
+    # slots: free + entries + quarantined is exactly 0..cap-1, each once
+    used = list(state.free_slots)
+    used.extend(slot_of.values())
+    used.extend(state.quarantine)
+    if not (len(used) == cap and len(set(used)) == cap and (not used or (min(used) >= 0 and max(used) < cap))):
+        _slot_problems(state, problems)
     for s, jids in state.quarantine.items():
-        own(s, f"quarantine of jobs {list(jids)}")
         for jid in jids:
-            job = state.jobs.get(jid)
+            job = jobs.get(jid)
             if job is None or not job.abandoned or s not in job.slots:
                 problems.append(f"slot {s} quarantined for job {jid}, which is not an abandoned job using it")
-    if len(owner) != cap and not problems:
-        problems.append(f"free + used + quarantined = {len(owner)} != capacity {cap}")
 
-    # pins
+    # pins: every entry's count is what the requests hold; pinned entries are RESIDENT;
+    # pending (STORE_QUEUED / STORING) entries belong to a live store job naming them
     pin_totals: dict[int, int] = {}
     for r in state.requests.values():
-        for h, n in r.pins.items():
-            if n <= 0:
-                problems.append(f"request {r.request_id} holds {n} pins on block {h}")
-            pin_totals[h] = pin_totals.get(h, 0) + n
-    for h, e in state.entries.items():
-        if e.pins < 0:
-            problems.append(f"block {h} has negative pins {e.pins}")
-        if e.pins != pin_totals.get(h, 0):
-            problems.append(f"block {h} has {e.pins} pins but requests hold {pin_totals.get(h, 0)}")
-        if e.pins and e.state is not RESIDENT:
-            problems.append(f"block {h} is pinned in state {e.state.name}")
-        if e.state in (STORE_QUEUED, STORING):
-            job = state.jobs.get(e.job_id)
+        for hashes in (r.offered, *r.loading.values()):
+            for h in hashes:
+                pin_totals[h] = pin_totals.get(h, 0) + 1
+    entries_ok = (
+        pin_count == pin_totals
+        and slot_of.keys() >= pin_count.keys()
+        and pending.keys().isdisjoint(pin_count)
+        and slot_of.keys() >= pending.keys()
+    )
+    if entries_ok:
+        for h, jid in pending.items():
+            job = jobs.get(jid)
             if job is None or job.direction != STORE or h not in job.hashes:
-                problems.append(f"block {h} ({e.state.name}) has no live store job")
-            elif (job.state is JobState.QUEUED) != (e.state is STORE_QUEUED):
-                problems.append(f"block {h} is {e.state.name} but job {job.job_id} is {job.state.name}")
-    for h in pin_totals:
-        if h not in state.entries:
-            problems.append(f"pins on block {h} which is not on the tier")
+                entries_ok = False
+                break
+    if not entries_ok:
+        _entry_problems(state, pin_totals, problems)
 
     # policy tracks exactly the resident entries
-    resident = [h for h, e in state.entries.items() if e.state is RESIDENT]
     tracked = state.policy.resident()
-    if sorted(tracked) != sorted(resident) or len(tracked) != len(set(tracked)):
+    resident = [h for h in slot_of if h not in pending]
+    if not (len(tracked) == len(resident) and set(tracked) == set(resident)):
         problems.append(f"policy tracks {len(tracked)} blocks, tier has {len(resident)} resident")
 
     # holds match live jobs; queued index matches job states
     expected_held: dict[int, int] = {}
-    for jid, job in state.jobs.items():
+    for jid, job in jobs.items():
         if job.state not in (JobState.QUEUED, JobState.IN_FLIGHT, JobState.ABANDONED):
             problems.append(f"job {jid} is live in state {job.state.name}")
         if (jid in state.queued) != (job.state is JobState.QUEUED):
@@ -914,12 +914,64 @@ def check_invariants(state: State) -> list[str]:
         problems.append("device-block holds do not match the live jobs")
     for r in state.requests.values():
         for jid in r.jobs:
-            if jid not in state.jobs:
+            if jid not in jobs:
                 problems.append(f"request {r.request_id} lists job {jid} which is not live")
-        for h in r.offered:
-            if r.pins.get(h, 0) <= 0:
-                problems.append(f"request {r.request_id} offers block {h} without a pin")
+        if r.offered:
+            pins = r.pins
+            for h in r.offered:
+                if pins.get(h, 0) <= 0:
+                    problems.append(f"request {r.request_id} offers block {h} without a pin")
     return problems
+
+
+def _slot_problems(state: State, problems: list[str]) -> None:
+    """Name the slots that are out of range, owned twice or missing."""
+    cap = state.capacity
+    owner: dict[int, str] = {}
+    found = len(problems)
+
+    def own(slot: int, who: str) -> None:
+        if not 0 <= slot < cap:
+            problems.append(f"slot {slot} outside 0..{cap - 1} ({who})")
+        elif slot in owner:
+            problems.append(f"slot {slot} owned twice: {owner[slot]} and {who}")
+        else:
+            owner[slot] = who
+
+    for s in state.free_slots:
+        own(s, "free")
+    for h, slot in state.slot_of.items():
+        own(slot, f"block {h}")
+    for s, jids in state.quarantine.items():
+        own(s, f"quarantine of jobs {list(jids)}")
+    if len(owner) != cap and len(problems) == found:
+        problems.append(f"free + used + quarantined = {len(owner)} != capacity {cap}")
+
+
+def _entry_problems(state: State, pin_totals: dict[int, int], problems: list[str]) -> None:
+    """Name the entries whose pins or pending job are wrong."""
+    for h in state.slot_of:
+        pins = state.pin_count.get(h, 0)
+        jid = state.pending.get(h)
+        job = state.jobs.get(jid) if jid is not None else None
+        if jid is None:
+            name = "RESIDENT"
+        else:
+            name = "STORE_QUEUED" if job is not None and job.state is JobState.QUEUED else "STORING"
+        if pins < 0:
+            problems.append(f"block {h} has negative pins {pins}")
+        if pins != pin_totals.get(h, 0):
+            problems.append(f"block {h} has {pins} pins but requests hold {pin_totals.get(h, 0)}")
+        if pins and jid is not None:
+            problems.append(f"block {h} is pinned in state {name}")
+        if jid is not None and (job is None or job.direction != STORE or h not in job.hashes):
+            problems.append(f"block {h} ({name}) has no live store job")
+    for h in pin_totals:
+        if h not in state.slot_of:
+            problems.append(f"pins on block {h} which is not on the tier")
+    for h in state.pin_count:
+        if h not in state.slot_of and h not in pin_totals:
+            problems.append(f"pins on block {h} which is not on the tier")
 
 
 # Bind the optional C accelerator now that every name it needs exists (see kvflow/native.py).

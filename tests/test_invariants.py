@@ -1,0 +1,109 @@
+"""``check_invariants`` finds each kind of corruption (and names it), and stays silent on
+consistent states. The states are built through the real manager, then one field is broken
+by hand, as a bug in evolve would break it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from core_helpers import manager, store, tokens
+from kvflow.manager import OffloadManager
+from kvflow.state import JobState, check_invariants
+
+
+def busy() -> OffloadManager:
+    """Resident blocks (one pinned by a lookup), a queued store and an in-flight load."""
+    m = manager(cpu_blocks=8)
+    store(m, "a", [1, 2, 3], [0, 1, 2])
+    assert m.lookup("b", [1, 2, 3], tokens(3)) == 3
+    m.accept_hits("b", [10, 11])  # load of 1, 2 queued; the pin on 3 is released
+    m.plan_step(1.0)  # the load is in flight
+    assert m.lookup("c", [3], tokens(1)) == 1  # 3 pinned by c's offer
+    m.blocks_computed("d", [7, 8], [20, 21])  # a queued store
+    assert check_invariants(m.state) == []
+    return m
+
+
+def dup_slot(m: OffloadManager) -> None:
+    m.state.free_slots.append(m.state.slot_of[1])
+
+
+def lost_slot(m: OffloadManager) -> None:
+    m.state.free_slots.pop()
+
+
+def wild_slot(m: OffloadManager) -> None:
+    m.state.free_slots[0] = 99
+
+
+def extra_pin(m: OffloadManager) -> None:
+    m.state.pin_count[3] += 1
+
+
+def pin_off_tier(m: OffloadManager) -> None:
+    m.state.pin_count[12345] = 1
+
+
+def pending_without_job(m: OffloadManager) -> None:
+    m.state.pending[1] = 777  # resident block 1 claimed by a job that does not exist
+
+
+def policy_forgets(m: OffloadManager) -> None:
+    m.state.policy.remove(2)
+
+
+def stray_hold(m: OffloadManager) -> None:
+    m.state.held[555] = 1
+
+
+def request_lists_dead_job(m: OffloadManager) -> None:
+    m.state.requests["b"].jobs[999] = None
+
+
+def job_state_index(m: OffloadManager) -> None:
+    job = next(j for j in m.state.jobs.values() if j.state is JobState.QUEUED)
+    job.state = JobState.IN_FLIGHT  # but still in the queued index
+
+
+def quarantine_stray(m: OffloadManager) -> None:
+    slot = m.state.free_slots.pop()
+    m.state.quarantine[slot] = (4242,)
+
+
+CASES: list[tuple[Callable[[OffloadManager], None], str]] = [
+    (dup_slot, "owned twice"),
+    (lost_slot, "!= capacity 8"),
+    (wild_slot, "slot 99 outside 0..7"),
+    (extra_pin, "block 3 has 2 pins but requests hold 1"),
+    (pin_off_tier, "pins on block 12345 which is not on the tier"),
+    (pending_without_job, "block 1 (STORING) has no live store job"),
+    (policy_forgets, "policy tracks"),
+    (stray_hold, "device-block holds do not match the live jobs"),
+    (request_lists_dead_job, "request b lists job 999 which is not live"),
+    (job_state_index, "queued index disagrees"),
+    (quarantine_stray, "quarantined for job 4242"),
+]
+
+
+@pytest.mark.parametrize("corrupt, message", CASES, ids=[c.__name__ for c, _ in CASES])
+def test_each_corruption_is_found_and_named(corrupt: Callable[[OffloadManager], None], message: str) -> None:
+    m = busy()
+    corrupt(m)
+    problems = check_invariants(m.state)
+    assert any(message in p for p in problems), problems
+
+
+def test_a_consistent_state_has_no_problems_at_every_step() -> None:
+    m = manager(cpu_blocks=4)
+    for i in range(12):
+        hashes = [i, i + 1, i + 2]
+        hits = m.lookup(f"r{i}", hashes, tokens(3))
+        if hits:
+            m.accept_hits(f"r{i}", list(range(100 + 3 * i, 100 + 3 * i + hits)))
+        m.blocks_computed(f"r{i}", hashes, [10 * i, 10 * i + 1, 10 * i + 2])
+        for job in m.plan_step(float(i)):
+            m.job_result(job.job_id, ok=job.job_id % 3 != 0, error="x")
+        m.finish_request(f"r{i}")
+        assert check_invariants(m.state) == []

@@ -1,10 +1,1254 @@
-/* C mirror of kvflow/decide.py's hot deciders (see native.h). Placeholder: handles nothing. */
+/* C mirror of kvflow/decide.py's hot deciders (see native.h for the contract).
+ *
+ * One section per decider, each named after the Python function it mirrors; read them side
+ * by side. The rules kept throughout:
+ *   - Validation happens in the same order as in decide.py and raises the same Rejected
+ *     subclass with the same message before the first event, so a refused command changes
+ *     nothing.
+ *   - Every event is built by calling its Python class with keyword arguments (the field
+ *     values are the very objects Python would pass) and applied at once (kv_apply, else
+ *     evolve_python) before the next value is computed, exactly as OffloadManager.handle
+ *     resumes the generator only after applying what it yielded.
+ *   - Hashes, request ids, job ids and ranks stay Python objects: membership, comparisons
+ *     and arithmetic go through the same protocols Python uses (dict/set lookups,
+ *     PyObject_RichCompare, PyNumber_*). Only lengths and positions are C integers.
+ *   - Sets are used for membership only. The one place decide.py iterates a set (min() over
+ *     the unique device blocks) iterates the same kind of set built in the same order.
+ *   - Anything this file does not expect (another State class, a command whose sequence
+ *     field is not a tuple or list, a state container that is not a plain dict) is left to
+ *     the Python decider by returning NotImplemented before anything happened.
+ */
 #include "native.h"
 
-int kv_decide_init(void) { return 0; }
+/* --- names bound at setup ------------------------------------------------------------------ */
 
-PyObject *kv_handle(PyObject *state, PyObject *command, int check)
+/* Classes and constants from the setup namespace (strong references, replaced at each setup). */
+static PyObject *State_cls;
+static PyObject *Lookup_cls, *AcceptHits_cls, *BlocksComputed_cls, *DeviceBlocksEvicting_cls,
+    *Touch_cls, *PlanStep_cls, *JobResult_cls, *JobResults_cls, *FinishRequest_cls;
+static PyObject *PinsAcquired_cls, *PinsReleased_cls, *LoadQueued_cls, *StoreQueued_cls,
+    *BlocksEvicted_cls, *StoreRejected_cls, *BlocksTouched_cls, *JobsSubmitted_cls,
+    *LateResultIgnored_cls, *RankSucceeded_cls, *JobFailed_cls, *JobCompleted_cls,
+    *RequestClosed_cls, *RequestFinished_cls, *TransferJob_cls;
+static PyObject *Rejected_exc, *UnknownJob_exc, *UnknownRequest_exc, *BlockHeld_exc;
+static PyObject *evolve_python_fn, *STORE_str, *QUEUED_state;
+
+/* Interned attribute names (S_x is the str "x"). */
+#define KV_ATTR_NAMES(X)                                                                         \
+    X(config) X(enabled) X(next_seq) X(last_job_id) X(slot_of) X(pending) X(held) X(jobs)        \
+    X(queued) X(requests) X(free_slots) X(policy) X(evictable) X(capacity) X(victims)            \
+    X(resident) X(index) X(holds_pins) X(request_id) X(block_hashes) X(num_tokens)               \
+    X(device_hit_blocks) X(device_blocks) X(reuse) X(now_ms) X(job_id) X(rank) X(ok) X(error)    \
+    X(results) X(preempted) X(offered) X(finished) X(state) X(acks) X(abandoned) X(direction)    \
+    X(hashes) X(slots) X(block_tokens) X(store_mode) X(world_size) X(job_deadline_ms) X(get)
+#define KV_DECLARE_NAME(n) static PyObject *S_##n;
+KV_ATTR_NAMES(KV_DECLARE_NAME)
+#undef KV_DECLARE_NAME
+
+/* Literals: "eager", "lazy", "capacity" (an eviction reason), "unknown error", 0 and 1. */
+static PyObject *str_eager, *str_lazy, *str_capacity, *str_unknown_error, *int_zero, *int_one;
+
+/* kwnames tuples for the vectorcalls; the first name of every event's tuple is "seq". */
+static PyObject *KW_PinsAcquired, *KW_PinsReleased, *KW_LoadQueued, *KW_StoreQueued,
+    *KW_BlocksEvicted, *KW_StoreRejected, *KW_BlocksTouched, *KW_JobsSubmitted,
+    *KW_LateResultIgnored, *KW_RankSucceeded, *KW_JobFailed, *KW_JobCompleted,
+    *KW_RequestClosed, *KW_RequestFinished, *KW_TransferJob;
+
+#define MAX_FIELDS 12
+
+/* Replace *slot by value (a new reference, may be NULL on error). -1 when value is NULL. */
+static int keep(PyObject **slot, PyObject *value)
 {
-    (void)state; (void)command; (void)check;
+    Py_XSETREF(*slot, value);
+    return value == NULL ? -1 : 0;
+}
+
+/* A kwnames tuple of interned names from a NULL-terminated list. */
+static PyObject *kwnames(const char *first, ...)
+{
+    PyObject *names[MAX_FIELDS];
+    Py_ssize_t n = 0;
+    va_list ap;
+    va_start(ap, first);
+    for (const char *s = first; s != NULL; s = va_arg(ap, const char *)) {
+        if (n == MAX_FIELDS) {
+            va_end(ap);
+            PyErr_SetString(PyExc_SystemError, "kvflow._native: too many fields");
+            goto fail;
+        }
+        names[n] = PyUnicode_InternFromString(s);
+        if (names[n] == NULL) {
+            va_end(ap);
+            goto fail;
+        }
+        n++;
+    }
+    va_end(ap);
+    PyObject *tuple = PyTuple_New(n);
+    if (tuple == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(tuple, i, names[i]); /* steals */
+    return tuple;
+fail:
+    while (n > 0)
+        Py_DECREF(names[--n]);
+    return NULL;
+}
+
+int kv_decide_init(void)
+{
+#define KV_INTERN_NAME(n)                                                                        \
+    if (keep(&S_##n, PyUnicode_InternFromString(#n)) < 0)                                        \
+        return -1;
+    KV_ATTR_NAMES(KV_INTERN_NAME)
+#undef KV_INTERN_NAME
+#define REF(var, name)                                                                           \
+    if (keep(&var, kv_ref(name)) < 0)                                                            \
+        return -1;
+    REF(State_cls, "State");
+    REF(Lookup_cls, "Lookup");
+    REF(AcceptHits_cls, "AcceptHits");
+    REF(BlocksComputed_cls, "BlocksComputed");
+    REF(DeviceBlocksEvicting_cls, "DeviceBlocksEvicting");
+    REF(Touch_cls, "Touch");
+    REF(PlanStep_cls, "PlanStep");
+    REF(JobResult_cls, "JobResult");
+    REF(JobResults_cls, "JobResults");
+    REF(FinishRequest_cls, "FinishRequest");
+    REF(PinsAcquired_cls, "PinsAcquired");
+    REF(PinsReleased_cls, "PinsReleased");
+    REF(LoadQueued_cls, "LoadQueued");
+    REF(StoreQueued_cls, "StoreQueued");
+    REF(BlocksEvicted_cls, "BlocksEvicted");
+    REF(StoreRejected_cls, "StoreRejected");
+    REF(BlocksTouched_cls, "BlocksTouched");
+    REF(JobsSubmitted_cls, "JobsSubmitted");
+    REF(LateResultIgnored_cls, "LateResultIgnored");
+    REF(RankSucceeded_cls, "RankSucceeded");
+    REF(JobFailed_cls, "JobFailed");
+    REF(JobCompleted_cls, "JobCompleted");
+    REF(RequestClosed_cls, "RequestClosed");
+    REF(RequestFinished_cls, "RequestFinished");
+    REF(TransferJob_cls, "TransferJob");
+    REF(Rejected_exc, "Rejected");
+    REF(UnknownJob_exc, "UnknownJob");
+    REF(UnknownRequest_exc, "UnknownRequest");
+    REF(BlockHeld_exc, "BlockHeld");
+    REF(evolve_python_fn, "evolve_python");
+    REF(STORE_str, "STORE");
+    REF(QUEUED_state, "JobState.QUEUED");
+#undef REF
+    if (keep(&str_eager, PyUnicode_InternFromString("eager")) < 0
+        || keep(&str_lazy, PyUnicode_InternFromString("lazy")) < 0
+        || keep(&str_capacity, PyUnicode_InternFromString("capacity")) < 0
+        || keep(&str_unknown_error, PyUnicode_InternFromString("unknown error")) < 0
+        || keep(&int_zero, PyLong_FromLong(0)) < 0 || keep(&int_one, PyLong_FromLong(1)) < 0)
+        return -1;
+#define TERMINAL "abandoned", "job_id", "direction", "request_id", "hashes", "device_blocks", "slots"
+    if (keep(&KW_PinsAcquired, kwnames("seq", "request_id", "hashes", "num_tokens", NULL)) < 0
+        || keep(&KW_PinsReleased, kwnames("seq", "request_id", "hashes", NULL)) < 0
+        || keep(&KW_LoadQueued, kwnames("seq", "job_id", "request_id", "hashes", "device_blocks",
+                                        "slots", NULL)) < 0
+        || keep(&KW_StoreQueued, kwnames("seq", "job_id", "request_id", "hashes", "device_blocks",
+                                         "slots", NULL)) < 0
+        || keep(&KW_BlocksEvicted, kwnames("seq", "hashes", "slots", "reason", NULL)) < 0
+        || keep(&KW_StoreRejected, kwnames("seq", "request_id", "hashes", "device_blocks",
+                                           "reason", NULL)) < 0
+        || keep(&KW_BlocksTouched, kwnames("seq", "hashes", "reuse", NULL)) < 0
+        || keep(&KW_JobsSubmitted, kwnames("seq", "job_ids", "now_ms", "deadline_ms", NULL)) < 0
+        || keep(&KW_LateResultIgnored, kwnames("seq", "job_id", "rank", "ok", "error", NULL)) < 0
+        || keep(&KW_RankSucceeded, kwnames("seq", "job_id", "rank", NULL)) < 0
+        || keep(&KW_JobFailed, kwnames("seq", "rank", "error", TERMINAL, NULL)) < 0
+        || keep(&KW_JobCompleted, kwnames("seq", "rank", TERMINAL, NULL)) < 0
+        || keep(&KW_RequestClosed, kwnames("seq", "request_id", NULL)) < 0
+        || keep(&KW_RequestFinished, kwnames("seq", "request_id", "preempted", NULL)) < 0
+        || keep(&KW_TransferJob, kwnames("job_id", "direction", "device_blocks", "slots",
+                                         "hashes", "request_id", NULL)) < 0)
+        return -1;
+#undef TERMINAL
+    return 0;
+}
+
+/* --- helpers -------------------------------------------------------------------------------- */
+
+/* One decision in progress: the state, the events applied so far, the check flag. */
+typedef struct {
+    PyObject *state;
+    PyObject *events; /* list */
+    int check;
+} Decision;
+
+/* What a decider returns instead of an answer to leave the command to Python (nothing was
+ * applied yet). Answers are ints, None, lists: never NotImplemented. */
+#define DEFER Py_NotImplemented
+
+static PyObject *defer(void)
+{
     Py_RETURN_NOTIMPLEMENTED;
+}
+
+/* decide.py's _whole: an int and not a bool. */
+static int whole(PyObject *v)
+{
+    return PyLong_Check(v) && !PyBool_Check(v);
+}
+
+/* state.<name> when it is a plain dict (1), another kind of object (0: leave the command to
+ * Python, *out is NULL), or -1 on error. */
+static int state_dict(PyObject *state, PyObject *name, PyObject **out)
+{
+    PyObject *value = PyObject_GetAttr(state, name);
+    *out = NULL;
+    if (value == NULL)
+        return -1;
+    if (!PyDict_CheckExact(value)) {
+        Py_DECREF(value);
+        return 0;
+    }
+    *out = value;
+    return 1;
+}
+
+/* cmd.<name> as a tuple: a tuple as is, a list snapshotted (1); another kind of sequence
+ * (0: leave the command to Python, *out is NULL); -1 on error. The deciders only read these
+ * sequences (len, index, iterate, slice), so a tuple of the same items reads the same. */
+static int command_seq(PyObject *cmd, PyObject *name, PyObject **out)
+{
+    PyObject *value = PyObject_GetAttr(cmd, name);
+    *out = NULL;
+    if (value == NULL)
+        return -1;
+    if (PyTuple_CheckExact(value)) {
+        *out = value;
+        return 1;
+    }
+    if (PyList_CheckExact(value)) {
+        *out = PyList_AsTuple(value);
+        Py_DECREF(value);
+        return *out == NULL ? -1 : 1;
+    }
+    Py_DECREF(value);
+    return 0;
+}
+
+/* Attribute read as a truth value: 1, 0, -1 on error. */
+static int attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int r = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return r;
+}
+
+/* state.config.<name> (new reference). */
+static PyObject *config_attr(PyObject *state, PyObject *name)
+{
+    PyObject *config = PyObject_GetAttr(state, S_config);
+    if (config == NULL)
+        return NULL;
+    PyObject *value = PyObject_GetAttr(config, name);
+    Py_DECREF(config);
+    return value;
+}
+
+/* state.config.enabled as 1 / 0, -1 on error. */
+static int offload_enabled(PyObject *state)
+{
+    PyObject *enabled = config_attr(state, S_enabled);
+    if (enabled == NULL)
+        return -1;
+    int r = PyObject_IsTrue(enabled);
+    Py_DECREF(enabled);
+    return r;
+}
+
+/* d[key] with dict semantics (KeyError when absent), as a new reference. */
+static PyObject *dict_item(PyObject *d, PyObject *key)
+{
+    PyObject *value = PyDict_GetItemWithError(d, key);
+    if (value != NULL) {
+        Py_INCREF(value);
+        return value;
+    }
+    if (PyErr_Occurred())
+        return NULL;
+    return PyObject_GetItem(d, key); /* raises the KeyError dict[key] raises */
+}
+
+/* state.last_job_id + 1 */
+static PyObject *next_job_id(PyObject *state)
+{
+    PyObject *last = PyObject_GetAttr(state, S_last_job_id);
+    if (last == NULL)
+        return NULL;
+    PyObject *job_id = PyNumber_Add(last, int_one);
+    Py_DECREF(last);
+    return job_id;
+}
+
+/* tuple(map(d.__getitem__, seq)) for a dict d and any iterable seq. */
+static PyObject *tuple_of_items(PyObject *d, PyObject *seq)
+{
+    PyObject *it = PyObject_GetIter(seq);
+    if (it == NULL)
+        return NULL;
+    PyObject *out = PyList_New(0), *key;
+    if (out == NULL) {
+        Py_DECREF(it);
+        return NULL;
+    }
+    while ((key = PyIter_Next(it)) != NULL) {
+        PyObject *value = dict_item(d, key);
+        Py_DECREF(key);
+        if (value == NULL || PyList_Append(out, value) < 0) {
+            Py_XDECREF(value);
+            goto fail;
+        }
+        Py_DECREF(value);
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    Py_DECREF(it);
+    Py_SETREF(out, PyList_AsTuple(out));
+    return out;
+fail:
+    Py_DECREF(it);
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* Build one event, cls(seq=state.next_seq, <kwnames[1:]>=values...), apply it (kv_apply,
+ * else evolve_python, which applies or raises IllegalTransition) and append it to the
+ * decision's events. 0 on success, -1 with an exception set. */
+static int emit(Decision *dc, PyObject *cls, PyObject *names, PyObject *const *values)
+{
+    PyObject *args[MAX_FIELDS];
+    Py_ssize_t n = PyTuple_GET_SIZE(names);
+    args[0] = PyObject_GetAttr(dc->state, S_next_seq);
+    if (args[0] == NULL)
+        return -1;
+    for (Py_ssize_t i = 1; i < n; i++)
+        args[i] = values[i - 1];
+    PyObject *event = PyObject_Vectorcall(cls, args, 0, names);
+    Py_DECREF(args[0]);
+    if (event == NULL)
+        return -1;
+    int applied = kv_apply(dc->state, event, dc->check);
+    if (applied == 0) {
+        PyObject *call[3] = {dc->state, event, dc->check ? Py_True : Py_False};
+        PyObject *r = PyObject_Vectorcall(evolve_python_fn, call, 3, NULL);
+        if (r == NULL)
+            applied = -1;
+        Py_XDECREF(r);
+    }
+    if (applied < 0 || PyList_Append(dc->events, event) < 0) {
+        Py_DECREF(event);
+        return -1;
+    }
+    Py_DECREF(event);
+    return 0;
+}
+
+/* decide.py's hit_cap_blocks: max(0, (num_tokens - 1) // block_tokens), as a slice bound
+ * (clamped like a slice index). -1 on error. */
+static Py_ssize_t hit_cap_blocks(PyObject *num_tokens, PyObject *block_tokens)
+{
+    PyObject *less = PyNumber_Subtract(num_tokens, int_one);
+    if (less == NULL)
+        return -1;
+    PyObject *cap = PyNumber_FloorDivide(less, block_tokens);
+    Py_DECREF(less);
+    if (cap == NULL)
+        return -1;
+    Py_ssize_t n = PyNumber_AsSsize_t(cap, NULL); /* clamps like a slice index */
+    Py_DECREF(cap);
+    if (n == -1 && PyErr_Occurred())
+        return -1;
+    return n < 0 ? 0 : n;
+}
+
+/* req.offered truthy: emit PinsReleased(request_id=request_id, hashes=req.offered). */
+static int release_offered(Decision *dc, PyObject *req, PyObject *request_id)
+{
+    PyObject *offered = PyObject_GetAttr(req, S_offered);
+    if (offered == NULL)
+        return -1;
+    int r = PyObject_IsTrue(offered);
+    if (r > 0) {
+        PyObject *values[] = {request_id, offered};
+        r = emit(dc, PinsReleased_cls, KW_PinsReleased, values);
+    }
+    Py_DECREF(offered);
+    return r < 0 ? -1 : 0;
+}
+
+/* --- decide_lookup -------------------------------------------------------------------------- */
+
+static PyObject *decide_lookup(Decision *dc, PyObject *cmd)
+{
+    PyObject *state = dc->state, *answer = NULL;
+    PyObject *request_id = NULL, *num_tokens = NULL, *skip = NULL, *hashes = NULL;
+    PyObject *requests = NULL, *slot_of = NULL, *pending = NULL, *req = NULL;
+    PyObject *block_tokens = NULL, *hits = NULL;
+    int r;
+
+    if ((r = command_seq(cmd, S_block_hashes, &hashes)) <= 0
+        || (r = state_dict(state, S_requests, &requests)) <= 0
+        || (r = state_dict(state, S_slot_of, &slot_of)) <= 0
+        || (r = state_dict(state, S_pending, &pending)) <= 0) {
+        answer = r == 0 ? defer() : NULL;
+        goto done;
+    }
+    if ((request_id = PyObject_GetAttr(cmd, S_request_id)) == NULL
+        || (num_tokens = PyObject_GetAttr(cmd, S_num_tokens)) == NULL)
+        goto done;
+    if (!whole(num_tokens) || (r = PyObject_RichCompareBool(num_tokens, int_zero, Py_LT)) != 0) {
+        if (r > 0 || !whole(num_tokens))
+            PyErr_Format(Rejected_exc, "lookup of request %S: num_tokens must be >= 0", request_id);
+        goto done;
+    }
+    if ((skip = PyObject_GetAttr(cmd, S_device_hit_blocks)) == NULL)
+        goto done;
+    if (!whole(skip) || (r = PyObject_RichCompareBool(skip, int_zero, Py_LT)) != 0) {
+        if (r > 0 || !whole(skip))
+            PyErr_Format(Rejected_exc, "lookup of request %S: device_hit_blocks must be >= 0",
+                         request_id);
+        goto done;
+    }
+    if ((r = offload_enabled(state)) <= 0) {
+        if (r == 0)
+            answer = PyLong_FromLong(0);
+        goto done;
+    }
+    req = PyDict_GetItemWithError(requests, request_id);
+    if (req == NULL && PyErr_Occurred())
+        goto done;
+    Py_XINCREF(req);
+    if (req != NULL && (r = attr_true(req, S_finished)) != 0) {
+        if (r > 0)
+            PyErr_Format(Rejected_exc, "lookup of request %S: the request is finished", request_id);
+        goto done;
+    }
+    if ((block_tokens = config_attr(state, S_block_tokens)) == NULL)
+        goto done;
+    Py_ssize_t cap = hit_cap_blocks(num_tokens, block_tokens);
+    if (cap < 0)
+        goto done;
+    /* A repeated lookup replaces the hits it offered before, so pins never pile up. */
+    if (req != NULL && release_offered(dc, req, request_id) < 0)
+        goto done;
+    /* hits: cmd.block_hashes[device_hit_blocks : cap] up to the first block that is not
+     * RESIDENT (on the tier and not pending) */
+    Py_ssize_t n = PyTuple_GET_SIZE(hashes);
+    Py_ssize_t start = PyNumber_AsSsize_t(skip, NULL); /* >= 0, clamped like a slice index */
+    if (start == -1 && PyErr_Occurred())
+        goto done;
+    Py_ssize_t stop = cap < n ? cap : n, end = start;
+    for (; end < stop; end++) {
+        PyObject *h = PyTuple_GET_ITEM(hashes, end);
+        if ((r = PyDict_Contains(slot_of, h)) > 0)
+            r = PyDict_Contains(pending, h) > 0 ? 0 : PyErr_Occurred() ? -1 : 1;
+        if (r < 0)
+            goto done;
+        if (r == 0)
+            break;
+    }
+    if (end < start)
+        end = start;
+    if ((hits = PyTuple_GetSlice(hashes, start, end)) == NULL)
+        goto done;
+    PyObject *values[] = {request_id, hits, num_tokens};
+    if (emit(dc, PinsAcquired_cls, KW_PinsAcquired, values) < 0)
+        goto done;
+    answer = PyLong_FromSsize_t(PyTuple_GET_SIZE(hits));
+done:
+    Py_XDECREF(request_id);
+    Py_XDECREF(num_tokens);
+    Py_XDECREF(skip);
+    Py_XDECREF(hashes);
+    Py_XDECREF(requests);
+    Py_XDECREF(slot_of);
+    Py_XDECREF(pending);
+    Py_XDECREF(req);
+    Py_XDECREF(block_tokens);
+    Py_XDECREF(hits);
+    return answer;
+}
+
+/* --- _check_device_blocks ------------------------------------------------------------------- */
+
+/* Rejected(f"device blocks must be integers, got {list(device_blocks)[:4]!r}") */
+static void reject_non_integers(PyObject *blocks)
+{
+    PyObject *head = PyTuple_GetSlice(blocks, 0, 4);
+    PyObject *shown = head == NULL ? NULL : PySequence_List(head);
+    if (shown != NULL)
+        PyErr_Format(Rejected_exc, "device blocks must be integers, got %R", shown);
+    Py_XDECREF(head);
+    Py_XDECREF(shown);
+}
+
+/* held.keys().isdisjoint(unique) for a set `unique`, iterating the shorter side the way
+ * dict_keys.isdisjoint does: 1 disjoint, 0 not, -1 error. */
+static int keys_disjoint_from_set(PyObject *held, PyObject *unique)
+{
+    if (PySet_GET_SIZE(unique) > PyDict_GET_SIZE(held)) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(held, &pos, &key, &value)) {
+            Py_INCREF(key);
+            int r = PySequence_Contains(unique, key);
+            Py_DECREF(key);
+            if (r != 0)
+                return r < 0 ? -1 : 0;
+        }
+        return 1;
+    }
+    PyObject *it = PyObject_GetIter(unique), *item;
+    if (it == NULL)
+        return -1;
+    int result = 1;
+    while ((item = PyIter_Next(it)) != NULL) {
+        int r = PyDict_Contains(held, item);
+        Py_DECREF(item);
+        if (r != 0) {
+            result = r < 0 ? -1 : 0;
+            break;
+        }
+    }
+    Py_DECREF(it);
+    if (result == 1 && PyErr_Occurred())
+        return -1;
+    return result;
+}
+
+/* The held device block d (held by job_id) may be reused when its live job is a store of
+ * the hash the caller asks for it (allow_same_store[d]): 1 allowed, 0 not, -1 error. */
+static int same_store(PyObject *job, PyObject *d, PyObject *allow_same_store)
+{
+    PyObject *direction = NULL, *blocks = NULL, *index = NULL, *hashes = NULL, *stored = NULL;
+    int r;
+    if ((direction = PyObject_GetAttr(job, S_direction)) == NULL)
+        return -1;
+    r = PyObject_RichCompareBool(direction, STORE_str, Py_EQ);
+    Py_DECREF(direction);
+    if (r <= 0 || allow_same_store == NULL)
+        return r;
+    if ((r = PyDict_Contains(allow_same_store, d)) <= 0)
+        return r;
+    r = -1;
+    if ((blocks = PyObject_GetAttr(job, S_device_blocks)) == NULL
+        || (index = PyObject_CallMethodOneArg(blocks, S_index, d)) == NULL
+        || (hashes = PyObject_GetAttr(job, S_hashes)) == NULL
+        || (stored = PyObject_GetItem(hashes, index)) == NULL)
+        goto done;
+    PyObject *asked = PyDict_GetItemWithError(allow_same_store, d); /* borrowed */
+    if (asked == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, d);
+        goto done;
+    }
+    Py_INCREF(asked);
+    r = PyObject_RichCompareBool(stored, asked, Py_EQ);
+    Py_DECREF(asked);
+done:
+    Py_XDECREF(blocks);
+    Py_XDECREF(index);
+    Py_XDECREF(hashes);
+    Py_XDECREF(stored);
+    return r;
+}
+
+/* Device blocks must not be held by a live job (F12), except a store of the same hash (a
+ * duplicate, F3). allow_same_store: device block -> hash asked; NULL for {}. 0 / -1. */
+static int check_device_blocks(PyObject *state, PyObject *blocks, PyObject *allow_same_store)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks);
+    PyObject *unique = NULL, *it = NULL, *lowest = NULL, *item, *held = NULL, *jobs = NULL;
+    int result = -1, r;
+    if (n == 0)
+        return 0;
+    if ((unique = PySet_New(blocks)) == NULL)
+        goto done;
+    if (PySet_GET_SIZE(unique) != n) {
+        PyErr_SetString(Rejected_exc, "a device block is named twice in one call");
+        goto done;
+    }
+    /* lowest = min(unique), iterating the set as min() does; a TypeError means a block
+     * is not comparable: Rejected */
+    if ((it = PyObject_GetIter(unique)) == NULL)
+        goto done;
+    while ((item = PyIter_Next(it)) != NULL) {
+        if (lowest == NULL) {
+            lowest = item;
+            continue;
+        }
+        r = PyObject_RichCompareBool(item, lowest, Py_LT);
+        if (r > 0)
+            Py_SETREF(lowest, item);
+        else
+            Py_DECREF(item);
+        if (r < 0)
+            break;
+    }
+    if (PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            reject_non_integers(blocks);
+        }
+        goto done;
+    }
+    if ((r = PyObject_RichCompareBool(lowest, int_zero, Py_LT)) != 0) {
+        if (r > 0)
+            PyErr_Format(Rejected_exc, "device block %S is not a block id", lowest);
+        goto done;
+    }
+    if ((held = PyObject_GetAttr(state, S_held)) == NULL)
+        goto done;
+    if (!PyDict_Check(held)) {
+        PyErr_SetString(PyExc_TypeError, "kvflow._native: state.held must be a dict");
+        goto done;
+    }
+    if (PyDict_GET_SIZE(held) == 0 || (r = keys_disjoint_from_set(held, unique)) == 1) {
+        result = 0;
+        goto done;
+    }
+    if (r < 0 || (jobs = PyObject_GetAttr(state, S_jobs)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyTuple_GET_ITEM(blocks, i);
+        PyObject *job_id = PyDict_GetItemWithError(held, d);
+        if (job_id == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            continue;
+        }
+        Py_INCREF(job_id);
+        PyObject *job = PyObject_GetItem(jobs, job_id), *direction = NULL;
+        r = job == NULL ? -1 : same_store(job, d, allow_same_store);
+        if (r == 0 && (direction = PyObject_GetAttr(job, S_direction)) != NULL)
+            PyErr_Format(BlockHeld_exc,
+                         "device block %S is held by live %S job %S; "
+                         "wait for the job to finish before reusing it",
+                         d, direction, job_id);
+        Py_XDECREF(direction);
+        Py_XDECREF(job);
+        Py_DECREF(job_id);
+        if (r <= 0)
+            goto done;
+    }
+    result = 0;
+done:
+    Py_XDECREF(unique);
+    Py_XDECREF(it);
+    Py_XDECREF(lowest);
+    Py_XDECREF(held);
+    Py_XDECREF(jobs);
+    return result;
+}
+
+/* --- decide_accept_hits --------------------------------------------------------------------- */
+
+static PyObject *decide_accept_hits(Decision *dc, PyObject *cmd)
+{
+    PyObject *state = dc->state, *answer = NULL;
+    PyObject *request_id = NULL, *blocks = NULL, *requests = NULL, *slot_of = NULL, *req = NULL;
+    PyObject *offered = NULL, *hashes = NULL, *job_id = NULL, *slots = NULL;
+    int r;
+
+    if ((r = command_seq(cmd, S_device_blocks, &blocks)) <= 0
+        || (r = state_dict(state, S_requests, &requests)) <= 0
+        || (r = state_dict(state, S_slot_of, &slot_of)) <= 0) {
+        answer = r == 0 ? defer() : NULL;
+        goto done;
+    }
+    if ((request_id = PyObject_GetAttr(cmd, S_request_id)) == NULL)
+        goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks);
+    if ((r = offload_enabled(state)) <= 0) {
+        if (r == 0 && n > 0)
+            PyErr_Format(Rejected_exc,
+                         "accept_hits: offload is disabled, request %S was offered nothing",
+                         request_id);
+        else if (r == 0)
+            answer = Py_NewRef(Py_None);
+        goto done;
+    }
+    req = PyDict_GetItemWithError(requests, request_id);
+    if (req == NULL && PyErr_Occurred())
+        goto done;
+    Py_XINCREF(req);
+    if (req == NULL || (r = attr_true(req, S_finished)) != 0) {
+        if (req == NULL || r > 0)
+            PyErr_Format(UnknownRequest_exc, "accept_hits: request %S has no live lookup",
+                         request_id);
+        goto done;
+    }
+    if ((offered = PyObject_GetAttr(req, S_offered)) == NULL)
+        goto done;
+    Py_ssize_t num_offered = PyObject_Size(offered);
+    if (num_offered < 0)
+        goto done;
+    if (n > num_offered) {
+        PyErr_Format(Rejected_exc,
+                     "accept_hits: request %S was offered %zd blocks, cannot accept %zd",
+                     request_id, num_offered, n);
+        goto done;
+    }
+    if (check_device_blocks(state, blocks, NULL) < 0)
+        goto done;
+    if (n) {
+        if ((hashes = PySequence_GetSlice(offered, 0, n)) == NULL
+            || (job_id = next_job_id(state)) == NULL
+            || (slots = tuple_of_items(slot_of, hashes)) == NULL)
+            goto done;
+        PyObject *values[] = {job_id, request_id, hashes, blocks, slots};
+        if (emit(dc, LoadQueued_cls, KW_LoadQueued, values) < 0)
+            goto done;
+    }
+    if (release_offered(dc, req, request_id) < 0)
+        goto done;
+    answer = job_id != NULL ? Py_NewRef(job_id) : Py_NewRef(Py_None);
+done:
+    Py_XDECREF(request_id);
+    Py_XDECREF(blocks);
+    Py_XDECREF(requests);
+    Py_XDECREF(slot_of);
+    Py_XDECREF(req);
+    Py_XDECREF(offered);
+    Py_XDECREF(hashes);
+    Py_XDECREF(job_id);
+    Py_XDECREF(slots);
+    return answer;
+}
+
+/* --- _victims_up_to ------------------------------------------------------------------------- */
+
+/* policy.victims(wanted, state.evictable) */
+static PyObject *policy_victims(PyObject *state, PyObject *wanted)
+{
+    PyObject *policy = PyObject_GetAttr(state, S_policy);
+    PyObject *evictable = policy == NULL ? NULL : PyObject_GetAttr(state, S_evictable);
+    PyObject *victims = NULL;
+    if (evictable != NULL)
+        victims = PyObject_CallMethodObjArgs(policy, S_victims, wanted, evictable, NULL);
+    Py_XDECREF(policy);
+    Py_XDECREF(evictable);
+    return victims;
+}
+
+/* As many victims as the policy can give, up to wanted, in eviction order. */
+static PyObject *victims_up_to(PyObject *state, Py_ssize_t wanted)
+{
+    PyObject *count = NULL, *victims = NULL, *policy = NULL, *resident = NULL, *it = NULL;
+    PyObject *evictable = NULL, *h;
+    if (wanted <= 0)
+        return PyList_New(0);
+    if ((count = PyLong_FromSsize_t(wanted)) == NULL
+        || (victims = policy_victims(state, count)) == NULL || victims != Py_None)
+        goto done;
+    /* fewer than wanted: as many as are evictable */
+    Py_CLEAR(victims);
+    Py_ssize_t num_evictable = 0;
+    if ((policy = PyObject_GetAttr(state, S_policy)) == NULL
+        || (resident = PyObject_CallMethodNoArgs(policy, S_resident)) == NULL
+        || (it = PyObject_GetIter(resident)) == NULL
+        || (evictable = PyObject_GetAttr(state, S_evictable)) == NULL)
+        goto done;
+    while ((h = PyIter_Next(it)) != NULL) {
+        PyObject *yes = PyObject_CallOneArg(evictable, h);
+        Py_DECREF(h);
+        int r = yes == NULL ? -1 : PyObject_IsTrue(yes);
+        Py_XDECREF(yes);
+        if (r < 0)
+            goto done;
+        num_evictable += r;
+    }
+    if (PyErr_Occurred())
+        goto done;
+    if (num_evictable == 0) {
+        victims = PyList_New(0);
+        goto done;
+    }
+    Py_SETREF(count, PyLong_FromSsize_t(num_evictable));
+    if (count == NULL || (victims = policy_victims(state, count)) == NULL)
+        goto done;
+    int r = PyObject_IsTrue(victims); /* victims(...) or [] */
+    if (r <= 0)
+        Py_SETREF(victims, r < 0 ? NULL : PyList_New(0));
+done:
+    Py_XDECREF(count);
+    Py_XDECREF(policy);
+    Py_XDECREF(resident);
+    Py_XDECREF(it);
+    Py_XDECREF(evictable);
+    return victims;
+}
+
+/* --- _decide_store -------------------------------------------------------------------------- */
+
+/* tuple(free[len(free) - k :][::-1]) with Python's slice rules (a negative start counts
+ * from the end). */
+static PyObject *last_free_reversed(PyObject *free, Py_ssize_t k)
+{
+    Py_ssize_t n = PyObject_Size(free);
+    if (n < 0)
+        return NULL;
+    PyObject *tail = PySequence_GetSlice(free, n - k, PY_SSIZE_T_MAX);
+    if (tail == NULL)
+        return NULL;
+    PyObject *items = PySequence_Tuple(tail);
+    Py_DECREF(tail);
+    if (items == NULL)
+        return NULL;
+    Py_ssize_t m = PyTuple_GET_SIZE(items);
+    PyObject *out = PyTuple_New(m);
+    if (out != NULL)
+        for (Py_ssize_t i = 0; i < m; i++)
+            PyTuple_SET_ITEM(out, i, Py_NewRef(PyTuple_GET_ITEM(items, m - 1 - i)));
+    Py_DECREF(items);
+    return out;
+}
+
+/* 1 when `h in entries and h not in gone`: the block is on the tier and stays there. */
+static int stays_on_tier(PyObject *entries, PyObject *gone, PyObject *h)
+{
+    int r = PyDict_Contains(entries, h);
+    if (r <= 0)
+        return r;
+    r = PySequence_Contains(gone, h);
+    return r < 0 ? -1 : !r;
+}
+
+/* DESIGN §7 step 3, block by block in prefix order: a block not on the tier (resident,
+ * queued or in flight; F3) takes a free slot, else evicts the policy's next victim; if
+ * nothing is evictable it and every later block are rejected. A victim may be a later block
+ * of this very command: when its turn comes it is no longer on the tier, so it is stored
+ * again. Evictions and admissions are emitted as one event each. */
+static PyObject *decide_store(Decision *dc, PyObject *request_id, PyObject *hashes,
+                              PyObject *blocks)
+{
+    PyObject *state = dc->state, *answer = NULL;
+    PyObject *requests = NULL, *entries = NULL, *held = NULL, *same = NULL, *free = NULL;
+    PyObject *admit_hashes = NULL, *admit_blocks = NULL, *seen = NULL, *victims = NULL;
+    PyObject *gone = NULL, *candidates = NULL, *job_id = NULL, *taken = NULL;
+    PyObject *rej_hashes = NULL, *rej_blocks = NULL, *capacity = NULL;
+    PyObject *t_hashes = NULL, *t_blocks = NULL, *t_slots = NULL, *reason = NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(hashes), nd = PyTuple_GET_SIZE(blocks);
+    int r;
+
+    if ((r = state_dict(state, S_requests, &requests)) <= 0
+        || (r = state_dict(state, S_slot_of, &entries)) <= 0
+        || (r = state_dict(state, S_held, &held)) <= 0) {
+        answer = r == 0 ? defer() : NULL;
+        goto done;
+    }
+    if (n != nd) {
+        PyErr_Format(Rejected_exc, "store: %zd hashes but %zd device blocks", n, nd);
+        goto done;
+    }
+    if (request_id != Py_None) {
+        PyObject *req = PyDict_GetItemWithError(requests, request_id);
+        if (req == NULL && PyErr_Occurred())
+            goto done;
+        if (req != NULL) {
+            Py_INCREF(req);
+            r = attr_true(req, S_finished);
+            Py_DECREF(req);
+            if (r != 0) {
+                if (r > 0)
+                    PyErr_Format(Rejected_exc, "store: request %S is finished", request_id);
+                goto done;
+            }
+        }
+    }
+    /* same = dict(zip(device_blocks, block_hashes)) if held and not
+     * held.keys().isdisjoint(device_blocks) else {} */
+    if (PyDict_GET_SIZE(held)) {
+        int disjoint = 1;
+        for (Py_ssize_t i = 0; i < nd && disjoint; i++) {
+            if ((r = PyDict_Contains(held, PyTuple_GET_ITEM(blocks, i))) < 0)
+                goto done;
+            disjoint = !r;
+        }
+        if (!disjoint) {
+            if ((same = PyDict_New()) == NULL)
+                goto done;
+            for (Py_ssize_t i = 0; i < nd; i++)
+                if (PyDict_SetItem(same, PyTuple_GET_ITEM(blocks, i),
+                                   PyTuple_GET_ITEM(hashes, i)) < 0)
+                    goto done;
+        }
+    }
+    if (check_device_blocks(state, blocks, same) < 0)
+        goto done;
+    if ((r = offload_enabled(state)) <= 0) {
+        if (r == 0)
+            answer = Py_NewRef(Py_None);
+        goto done;
+    }
+
+    if ((free = PyObject_GetAttr(state, S_free_slots)) == NULL)
+        goto done;
+    Py_ssize_t free_avail = PyObject_Size(free);
+    Py_CLEAR(free);
+    if (free_avail < 0 || (admit_hashes = PyList_New(0)) == NULL
+        || (admit_blocks = PyList_New(0)) == NULL || (seen = PySet_New(NULL)) == NULL
+        || (victims = PyList_New(0)) == NULL || (gone = PySet_New(NULL)) == NULL)
+        goto done;
+    Py_ssize_t rejected_from = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyTuple_GET_ITEM(hashes, i), *d = PyTuple_GET_ITEM(blocks, i);
+        if ((r = PySequence_Contains(seen, h)) == 0)
+            r = stays_on_tier(entries, gone, h);
+        if (r < 0)
+            goto done;
+        if (r > 0)
+            continue;
+        if (PySet_Add(seen, h) < 0)
+            goto done;
+        if (free_avail) {
+            free_avail--;
+        } else {
+            if (candidates == NULL) { /* each later block needs at most one victim */
+                if ((candidates = victims_up_to(state, n - i)) == NULL)
+                    goto done;
+            }
+            Py_ssize_t num_candidates = PyObject_Size(candidates);
+            if (num_candidates < 0)
+                goto done;
+            if (PyList_GET_SIZE(victims) == num_candidates) {
+                rejected_from = i;
+                break;
+            }
+            PyObject *victim = PySequence_GetItem(candidates, PyList_GET_SIZE(victims));
+            if (victim == NULL)
+                goto done;
+            r = PyList_Append(victims, victim) < 0 || PySet_Add(gone, victim) < 0 ? -1 : 0;
+            Py_DECREF(victim);
+            if (r < 0)
+                goto done;
+        }
+        if (PyList_Append(admit_hashes, h) < 0 || PyList_Append(admit_blocks, d) < 0)
+            goto done;
+    }
+
+    if (PyList_GET_SIZE(victims)) {
+        if ((t_hashes = PyList_AsTuple(victims)) == NULL
+            || (t_slots = tuple_of_items(entries, victims)) == NULL)
+            goto done;
+        PyObject *values[] = {t_hashes, t_slots, str_capacity};
+        if (emit(dc, BlocksEvicted_cls, KW_BlocksEvicted, values) < 0)
+            goto done;
+        Py_CLEAR(t_hashes);
+        Py_CLEAR(t_slots);
+    }
+    Py_ssize_t admitted = PyList_GET_SIZE(admit_hashes);
+    if (admitted) {
+        if ((free = PyObject_GetAttr(state, S_free_slots)) == NULL
+            || (job_id = next_job_id(state)) == NULL
+            || (t_hashes = PyList_AsTuple(admit_hashes)) == NULL
+            || (t_blocks = PyList_AsTuple(admit_blocks)) == NULL
+            || (t_slots = last_free_reversed(free, admitted)) == NULL)
+            goto done;
+        PyObject *values[] = {job_id, request_id, t_hashes, t_blocks, t_slots};
+        if (emit(dc, StoreQueued_cls, KW_StoreQueued, values) < 0)
+            goto done;
+        Py_CLEAR(t_hashes);
+        Py_CLEAR(t_blocks);
+        Py_CLEAR(t_slots);
+    }
+    if (rejected_from >= 0) {
+        if ((rej_hashes = PyList_New(0)) == NULL || (rej_blocks = PyList_New(0)) == NULL
+            || (taken = PySet_New(admit_hashes)) == NULL)
+            goto done;
+        for (Py_ssize_t i = rejected_from; i < n; i++) {
+            PyObject *h = PyTuple_GET_ITEM(hashes, i), *d = PyTuple_GET_ITEM(blocks, i);
+            /* h not in taken and (h not in entries or h in gone) */
+            if ((r = PySequence_Contains(taken, h)) == 0) {
+                r = PyDict_Contains(entries, h);
+                r = r == 0 ? 1 : r < 0 ? -1 : PySequence_Contains(gone, h);
+                if (r > 0)
+                    r = PySet_Add(taken, h) < 0 || PyList_Append(rej_hashes, h) < 0
+                                || PyList_Append(rej_blocks, d) < 0
+                            ? -1
+                            : 0;
+            }
+            if (r < 0)
+                goto done;
+        }
+        if ((capacity = PyObject_GetAttr(state, S_capacity)) == NULL
+            || (t_hashes = PyList_AsTuple(rej_hashes)) == NULL
+            || (t_blocks = PyList_AsTuple(rej_blocks)) == NULL
+            || (reason = PyUnicode_FromFormat(
+                    "tier full: %S slots held by pinned or in-flight entries", capacity))
+                   == NULL)
+            goto done;
+        PyObject *values[] = {request_id, t_hashes, t_blocks, reason};
+        if (emit(dc, StoreRejected_cls, KW_StoreRejected, values) < 0)
+            goto done;
+    }
+    answer = job_id != NULL ? Py_NewRef(job_id) : Py_NewRef(Py_None);
+done:
+    Py_XDECREF(requests);
+    Py_XDECREF(entries);
+    Py_XDECREF(held);
+    Py_XDECREF(same);
+    Py_XDECREF(free);
+    Py_XDECREF(admit_hashes);
+    Py_XDECREF(admit_blocks);
+    Py_XDECREF(seen);
+    Py_XDECREF(victims);
+    Py_XDECREF(gone);
+    Py_XDECREF(candidates);
+    Py_XDECREF(job_id);
+    Py_XDECREF(taken);
+    Py_XDECREF(rej_hashes);
+    Py_XDECREF(rej_blocks);
+    Py_XDECREF(capacity);
+    Py_XDECREF(t_hashes);
+    Py_XDECREF(t_blocks);
+    Py_XDECREF(t_slots);
+    Py_XDECREF(reason);
+    return answer;
+}
+
+/* state.config.store_mode != mode: 1, 0, -1 on error. */
+static int store_mode_is_not(PyObject *state, PyObject *mode)
+{
+    PyObject *current = config_attr(state, S_store_mode);
+    if (current == NULL)
+        return -1;
+    int r = PyObject_RichCompareBool(current, mode, Py_NE);
+    Py_DECREF(current);
+    return r;
+}
+
+/* --- decide_blocks_computed ----------------------------------------------------------------- */
+
+static PyObject *decide_blocks_computed(Decision *dc, PyObject *cmd)
+{
+    PyObject *answer = NULL, *request_id = NULL, *hashes = NULL, *blocks = NULL, *same = NULL;
+    int r;
+    if ((r = command_seq(cmd, S_block_hashes, &hashes)) <= 0
+        || (r = command_seq(cmd, S_device_blocks, &blocks)) <= 0) {
+        answer = r == 0 ? defer() : NULL;
+        goto done;
+    }
+    if ((r = store_mode_is_not(dc->state, str_eager)) < 0)
+        goto done;
+    if (r) {
+        /* _check_device_blocks(state, device_blocks, dict(zip(device_blocks, block_hashes))) */
+        Py_ssize_t n = PyTuple_GET_SIZE(blocks);
+        if (PyTuple_GET_SIZE(hashes) < n)
+            n = PyTuple_GET_SIZE(hashes);
+        if ((same = PyDict_New()) == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (PyDict_SetItem(same, PyTuple_GET_ITEM(blocks, i), PyTuple_GET_ITEM(hashes, i)) < 0)
+                goto done;
+        if (check_device_blocks(dc->state, blocks, same) == 0)
+            answer = Py_NewRef(Py_None);
+        goto done;
+    }
+    if ((request_id = PyObject_GetAttr(cmd, S_request_id)) != NULL)
+        answer = decide_store(dc, request_id, hashes, blocks);
+done:
+    Py_XDECREF(request_id);
+    Py_XDECREF(hashes);
+    Py_XDECREF(blocks);
+    Py_XDECREF(same);
+    return answer;
+}
+
+/* --- decide_device_evicting ----------------------------------------------------------------- */
+
+static PyObject *decide_device_evicting(Decision *dc, PyObject *cmd)
+{
+    PyObject *answer = NULL, *hashes = NULL, *blocks = NULL;
+    int r;
+    if ((r = command_seq(cmd, S_block_hashes, &hashes)) <= 0
+        || (r = command_seq(cmd, S_device_blocks, &blocks)) <= 0) {
+        answer = r == 0 ? defer() : NULL;
+        goto done;
+    }
+    if ((r = store_mode_is_not(dc->state, str_lazy)) < 0)
+        goto done;
+    answer = r ? Py_NewRef(Py_None) : decide_store(dc, Py_None, hashes, blocks);
+done:
+    Py_XDECREF(hashes);
+    Py_XDECREF(blocks);
+    return answer;
+}
+
+/* --- decide_touch --------------------------------------------------------------------------- */
+
+static PyObject *decide_touch(Decision *dc, PyObject *cmd)
+{
+    PyObject *answer = NULL, *hashes = NULL, *slot_of = NULL, *pending = NULL;
+    PyObject *touched = NULL, *reuse = NULL;
+    int r;
+    if ((r = command_seq(cmd, S_block_hashes, &hashes)) <= 0
+        || (r = state_dict(dc->state, S_slot_of, &slot_of)) <= 0
+        || (r = state_dict(dc->state, S_pending, &pending)) <= 0) {
+        answer = r == 0 ? defer() : NULL;
+        goto done;
+    }
+    /* touched = tuple(h for h in cmd.block_hashes if h in slot_of and h not in pending) */
+    if ((touched = PyList_New(0)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(hashes); i++) {
+        PyObject *h = PyTuple_GET_ITEM(hashes, i);
+        if ((r = PyDict_Contains(slot_of, h)) > 0)
+            r = PyDict_Contains(pending, h) > 0 ? 0 : PyErr_Occurred() ? -1 : 1;
+        if (r > 0)
+            r = PyList_Append(touched, h);
+        if (r < 0)
+            goto done;
+    }
+    Py_SETREF(touched, PyList_AsTuple(touched));
+    if (touched == NULL)
+        goto done;
+    if (PyTuple_GET_SIZE(touched)) {
+        if ((reuse = PyObject_GetAttr(cmd, S_reuse)) == NULL)
+            goto done;
+        PyObject *values[] = {touched, reuse};
+        if (emit(dc, BlocksTouched_cls, KW_BlocksTouched, values) < 0)
+            goto done;
+    }
+    answer = PyLong_FromSsize_t(PyTuple_GET_SIZE(touched));
+done:
+    Py_XDECREF(hashes);
+    Py_XDECREF(slot_of);
+    Py_XDECREF(pending);
+    Py_XDECREF(touched);
+    Py_XDECREF(reuse);
+    return answer;
+}
+
+/* --- decide_plan_step (with _transfer_job) -------------------------------------------------- */
+
+/* TransferJob(job_id=..., direction=..., device_blocks=..., slots=..., hashes=...,
+ * request_id=...) from a live Job. */
+static PyObject *transfer_job(PyObject *job)
+{
+    static PyObject **const names[] = {&S_job_id, &S_direction, &S_device_blocks,
+                                        &S_slots,  &S_hashes,    &S_request_id};
+    PyObject *values[6] = {NULL};
+    PyObject *out = NULL;
+    for (int i = 0; i < 6; i++)
+        if ((values[i] = PyObject_GetAttr(job, *names[i])) == NULL)
+            goto done;
+    out = PyObject_Vectorcall(TransferJob_cls, values, 0, KW_TransferJob);
+done:
+    for (int i = 0; i < 6; i++)
+        Py_XDECREF(values[i]);
+    return out;
+}
+
+static PyObject *decide_plan_step(Decision *dc, PyObject *cmd)
+{
+    PyObject *state = dc->state, *answer = NULL;
+    PyObject *queued = NULL, *jobs = NULL, *job_ids = NULL, *transfer = NULL, *now = NULL;
+    PyObject *now_ms = NULL, *deadline = NULL, *sum = NULL, *deadline_ms = NULL;
+    int r;
+    if ((r = state_dict(state, S_queued, &queued)) <= 0
+        || (r = state_dict(state, S_jobs, &jobs)) <= 0) {
+        answer = r == 0 ? defer() : NULL;
+        goto done;
+    }
+    if (PyDict_GET_SIZE(queued) == 0) {
+        answer = PyList_New(0);
+        goto done;
+    }
+    /* job_ids = tuple(state.queued); jobs = [_transfer_job(state.jobs[j]) for j in job_ids] */
+    Py_ssize_t n = PyDict_GET_SIZE(queued), pos = 0, i = 0;
+    PyObject *key, *value;
+    if ((job_ids = PyTuple_New(n)) == NULL || (transfer = PyList_New(n)) == NULL)
+        goto done;
+    while (i < n && PyDict_Next(queued, &pos, &key, &value))
+        PyTuple_SET_ITEM(job_ids, i++, Py_NewRef(key));
+    for (i = 0; i < n; i++) {
+        PyObject *job = dict_item(jobs, PyTuple_GET_ITEM(job_ids, i));
+        PyObject *tj = job == NULL ? NULL : transfer_job(job);
+        Py_XDECREF(job);
+        if (tj == NULL)
+            goto done;
+        PyList_SET_ITEM(transfer, i, tj);
+    }
+    if ((now = PyObject_GetAttr(cmd, S_now_ms)) == NULL
+        || (now_ms = PyNumber_Float(now)) == NULL
+        || (deadline = config_attr(state, S_job_deadline_ms)) == NULL
+        || (sum = PyNumber_Add(now, deadline)) == NULL
+        || (deadline_ms = PyNumber_Float(sum)) == NULL)
+        goto done;
+    PyObject *values[] = {job_ids, now_ms, deadline_ms};
+    if (emit(dc, JobsSubmitted_cls, KW_JobsSubmitted, values) < 0)
+        goto done;
+    answer = Py_NewRef(transfer);
+done:
+    Py_XDECREF(queued);
+    Py_XDECREF(jobs);
+    Py_XDECREF(job_ids);
+    Py_XDECREF(transfer);
+    Py_XDECREF(now);
+    Py_XDECREF(now_ms);
+    Py_XDECREF(deadline);
+    Py_XDECREF(sum);
+    Py_XDECREF(deadline_ms);
+    return answer;
+}
+
+/* --- _maybe_close --------------------------------------------------------------------------- */
+
+/* A finished request with no live jobs and no pins left is closed (RequestClosed). */
+static int maybe_close(Decision *dc, PyObject *request_id)
+{
+    PyObject *requests = NULL, *req = NULL, *jobs = NULL, *holds = NULL;
+    int result = -1, r;
+    if (request_id == Py_None)
+        return 0;
+    if ((requests = PyObject_GetAttr(dc->state, S_requests)) == NULL)
+        return -1;
+    if (PyDict_Check(requests)) {
+        req = PyDict_GetItemWithError(requests, request_id);
+        Py_XINCREF(req);
+    } else {
+        req = PyObject_CallMethodOneArg(requests, S_get, request_id); /* requests.get(...) */
+    }
+    if (req == NULL && PyErr_Occurred())
+        goto done;
+    result = 0;
+    if (req == NULL || req == Py_None)
+        goto done;
+    result = -1;
+    /* req.finished and not req.jobs and not req.holds_pins() */
+    if ((r = attr_true(req, S_finished)) <= 0) {
+        result = r;
+        goto done;
+    }
+    if ((jobs = PyObject_GetAttr(req, S_jobs)) == NULL || (r = PyObject_IsTrue(jobs)) < 0)
+        goto done;
+    if (r) {
+        result = 0;
+        goto done;
+    }
+    if ((holds = PyObject_CallMethodNoArgs(req, S_holds_pins)) == NULL
+        || (r = PyObject_IsTrue(holds)) < 0)
+        goto done;
+    if (r) {
+        result = 0;
+        goto done;
+    }
+    PyObject *values[] = {request_id};
+    result = emit(dc, RequestClosed_cls, KW_RequestClosed, values);
+done:
+    Py_XDECREF(requests);
+    Py_XDECREF(req);
+    Py_XDECREF(jobs);
+    Py_XDECREF(holds);
+    return result;
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import os
 from collections.abc import Iterator
 from typing import IO, Any, Union, cast
@@ -263,30 +264,57 @@ class TraceReader:
 
     def records(self) -> Iterator[tuple[int, Any]]:
         """Yield ``(line_number, record)`` for every record after the header."""
+        return itertools.chain.from_iterable(self.record_chunks())
+
+    def record_chunks(self, chunk_bytes: int = 1 << 16) -> Iterator[list[tuple[int, Any]]]:
+        """The records in lists of ``(line_number, record)``, about ``chunk_bytes`` of trace
+        each: a chunk is decoded in one C-level pass, and only a chunk holding a bad, blank
+        or torn line is walked line by line to name it."""
         decode = self._decoder.decode
         upcast = _UPCASTS.get(self.version)
-        lineno = 1
+        lineno = 1  # the header
         try:
-            for line in self._stream:
-                lineno += 1
+            while True:
+                lines = self._stream.readlines(chunk_bytes)
+                if not lines:
+                    return
                 try:
-                    rec = decode(line)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    if not line.endswith(b"\n"):
-                        # only the last line can lack its newline: a crash mid-write
-                        self.warnings.append(
-                            f"{self.path}:{lineno}: torn last line ({len(line)} bytes) ignored"
-                        )
-                        return
-                    if not line.strip():
-                        continue
-                    raise TraceError(self.path, lineno, _field_message(exc)) from None
-                yield lineno, (upcast(rec) if upcast else rec)
+                    recs = list(map(decode, lines))
+                    pairs = list(zip(range(lineno + 1, lineno + 1 + len(lines)), recs))
+                    torn = False
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    pairs, torn = self._decode_lines(lines, lineno)
+                lineno += len(lines)
+                if upcast is not None:
+                    pairs = [(n, upcast(rec)) for n, rec in pairs]
+                if pairs:
+                    yield pairs
+                if torn:
+                    return
         except EOFError:
             # a gzip stream cut short is the compressed form of a torn last line
             self.warnings.append(f"{self.path}:{lineno}: compressed stream ends early; rest ignored")
         except (OSError, gzip.BadGzipFile) as exc:
             raise TraceError(self.path, lineno, f"cannot read: {exc}") from None
+
+    def _decode_lines(self, lines: list[bytes], lineno: int) -> tuple[list[tuple[int, Any]], bool]:
+        """Decode line by line: blank lines are skipped, a torn last line ends the trace with
+        a warning (returns torn=True), any other bad line raises TraceError naming it."""
+        decode = self._decoder.decode
+        pairs: list[tuple[int, Any]] = []
+        for line in lines:
+            lineno += 1
+            try:
+                pairs.append((lineno, decode(line)))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                if not line.endswith(b"\n"):
+                    # only the last line can lack its newline: a crash mid-write
+                    self.warnings.append(f"{self.path}:{lineno}: torn last line ({len(line)} bytes) ignored")
+                    return pairs, True
+                if not line.strip():
+                    continue
+                raise TraceError(self.path, lineno, _field_message(exc)) from None
+        return pairs, False
 
     def close(self) -> None:
         self._file.close()

@@ -143,8 +143,26 @@ def _parse_int(text: str, what: str) -> int:
         _fail(f"{what} must be a whole number (decimal, or 0x... hex), got {text!r}")
 
 
+def _version_line() -> str:
+    """``kvflow X.Y.Z (native core)`` or ``(python core)``: whether the C accelerator of the
+    core (kvflow._native) was built. Looked up without importing the core (start-up stays short)."""
+    from importlib.util import find_spec
+
+    core = "native" if find_spec("kvflow._native") is not None else "python"
+    return f"kvflow {__version__} ({core} core)"
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(_version_line())
+        ctx.exit()
+
+
 @click.group(cls=KvflowGroup, invoke_without_command=True)
-@click.version_option(__version__, "--version", prog_name="kvflow", message="%(prog)s %(version)s")
+@click.option(
+    "--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+    help="Show the version (and whether the native core is built) and exit.",
+)
 @click.pass_context
 def main(ctx: click.Context) -> None:
     """kvflow: event-sourced KV-cache offload. Replay, inspect and debug kvflow traces."""
@@ -536,9 +554,9 @@ def diagram(which: str, mermaid: bool) -> None:
 def kv_events_command(trace: str, until: int | None) -> None:
     """The vLLM-compatible KV events (BlockStored / BlockRemoved / AllBlocksCleared, medium
     CPU) that TRACE's events imply, as JSON lines."""
-    import msgspec
-
     from typing import cast
+
+    import msgspec
 
     from kvflow.events import EVENT_TYPES, Event
     from kvflow.kvevents import kv_event

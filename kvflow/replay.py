@@ -16,7 +16,7 @@ from kvflow.decide import decide
 from kvflow.errors import IllegalTransition, KvflowError
 from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Event, event_name
 from kvflow.log import Checkpoint, TraceReader
-from kvflow.state import State, check_invariants, evolve
+from kvflow.state import State, check_invariants, evolve, evolve_python
 
 
 @dataclass
@@ -98,11 +98,14 @@ def replay(
     redecide: bool = False,
     strict: bool = False,
     on_event: Callable[[int, Any], None] | None = None,
+    native: bool = True,
 ) -> ReplayResult:
     """Replay the trace at ``path``. Raises TraceError for unreadable files.
 
     ``strict`` checks every invariant after every event (slow; the default checks them at each
     checkpoint and at the end). ``on_event(line, event)`` observes each applied event.
+    ``native=False`` folds with the pure-Python ``evolve`` even where the C accelerator is
+    built (same result; for comparisons).
     """
     reader = TraceReader(path)
     with reader:
@@ -112,7 +115,7 @@ def replay(
         else:
             # commands are decoded and validated in full even though a fold does not use them:
             # a malformed line must stop the replay with its file and line (DESIGN §5)
-            _fold(reader.records(), result, until, strict, on_event)
+            _fold(reader.records(), result, until, strict, on_event, evolve if native else evolve_python)
         result.warnings.extend(reader.warnings)
     if result.divergence is None and result.stopped_at is None:
         problems = check_invariants(result.state)
@@ -178,6 +181,7 @@ def _fold(
     until: int | None,
     strict: bool,
     on_event: Callable[[int, Any], None] | None,
+    apply: Callable[[State, Event], State] = evolve,
 ) -> None:
     state = result.state
     kinds = _KIND
@@ -193,7 +197,7 @@ def _fold(
                     return
                 if fast:
                     try:
-                        evolve(state, rec)
+                        apply(state, rec)
                     except IllegalTransition as exc:
                         result.divergence = Divergence("illegal", rec.seq, line, str(exc), recorded=rec)
                         return

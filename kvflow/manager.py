@@ -45,6 +45,7 @@ from kvflow.events import (
     TransferJob,
 )
 from kvflow.log import MemoryLog
+from kvflow.native import function as native_function
 from kvflow.native import handle_function as native_handle_function
 from kvflow.state import State, evolve, evolve_python
 
@@ -157,6 +158,9 @@ class OffloadManager:
         self.paranoid = paranoid
         self._native_handle = native_handle_function() if native else None
         self._apply = evolve if native else evolve_python
+        # the same boundary normalisation, in C when the accelerator is built
+        self._ints = (native and native_function("ints")) or _ints
+        self._hashes = (native and native_function("hashes")) or _hashes
         self.state = State(config)
         self.log = log if log is not None else MemoryLog(config)
         self._notices = Notices()
@@ -226,7 +230,7 @@ class OffloadManager:
         answer, _ = self.handle(
             Lookup(
                 request_id=request_id,
-                block_hashes=_hashes(block_hashes),
+                block_hashes=self._hashes(block_hashes),
                 num_tokens=num_tokens,
                 device_hit_blocks=device_hit_blocks,
             )
@@ -235,7 +239,7 @@ class OffloadManager:
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated device blocks for the first hits: queue their load."""
-        answer, _ = self.handle(AcceptHits(request_id=request_id, device_blocks=_ints(device_blocks)))
+        answer, _ = self.handle(AcceptHits(request_id=request_id, device_blocks=self._ints(device_blocks)))
         return answer  # type: ignore[no-any-return]
 
     def blocks_computed(
@@ -244,7 +248,7 @@ class OffloadManager:
         """Eager mode: store the computed blocks not yet on the tier (F3 dedupe)."""
         answer, _ = self.handle(
             BlocksComputed(
-                request_id=request_id, block_hashes=_hashes(block_hashes), device_blocks=_ints(device_blocks)
+                request_id=request_id, block_hashes=self._hashes(block_hashes), device_blocks=self._ints(device_blocks)
             )
         )
         return answer  # type: ignore[no-any-return]
@@ -252,13 +256,13 @@ class OffloadManager:
     def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
         """Lazy mode: store blocks the device cache is about to drop."""
         answer, _ = self.handle(
-            DeviceBlocksEvicting(block_hashes=_hashes(block_hashes), device_blocks=_ints(device_blocks))
+            DeviceBlocksEvicting(block_hashes=self._hashes(block_hashes), device_blocks=self._ints(device_blocks))
         )
         return answer  # type: ignore[no-any-return]
 
     def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
         """Recency for resident blocks in this order; ``reuse=False`` only reorders."""
-        answer, _ = self.handle(Touch(block_hashes=_hashes(block_hashes), reuse=reuse))
+        answer, _ = self.handle(Touch(block_hashes=self._hashes(block_hashes), reuse=reuse))
         return int(answer)
 
     def evict(self, num_blocks: int) -> int:

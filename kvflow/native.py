@@ -62,6 +62,11 @@ def handle_function() -> Any:
     return _ext.handle  # type: ignore[union-attr]
 
 
+def function(name: str) -> Any:
+    """A function of the C accelerator by name (``ints``, ``hashes``...), or None."""
+    return getattr(_ext, name) if available() else None
+
+
 def core_name() -> str:
     """"native" or "python": which core runs decisions and folds."""
     return "native" if available() else "python"

@@ -4,6 +4,10 @@
 PyObject *kv_ns = NULL;
 static int kv_ready = 0;
 static PyObject *rejected_cls = NULL; /* kvflow.errors.Rejected, bound by setup() */
+static PyObject *event_types = NULL;   /* kvflow.events.EVENT_TYPES, bound by setup() */
+static PyObject *command_types = NULL; /* kvflow.events.COMMAND_TYPES */
+static PyObject *str_seq = NULL;
+
 
 PyObject *kv_ref(const char *name)
 {
@@ -27,8 +31,20 @@ static PyObject *native_setup(PyObject *self, PyObject *ns)
     kv_ns = ns;
     kv_ready = 0;
     Py_XDECREF(rejected_cls);
+    Py_XDECREF(event_types);
+    Py_XDECREF(command_types);
     rejected_cls = kv_ref("Rejected");
-    if (rejected_cls == NULL || kv_evolve_init() < 0 || kv_decide_init() < 0)
+    event_types = kv_ref("EVENT_TYPES");
+    command_types = kv_ref("COMMAND_TYPES");
+    if (str_seq == NULL)
+        str_seq = PyUnicode_InternFromString("seq");
+    if (rejected_cls == NULL || event_types == NULL || command_types == NULL || str_seq == NULL)
+        return NULL;
+    if (!PyTuple_Check(event_types) || !PyTuple_Check(command_types)) {
+        PyErr_SetString(PyExc_TypeError, "EVENT_TYPES and COMMAND_TYPES must be tuples");
+        return NULL;
+    }
+    if (kv_evolve_init() < 0 || kv_decide_init() < 0)
         return NULL;
     kv_ready = 1;
     Py_RETURN_NONE;
@@ -162,7 +178,86 @@ static PyObject *native_hashes(PyObject *self, PyObject *values)
     return out;
 }
 
+/* --- replay's fold loop ---------------------------------------------------------------- */
+
+
+static int type_in(PyObject *types, PyTypeObject *tp)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(types);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((PyObject *)tp == PyTuple_GET_ITEM(types, i))
+            return 1;
+    return 0;
+}
+
+/* fold_chunk(state, records, start, limit) -> (status, index, applied, commands)
+ *
+ * Folds records[start:] (decoded trace records) with kv_apply until something needs Python:
+ *   status 0: the chunk is done (index == len(records));
+ *   status 1: records[index] is an event past ``limit`` (its seq > limit; limit None = no limit);
+ *   status 2: records[index] is an event the C evolve declined (illegal, or left to Python):
+ *             nothing was changed, the caller runs the Python evolve on it;
+ *   status 3: records[index] is neither an event nor a command (a checkpoint).
+ * ``applied`` and ``commands`` count the events applied and commands passed over in
+ * records[start:index]. The same loop as replay._fold, without a Python frame per record. */
+static PyObject *native_fold_chunk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "fold_chunk(state, records: list, start, limit)");
+        return NULL;
+    }
+    if (not_ready())
+        return NULL;
+    PyObject *state = args[0], *records = args[1];
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    long long limit = LLONG_MAX;
+    if (args[3] != Py_None) {
+        limit = PyLong_AsLongLong(args[3]);
+        if (limit == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    Py_ssize_t i = start < 0 ? 0 : start, applied = 0, commands = 0;
+    int status = 0;
+    for (; i < PyList_GET_SIZE(records); i++) {
+        PyObject *rec = PyList_GET_ITEM(records, i);
+        PyTypeObject *tp = Py_TYPE(rec);
+        if (type_in(event_types, tp)) {
+            PyObject *seq_obj = PyObject_GetAttr(rec, str_seq);
+            if (seq_obj == NULL)
+                return NULL;
+            long long seq = PyLong_AsLongLong(seq_obj);
+            Py_DECREF(seq_obj);
+            if (seq == -1 && PyErr_Occurred())
+                return NULL;
+            if (seq > limit) {
+                status = 1;
+                break;
+            }
+            Py_INCREF(rec); /* the list could change under a policy callback */
+            int r = kv_apply(state, rec, 1);
+            Py_DECREF(rec);
+            if (r < 0)
+                return NULL;
+            if (r == 0) {
+                status = 2;
+                break;
+            }
+            applied++;
+        } else if (type_in(command_types, tp)) {
+            commands++;
+        } else {
+            status = 3;
+            break;
+        }
+    }
+    return Py_BuildValue("(innn)", status, i, applied, commands);
+}
+
 static PyMethodDef native_methods[] = {
+    {"fold_chunk", (PyCFunction)(void (*)(void))native_fold_chunk, METH_FASTCALL,
+     "fold_chunk(state, records, start, limit) -> (status, index, applied, commands)."},
     {"ints", (PyCFunction)native_ints, METH_O, "manager._ints in C."},
     {"hashes", (PyCFunction)native_hashes, METH_O, "manager._hashes in C."},
     {"setup", (PyCFunction)native_setup, METH_O, "setup(namespace): bind kvflow's classes."},

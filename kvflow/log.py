@@ -15,7 +15,7 @@ import gzip
 import io
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import IO, Any, Union, cast
 
 import msgspec
@@ -264,10 +264,12 @@ class TraceReader:
 
     def records(self) -> Iterator[tuple[int, Any]]:
         """Yield ``(line_number, record)`` for every record after the header."""
-        return itertools.chain.from_iterable(self.record_chunks())
+        return itertools.chain.from_iterable(
+            zip(lines, recs) for lines, recs in self.record_chunks()
+        )
 
-    def record_chunks(self, chunk_bytes: int = 1 << 16) -> Iterator[list[tuple[int, Any]]]:
-        """The records in lists of ``(line_number, record)``, about ``chunk_bytes`` of trace
+    def record_chunks(self, chunk_bytes: int = 1 << 16) -> Iterator[tuple[Sequence[int], list[Any]]]:
+        """The records in chunks ``(line_numbers, records)`` of about ``chunk_bytes`` of trace
         each: a chunk is decoded in one C-level pass, and only a chunk holding a bad, blank
         or torn line is walked line by line to name it."""
         decode = self._decoder.decode
@@ -278,17 +280,18 @@ class TraceReader:
                 lines = self._stream.readlines(chunk_bytes)
                 if not lines:
                     return
+                numbers: Sequence[int]
                 try:
                     recs = list(map(decode, lines))
-                    pairs = list(zip(range(lineno + 1, lineno + 1 + len(lines)), recs))
+                    numbers = range(lineno + 1, lineno + 1 + len(lines))
                     torn = False
                 except (msgspec.DecodeError, msgspec.ValidationError):
-                    pairs, torn = self._decode_lines(lines, lineno)
+                    numbers, recs, torn = self._decode_lines(lines, lineno)
                 lineno += len(lines)
                 if upcast is not None:
-                    pairs = [(n, upcast(rec)) for n, rec in pairs]
-                if pairs:
-                    yield pairs
+                    recs = [upcast(rec) for rec in recs]
+                if recs:
+                    yield numbers, recs
                 if torn:
                     return
         except EOFError:
@@ -297,24 +300,26 @@ class TraceReader:
         except (OSError, gzip.BadGzipFile) as exc:
             raise TraceError(self.path, lineno, f"cannot read: {exc}") from None
 
-    def _decode_lines(self, lines: list[bytes], lineno: int) -> tuple[list[tuple[int, Any]], bool]:
+    def _decode_lines(self, lines: list[bytes], lineno: int) -> tuple[list[int], list[Any], bool]:
         """Decode line by line: blank lines are skipped, a torn last line ends the trace with
         a warning (returns torn=True), any other bad line raises TraceError naming it."""
         decode = self._decoder.decode
-        pairs: list[tuple[int, Any]] = []
+        numbers: list[int] = []
+        recs: list[Any] = []
         for line in lines:
             lineno += 1
             try:
-                pairs.append((lineno, decode(line)))
+                recs.append(decode(line))
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 if not line.endswith(b"\n"):
                     # only the last line can lack its newline: a crash mid-write
                     self.warnings.append(f"{self.path}:{lineno}: torn last line ({len(line)} bytes) ignored")
-                    return pairs, True
+                    return numbers, recs, True
                 if not line.strip():
                     continue
                 raise TraceError(self.path, lineno, _field_message(exc)) from None
-        return pairs, False
+            numbers.append(lineno)
+        return numbers, recs, False
 
     def close(self) -> None:
         self._file.close()

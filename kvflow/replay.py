@@ -16,6 +16,7 @@ from kvflow.decide import decide
 from kvflow.errors import IllegalTransition, KvflowError
 from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Event, event_name
 from kvflow.log import Checkpoint, TraceReader
+from kvflow.native import function as native_function
 from kvflow.state import State, check_invariants, evolve, evolve_python
 
 
@@ -115,7 +116,11 @@ def replay(
         else:
             # commands are decoded and validated in full even though a fold does not use them:
             # a malformed line must stop the replay with its file and line (DESIGN §5)
-            _fold(reader.records(), result, until, strict, on_event, evolve if native else evolve_python)
+            fold_chunk = native_function("fold_chunk") if native else None
+            if fold_chunk is not None and not strict and on_event is None:
+                _fold_chunks(reader, result, until, fold_chunk)
+            else:
+                _fold(reader.records(), result, until, strict, on_event, evolve if native else evolve_python)
         result.warnings.extend(reader.warnings)
     if result.divergence is None and result.stopped_at is None:
         problems = check_invariants(result.state)
@@ -216,6 +221,37 @@ def _fold(
                     return
     finally:
         result.events += applied
+    if until is not None and state.last_seq >= until:
+        result.stopped_at = state.last_seq
+
+
+def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, fold_chunk: Any) -> None:
+    """``_fold`` with the per-record loop in C (kvflow._native.fold_chunk): Python only sees
+    checkpoints, events the C evolve declines (illegal ones raise here, from evolve_python),
+    and the stop at ``until``."""
+    state = result.state
+    for numbers, recs in reader.record_chunks():
+        i, n = 0, len(recs)
+        while i < n:
+            status, i, applied, commands = fold_chunk(state, recs, i, until)
+            result.events += applied
+            result.commands += commands
+            if status == 0:
+                break
+            rec, line = recs[i], numbers[i]
+            if status == 1:  # past --until
+                result.stopped_at = state.last_seq
+                return
+            if status == 2:  # declined by C: the Python evolve applies it or names the error
+                try:
+                    evolve_python(state, rec)
+                except IllegalTransition as exc:
+                    result.divergence = Divergence("illegal", rec.seq, line, str(exc), recorded=rec)
+                    return
+                result.events += 1
+            elif not _check_point(result, line, cast(Checkpoint, rec)):
+                return
+            i += 1
     if until is not None and state.last_seq >= until:
         result.stopped_at = state.last_seq
 

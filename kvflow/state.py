@@ -17,6 +17,7 @@ import copy
 import hashlib
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from itertools import repeat
 from enum import IntEnum
 from typing import Any
 
@@ -276,6 +277,22 @@ class Request:
 class State:
     """The whole CPU-tier state. Built empty from a Config, changed only by ``evolve``."""
 
+    __slots__ = (
+        "config",
+        "next_seq",
+        "last_job_id",
+        "slot_of",
+        "pending",
+        "pin_count",
+        "free_slots",
+        "quarantine",
+        "jobs",
+        "queued",
+        "held",
+        "requests",
+        "policy",
+    )
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.next_seq = 1
@@ -365,17 +382,26 @@ class State:
 
     def canonical(self) -> tuple[Any, ...]:
         """A deterministic, order-independent picture of the state (digest input)."""
-        pending, pins, jobs = self.pending, self.pin_count, self.jobs
-        queued = JobState.QUEUED
-        entries = sorted(
-            (
-                h,
-                3 if h not in pending else (1 if jobs[pending[h]].state is queued else 2),
-                slot,
-                pins.get(h, 0),
-                pending.get(h, 0),
+        # entries: (hash, BlockState, slot, pins, pending job) sorted by hash, built column
+        # by column with C-level maps (hashes are unique, so sorting them sorts the rows)
+        pending, pins, jobs, slot_of = self.pending, self.pin_count, self.jobs, self.slot_of
+        hashes = sorted(slot_of)
+        n = len(hashes)
+        if pending:
+            states = [
+                3 if j == 0 else (1 if jobs[j].state is JobState.QUEUED else 2)
+                for j in map(pending.get, hashes, repeat(0, n))
+            ]
+        else:
+            states = [3] * n
+        entries = list(
+            zip(
+                hashes,
+                states,
+                map(slot_of.__getitem__, hashes),
+                map(pins.get, hashes, repeat(0, n)),
+                map(pending.get, hashes, repeat(0, n)),
             )
-            for h, slot in self.slot_of.items()
         )
         jobs = [
             (

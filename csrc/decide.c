@@ -10,20 +10,30 @@
  *     evolve_python) before the next value is computed, exactly as OffloadManager.handle
  *     resumes the generator only after applying what it yielded.
  *   - Hashes, request ids, job ids and ranks stay Python objects: membership, comparisons
- *     and arithmetic go through the same protocols Python uses (dict/set lookups,
- *     PyObject_RichCompare, PyNumber_*). Only lengths and positions are C integers.
+ *     and arithmetic go through the protocols Python uses (dict/set lookups,
+ *     PyObject_RichCompare, PyNumber_*). C integers stand in for them only where they give
+ *     the same verdict: positions and lengths, and (in small commands made of exact ints)
+ *     the duplicate / minimum checks on device block ids and _decide_store's `seen` set.
  *   - Sets are used for membership only. The one place decide.py iterates a set (min() over
- *     the unique device blocks) iterates the same kind of set built in the same order.
+ *     the unique device blocks) is followed step by step on the same kind of set, unless
+ *     every block is an exact int, where the minimum does not depend on the order.
+ *   - The properties and small methods of kvflow's own classes (Config.enabled,
+ *     Job.abandoned, Request.holds_pins) are evaluated from their one-line bodies; for any
+ *     other class they are called.
  *   - Anything this file does not expect (another State class, a command whose sequence
  *     field is not a tuple or list, a state container that is not a plain dict) is left to
  *     the Python decider by returning NotImplemented before anything happened.
+ *   - An error after the first event was applied (only possible for a malformed command,
+ *     e.g. an unhashable hash in a repeated Lookup, or an IllegalTransition under check)
+ *     leaves the state where Python's would be, but the caller only gets the exception, not
+ *     the events already applied.
  */
 #include "native.h"
 
 /* --- names bound at setup ------------------------------------------------------------------ */
 
 /* Classes and constants from the setup namespace (strong references, replaced at each setup). */
-static PyObject *State_cls;
+static PyObject *State_cls, *Config_cls, *Job_cls, *Request_cls;
 static PyObject *Lookup_cls, *AcceptHits_cls, *BlocksComputed_cls, *DeviceBlocksEvicting_cls,
     *Touch_cls, *PlanStep_cls, *JobResult_cls, *JobResults_cls, *FinishRequest_cls;
 static PyObject *PinsAcquired_cls, *PinsReleased_cls, *LoadQueued_cls, *StoreQueued_cls,
@@ -31,7 +41,7 @@ static PyObject *PinsAcquired_cls, *PinsReleased_cls, *LoadQueued_cls, *StoreQue
     *LateResultIgnored_cls, *RankSucceeded_cls, *JobFailed_cls, *JobCompleted_cls,
     *RequestClosed_cls, *RequestFinished_cls, *TransferJob_cls;
 static PyObject *Rejected_exc, *UnknownJob_exc, *UnknownRequest_exc, *BlockHeld_exc;
-static PyObject *evolve_python_fn, *STORE_str, *QUEUED_state;
+static PyObject *evolve_python_fn, *STORE_str, *QUEUED_state, *ABANDONED_state;
 
 /* Interned attribute names (S_x is the str "x"). */
 #define KV_ATTR_NAMES(X)                                                                         \
@@ -40,7 +50,8 @@ static PyObject *evolve_python_fn, *STORE_str, *QUEUED_state;
     X(resident) X(index) X(holds_pins) X(request_id) X(block_hashes) X(num_tokens)               \
     X(device_hit_blocks) X(device_blocks) X(reuse) X(now_ms) X(job_id) X(rank) X(ok) X(error)    \
     X(results) X(preempted) X(offered) X(finished) X(state) X(acks) X(abandoned) X(direction)    \
-    X(hashes) X(slots) X(block_tokens) X(store_mode) X(world_size) X(job_deadline_ms) X(get)
+    X(hashes) X(slots) X(block_tokens) X(store_mode) X(world_size) X(job_deadline_ms) X(get)    \
+    X(cpu_blocks) X(loading)
 #define KV_DECLARE_NAME(n) static PyObject *S_##n;
 KV_ATTR_NAMES(KV_DECLARE_NAME)
 #undef KV_DECLARE_NAME
@@ -107,6 +118,9 @@ int kv_decide_init(void)
     if (keep(&var, kv_ref(name)) < 0)                                                            \
         return -1;
     REF(State_cls, "State");
+    REF(Config_cls, "Config");
+    REF(Job_cls, "Job");
+    REF(Request_cls, "Request");
     REF(Lookup_cls, "Lookup");
     REF(AcceptHits_cls, "AcceptHits");
     REF(BlocksComputed_cls, "BlocksComputed");
@@ -138,6 +152,7 @@ int kv_decide_init(void)
     REF(evolve_python_fn, "evolve_python");
     REF(STORE_str, "STORE");
     REF(QUEUED_state, "JobState.QUEUED");
+    REF(ABANDONED_state, "JobState.ABANDONED");
 #undef REF
     if (keep(&str_eager, PyUnicode_InternFromString("eager")) < 0
         || keep(&str_lazy, PyUnicode_InternFromString("lazy")) < 0
@@ -254,15 +269,55 @@ static PyObject *config_attr(PyObject *state, PyObject *name)
     return value;
 }
 
-/* state.config.enabled as 1 / 0, -1 on error. */
+/* state.config.enabled as 1 / 0, -1 on error. For kvflow's own Config the property's body
+ * (cpu_blocks > 0) is evaluated here rather than through a Python frame. */
 static int offload_enabled(PyObject *state)
 {
-    PyObject *enabled = config_attr(state, S_enabled);
-    if (enabled == NULL)
+    PyObject *config = PyObject_GetAttr(state, S_config), *value;
+    int r = -1;
+    if (config == NULL)
         return -1;
-    int r = PyObject_IsTrue(enabled);
-    Py_DECREF(enabled);
+    if ((PyObject *)Py_TYPE(config) == Config_cls) {
+        if ((value = PyObject_GetAttr(config, S_cpu_blocks)) != NULL)
+            r = PyObject_RichCompareBool(value, int_zero, Py_GT);
+    } else if ((value = PyObject_GetAttr(config, S_enabled)) != NULL) {
+        r = PyObject_IsTrue(value);
+    }
+    Py_XDECREF(value);
+    Py_DECREF(config);
     return r;
+}
+
+/* job.abandoned (a new reference to a bool); for kvflow's own Job the property's body,
+ * `self.state is JobState.ABANDONED`. */
+static PyObject *job_abandoned(PyObject *job)
+{
+    if ((PyObject *)Py_TYPE(job) != Job_cls)
+        return PyObject_GetAttr(job, S_abandoned);
+    PyObject *st = PyObject_GetAttr(job, S_state);
+    if (st == NULL)
+        return NULL;
+    PyObject *r = PyBool_FromLong(st == ABANDONED_state);
+    Py_DECREF(st);
+    return r;
+}
+
+/* req.holds_pins() as 1 / 0, -1 on error; for kvflow's own Request the method's body,
+ * `bool(self.offered or self.loading)`. */
+static int holds_pins(PyObject *req)
+{
+    PyObject *value;
+    int r;
+    if ((PyObject *)Py_TYPE(req) != Request_cls) {
+        if ((value = PyObject_CallMethodNoArgs(req, S_holds_pins)) == NULL)
+            return -1;
+        r = PyObject_IsTrue(value);
+        Py_DECREF(value);
+        return r;
+    }
+    if ((r = attr_true(req, S_offered)) != 0)
+        return r;
+    return attr_true(req, S_loading);
 }
 
 /* d[key] with dict semantics (KeyError when absent), as a new reference. */
@@ -292,6 +347,18 @@ static PyObject *next_job_id(PyObject *state)
 /* tuple(map(d.__getitem__, seq)) for a dict d and any iterable seq. */
 static PyObject *tuple_of_items(PyObject *d, PyObject *seq)
 {
+    if (PyTuple_CheckExact(seq) || PyList_CheckExact(seq)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        PyObject *out = PyTuple_New(n);
+        for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+            PyObject *value = dict_item(d, PySequence_Fast_GET_ITEM(seq, i));
+            if (value == NULL)
+                Py_CLEAR(out);
+            else
+                PyTuple_SET_ITEM(out, i, value);
+        }
+        return out;
+    }
     PyObject *it = PyObject_GetIter(seq);
     if (it == NULL)
         return NULL;
@@ -370,6 +437,16 @@ static Py_ssize_t hit_cap_blocks(PyObject *num_tokens, PyObject *block_tokens)
     return n < 0 ? 0 : n;
 }
 
+/* `h in slot_of and h not in pending` (RESIDENT): 1, 0, -1 on error. */
+static int is_resident(PyObject *slot_of, PyObject *pending, PyObject *h)
+{
+    int r = PyDict_Contains(slot_of, h);
+    if (r <= 0)
+        return r;
+    r = PyDict_Contains(pending, h);
+    return r < 0 ? -1 : !r;
+}
+
 /* req.offered truthy: emit PinsReleased(request_id=request_id, hashes=req.offered). */
 static int release_offered(Decision *dc, PyObject *req, PyObject *request_id)
 {
@@ -405,15 +482,17 @@ static PyObject *decide_lookup(Decision *dc, PyObject *cmd)
     if ((request_id = PyObject_GetAttr(cmd, S_request_id)) == NULL
         || (num_tokens = PyObject_GetAttr(cmd, S_num_tokens)) == NULL)
         goto done;
-    if (!whole(num_tokens) || (r = PyObject_RichCompareBool(num_tokens, int_zero, Py_LT)) != 0) {
-        if (r > 0 || !whole(num_tokens))
+    r = whole(num_tokens) ? PyObject_RichCompareBool(num_tokens, int_zero, Py_LT) : 1;
+    if (r != 0) {
+        if (r > 0)
             PyErr_Format(Rejected_exc, "lookup of request %S: num_tokens must be >= 0", request_id);
         goto done;
     }
     if ((skip = PyObject_GetAttr(cmd, S_device_hit_blocks)) == NULL)
         goto done;
-    if (!whole(skip) || (r = PyObject_RichCompareBool(skip, int_zero, Py_LT)) != 0) {
-        if (r > 0 || !whole(skip))
+    r = whole(skip) ? PyObject_RichCompareBool(skip, int_zero, Py_LT) : 1;
+    if (r != 0) {
+        if (r > 0)
             PyErr_Format(Rejected_exc, "lookup of request %S: device_hit_blocks must be >= 0",
                          request_id);
         goto done;
@@ -448,10 +527,7 @@ static PyObject *decide_lookup(Decision *dc, PyObject *cmd)
         goto done;
     Py_ssize_t stop = cap < n ? cap : n, end = start;
     for (; end < stop; end++) {
-        PyObject *h = PyTuple_GET_ITEM(hashes, end);
-        if ((r = PyDict_Contains(slot_of, h)) > 0)
-            r = PyDict_Contains(pending, h) > 0 ? 0 : PyErr_Occurred() ? -1 : 1;
-        if (r < 0)
+        if ((r = is_resident(slot_of, pending, PyTuple_GET_ITEM(hashes, end))) < 0)
             goto done;
         if (r == 0)
             break;
@@ -491,42 +567,105 @@ static void reject_non_integers(PyObject *blocks)
     Py_XDECREF(shown);
 }
 
-/* held.keys().isdisjoint(unique) for a set `unique`, iterating the shorter side the way
- * dict_keys.isdisjoint does: 1 disjoint, 0 not, -1 error. */
-static int keys_disjoint_from_set(PyObject *held, PyObject *unique)
+/* held.keys().isdisjoint(blocks): 1 disjoint, 0 not, -1 error. (isdisjoint iterates the
+ * shorter side; the answer is the same whichever side is iterated.) */
+static int keys_disjoint(PyObject *held, PyObject *blocks)
 {
-    if (PySet_GET_SIZE(unique) > PyDict_GET_SIZE(held)) {
-        Py_ssize_t pos = 0;
-        PyObject *key, *value;
-        while (PyDict_Next(held, &pos, &key, &value)) {
-            Py_INCREF(key);
-            int r = PySequence_Contains(unique, key);
-            Py_DECREF(key);
-            if (r != 0)
-                return r < 0 ? -1 : 0;
-        }
-        return 1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(blocks); i++) {
+        int r = PyDict_Contains(held, PyTuple_GET_ITEM(blocks, i));
+        if (r != 0)
+            return r < 0 ? -1 : 0;
     }
-    PyObject *it = PyObject_GetIter(unique), *item;
-    if (it == NULL)
-        return -1;
-    int result = 1;
-    while ((item = PyIter_Next(it)) != NULL) {
-        int r = PyDict_Contains(held, item);
-        Py_DECREF(item);
-        if (r != 0) {
-            result = r < 0 ? -1 : 0;
+    return 1;
+}
+
+#define SMALL 64 /* commands up to this many blocks take the allocation-free paths */
+
+/* The checks on the ids themselves: `len(set(device_blocks)) != len(device_blocks)`, then
+ * `min(unique) < 0` (a TypeError from min() is a Rejected). Up to SMALL exact ints that fit
+ * in a long long are checked on a sorted copy of their values (for exact ints, set equality
+ * is value equality and the minimum does not depend on the order); anything else goes
+ * through a real set, iterated as min() does. 0 / -1. */
+static int check_block_ids(PyObject *blocks)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks), i;
+    if (n <= SMALL) {
+        long long v[SMALL];
+        for (i = 0; i < n; i++) {
+            PyObject *item = PyTuple_GET_ITEM(blocks, i);
+            int overflow = 0;
+            if (!PyLong_CheckExact(item))
+                break;
+            v[i] = PyLong_AsLongLongAndOverflow(item, &overflow);
+            if (overflow)
+                break;
+        }
+        if (i == n) {
+            for (i = 1; i < n; i++) { /* insertion sort: n is small */
+                long long x = v[i];
+                Py_ssize_t j = i;
+                for (; j > 0 && v[j - 1] > x; j--)
+                    v[j] = v[j - 1];
+                v[j] = x;
+            }
+            for (i = 1; i < n; i++)
+                if (v[i] == v[i - 1]) {
+                    PyErr_SetString(Rejected_exc, "a device block is named twice in one call");
+                    return -1;
+                }
+            if (n && v[0] < 0) {
+                PyErr_Format(Rejected_exc, "device block %lld is not a block id", v[0]);
+                return -1;
+            }
+            return 0;
+        }
+    }
+    PyObject *unique = NULL, *it = NULL, *lowest = NULL, *item;
+    int result = -1, r;
+    if ((unique = PySet_New(blocks)) == NULL)
+        goto done;
+    if (PySet_GET_SIZE(unique) != n) {
+        PyErr_SetString(Rejected_exc, "a device block is named twice in one call");
+        goto done;
+    }
+    if ((it = PyObject_GetIter(unique)) == NULL)
+        goto done;
+    while ((item = PyIter_Next(it)) != NULL) { /* min(), step by step */
+        if (lowest == NULL) {
+            lowest = item;
+            continue;
+        }
+        r = PyObject_RichCompareBool(item, lowest, Py_LT);
+        if (r > 0)
+            Py_SETREF(lowest, item);
+        else
+            Py_DECREF(item);
+        if (r < 0)
             break;
-        }
     }
-    Py_DECREF(it);
-    if (result == 1 && PyErr_Occurred())
-        return -1;
+    if (PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            reject_non_integers(blocks);
+        }
+        goto done;
+    }
+    if ((r = PyObject_RichCompareBool(lowest, int_zero, Py_LT)) != 0) {
+        if (r > 0)
+            PyErr_Format(Rejected_exc, "device block %S is not a block id", lowest);
+        goto done;
+    }
+    result = 0;
+done:
+    Py_XDECREF(unique);
+    Py_XDECREF(it);
+    Py_XDECREF(lowest);
     return result;
 }
 
 /* The held device block d (held by job_id) may be reused when its live job is a store of
- * the hash the caller asks for it (allow_same_store[d]): 1 allowed, 0 not, -1 error. */
+ * the hash the caller asks for it (allow_same_store[d]) and not abandoned by a reset:
+ * 1 allowed, 0 not, -1 error. */
 static int same_store(PyObject *job, PyObject *d, PyObject *allow_same_store)
 {
     PyObject *direction = NULL, *blocks = NULL, *index = NULL, *hashes = NULL, *stored = NULL;
@@ -535,8 +674,17 @@ static int same_store(PyObject *job, PyObject *d, PyObject *allow_same_store)
         return -1;
     r = PyObject_RichCompareBool(direction, STORE_str, Py_EQ);
     Py_DECREF(direction);
-    if (r <= 0 || allow_same_store == NULL)
+    if (r <= 0)
         return r;
+    PyObject *abandoned = job_abandoned(job);
+    if (abandoned == NULL)
+        return -1;
+    r = PyObject_Not(abandoned);
+    Py_DECREF(abandoned);
+    if (r <= 0)
+        return r;
+    if (allow_same_store == NULL) /* d in {} */
+        return 0;
     if ((r = PyDict_Contains(allow_same_store, d)) <= 0)
         return r;
     r = -1;
@@ -563,60 +711,35 @@ done:
 }
 
 /* Device blocks must not be held by a live job (F12), except a store of the same hash (a
- * duplicate, F3). allow_same_store: device block -> hash asked; NULL for {}. 0 / -1. */
-static int check_device_blocks(PyObject *state, PyObject *blocks, PyObject *allow_same_store)
+ * duplicate, F3). allow_same_store: device block -> hash asked; NULL for {}. held_disjoint:
+ * held.keys().isdisjoint(device_blocks) when the caller already knows it, else -1. 0 / -1. */
+static int check_device_blocks(PyObject *state, PyObject *blocks, PyObject *allow_same_store,
+                               int held_disjoint)
 {
     Py_ssize_t n = PyTuple_GET_SIZE(blocks);
-    PyObject *unique = NULL, *it = NULL, *lowest = NULL, *item, *held = NULL, *jobs = NULL;
-    int result = -1, r;
+    PyObject *held = NULL, *jobs = NULL;
+    int result = -1, r = held_disjoint;
     if (n == 0)
         return 0;
-    if ((unique = PySet_New(blocks)) == NULL)
-        goto done;
-    if (PySet_GET_SIZE(unique) != n) {
-        PyErr_SetString(Rejected_exc, "a device block is named twice in one call");
-        goto done;
-    }
-    /* lowest = min(unique), iterating the set as min() does; a TypeError means a block
-     * is not comparable: Rejected */
-    if ((it = PyObject_GetIter(unique)) == NULL)
-        goto done;
-    while ((item = PyIter_Next(it)) != NULL) {
-        if (lowest == NULL) {
-            lowest = item;
-            continue;
-        }
-        r = PyObject_RichCompareBool(item, lowest, Py_LT);
-        if (r > 0)
-            Py_SETREF(lowest, item);
-        else
-            Py_DECREF(item);
-        if (r < 0)
-            break;
-    }
-    if (PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            reject_non_integers(blocks);
-        }
-        goto done;
-    }
-    if ((r = PyObject_RichCompareBool(lowest, int_zero, Py_LT)) != 0) {
-        if (r > 0)
-            PyErr_Format(Rejected_exc, "device block %S is not a block id", lowest);
-        goto done;
-    }
+    if (check_block_ids(blocks) < 0)
+        return -1;
     if ((held = PyObject_GetAttr(state, S_held)) == NULL)
         goto done;
-    if (!PyDict_Check(held)) {
-        PyErr_SetString(PyExc_TypeError, "kvflow._native: state.held must be a dict");
+    if (!PyDict_CheckExact(held)) { /* the deciders checked it before anything happened */
+        PyErr_SetString(PyExc_SystemError, "kvflow._native: state.held is not a dict");
         goto done;
     }
-    if (PyDict_GET_SIZE(held) == 0 || (r = keys_disjoint_from_set(held, unique)) == 1) {
+    if (PyDict_GET_SIZE(held) == 0) {
         result = 0;
         goto done;
     }
-    if (r < 0 || (jobs = PyObject_GetAttr(state, S_jobs)) == NULL)
+    if (r < 0 && (r = keys_disjoint(held, blocks)) < 0)
+        goto done;
+    if (r == 1) {
+        result = 0;
+        goto done;
+    }
+    if ((jobs = PyObject_GetAttr(state, S_jobs)) == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *d = PyTuple_GET_ITEM(blocks, i);
@@ -642,9 +765,6 @@ static int check_device_blocks(PyObject *state, PyObject *blocks, PyObject *allo
     }
     result = 0;
 done:
-    Py_XDECREF(unique);
-    Py_XDECREF(it);
-    Py_XDECREF(lowest);
     Py_XDECREF(held);
     Py_XDECREF(jobs);
     return result;
@@ -656,12 +776,13 @@ static PyObject *decide_accept_hits(Decision *dc, PyObject *cmd)
 {
     PyObject *state = dc->state, *answer = NULL;
     PyObject *request_id = NULL, *blocks = NULL, *requests = NULL, *slot_of = NULL, *req = NULL;
-    PyObject *offered = NULL, *hashes = NULL, *job_id = NULL, *slots = NULL;
+    PyObject *held = NULL, *offered = NULL, *hashes = NULL, *job_id = NULL, *slots = NULL;
     int r;
 
     if ((r = command_seq(cmd, S_device_blocks, &blocks)) <= 0
         || (r = state_dict(state, S_requests, &requests)) <= 0
-        || (r = state_dict(state, S_slot_of, &slot_of)) <= 0) {
+        || (r = state_dict(state, S_slot_of, &slot_of)) <= 0
+        || (r = state_dict(state, S_held, &held)) <= 0) {
         answer = r == 0 ? defer() : NULL;
         goto done;
     }
@@ -698,7 +819,7 @@ static PyObject *decide_accept_hits(Decision *dc, PyObject *cmd)
                      request_id, num_offered, n);
         goto done;
     }
-    if (check_device_blocks(state, blocks, NULL) < 0)
+    if (check_device_blocks(state, blocks, NULL, -1) < 0)
         goto done;
     if (n) {
         if ((hashes = PySequence_GetSlice(offered, 0, n)) == NULL
@@ -717,6 +838,7 @@ done:
     Py_XDECREF(blocks);
     Py_XDECREF(requests);
     Py_XDECREF(slot_of);
+    Py_XDECREF(held);
     Py_XDECREF(req);
     Py_XDECREF(offered);
     Py_XDECREF(hashes);
@@ -797,6 +919,16 @@ static PyObject *last_free_reversed(PyObject *free, Py_ssize_t k)
     Py_ssize_t n = PyObject_Size(free);
     if (n < 0)
         return NULL;
+    if (PyList_CheckExact(free)) {
+        Py_ssize_t start = n - k;
+        if (start < 0 && (start += n) < 0)
+            start = 0;
+        PyObject *out = PyTuple_New(n - start);
+        if (out != NULL)
+            for (Py_ssize_t i = 0; i < n - start; i++)
+                PyTuple_SET_ITEM(out, i, Py_NewRef(PyList_GET_ITEM(free, n - 1 - i)));
+        return out;
+    }
     PyObject *tail = PySequence_GetSlice(free, n - k, PY_SSIZE_T_MAX);
     if (tail == NULL)
         return NULL;
@@ -813,14 +945,188 @@ static PyObject *last_free_reversed(PyObject *free, Py_ssize_t k)
     return out;
 }
 
-/* 1 when `h in entries and h not in gone`: the block is on the tier and stays there. */
+/* 1 when `h in entries and h not in gone`: the block is on the tier and stays there.
+ * gone is NULL while no victim was taken (an empty set). */
 static int stays_on_tier(PyObject *entries, PyObject *gone, PyObject *h)
 {
     int r = PyDict_Contains(entries, h);
-    if (r <= 0)
+    if (r <= 0 || gone == NULL)
         return r;
     r = PySequence_Contains(gone, h);
     return r < 0 ? -1 : !r;
+}
+
+/* An exact int in [-2**63, 2**64) as a C key: two such ints are equal (as dict and set keys)
+ * exactly when their keys are. */
+typedef struct {
+    unsigned long long bits;
+    int negative;
+} IntKey;
+
+/* 1 with *key set; 0 when h is not an exact int in that range (nothing raised). */
+static int int_key(PyObject *h, IntKey *key)
+{
+    int overflow = 0;
+    if (!PyLong_CheckExact(h))
+        return 0;
+    long long v = PyLong_AsLongLongAndOverflow(h, &overflow);
+    if (!overflow) {
+        key->bits = (unsigned long long)v;
+        key->negative = v < 0;
+        return 1;
+    }
+    if (overflow < 0)
+        return 0;
+    unsigned long long u = PyLong_AsUnsignedLongLong(h);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear(); /* >= 2**64: not representable, nothing to report */
+        return 0;
+    }
+    key->bits = u;
+    key->negative = 0;
+    return 1;
+}
+
+/* The block-by-block walk of _decide_store (DESIGN §7 step 3, see decide_store). */
+typedef struct {
+    /* `seen`: the hashes admitted so far (it also gets the block that is rejected, but the
+     * walk stops there). For a small command of exact ints (the usual case) membership is a
+     * scan of C keys, the same verdict as the set's; otherwise a real set. */
+    IntKey *keys;         /* keys[i] of hashes[i] when scanning, else NULL */
+    PyObject *seen;       /* the set when not scanning */
+    Py_ssize_t *admit;    /* positions of the admitted blocks, in order */
+    Py_ssize_t admitted;
+    PyObject *victims;    /* list, NULL until the first eviction */
+    PyObject *gone;       /* set of the victims, NULL until the first eviction */
+    PyObject *candidates; /* _victims_up_to's answer, NULL until needed */
+    Py_ssize_t rejected_from;
+} StoreWalk;
+
+/* `h in seen` for hashes[i]: 1, 0, -1 on error. */
+static int walk_seen(StoreWalk *w, PyObject *hashes, Py_ssize_t i)
+{
+    if (w->keys == NULL)
+        return PySequence_Contains(w->seen, PyTuple_GET_ITEM(hashes, i));
+    IntKey k = w->keys[i];
+    for (Py_ssize_t j = 0; j < w->admitted; j++) {
+        IntKey o = w->keys[w->admit[j]];
+        if (o.bits == k.bits && o.negative == k.negative)
+            return 1;
+    }
+    return 0;
+}
+
+/* The walk: fills w (admitted positions, victims, rejected_from). 0 / -1. */
+static int store_walk(StoreWalk *w, PyObject *state, PyObject *entries, PyObject *hashes)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(hashes);
+    PyObject *free = PyObject_GetAttr(state, S_free_slots);
+    if (free == NULL)
+        return -1;
+    Py_ssize_t free_avail = PyObject_Size(free);
+    Py_DECREF(free);
+    if (free_avail < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyTuple_GET_ITEM(hashes, i);
+        int r = walk_seen(w, hashes, i);
+        if (r == 0)
+            r = stays_on_tier(entries, w->gone, h);
+        if (r != 0) {
+            if (r < 0)
+                return -1;
+            continue;
+        }
+        if (w->seen != NULL && PySet_Add(w->seen, h) < 0)
+            return -1;
+        if (free_avail) {
+            free_avail--;
+        } else {
+            if (w->candidates == NULL) { /* each later block needs at most one victim */
+                if ((w->candidates = victims_up_to(state, n - i)) == NULL)
+                    return -1;
+                if ((w->victims = PyList_New(0)) == NULL || (w->gone = PySet_New(NULL)) == NULL)
+                    return -1;
+            }
+            Py_ssize_t num_candidates = PyObject_Size(w->candidates);
+            if (num_candidates < 0)
+                return -1;
+            if (PyList_GET_SIZE(w->victims) == num_candidates) {
+                w->rejected_from = i;
+                return 0;
+            }
+            PyObject *victim = PySequence_GetItem(w->candidates, PyList_GET_SIZE(w->victims));
+            if (victim == NULL)
+                return -1;
+            r = PyList_Append(w->victims, victim) < 0 || PySet_Add(w->gone, victim) < 0 ? -1 : 0;
+            Py_DECREF(victim);
+            if (r < 0)
+                return -1;
+        }
+        w->admit[w->admitted++] = i;
+    }
+    return 0;
+}
+
+/* tuple(seq[p] for p in positions) */
+static PyObject *tuple_at(PyObject *seq, const Py_ssize_t *positions, Py_ssize_t k)
+{
+    PyObject *out = PyTuple_New(k);
+    if (out != NULL)
+        for (Py_ssize_t j = 0; j < k; j++)
+            PyTuple_SET_ITEM(out, j, Py_NewRef(PyTuple_GET_ITEM(seq, positions[j])));
+    return out;
+}
+
+/* StoreRejected for every block from rejected_from on that is not admitted, not repeated,
+ * and not on the tier (or evicted by this very command). 0 / -1. */
+static int reject_rest(Decision *dc, PyObject *request_id, PyObject *hashes, PyObject *blocks,
+                       PyObject *entries, StoreWalk *w)
+{
+    PyObject *taken = NULL, *rej_hashes = NULL, *rej_blocks = NULL, *capacity = NULL;
+    PyObject *t_hashes = NULL, *t_blocks = NULL, *reason = NULL;
+    int result = -1, r;
+    if ((taken = PySet_New(NULL)) == NULL || (rej_hashes = PyList_New(0)) == NULL
+        || (rej_blocks = PyList_New(0)) == NULL)
+        goto done;
+    for (Py_ssize_t j = 0; j < w->admitted; j++) /* taken = set(admit_hashes) */
+        if (PySet_Add(taken, PyTuple_GET_ITEM(hashes, w->admit[j])) < 0)
+            goto done;
+    for (Py_ssize_t i = w->rejected_from; i < PyTuple_GET_SIZE(hashes); i++) {
+        PyObject *h = PyTuple_GET_ITEM(hashes, i), *d = PyTuple_GET_ITEM(blocks, i);
+        /* h not in taken and (h not in entries or h in gone) */
+        if ((r = PySequence_Contains(taken, h)) != 0) {
+            if (r < 0)
+                goto done;
+            continue;
+        }
+        if ((r = stays_on_tier(entries, w->gone, h)) != 0) {
+            if (r < 0)
+                goto done;
+            continue;
+        }
+        if (PySet_Add(taken, h) < 0 || PyList_Append(rej_hashes, h) < 0
+            || PyList_Append(rej_blocks, d) < 0)
+            goto done;
+    }
+    if ((capacity = PyObject_GetAttr(dc->state, S_capacity)) == NULL
+        || (t_hashes = PyList_AsTuple(rej_hashes)) == NULL
+        || (t_blocks = PyList_AsTuple(rej_blocks)) == NULL
+        || (reason = PyUnicode_FromFormat(
+                "tier full: %S slots held by pinned or in-flight entries", capacity))
+               == NULL)
+        goto done;
+    PyObject *values[] = {request_id, t_hashes, t_blocks, reason};
+    result = emit(dc, StoreRejected_cls, KW_StoreRejected, values);
+done:
+    Py_XDECREF(taken);
+    Py_XDECREF(rej_hashes);
+    Py_XDECREF(rej_blocks);
+    Py_XDECREF(capacity);
+    Py_XDECREF(t_hashes);
+    Py_XDECREF(t_blocks);
+    Py_XDECREF(reason);
+    return result;
 }
 
 /* DESIGN §7 step 3, block by block in prefix order: a block not on the tier (resident,
@@ -833,12 +1139,12 @@ static PyObject *decide_store(Decision *dc, PyObject *request_id, PyObject *hash
 {
     PyObject *state = dc->state, *answer = NULL;
     PyObject *requests = NULL, *entries = NULL, *held = NULL, *same = NULL, *free = NULL;
-    PyObject *admit_hashes = NULL, *admit_blocks = NULL, *seen = NULL, *victims = NULL;
-    PyObject *gone = NULL, *candidates = NULL, *job_id = NULL, *taken = NULL;
-    PyObject *rej_hashes = NULL, *rej_blocks = NULL, *capacity = NULL;
-    PyObject *t_hashes = NULL, *t_blocks = NULL, *t_slots = NULL, *reason = NULL;
+    PyObject *job_id = NULL, *t_hashes = NULL, *t_blocks = NULL, *t_slots = NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(hashes), nd = PyTuple_GET_SIZE(blocks);
-    int r;
+    Py_ssize_t admit_small[SMALL];
+    IntKey keys_small[SMALL];
+    StoreWalk w = {NULL, NULL, admit_small, 0, NULL, NULL, NULL, -1};
+    int r, disjoint = 1;
 
     if ((r = state_dict(state, S_requests, &requests)) <= 0
         || (r = state_dict(state, S_slot_of, &entries)) <= 0
@@ -867,23 +1173,16 @@ static PyObject *decide_store(Decision *dc, PyObject *request_id, PyObject *hash
     }
     /* same = dict(zip(device_blocks, block_hashes)) if held and not
      * held.keys().isdisjoint(device_blocks) else {} */
-    if (PyDict_GET_SIZE(held)) {
-        int disjoint = 1;
-        for (Py_ssize_t i = 0; i < nd && disjoint; i++) {
-            if ((r = PyDict_Contains(held, PyTuple_GET_ITEM(blocks, i))) < 0)
+    if (PyDict_GET_SIZE(held) && (disjoint = keys_disjoint(held, blocks)) < 0)
+        goto done;
+    if (!disjoint) {
+        if ((same = PyDict_New()) == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < nd; i++)
+            if (PyDict_SetItem(same, PyTuple_GET_ITEM(blocks, i), PyTuple_GET_ITEM(hashes, i)) < 0)
                 goto done;
-            disjoint = !r;
-        }
-        if (!disjoint) {
-            if ((same = PyDict_New()) == NULL)
-                goto done;
-            for (Py_ssize_t i = 0; i < nd; i++)
-                if (PyDict_SetItem(same, PyTuple_GET_ITEM(blocks, i),
-                                   PyTuple_GET_ITEM(hashes, i)) < 0)
-                    goto done;
-        }
     }
-    if (check_device_blocks(state, blocks, same) < 0)
+    if (check_device_blocks(state, blocks, same, disjoint) < 0)
         goto done;
     if ((r = offload_enabled(state)) <= 0) {
         if (r == 0)
@@ -891,54 +1190,26 @@ static PyObject *decide_store(Decision *dc, PyObject *request_id, PyObject *hash
         goto done;
     }
 
-    if ((free = PyObject_GetAttr(state, S_free_slots)) == NULL)
+    /* the walk's working memory */
+    if (n > SMALL && (w.admit = PyMem_New(Py_ssize_t, n)) == NULL) {
+        PyErr_NoMemory();
         goto done;
-    Py_ssize_t free_avail = PyObject_Size(free);
-    Py_CLEAR(free);
-    if (free_avail < 0 || (admit_hashes = PyList_New(0)) == NULL
-        || (admit_blocks = PyList_New(0)) == NULL || (seen = PySet_New(NULL)) == NULL
-        || (victims = PyList_New(0)) == NULL || (gone = PySet_New(NULL)) == NULL)
-        goto done;
-    Py_ssize_t rejected_from = -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = PyTuple_GET_ITEM(hashes, i), *d = PyTuple_GET_ITEM(blocks, i);
-        if ((r = PySequence_Contains(seen, h)) == 0)
-            r = stays_on_tier(entries, gone, h);
-        if (r < 0)
-            goto done;
-        if (r > 0)
-            continue;
-        if (PySet_Add(seen, h) < 0)
-            goto done;
-        if (free_avail) {
-            free_avail--;
-        } else {
-            if (candidates == NULL) { /* each later block needs at most one victim */
-                if ((candidates = victims_up_to(state, n - i)) == NULL)
-                    goto done;
-            }
-            Py_ssize_t num_candidates = PyObject_Size(candidates);
-            if (num_candidates < 0)
-                goto done;
-            if (PyList_GET_SIZE(victims) == num_candidates) {
-                rejected_from = i;
-                break;
-            }
-            PyObject *victim = PySequence_GetItem(candidates, PyList_GET_SIZE(victims));
-            if (victim == NULL)
-                goto done;
-            r = PyList_Append(victims, victim) < 0 || PySet_Add(gone, victim) < 0 ? -1 : 0;
-            Py_DECREF(victim);
-            if (r < 0)
-                goto done;
-        }
-        if (PyList_Append(admit_hashes, h) < 0 || PyList_Append(admit_blocks, d) < 0)
-            goto done;
     }
+    if (n <= SMALL) {
+        Py_ssize_t i = 0;
+        while (i < n && int_key(PyTuple_GET_ITEM(hashes, i), &keys_small[i]))
+            i++;
+        if (i == n)
+            w.keys = keys_small;
+    }
+    if (w.keys == NULL && (w.seen = PySet_New(NULL)) == NULL)
+        goto done;
+    if (store_walk(&w, state, entries, hashes) < 0)
+        goto done;
 
-    if (PyList_GET_SIZE(victims)) {
-        if ((t_hashes = PyList_AsTuple(victims)) == NULL
-            || (t_slots = tuple_of_items(entries, victims)) == NULL)
+    if (w.victims != NULL && PyList_GET_SIZE(w.victims)) {
+        if ((t_hashes = PyList_AsTuple(w.victims)) == NULL
+            || (t_slots = tuple_of_items(entries, w.victims)) == NULL)
             goto done;
         PyObject *values[] = {t_hashes, t_slots, str_capacity};
         if (emit(dc, BlocksEvicted_cls, KW_BlocksEvicted, values) < 0)
@@ -946,73 +1217,36 @@ static PyObject *decide_store(Decision *dc, PyObject *request_id, PyObject *hash
         Py_CLEAR(t_hashes);
         Py_CLEAR(t_slots);
     }
-    Py_ssize_t admitted = PyList_GET_SIZE(admit_hashes);
-    if (admitted) {
+    if (w.admitted) {
         if ((free = PyObject_GetAttr(state, S_free_slots)) == NULL
             || (job_id = next_job_id(state)) == NULL
-            || (t_hashes = PyList_AsTuple(admit_hashes)) == NULL
-            || (t_blocks = PyList_AsTuple(admit_blocks)) == NULL
-            || (t_slots = last_free_reversed(free, admitted)) == NULL)
+            || (t_hashes = tuple_at(hashes, w.admit, w.admitted)) == NULL
+            || (t_blocks = tuple_at(blocks, w.admit, w.admitted)) == NULL
+            || (t_slots = last_free_reversed(free, w.admitted)) == NULL)
             goto done;
         PyObject *values[] = {job_id, request_id, t_hashes, t_blocks, t_slots};
         if (emit(dc, StoreQueued_cls, KW_StoreQueued, values) < 0)
             goto done;
-        Py_CLEAR(t_hashes);
-        Py_CLEAR(t_blocks);
-        Py_CLEAR(t_slots);
     }
-    if (rejected_from >= 0) {
-        if ((rej_hashes = PyList_New(0)) == NULL || (rej_blocks = PyList_New(0)) == NULL
-            || (taken = PySet_New(admit_hashes)) == NULL)
-            goto done;
-        for (Py_ssize_t i = rejected_from; i < n; i++) {
-            PyObject *h = PyTuple_GET_ITEM(hashes, i), *d = PyTuple_GET_ITEM(blocks, i);
-            /* h not in taken and (h not in entries or h in gone) */
-            if ((r = PySequence_Contains(taken, h)) == 0) {
-                r = PyDict_Contains(entries, h);
-                r = r == 0 ? 1 : r < 0 ? -1 : PySequence_Contains(gone, h);
-                if (r > 0)
-                    r = PySet_Add(taken, h) < 0 || PyList_Append(rej_hashes, h) < 0
-                                || PyList_Append(rej_blocks, d) < 0
-                            ? -1
-                            : 0;
-            }
-            if (r < 0)
-                goto done;
-        }
-        if ((capacity = PyObject_GetAttr(state, S_capacity)) == NULL
-            || (t_hashes = PyList_AsTuple(rej_hashes)) == NULL
-            || (t_blocks = PyList_AsTuple(rej_blocks)) == NULL
-            || (reason = PyUnicode_FromFormat(
-                    "tier full: %S slots held by pinned or in-flight entries", capacity))
-                   == NULL)
-            goto done;
-        PyObject *values[] = {request_id, t_hashes, t_blocks, reason};
-        if (emit(dc, StoreRejected_cls, KW_StoreRejected, values) < 0)
-            goto done;
-    }
+    if (w.rejected_from >= 0 && reject_rest(dc, request_id, hashes, blocks, entries, &w) < 0)
+        goto done;
     answer = job_id != NULL ? Py_NewRef(job_id) : Py_NewRef(Py_None);
 done:
+    if (w.admit != admit_small)
+        PyMem_Free(w.admit);
+    Py_XDECREF(w.seen);
+    Py_XDECREF(w.victims);
+    Py_XDECREF(w.gone);
+    Py_XDECREF(w.candidates);
     Py_XDECREF(requests);
     Py_XDECREF(entries);
     Py_XDECREF(held);
     Py_XDECREF(same);
     Py_XDECREF(free);
-    Py_XDECREF(admit_hashes);
-    Py_XDECREF(admit_blocks);
-    Py_XDECREF(seen);
-    Py_XDECREF(victims);
-    Py_XDECREF(gone);
-    Py_XDECREF(candidates);
     Py_XDECREF(job_id);
-    Py_XDECREF(taken);
-    Py_XDECREF(rej_hashes);
-    Py_XDECREF(rej_blocks);
-    Py_XDECREF(capacity);
     Py_XDECREF(t_hashes);
     Py_XDECREF(t_blocks);
     Py_XDECREF(t_slots);
-    Py_XDECREF(reason);
     return answer;
 }
 
@@ -1032,9 +1266,11 @@ static int store_mode_is_not(PyObject *state, PyObject *mode)
 static PyObject *decide_blocks_computed(Decision *dc, PyObject *cmd)
 {
     PyObject *answer = NULL, *request_id = NULL, *hashes = NULL, *blocks = NULL, *same = NULL;
+    PyObject *held = NULL;
     int r;
     if ((r = command_seq(cmd, S_block_hashes, &hashes)) <= 0
-        || (r = command_seq(cmd, S_device_blocks, &blocks)) <= 0) {
+        || (r = command_seq(cmd, S_device_blocks, &blocks)) <= 0
+        || (r = state_dict(dc->state, S_held, &held)) <= 0) {
         answer = r == 0 ? defer() : NULL;
         goto done;
     }
@@ -1050,7 +1286,7 @@ static PyObject *decide_blocks_computed(Decision *dc, PyObject *cmd)
         for (Py_ssize_t i = 0; i < n; i++)
             if (PyDict_SetItem(same, PyTuple_GET_ITEM(blocks, i), PyTuple_GET_ITEM(hashes, i)) < 0)
                 goto done;
-        if (check_device_blocks(dc->state, blocks, same) == 0)
+        if (check_device_blocks(dc->state, blocks, same, -1) == 0)
             answer = Py_NewRef(Py_None);
         goto done;
     }
@@ -1061,6 +1297,7 @@ done:
     Py_XDECREF(hashes);
     Py_XDECREF(blocks);
     Py_XDECREF(same);
+    Py_XDECREF(held);
     return answer;
 }
 
@@ -1102,9 +1339,7 @@ static PyObject *decide_touch(Decision *dc, PyObject *cmd)
         goto done;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(hashes); i++) {
         PyObject *h = PyTuple_GET_ITEM(hashes, i);
-        if ((r = PyDict_Contains(slot_of, h)) > 0)
-            r = PyDict_Contains(pending, h) > 0 ? 0 : PyErr_Occurred() ? -1 : 1;
-        if (r > 0)
+        if ((r = is_resident(slot_of, pending, h)) > 0)
             r = PyList_Append(touched, h);
         if (r < 0)
             goto done;
@@ -1202,29 +1437,41 @@ done:
     return answer;
 }
 
+/* state.<name>.get(key): 1 with *out a new reference, 0 when absent, -1 on error. */
+static int state_get(PyObject *state, PyObject *name, PyObject *key, PyObject **out)
+{
+    PyObject *mapping = PyObject_GetAttr(state, name), *value;
+    *out = NULL;
+    if (mapping == NULL)
+        return -1;
+    if (PyDict_Check(mapping)) {
+        value = PyDict_GetItemWithError(mapping, key);
+        Py_XINCREF(value);
+    } else {
+        value = PyObject_CallMethodOneArg(mapping, S_get, key);
+    }
+    Py_DECREF(mapping);
+    if (value == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (value == Py_None) {
+        Py_DECREF(value);
+        return 0;
+    }
+    *out = value;
+    return 1;
+}
+
 /* --- _maybe_close --------------------------------------------------------------------------- */
 
 /* A finished request with no live jobs and no pins left is closed (RequestClosed). */
 static int maybe_close(Decision *dc, PyObject *request_id)
 {
-    PyObject *requests = NULL, *req = NULL, *jobs = NULL, *holds = NULL;
+    PyObject *req = NULL, *jobs = NULL;
     int result = -1, r;
     if (request_id == Py_None)
         return 0;
-    if ((requests = PyObject_GetAttr(dc->state, S_requests)) == NULL)
-        return -1;
-    if (PyDict_Check(requests)) {
-        req = PyDict_GetItemWithError(requests, request_id);
-        Py_XINCREF(req);
-    } else {
-        req = PyObject_CallMethodOneArg(requests, S_get, request_id); /* requests.get(...) */
-    }
-    if (req == NULL && PyErr_Occurred())
-        goto done;
-    result = 0;
-    if (req == NULL || req == Py_None)
-        goto done;
-    result = -1;
+    if ((r = state_get(dc->state, S_requests, request_id, &req)) <= 0)
+        return r;
     /* req.finished and not req.jobs and not req.holds_pins() */
     if ((r = attr_true(req, S_finished)) <= 0) {
         result = r;
@@ -1236,8 +1483,7 @@ static int maybe_close(Decision *dc, PyObject *request_id)
         result = 0;
         goto done;
     }
-    if ((holds = PyObject_CallMethodNoArgs(req, S_holds_pins)) == NULL
-        || (r = PyObject_IsTrue(holds)) < 0)
+    if ((r = holds_pins(req)) < 0)
         goto done;
     if (r) {
         result = 0;
@@ -1246,9 +1492,306 @@ static int maybe_close(Decision *dc, PyObject *request_id)
     PyObject *values[] = {request_id};
     result = emit(dc, RequestClosed_cls, KW_RequestClosed, values);
 done:
-    Py_XDECREF(requests);
     Py_XDECREF(req);
     Py_XDECREF(jobs);
-    Py_XDECREF(holds);
+    return result;
+}
+
+/* --- decide_job_result ---------------------------------------------------------------------- */
+
+/* The checks decide_job_result and decide_job_results share, in their order:
+ * `not _whole(res.job_id) or not 0 < res.job_id <= last` -> UnknownJob, then
+ * `not _whole(res.rank) or not 0 <= res.rank < world` -> Rejected. 0 with new references
+ * in *job_id_out and *rank_out when both pass; -1 with the exception set (and *_out NULL). */
+static int check_result_ids(PyObject *res, PyObject *last, PyObject *world,
+                            PyObject **job_id_out, PyObject **rank_out)
+{
+    PyObject *job_id = NULL, *rank = NULL;
+    *job_id_out = *rank_out = NULL;
+    if ((job_id = PyObject_GetAttr(res, S_job_id)) == NULL)
+        return -1;
+    int r = whole(job_id);
+    if (r > 0 && (r = PyObject_RichCompareBool(int_zero, job_id, Py_LT)) > 0)
+        r = PyObject_RichCompareBool(job_id, last, Py_LE);
+    if (r == 0)
+        PyErr_Format(UnknownJob_exc, "result for unknown job %R (last issued: %S)", job_id, last);
+    if (r <= 0 || (rank = PyObject_GetAttr(res, S_rank)) == NULL) {
+        Py_DECREF(job_id);
+        return -1;
+    }
+    r = whole(rank);
+    if (r > 0 && (r = PyObject_RichCompareBool(int_zero, rank, Py_LE)) > 0)
+        r = PyObject_RichCompareBool(rank, world, Py_LT);
+    if (r == 0)
+        PyErr_Format(Rejected_exc, "result for job %S: rank %R outside world size %S", job_id,
+                     rank, world);
+    if (r <= 0) {
+        Py_DECREF(job_id);
+        Py_DECREF(rank);
+        return -1;
+    }
+    *job_id_out = job_id;
+    *rank_out = rank;
+    return 0;
+}
+
+/* job.state is JobState.QUEUED: 1, 0, -1 on error. */
+static int job_is_queued(PyObject *job)
+{
+    PyObject *st = PyObject_GetAttr(job, S_state);
+    if (st == NULL)
+        return -1;
+    int r = st == QUEUED_state;
+    Py_DECREF(st);
+    return r;
+}
+
+/* LateResultIgnored(job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error) */
+static int late_result(Decision *dc, PyObject *res, PyObject *job_id, PyObject *rank)
+{
+    PyObject *ok = PyObject_GetAttr(res, S_ok);
+    PyObject *error = ok == NULL ? NULL : PyObject_GetAttr(res, S_error);
+    int r = -1;
+    if (error != NULL) {
+        PyObject *values[] = {job_id, rank, ok, error};
+        r = emit(dc, LateResultIgnored_cls, KW_LateResultIgnored, values);
+    }
+    Py_XDECREF(ok);
+    Py_XDECREF(error);
+    return r;
+}
+
+/* One executor outcome (decide_job_result): 0 / -1. */
+static int job_result(Decision *dc, PyObject *res)
+{
+    PyObject *state = dc->state;
+    PyObject *job_id = NULL, *rank = NULL, *last = NULL, *world = NULL, *job = NULL;
+    PyObject *bit = NULL, *acks = NULL, *mask = NULL, *request_id = NULL, *ok = NULL;
+    PyObject *error = NULL, *all = NULL, *full = NULL;
+    /* _terminal_fields(job), in KW_JobFailed / KW_JobCompleted order after rank (, error) */
+    static PyObject **const terminal_names[] = {NULL /* job.abandoned */, &S_job_id,
+                                                 &S_direction, &S_request_id, &S_hashes,
+                                                 &S_device_blocks, &S_slots};
+    PyObject *terminal[7] = {NULL};
+    int result = -1, r;
+
+    if ((last = PyObject_GetAttr(state, S_last_job_id)) == NULL
+        || (world = config_attr(state, S_world_size)) == NULL
+        || check_result_ids(res, last, world, &job_id, &rank) < 0
+        || (r = state_get(state, S_jobs, job_id, &job)) < 0)
+        goto done;
+    if (r == 0) { /* already terminal */
+        result = late_result(dc, res, job_id, rank);
+        goto done;
+    }
+    if ((r = job_is_queued(job)) != 0) {
+        if (r > 0)
+            PyErr_Format(Rejected_exc, "result for job %S, which was never submitted", job_id);
+        goto done;
+    }
+    if ((bit = PyNumber_Lshift(int_one, rank)) == NULL
+        || (acks = PyObject_GetAttr(job, S_acks)) == NULL
+        || (mask = PyNumber_And(acks, bit)) == NULL || (r = PyObject_IsTrue(mask)) < 0)
+        goto done;
+    if (r) { /* this rank already reported success */
+        result = late_result(dc, res, job_id, rank);
+        goto done;
+    }
+    if ((terminal[0] = job_abandoned(job)) == NULL)
+        goto done;
+    for (int i = 1; i < 7; i++)
+        if ((terminal[i] = PyObject_GetAttr(job, *terminal_names[i])) == NULL)
+            goto done;
+    /* request_id = None if job.abandoned else job.request_id */
+    if ((r = PyObject_IsTrue(terminal[0])) < 0)
+        goto done;
+    request_id = Py_NewRef(r ? Py_None : terminal[3]);
+    if ((ok = PyObject_GetAttr(res, S_ok)) == NULL || (r = PyObject_IsTrue(ok)) < 0)
+        goto done;
+    if (!r) {
+        if ((error = PyObject_GetAttr(res, S_error)) == NULL || (r = PyObject_IsTrue(error)) < 0)
+            goto done;
+        PyObject *values[] = {rank, r ? error : str_unknown_error, terminal[0], terminal[1],
+                              terminal[2], terminal[3], terminal[4], terminal[5], terminal[6]};
+        if (emit(dc, JobFailed_cls, KW_JobFailed, values) < 0)
+            goto done;
+    } else {
+        /* job.acks | bit == (1 << world_size) - 1 */
+        PyObject *shifted = PyNumber_Lshift(int_one, world);
+        full = shifted == NULL ? NULL : PyNumber_Subtract(shifted, int_one);
+        Py_XDECREF(shifted);
+        if (full == NULL || (all = PyNumber_Or(acks, bit)) == NULL
+            || (r = PyObject_RichCompareBool(all, full, Py_EQ)) < 0)
+            goto done;
+        if (r) {
+            PyObject *values[] = {rank, terminal[0], terminal[1], terminal[2], terminal[3],
+                                  terminal[4], terminal[5], terminal[6]};
+            if (emit(dc, JobCompleted_cls, KW_JobCompleted, values) < 0)
+                goto done;
+        } else {
+            PyObject *values[] = {terminal[1], rank};
+            result = emit(dc, RankSucceeded_cls, KW_RankSucceeded, values);
+            goto done;
+        }
+    }
+    result = maybe_close(dc, request_id);
+done:
+    Py_XDECREF(job_id);
+    Py_XDECREF(rank);
+    Py_XDECREF(last);
+    Py_XDECREF(world);
+    Py_XDECREF(job);
+    Py_XDECREF(bit);
+    Py_XDECREF(acks);
+    Py_XDECREF(mask);
+    Py_XDECREF(request_id);
+    Py_XDECREF(ok);
+    Py_XDECREF(error);
+    Py_XDECREF(all);
+    Py_XDECREF(full);
+    for (int i = 0; i < 7; i++)
+        Py_XDECREF(terminal[i]);
+    return result;
+}
+
+static PyObject *decide_job_result(Decision *dc, PyObject *cmd)
+{
+    return job_result(dc, cmd) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+/* --- decide_job_results --------------------------------------------------------------------- */
+
+/* Many executor outcomes at once. All are checked before anything is applied, so a bad one
+ * refuses the whole batch. */
+static PyObject *decide_job_results(Decision *dc, PyObject *cmd)
+{
+    PyObject *state = dc->state, *answer = NULL;
+    PyObject *results = NULL, *jobs = NULL, *last = NULL, *world = NULL;
+    int r;
+    if ((r = command_seq(cmd, S_results, &results)) <= 0
+        || (r = state_dict(state, S_jobs, &jobs)) <= 0) {
+        answer = r == 0 ? defer() : NULL;
+        goto done;
+    }
+    if ((last = PyObject_GetAttr(state, S_last_job_id)) == NULL
+        || (world = config_attr(state, S_world_size)) == NULL)
+        goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(results);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *job_id, *rank, *job = NULL;
+        r = check_result_ids(PyTuple_GET_ITEM(results, i), last, world, &job_id, &rank);
+        if (r == 0 && (job = PyDict_GetItemWithError(jobs, job_id)) == NULL && PyErr_Occurred())
+            r = -1;
+        Py_XINCREF(job);
+        if (r == 0 && job != NULL && (r = job_is_queued(job)) > 0) {
+            PyErr_Format(Rejected_exc, "result for job %S, which was never submitted", job_id);
+            r = -1;
+        }
+        Py_XDECREF(job_id);
+        Py_XDECREF(rank);
+        Py_XDECREF(job);
+        if (r < 0)
+            goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (job_result(dc, PyTuple_GET_ITEM(results, i)) < 0)
+            goto done;
+    answer = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(results);
+    Py_XDECREF(jobs);
+    Py_XDECREF(last);
+    Py_XDECREF(world);
+    return answer;
+}
+
+/* --- decide_finish -------------------------------------------------------------------------- */
+
+static PyObject *decide_finish(Decision *dc, PyObject *cmd)
+{
+    PyObject *state = dc->state, *answer = NULL;
+    PyObject *requests = NULL, *request_id = NULL, *req = NULL, *preempted = NULL;
+    int r;
+    if ((r = state_dict(state, S_requests, &requests)) <= 0) {
+        answer = r == 0 ? defer() : NULL;
+        goto done;
+    }
+    if ((request_id = PyObject_GetAttr(cmd, S_request_id)) == NULL)
+        goto done;
+    req = PyDict_GetItemWithError(requests, request_id);
+    if (req == NULL) {
+        if (PyErr_Occurred() || (r = offload_enabled(state)) < 0)
+            goto done;
+        if (r)
+            PyErr_Format(UnknownRequest_exc, "finish: unknown request %R", request_id);
+        else
+            answer = Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_INCREF(req);
+    if ((r = attr_true(req, S_finished)) != 0) {
+        if (r > 0)
+            PyErr_Format(Rejected_exc, "finish: request %R is already finished", request_id);
+        goto done;
+    }
+    if (release_offered(dc, req, request_id) < 0
+        || (preempted = PyObject_GetAttr(cmd, S_preempted)) == NULL)
+        goto done;
+    PyObject *values[] = {request_id, preempted};
+    if (emit(dc, RequestFinished_cls, KW_RequestFinished, values) < 0
+        || maybe_close(dc, request_id) < 0)
+        goto done;
+    answer = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(requests);
+    Py_XDECREF(request_id);
+    Py_XDECREF(req);
+    Py_XDECREF(preempted);
+    return answer;
+}
+
+/* --- kv_handle: dispatch (decide.py's DECIDERS) --------------------------------------------- */
+
+typedef PyObject *(*Decider)(Decision *, PyObject *);
+
+PyObject *kv_handle(PyObject *state, PyObject *command, int check)
+{
+    PyObject *kind = (PyObject *)Py_TYPE(command);
+    Decider decider = NULL;
+    if (kind == Lookup_cls)
+        decider = decide_lookup;
+    else if (kind == AcceptHits_cls)
+        decider = decide_accept_hits;
+    else if (kind == BlocksComputed_cls)
+        decider = decide_blocks_computed;
+    else if (kind == DeviceBlocksEvicting_cls)
+        decider = decide_device_evicting;
+    else if (kind == Touch_cls)
+        decider = decide_touch;
+    else if (kind == PlanStep_cls)
+        decider = decide_plan_step;
+    else if (kind == JobResult_cls)
+        decider = decide_job_result;
+    else if (kind == JobResults_cls)
+        decider = decide_job_results;
+    else if (kind == FinishRequest_cls)
+        decider = decide_finish;
+    /* Evict, Tick, ResetAll, anything else, or a State of another class: Python decides */
+    if (decider == NULL || (PyObject *)Py_TYPE(state) != State_cls)
+        Py_RETURN_NOTIMPLEMENTED;
+
+    Decision dc = {state, PyList_New(0), check};
+    if (dc.events == NULL)
+        return NULL;
+    PyObject *answer = decider(&dc, command), *result = NULL;
+    if (answer == DEFER) {
+        /* the decider declined before producing anything */
+        assert(PyList_GET_SIZE(dc.events) == 0);
+        result = answer;
+    } else if (answer != NULL) {
+        result = PyTuple_Pack(2, answer, dc.events);
+        Py_DECREF(answer);
+    }
+    Py_DECREF(dc.events);
     return result;
 }

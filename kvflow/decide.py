@@ -136,7 +136,9 @@ def _check_device_blocks(
     state: State, device_blocks: Sequence[int], allow_same_store: dict[int, int]
 ) -> None:
     """Device blocks must not be held by a live job (F12), except a store of the same hash
-    (that one is a duplicate, F3). ``allow_same_store`` maps device block -> hash asked."""
+    (that one is a duplicate, F3). ``allow_same_store`` maps device block -> hash asked.
+    A job abandoned by a reset holds its device blocks until it reports, whatever the hash:
+    its hashes left the tier, so a "duplicate" store would take the blocks it still copies."""
     if not device_blocks:
         return
     unique = set(device_blocks)
@@ -156,7 +158,7 @@ def _check_device_blocks(
         if jid is None:
             continue
         job = state.jobs[jid]
-        if job.direction == STORE and d in allow_same_store:
+        if job.direction == STORE and not job.abandoned and d in allow_same_store:
             index = job.device_blocks.index(d)
             if job.hashes[index] == allow_same_store[d]:
                 continue

@@ -156,7 +156,9 @@ class OffloadManager:
         (the results are identical; see kvflow.native)."""
         self.config = config
         self.paranoid = paranoid
-        self._native_handle = native_handle_function() if native else None
+        # Paranoid runs (debugging) decide in Python: if a check fails mid-command there, the
+        # events applied so far are still logged before the error propagates.
+        self._native_handle = native_handle_function() if native and not paranoid else None
         self._apply = evolve if native else evolve_python
         # the same boundary normalisation, in C when the accelerator is built
         self._ints = (native and native_function("ints")) or _ints

@@ -12,7 +12,7 @@ import pytest
 from core_helpers import BT, DEADLINE_MS, config, consistent, manager, store, tokens
 
 from kvflow.config import Config
-from kvflow.errors import TraceError
+from kvflow.errors import BlockHeld, TraceError
 from kvflow.events import (
     BlocksEvicted,
     BlocksTouched,
@@ -600,3 +600,22 @@ def test_a_trace_streams_records_with_line_numbers(tmp_path: Path) -> None:
         assert reader.config == m.config
         first_line, first = next(iter(reader.records()))
     assert first_line == 2 and type(first).__name__ == "BlocksComputed"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_store_cannot_reuse_a_device_block_still_copied_by_an_abandoned_job(native: bool) -> None:
+    """After a reset, an abandoned in-flight store still reads its device blocks: storing the
+    same hash from the same device block again is not a duplicate (the hash left the tier)
+    and must wait until the abandoned copy reports (found by the differential tests)."""
+    m = OffloadManager(config(cpu_blocks=4), native=native)
+    job = m.blocks_computed("a", [1, 2], [0, 1])
+    m.plan_step(0.0)
+    m.reset()
+    assert m.state.jobs[job].abandoned
+    records = len(m.log.records)
+    with pytest.raises(BlockHeld, match="device block 0 is held by live store job"):
+        m.blocks_computed("b", [1, 2], [0, 1])
+    assert len(m.log.records) == records
+    m.job_result(job)  # the abandoned copy ends: its device blocks are free again
+    assert m.blocks_computed("b", [1, 2], [0, 1]) is not None
+    consistent(m)

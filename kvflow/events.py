@@ -28,7 +28,10 @@ Hashes = tuple[int, ...]
 Blocks = tuple[int, ...]
 
 
-class _Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+# gc=False: events, commands and jobs hold only scalars and tuples of them, so they can never
+# be part of a reference cycle; untracked, the millions a log or a replay creates cost the
+# garbage collector nothing (msgspec's documented setting for such structs).
+class _Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True, gc=False):
     seq: int
 
 
@@ -225,7 +228,7 @@ TERMINAL_TYPES = (JobCompleted, JobFailed, JobTimedOut)
 # --- commands: what the engine asks (recorded in traces, re-run by replay --redecide) --------
 
 
-class _Command(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+class _Command(msgspec.Struct, frozen=True, tag_field="type", kw_only=True, gc=False):
     pass
 
 
@@ -330,7 +333,7 @@ Command = Union[
 COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]
 
 
-class TransferJob(msgspec.Struct, frozen=True):
+class TransferJob(msgspec.Struct, frozen=True, gc=False):
     """What an executor is asked to do: copy ``device_blocks[i]`` <-> host ``slots[i]``."""
 
     job_id: int

@@ -165,6 +165,8 @@ class OffloadManager:
         self._hashes = (native and native_function("hashes")) or _hashes
         self.state = State(config)
         self.log = log if log is not None else MemoryLog(config)
+        # one call per command when the log offers it (kvflow's logs do); else the three steps
+        self._record = getattr(self.log, "record", None) or self._record_in_steps
         self._notices = Notices()
         self.observers: list[Any] = []  # callables receiving each applied event
 
@@ -176,13 +178,18 @@ class OffloadManager:
         log = self.log
         if self._native_handle is not None:
             # the C deciders: decide + apply in one call; a refusal raises before any change
-            result = self._native_handle(state, command, self.paranoid)
+            result = self._native_handle(state, command, False)
             if result is not NotImplemented:
-                answer, events = result
-                log.record_command(command)
-                self._after(events)
-                log.after_command(state)
-                return answer, events
+                events = result[1]
+                self._record(command, events, state)
+                if events:
+                    notices = self._notices
+                    for event in events:
+                        if type(event) in _NOTICE_TYPES:
+                            notices.observe(event)
+                    if self.observers:
+                        self._observe(events)
+                return result
         gen = DECIDERS[type(command)](state, command)
         events = []
         try:
@@ -215,9 +222,17 @@ class OffloadManager:
             for event in events:
                 if type(event) in _NOTICE_TYPES:
                     notices.observe(event)
-            for observe in self.observers:
-                for event in events:
-                    observe(event)
+            self._observe(events)
+
+    def _record_in_steps(self, command: Command, events: list[Event], state: State) -> None:
+        self.log.record_command(command)
+        self.log.record_events(events)
+        self.log.after_command(state)
+
+    def _observe(self, events: list[Event]) -> None:
+        for observe in self.observers:
+            for event in events:
+                observe(event)
 
     def take_notices(self) -> Notices:
         notices, self._notices = self._notices, Notices()

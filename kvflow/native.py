@@ -12,11 +12,19 @@ which core is active. This module is pure: it reads no environment.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
+# Bumped with csrc/module.c's ABI whenever the contract between the two sides changes: a stale
+# build (say, after a pull without a rebuild) is then ignored rather than trusted.
+ABI = 1
+
+_ext: ModuleType | None
 try:
     import kvflow._native as _ext
 except ImportError:  # no compiler at install time: the pure-Python core runs
+    _ext = None
+if _ext is not None and getattr(_ext, "ABI", None) != ABI:
     _ext = None
 
 _bound = False
@@ -36,10 +44,10 @@ def _namespace() -> dict[str, Any]:
     ns: dict[str, Any] = {}
     for module in (events, errors, state, decide):
         ns.update((k, v) for k, v in vars(module).items() if not k.startswith("__"))
-    for member in state.JobState:
-        ns[f"JobState.{member.name}"] = member
-    for member in state.BlockState:
-        ns[f"BlockState.{member.name}"] = member
+    for job_state in state.JobState:
+        ns[f"JobState.{job_state.name}"] = job_state
+    for block_state in state.BlockState:
+        ns[f"BlockState.{block_state.name}"] = block_state
     return ns
 
 

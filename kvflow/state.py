@@ -384,12 +384,12 @@ class State:
         """A deterministic, order-independent picture of the state (digest input)."""
         # entries: (hash, BlockState, slot, pins, pending job) sorted by hash, built column
         # by column with C-level maps (hashes are unique, so sorting them sorts the rows)
-        pending, pins, jobs, slot_of = self.pending, self.pin_count, self.jobs, self.slot_of
+        pending, pins, live, slot_of = self.pending, self.pin_count, self.jobs, self.slot_of
         hashes = sorted(slot_of)
         n = len(hashes)
         if pending:
             states = [
-                3 if j == 0 else (1 if jobs[j].state is JobState.QUEUED else 2)
+                3 if j == 0 else (1 if live[j].state is JobState.QUEUED else 2)
                 for j in map(pending.get, hashes, repeat(0, n))
             ]
         else:

@@ -145,10 +145,11 @@ def _parse_int(text: str, what: str) -> int:
 
 def _version_line() -> str:
     """``kvflow X.Y.Z (native core)`` or ``(python core)``: whether the C accelerator of the
-    core (kvflow._native) was built. Looked up without importing the core (start-up stays short)."""
-    from importlib.util import find_spec
+    core (kvflow._native) is built for this kvflow. The core itself is not imported (start-up
+    stays short)."""
+    from kvflow.native import built
 
-    core = "native" if find_spec("kvflow._native") is not None else "python"
+    core = "native" if built() else "python"
     return f"kvflow {__version__} ({core} core)"
 
 

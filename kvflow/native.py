@@ -30,6 +30,11 @@ if _ext is not None and getattr(_ext, "ABI", None) != ABI:
 _bound = False
 
 
+def built() -> bool:
+    """True when kvflow._native is built for this kvflow (before it is bound to the core)."""
+    return _ext is not None
+
+
 def available() -> bool:
     """True when the C accelerator was built and bound."""
     return _ext is not None and _bound

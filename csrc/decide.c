@@ -30,6 +30,87 @@
  */
 #include "native.h"
 
+#ifndef Py_T_OBJECT_EX /* before 3.12 the member types live in structmember.h */
+#include "structmember.h"
+#define Py_T_OBJECT_EX T_OBJECT_EX
+#define Py_READONLY READONLY
+#endif
+
+/* obj.name (a new reference). The attributes read here are mostly __slots__ of kvflow's own
+ * classes and fields of msgspec structs, both member descriptors: those are read directly,
+ * as member_get / PyMember_GetOne do, instead of through the generic attribute machinery.
+ * Anything else (a property, an instance dict, an unset slot, a type with its own
+ * __getattribute__, a member with flags other than READONLY) goes through PyObject_GetAttr,
+ * which raises what Python raises.
+ *
+ * The slot's offset is remembered per (type, name) together with the type's version tag, the
+ * guard CPython's own LOAD_ATTR_SLOT specialisation uses: any change to the type or its
+ * bases (a new attribute, __getattribute__, __bases__) gives the type a new tag, so a
+ * remembered offset is only used while the type is exactly as it was. Names are always the
+ * interned S_* strings below, which live as long as the module. */
+#if PY_VERSION_HEX < 0x030B0000
+/* 3.10's PyType_Modified clears Py_TPFLAGS_VALID_VERSION_TAG but leaves the old number in
+ * tp_version_tag; from 3.11 on it also sets tp_version_tag to 0 (never a valid tag). */
+#define VERSION_VALID(tp) PyType_HasFeature((tp), Py_TPFLAGS_VALID_VERSION_TAG)
+#else
+#define VERSION_VALID(tp) 1
+#endif
+
+typedef struct {
+    PyTypeObject *type;
+    PyObject *name;
+    unsigned int version; /* 0: empty */
+    Py_ssize_t offset;
+} SlotCache;
+
+#define SLOT_CACHE_SIZE 256
+static SlotCache slot_cache[SLOT_CACHE_SIZE];
+
+static inline SlotCache *slot_cache_entry(PyTypeObject *tp, PyObject *name)
+{
+    uint64_t h = ((uint64_t)(uintptr_t)tp ^ ((uint64_t)(uintptr_t)name >> 4)) * 0x9E3779B97F4A7C15ULL;
+    return &slot_cache[h >> 56]; /* 256 entries */
+}
+
+static PyObject *attr_slow(PyObject *obj, PyObject *name, SlotCache *entry)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (tp->tp_getattro == PyObject_GenericGetAttr) {
+        PyObject *descr = _PyType_Lookup(tp, name); /* borrowed, from the type cache */
+        if (descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type)
+            && PyObject_TypeCheck(obj, PyDescr_TYPE(descr))) {
+            PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+            if (member->type == Py_T_OBJECT_EX && (member->flags & ~Py_READONLY) == 0) {
+                if (tp->tp_version_tag != 0 && VERSION_VALID(tp)) { /* the lookup above
+                                                                      assigned one if it could */
+                    entry->type = tp;
+                    entry->name = name;
+                    entry->version = tp->tp_version_tag;
+                    entry->offset = member->offset;
+                }
+                PyObject *value = *(PyObject **)((char *)obj + member->offset);
+                if (value != NULL)
+                    return Py_NewRef(value);
+            }
+        }
+    }
+    return PyObject_GetAttr(obj, name);
+}
+
+static inline PyObject *attr(PyObject *obj, PyObject *name)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    SlotCache *entry = slot_cache_entry(tp, name);
+    if (entry->type == tp && entry->name == name && entry->version == tp->tp_version_tag
+        && entry->version != 0 && VERSION_VALID(tp)) {
+        PyObject *value = *(PyObject **)((char *)obj + entry->offset);
+        if (value != NULL)
+            return Py_NewRef(value);
+        return PyObject_GetAttr(obj, name); /* an unset slot: AttributeError */
+    }
+    return attr_slow(obj, name, entry);
+}
+
 /* --- names bound at setup ------------------------------------------------------------------ */
 
 /* Classes and constants from the setup namespace (strong references, replaced at each setup). */
@@ -109,6 +190,7 @@ fail:
 
 int kv_decide_init(void)
 {
+    memset(slot_cache, 0, sizeof slot_cache);
 #define KV_INTERN_NAME(n)                                                                        \
     if (keep(&S_##n, PyUnicode_InternFromString(#n)) < 0)                                        \
         return -1;
@@ -213,7 +295,7 @@ static int whole(PyObject *v)
  * Python, *out is NULL), or -1 on error. */
 static int state_dict(PyObject *state, PyObject *name, PyObject **out)
 {
-    PyObject *value = PyObject_GetAttr(state, name);
+    PyObject *value = attr(state, name);
     *out = NULL;
     if (value == NULL)
         return -1;
@@ -230,7 +312,7 @@ static int state_dict(PyObject *state, PyObject *name, PyObject **out)
  * sequences (len, index, iterate, slice), so a tuple of the same items reads the same. */
 static int command_seq(PyObject *cmd, PyObject *name, PyObject **out)
 {
-    PyObject *value = PyObject_GetAttr(cmd, name);
+    PyObject *value = attr(cmd, name);
     *out = NULL;
     if (value == NULL)
         return -1;
@@ -250,7 +332,7 @@ static int command_seq(PyObject *cmd, PyObject *name, PyObject **out)
 /* Attribute read as a truth value: 1, 0, -1 on error. */
 static int attr_true(PyObject *obj, PyObject *name)
 {
-    PyObject *value = PyObject_GetAttr(obj, name);
+    PyObject *value = attr(obj, name);
     if (value == NULL)
         return -1;
     int r = PyObject_IsTrue(value);
@@ -261,10 +343,10 @@ static int attr_true(PyObject *obj, PyObject *name)
 /* state.config.<name> (new reference). */
 static PyObject *config_attr(PyObject *state, PyObject *name)
 {
-    PyObject *config = PyObject_GetAttr(state, S_config);
+    PyObject *config = attr(state, S_config);
     if (config == NULL)
         return NULL;
-    PyObject *value = PyObject_GetAttr(config, name);
+    PyObject *value = attr(config, name);
     Py_DECREF(config);
     return value;
 }
@@ -273,14 +355,14 @@ static PyObject *config_attr(PyObject *state, PyObject *name)
  * (cpu_blocks > 0) is evaluated here rather than through a Python frame. */
 static int offload_enabled(PyObject *state)
 {
-    PyObject *config = PyObject_GetAttr(state, S_config), *value;
+    PyObject *config = attr(state, S_config), *value;
     int r = -1;
     if (config == NULL)
         return -1;
     if ((PyObject *)Py_TYPE(config) == Config_cls) {
-        if ((value = PyObject_GetAttr(config, S_cpu_blocks)) != NULL)
+        if ((value = attr(config, S_cpu_blocks)) != NULL)
             r = PyObject_RichCompareBool(value, int_zero, Py_GT);
-    } else if ((value = PyObject_GetAttr(config, S_enabled)) != NULL) {
+    } else if ((value = attr(config, S_enabled)) != NULL) {
         r = PyObject_IsTrue(value);
     }
     Py_XDECREF(value);
@@ -293,8 +375,8 @@ static int offload_enabled(PyObject *state)
 static PyObject *job_abandoned(PyObject *job)
 {
     if ((PyObject *)Py_TYPE(job) != Job_cls)
-        return PyObject_GetAttr(job, S_abandoned);
-    PyObject *st = PyObject_GetAttr(job, S_state);
+        return attr(job, S_abandoned);
+    PyObject *st = attr(job, S_state);
     if (st == NULL)
         return NULL;
     PyObject *r = PyBool_FromLong(st == ABANDONED_state);
@@ -336,7 +418,7 @@ static PyObject *dict_item(PyObject *d, PyObject *key)
 /* state.last_job_id + 1 */
 static PyObject *next_job_id(PyObject *state)
 {
-    PyObject *last = PyObject_GetAttr(state, S_last_job_id);
+    PyObject *last = attr(state, S_last_job_id);
     if (last == NULL)
         return NULL;
     PyObject *job_id = PyNumber_Add(last, int_one);
@@ -394,7 +476,7 @@ static int emit(Decision *dc, PyObject *cls, PyObject *names, PyObject *const *v
 {
     PyObject *args[MAX_FIELDS];
     Py_ssize_t n = PyTuple_GET_SIZE(names);
-    args[0] = PyObject_GetAttr(dc->state, S_next_seq);
+    args[0] = attr(dc->state, S_next_seq);
     if (args[0] == NULL)
         return -1;
     for (Py_ssize_t i = 1; i < n; i++)
@@ -450,7 +532,7 @@ static int is_resident(PyObject *slot_of, PyObject *pending, PyObject *h)
 /* req.offered truthy: emit PinsReleased(request_id=request_id, hashes=req.offered). */
 static int release_offered(Decision *dc, PyObject *req, PyObject *request_id)
 {
-    PyObject *offered = PyObject_GetAttr(req, S_offered);
+    PyObject *offered = attr(req, S_offered);
     if (offered == NULL)
         return -1;
     int r = PyObject_IsTrue(offered);
@@ -479,8 +561,8 @@ static PyObject *decide_lookup(Decision *dc, PyObject *cmd)
         answer = r == 0 ? defer() : NULL;
         goto done;
     }
-    if ((request_id = PyObject_GetAttr(cmd, S_request_id)) == NULL
-        || (num_tokens = PyObject_GetAttr(cmd, S_num_tokens)) == NULL)
+    if ((request_id = attr(cmd, S_request_id)) == NULL
+        || (num_tokens = attr(cmd, S_num_tokens)) == NULL)
         goto done;
     r = whole(num_tokens) ? PyObject_RichCompareBool(num_tokens, int_zero, Py_LT) : 1;
     if (r != 0) {
@@ -488,7 +570,7 @@ static PyObject *decide_lookup(Decision *dc, PyObject *cmd)
             PyErr_Format(Rejected_exc, "lookup of request %S: num_tokens must be >= 0", request_id);
         goto done;
     }
-    if ((skip = PyObject_GetAttr(cmd, S_device_hit_blocks)) == NULL)
+    if ((skip = attr(cmd, S_device_hit_blocks)) == NULL)
         goto done;
     r = whole(skip) ? PyObject_RichCompareBool(skip, int_zero, Py_LT) : 1;
     if (r != 0) {
@@ -601,18 +683,23 @@ static int check_block_ids(PyObject *blocks)
                 break;
         }
         if (i == n) {
-            for (i = 1; i < n; i++) { /* insertion sort: n is small */
-                long long x = v[i];
-                Py_ssize_t j = i;
-                for (; j > 0 && v[j - 1] > x; j--)
-                    v[j] = v[j - 1];
-                v[j] = x;
-            }
-            for (i = 1; i < n; i++)
-                if (v[i] == v[i - 1]) {
-                    PyErr_SetString(Rejected_exc, "a device block is named twice in one call");
-                    return -1;
+            Py_ssize_t rising = 1; /* strictly increasing already (a range, say): sorted, */
+            while (rising < n && v[rising - 1] < v[rising]) /* and no value twice */
+                rising++;
+            if (rising < n) {
+                for (i = 1; i < n; i++) { /* insertion sort: n is small */
+                    long long x = v[i];
+                    Py_ssize_t j = i;
+                    for (; j > 0 && v[j - 1] > x; j--)
+                        v[j] = v[j - 1];
+                    v[j] = x;
                 }
+                for (i = 1; i < n; i++)
+                    if (v[i] == v[i - 1]) {
+                        PyErr_SetString(Rejected_exc, "a device block is named twice in one call");
+                        return -1;
+                    }
+            }
             if (n && v[0] < 0) {
                 PyErr_Format(Rejected_exc, "device block %lld is not a block id", v[0]);
                 return -1;
@@ -670,7 +757,7 @@ static int same_store(PyObject *job, PyObject *d, PyObject *allow_same_store)
 {
     PyObject *direction = NULL, *blocks = NULL, *index = NULL, *hashes = NULL, *stored = NULL;
     int r;
-    if ((direction = PyObject_GetAttr(job, S_direction)) == NULL)
+    if ((direction = attr(job, S_direction)) == NULL)
         return -1;
     r = PyObject_RichCompareBool(direction, STORE_str, Py_EQ);
     Py_DECREF(direction);
@@ -688,9 +775,9 @@ static int same_store(PyObject *job, PyObject *d, PyObject *allow_same_store)
     if ((r = PyDict_Contains(allow_same_store, d)) <= 0)
         return r;
     r = -1;
-    if ((blocks = PyObject_GetAttr(job, S_device_blocks)) == NULL
+    if ((blocks = attr(job, S_device_blocks)) == NULL
         || (index = PyObject_CallMethodOneArg(blocks, S_index, d)) == NULL
-        || (hashes = PyObject_GetAttr(job, S_hashes)) == NULL
+        || (hashes = attr(job, S_hashes)) == NULL
         || (stored = PyObject_GetItem(hashes, index)) == NULL)
         goto done;
     PyObject *asked = PyDict_GetItemWithError(allow_same_store, d); /* borrowed */
@@ -723,7 +810,7 @@ static int check_device_blocks(PyObject *state, PyObject *blocks, PyObject *allo
         return 0;
     if (check_block_ids(blocks) < 0)
         return -1;
-    if ((held = PyObject_GetAttr(state, S_held)) == NULL)
+    if ((held = attr(state, S_held)) == NULL)
         goto done;
     if (!PyDict_CheckExact(held)) { /* the deciders checked it before anything happened */
         PyErr_SetString(PyExc_SystemError, "kvflow._native: state.held is not a dict");
@@ -739,7 +826,7 @@ static int check_device_blocks(PyObject *state, PyObject *blocks, PyObject *allo
         result = 0;
         goto done;
     }
-    if ((jobs = PyObject_GetAttr(state, S_jobs)) == NULL)
+    if ((jobs = attr(state, S_jobs)) == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *d = PyTuple_GET_ITEM(blocks, i);
@@ -752,7 +839,7 @@ static int check_device_blocks(PyObject *state, PyObject *blocks, PyObject *allo
         Py_INCREF(job_id);
         PyObject *job = PyObject_GetItem(jobs, job_id), *direction = NULL;
         r = job == NULL ? -1 : same_store(job, d, allow_same_store);
-        if (r == 0 && (direction = PyObject_GetAttr(job, S_direction)) != NULL)
+        if (r == 0 && (direction = attr(job, S_direction)) != NULL)
             PyErr_Format(BlockHeld_exc,
                          "device block %S is held by live %S job %S; "
                          "wait for the job to finish before reusing it",
@@ -786,7 +873,7 @@ static PyObject *decide_accept_hits(Decision *dc, PyObject *cmd)
         answer = r == 0 ? defer() : NULL;
         goto done;
     }
-    if ((request_id = PyObject_GetAttr(cmd, S_request_id)) == NULL)
+    if ((request_id = attr(cmd, S_request_id)) == NULL)
         goto done;
     Py_ssize_t n = PyTuple_GET_SIZE(blocks);
     if ((r = offload_enabled(state)) <= 0) {
@@ -808,7 +895,7 @@ static PyObject *decide_accept_hits(Decision *dc, PyObject *cmd)
                          request_id);
         goto done;
     }
-    if ((offered = PyObject_GetAttr(req, S_offered)) == NULL)
+    if ((offered = attr(req, S_offered)) == NULL)
         goto done;
     Py_ssize_t num_offered = PyObject_Size(offered);
     if (num_offered < 0)
@@ -852,8 +939,8 @@ done:
 /* policy.victims(wanted, state.evictable) */
 static PyObject *policy_victims(PyObject *state, PyObject *wanted)
 {
-    PyObject *policy = PyObject_GetAttr(state, S_policy);
-    PyObject *evictable = policy == NULL ? NULL : PyObject_GetAttr(state, S_evictable);
+    PyObject *policy = attr(state, S_policy);
+    PyObject *evictable = policy == NULL ? NULL : attr(state, S_evictable);
     PyObject *victims = NULL;
     if (evictable != NULL)
         victims = PyObject_CallMethodObjArgs(policy, S_victims, wanted, evictable, NULL);
@@ -875,10 +962,10 @@ static PyObject *victims_up_to(PyObject *state, Py_ssize_t wanted)
     /* fewer than wanted: as many as are evictable */
     Py_CLEAR(victims);
     Py_ssize_t num_evictable = 0;
-    if ((policy = PyObject_GetAttr(state, S_policy)) == NULL
+    if ((policy = attr(state, S_policy)) == NULL
         || (resident = PyObject_CallMethodNoArgs(policy, S_resident)) == NULL
         || (it = PyObject_GetIter(resident)) == NULL
-        || (evictable = PyObject_GetAttr(state, S_evictable)) == NULL)
+        || (evictable = attr(state, S_evictable)) == NULL)
         goto done;
     while ((h = PyIter_Next(it)) != NULL) {
         PyObject *yes = PyObject_CallOneArg(evictable, h);
@@ -990,9 +1077,12 @@ static int int_key(PyObject *h, IntKey *key)
 /* The block-by-block walk of _decide_store (DESIGN §7 step 3, see decide_store). */
 typedef struct {
     /* `seen`: the hashes admitted so far (it also gets the block that is rejected, but the
-     * walk stops there). For a small command of exact ints (the usual case) membership is a
-     * scan of C keys, the same verdict as the set's; otherwise a real set. */
+     * walk stops there). For a small command of exact ints (the usual case) membership is
+     * looked up in a small hash table of C keys, the same verdict as the set's; otherwise a
+     * real set. */
     IntKey *keys;         /* keys[i] of hashes[i] when scanning, else NULL */
+    unsigned char table[2 * SMALL]; /* with keys: open addressing over the admitted
+                                     * positions, position + 1 per used cell, 0 = empty */
     PyObject *seen;       /* the set when not scanning */
     Py_ssize_t *admit;    /* positions of the admitted blocks, in order */
     Py_ssize_t admitted;
@@ -1002,25 +1092,33 @@ typedef struct {
     Py_ssize_t rejected_from;
 } StoreWalk;
 
+/* The cell of key k in w->table: where it is, or the empty cell where it would go. */
+static unsigned char *seen_cell(StoreWalk *w, IntKey k)
+{
+    size_t mask = 2 * SMALL - 1, c = (size_t)((k.bits * 0x9E3779B97F4A7C15ULL) >> 57) & mask;
+    for (;; c = (c + 1) & mask) { /* never full: at most SMALL of 2 * SMALL cells are used */
+        unsigned char p = w->table[c];
+        if (p == 0)
+            return &w->table[c];
+        IntKey o = w->keys[p - 1];
+        if (o.bits == k.bits && o.negative == k.negative)
+            return &w->table[c];
+    }
+}
+
 /* `h in seen` for hashes[i]: 1, 0, -1 on error. */
 static int walk_seen(StoreWalk *w, PyObject *hashes, Py_ssize_t i)
 {
     if (w->keys == NULL)
         return PySequence_Contains(w->seen, PyTuple_GET_ITEM(hashes, i));
-    IntKey k = w->keys[i];
-    for (Py_ssize_t j = 0; j < w->admitted; j++) {
-        IntKey o = w->keys[w->admit[j]];
-        if (o.bits == k.bits && o.negative == k.negative)
-            return 1;
-    }
-    return 0;
+    return *seen_cell(w, w->keys[i]) != 0;
 }
 
 /* The walk: fills w (admitted positions, victims, rejected_from). 0 / -1. */
 static int store_walk(StoreWalk *w, PyObject *state, PyObject *entries, PyObject *hashes)
 {
     Py_ssize_t n = PyTuple_GET_SIZE(hashes);
-    PyObject *free = PyObject_GetAttr(state, S_free_slots);
+    PyObject *free = attr(state, S_free_slots);
     if (free == NULL)
         return -1;
     Py_ssize_t free_avail = PyObject_Size(free);
@@ -1063,6 +1161,8 @@ static int store_walk(StoreWalk *w, PyObject *state, PyObject *entries, PyObject
             if (r < 0)
                 return -1;
         }
+        if (w->keys != NULL) /* seen.add(h) */
+            *seen_cell(w, w->keys[i]) = (unsigned char)(i + 1);
         w->admit[w->admitted++] = i;
     }
     return 0;
@@ -1109,7 +1209,7 @@ static int reject_rest(Decision *dc, PyObject *request_id, PyObject *hashes, PyO
             || PyList_Append(rej_blocks, d) < 0)
             goto done;
     }
-    if ((capacity = PyObject_GetAttr(dc->state, S_capacity)) == NULL
+    if ((capacity = attr(dc->state, S_capacity)) == NULL
         || (t_hashes = PyList_AsTuple(rej_hashes)) == NULL
         || (t_blocks = PyList_AsTuple(rej_blocks)) == NULL
         || (reason = PyUnicode_FromFormat(
@@ -1143,7 +1243,7 @@ static PyObject *decide_store(Decision *dc, PyObject *request_id, PyObject *hash
     Py_ssize_t n = PyTuple_GET_SIZE(hashes), nd = PyTuple_GET_SIZE(blocks);
     Py_ssize_t admit_small[SMALL];
     IntKey keys_small[SMALL];
-    StoreWalk w = {NULL, NULL, admit_small, 0, NULL, NULL, NULL, -1};
+    StoreWalk w = {NULL, {0}, NULL, admit_small, 0, NULL, NULL, NULL, -1};
     int r, disjoint = 1;
 
     if ((r = state_dict(state, S_requests, &requests)) <= 0
@@ -1218,7 +1318,7 @@ static PyObject *decide_store(Decision *dc, PyObject *request_id, PyObject *hash
         Py_CLEAR(t_slots);
     }
     if (w.admitted) {
-        if ((free = PyObject_GetAttr(state, S_free_slots)) == NULL
+        if ((free = attr(state, S_free_slots)) == NULL
             || (job_id = next_job_id(state)) == NULL
             || (t_hashes = tuple_at(hashes, w.admit, w.admitted)) == NULL
             || (t_blocks = tuple_at(blocks, w.admit, w.admitted)) == NULL
@@ -1290,7 +1390,7 @@ static PyObject *decide_blocks_computed(Decision *dc, PyObject *cmd)
             answer = Py_NewRef(Py_None);
         goto done;
     }
-    if ((request_id = PyObject_GetAttr(cmd, S_request_id)) != NULL)
+    if ((request_id = attr(cmd, S_request_id)) != NULL)
         answer = decide_store(dc, request_id, hashes, blocks);
 done:
     Py_XDECREF(request_id);
@@ -1348,7 +1448,7 @@ static PyObject *decide_touch(Decision *dc, PyObject *cmd)
     if (touched == NULL)
         goto done;
     if (PyTuple_GET_SIZE(touched)) {
-        if ((reuse = PyObject_GetAttr(cmd, S_reuse)) == NULL)
+        if ((reuse = attr(cmd, S_reuse)) == NULL)
             goto done;
         PyObject *values[] = {touched, reuse};
         if (emit(dc, BlocksTouched_cls, KW_BlocksTouched, values) < 0)
@@ -1375,7 +1475,7 @@ static PyObject *transfer_job(PyObject *job)
     PyObject *values[6] = {NULL};
     PyObject *out = NULL;
     for (int i = 0; i < 6; i++)
-        if ((values[i] = PyObject_GetAttr(job, *names[i])) == NULL)
+        if ((values[i] = attr(job, *names[i])) == NULL)
             goto done;
     out = PyObject_Vectorcall(TransferJob_cls, values, 0, KW_TransferJob);
 done:
@@ -1414,7 +1514,7 @@ static PyObject *decide_plan_step(Decision *dc, PyObject *cmd)
             goto done;
         PyList_SET_ITEM(transfer, i, tj);
     }
-    if ((now = PyObject_GetAttr(cmd, S_now_ms)) == NULL
+    if ((now = attr(cmd, S_now_ms)) == NULL
         || (now_ms = PyNumber_Float(now)) == NULL
         || (deadline = config_attr(state, S_job_deadline_ms)) == NULL
         || (sum = PyNumber_Add(now, deadline)) == NULL
@@ -1440,7 +1540,7 @@ done:
 /* state.<name>.get(key): 1 with *out a new reference, 0 when absent, -1 on error. */
 static int state_get(PyObject *state, PyObject *name, PyObject *key, PyObject **out)
 {
-    PyObject *mapping = PyObject_GetAttr(state, name), *value;
+    PyObject *mapping = attr(state, name), *value;
     *out = NULL;
     if (mapping == NULL)
         return -1;
@@ -1477,7 +1577,7 @@ static int maybe_close(Decision *dc, PyObject *request_id)
         result = r;
         goto done;
     }
-    if ((jobs = PyObject_GetAttr(req, S_jobs)) == NULL || (r = PyObject_IsTrue(jobs)) < 0)
+    if ((jobs = attr(req, S_jobs)) == NULL || (r = PyObject_IsTrue(jobs)) < 0)
         goto done;
     if (r) {
         result = 0;
@@ -1499,6 +1599,28 @@ done:
 
 /* --- decide_job_result ---------------------------------------------------------------------- */
 
+/* a <op> b for two ids or counts: compared as C integers when both are exact ints that fit
+ * in a long long (the same verdict), else through PyObject_RichCompareBool. 1, 0, -1. */
+static int compare(PyObject *a, PyObject *b, int op)
+{
+    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
+        int oa = 0, ob = 0;
+        long long x = PyLong_AsLongLongAndOverflow(a, &oa);
+        long long y = PyLong_AsLongLongAndOverflow(b, &ob);
+        if (!oa && !ob) {
+            switch (op) {
+            case Py_LT: return x < y;
+            case Py_LE: return x <= y;
+            case Py_EQ: return x == y;
+            case Py_NE: return x != y;
+            case Py_GT: return x > y;
+            case Py_GE: return x >= y;
+            }
+        }
+    }
+    return PyObject_RichCompareBool(a, b, op);
+}
+
 /* The checks decide_job_result and decide_job_results share, in their order:
  * `not _whole(res.job_id) or not 0 < res.job_id <= last` -> UnknownJob, then
  * `not _whole(res.rank) or not 0 <= res.rank < world` -> Rejected. 0 with new references
@@ -1508,20 +1630,20 @@ static int check_result_ids(PyObject *res, PyObject *last, PyObject *world,
 {
     PyObject *job_id = NULL, *rank = NULL;
     *job_id_out = *rank_out = NULL;
-    if ((job_id = PyObject_GetAttr(res, S_job_id)) == NULL)
+    if ((job_id = attr(res, S_job_id)) == NULL)
         return -1;
     int r = whole(job_id);
-    if (r > 0 && (r = PyObject_RichCompareBool(int_zero, job_id, Py_LT)) > 0)
-        r = PyObject_RichCompareBool(job_id, last, Py_LE);
+    if (r > 0 && (r = compare(int_zero, job_id, Py_LT)) > 0)
+        r = compare(job_id, last, Py_LE);
     if (r == 0)
         PyErr_Format(UnknownJob_exc, "result for unknown job %R (last issued: %S)", job_id, last);
-    if (r <= 0 || (rank = PyObject_GetAttr(res, S_rank)) == NULL) {
+    if (r <= 0 || (rank = attr(res, S_rank)) == NULL) {
         Py_DECREF(job_id);
         return -1;
     }
     r = whole(rank);
-    if (r > 0 && (r = PyObject_RichCompareBool(int_zero, rank, Py_LE)) > 0)
-        r = PyObject_RichCompareBool(rank, world, Py_LT);
+    if (r > 0 && (r = compare(int_zero, rank, Py_LE)) > 0)
+        r = compare(rank, world, Py_LT);
     if (r == 0)
         PyErr_Format(Rejected_exc, "result for job %S: rank %R outside world size %S", job_id,
                      rank, world);
@@ -1538,7 +1660,7 @@ static int check_result_ids(PyObject *res, PyObject *last, PyObject *world,
 /* job.state is JobState.QUEUED: 1, 0, -1 on error. */
 static int job_is_queued(PyObject *job)
 {
-    PyObject *st = PyObject_GetAttr(job, S_state);
+    PyObject *st = attr(job, S_state);
     if (st == NULL)
         return -1;
     int r = st == QUEUED_state;
@@ -1549,8 +1671,8 @@ static int job_is_queued(PyObject *job)
 /* LateResultIgnored(job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error) */
 static int late_result(Decision *dc, PyObject *res, PyObject *job_id, PyObject *rank)
 {
-    PyObject *ok = PyObject_GetAttr(res, S_ok);
-    PyObject *error = ok == NULL ? NULL : PyObject_GetAttr(res, S_error);
+    PyObject *ok = attr(res, S_ok);
+    PyObject *error = ok == NULL ? NULL : attr(res, S_error);
     int r = -1;
     if (error != NULL) {
         PyObject *values[] = {job_id, rank, ok, error};
@@ -1575,7 +1697,7 @@ static int job_result(Decision *dc, PyObject *res)
     PyObject *terminal[7] = {NULL};
     int result = -1, r;
 
-    if ((last = PyObject_GetAttr(state, S_last_job_id)) == NULL
+    if ((last = attr(state, S_last_job_id)) == NULL
         || (world = config_attr(state, S_world_size)) == NULL
         || check_result_ids(res, last, world, &job_id, &rank) < 0
         || (r = state_get(state, S_jobs, job_id, &job)) < 0)
@@ -1589,10 +1711,27 @@ static int job_result(Decision *dc, PyObject *res)
             PyErr_Format(Rejected_exc, "result for job %S, which was never submitted", job_id);
         goto done;
     }
-    if ((bit = PyNumber_Lshift(int_one, rank)) == NULL
-        || (acks = PyObject_GetAttr(job, S_acks)) == NULL
-        || (mask = PyNumber_And(acks, bit)) == NULL || (r = PyObject_IsTrue(mask)) < 0)
+    /* bit = 1 << rank; job.acks & bit. With an exact int world of at most 62 ranks (so
+     * 0 <= rank < 62) and exact int acks that fit in a long long, the C bit operations give
+     * what Python's give (two's complement, as Python's ints behave). */
+    long long c_world = 0, c_rank = 0, c_acks = 0;
+    int c_ints = 0;
+    if ((acks = attr(job, S_acks)) == NULL)
         goto done;
+    if (PyLong_CheckExact(world) && PyLong_CheckExact(rank) && PyLong_CheckExact(acks)) {
+        int o1 = 0, o2 = 0, o3 = 0;
+        c_world = PyLong_AsLongLongAndOverflow(world, &o1);
+        c_rank = PyLong_AsLongLongAndOverflow(rank, &o2);
+        c_acks = PyLong_AsLongLongAndOverflow(acks, &o3);
+        c_ints = !o1 && !o2 && !o3 && c_world >= 1 && c_world <= 62 && c_rank >= 0
+                 && c_rank < c_world;
+    }
+    if (c_ints) {
+        r = (c_acks & (1LL << c_rank)) != 0;
+    } else if ((bit = PyNumber_Lshift(int_one, rank)) == NULL
+               || (mask = PyNumber_And(acks, bit)) == NULL || (r = PyObject_IsTrue(mask)) < 0) {
+        goto done;
+    }
     if (r) { /* this rank already reported success */
         result = late_result(dc, res, job_id, rank);
         goto done;
@@ -1600,16 +1739,16 @@ static int job_result(Decision *dc, PyObject *res)
     if ((terminal[0] = job_abandoned(job)) == NULL)
         goto done;
     for (int i = 1; i < 7; i++)
-        if ((terminal[i] = PyObject_GetAttr(job, *terminal_names[i])) == NULL)
+        if ((terminal[i] = attr(job, *terminal_names[i])) == NULL)
             goto done;
     /* request_id = None if job.abandoned else job.request_id */
     if ((r = PyObject_IsTrue(terminal[0])) < 0)
         goto done;
     request_id = Py_NewRef(r ? Py_None : terminal[3]);
-    if ((ok = PyObject_GetAttr(res, S_ok)) == NULL || (r = PyObject_IsTrue(ok)) < 0)
+    if ((ok = attr(res, S_ok)) == NULL || (r = PyObject_IsTrue(ok)) < 0)
         goto done;
     if (!r) {
-        if ((error = PyObject_GetAttr(res, S_error)) == NULL || (r = PyObject_IsTrue(error)) < 0)
+        if ((error = attr(res, S_error)) == NULL || (r = PyObject_IsTrue(error)) < 0)
             goto done;
         PyObject *values[] = {rank, r ? error : str_unknown_error, terminal[0], terminal[1],
                               terminal[2], terminal[3], terminal[4], terminal[5], terminal[6]};
@@ -1617,12 +1756,16 @@ static int job_result(Decision *dc, PyObject *res)
             goto done;
     } else {
         /* job.acks | bit == (1 << world_size) - 1 */
-        PyObject *shifted = PyNumber_Lshift(int_one, world);
-        full = shifted == NULL ? NULL : PyNumber_Subtract(shifted, int_one);
-        Py_XDECREF(shifted);
-        if (full == NULL || (all = PyNumber_Or(acks, bit)) == NULL
-            || (r = PyObject_RichCompareBool(all, full, Py_EQ)) < 0)
-            goto done;
+        if (c_ints) {
+            r = (c_acks | (1LL << c_rank)) == (1LL << c_world) - 1;
+        } else {
+            PyObject *shifted = PyNumber_Lshift(int_one, world);
+            full = shifted == NULL ? NULL : PyNumber_Subtract(shifted, int_one);
+            Py_XDECREF(shifted);
+            if (full == NULL || (all = PyNumber_Or(acks, bit)) == NULL
+                || (r = PyObject_RichCompareBool(all, full, Py_EQ)) < 0)
+                goto done;
+        }
         if (r) {
             PyObject *values[] = {rank, terminal[0], terminal[1], terminal[2], terminal[3],
                                   terminal[4], terminal[5], terminal[6]};
@@ -1673,7 +1816,7 @@ static PyObject *decide_job_results(Decision *dc, PyObject *cmd)
         answer = r == 0 ? defer() : NULL;
         goto done;
     }
-    if ((last = PyObject_GetAttr(state, S_last_job_id)) == NULL
+    if ((last = attr(state, S_last_job_id)) == NULL
         || (world = config_attr(state, S_world_size)) == NULL)
         goto done;
     Py_ssize_t n = PyTuple_GET_SIZE(results);
@@ -1716,7 +1859,7 @@ static PyObject *decide_finish(Decision *dc, PyObject *cmd)
         answer = r == 0 ? defer() : NULL;
         goto done;
     }
-    if ((request_id = PyObject_GetAttr(cmd, S_request_id)) == NULL)
+    if ((request_id = attr(cmd, S_request_id)) == NULL)
         goto done;
     req = PyDict_GetItemWithError(requests, request_id);
     if (req == NULL) {
@@ -1735,7 +1878,7 @@ static PyObject *decide_finish(Decision *dc, PyObject *cmd)
         goto done;
     }
     if (release_offered(dc, req, request_id) < 0
-        || (preempted = PyObject_GetAttr(cmd, S_preempted)) == NULL)
+        || (preempted = attr(cmd, S_preempted)) == NULL)
         goto done;
     PyObject *values[] = {request_id, preempted};
     if (emit(dc, RequestFinished_cls, KW_RequestFinished, values) < 0

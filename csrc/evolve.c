@@ -103,6 +103,58 @@ static PyObject *getattr_fast(PyObject *obj, PyObject *name)
     return PyObject_GetAttr(obj, name);
 }
 
+/* obj.name = value. The mirror of getattr_fast: a slot (a member descriptor of obj's type,
+ * found first in the MRO as PyObject_GenericSetAttr finds it) is stored directly, as
+ * PyMember_SetOne does; anything else goes through PyObject_SetAttr. */
+static int setattr_fast(PyObject *obj, PyObject *name, PyObject *value)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (tp->tp_setattro == PyObject_GenericSetAttr) {
+        PyObject *descr = _PyType_Lookup(tp, name); /* borrowed, from the type cache */
+        if (descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
+            PyObject_TypeCheck(obj, PyDescr_TYPE(descr))) {
+            PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+            if (member->type == Py_T_OBJECT_EX && member->flags == 0) {
+                PyObject **addr = (PyObject **)((char *)obj + member->offset);
+                PyObject *old = *addr;
+                *addr = Py_NewRef(value);
+                Py_XDECREF(old);
+                return 0;
+            }
+        }
+    }
+    return PyObject_SetAttr(obj, name, value);
+}
+
+/* mapping[key] = value / del mapping[key]: the dict functions for an exact dict (what its
+ * mp_ass_subscript calls), the generic protocol otherwise. */
+static int set_item(PyObject *mapping, PyObject *key, PyObject *value)
+{
+    return PyDict_CheckExact(mapping) ? PyDict_SetItem(mapping, key, value)
+                                      : PyObject_SetItem(mapping, key, value);
+}
+
+static int del_item(PyObject *mapping, PyObject *key)
+{
+    return PyDict_CheckExact(mapping) ? PyDict_DelItem(mapping, key)
+                                      : PyObject_DelItem(mapping, key);
+}
+
+/* v + delta (delta is 1 or -1) as a new reference: for an exact int in C (the same value and
+ * type as int.__add__ gives), anything else through the number protocol. */
+static PyObject *int_step(PyObject *v, int delta)
+{
+    if (PyLong_CheckExact(v)) {
+        int overflow;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (!overflow && x > LLONG_MIN + 1 && x < LLONG_MAX - 1)
+            return PyLong_FromLongLong(x + delta);
+        if (x == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    return delta > 0 ? PyNumber_Add(v, py_one) : PyNumber_Subtract(v, py_one);
+}
+
 /* obj.name, kept; NULL on error. */
 static PyObject *get(Refs *refs, PyObject *obj, PyObject *name)
 {
@@ -271,7 +323,7 @@ static int new_job_checks(Refs *refs, PyObject *state, PyObject *job_id, PyObjec
     Py_ssize_t i, n = PyTuple_GET_SIZE(hashes);
     if ((last = get(refs, state, a_last_job_id)) == NULL)
         return -1;
-    if ((expected = keep(refs, PyNumber_Add(last, py_one))) == NULL)
+    if ((expected = keep(refs, int_step(last, 1))) == NULL)
         return -1;
     REQUIRE_FALSE(PyObject_RichCompareBool(job_id, expected, Py_NE));
     if (n == 0 || PyTuple_GET_SIZE(device_blocks) != n || PyTuple_GET_SIZE(slots) != n)
@@ -322,7 +374,11 @@ static int unpin(PyObject *pins, PyObject *hashes)
                 set_key_error(h);
             return -1;
         }
-        if ((left = PyNumber_Subtract(count, py_one)) == NULL)
+        if (count == py_one) { /* the usual case: the last pin goes (1 - 1 is falsy) */
+            APPLY(PyDict_DelItem(pins, h));
+            continue;
+        }
+        if ((left = int_step(count, -1)) == NULL)
             return -1;
         nonzero = PyObject_IsTrue(left);
         rc = nonzero < 0 ? -1 : nonzero ? PyDict_SetItem(pins, h, left) : PyDict_DelItem(pins, h);
@@ -343,13 +399,140 @@ static int lookup_attr(PyObject *obj, PyObject *name, PyObject **result)
 #endif
 }
 
-/* _policy_many: policy.<op>_many(hashes) if the policy has it (and it is not None), else
- * policy.<op>(h) for each hash in order. */
-static int policy_many(PyObject *policy, PyObject *bulk_name, PyObject *name, PyObject *hashes)
+/* --- kvflow.policies.lru.LRUPolicy, on its OrderedDict directly ---------------------------
+ * For a policy whose type is exactly LRUPolicy and whose bulk method is still the one read at
+ * setup, policy_many runs that method's body here, on policy._order (an exact OrderedDict),
+ * with the same resulting order and the same errors; any other policy (ARC, a subclass, a
+ * patched class) gets the generic call. */
+
+enum { LRU_INSERT, LRU_TOUCH, LRU_REFRESH, LRU_REMOVE, LRU_NUM_OPS };
+
+static PyObject *lru_cls = NULL;                 /* LRUPolicy, or NULL: no fast path */
+static PyObject *lru_methods[LRU_NUM_OPS];       /* LRUPolicy.<op>_many as read at setup */
+static PyObject *odict_move_to_end = NULL;       /* OrderedDict.move_to_end (a descriptor) */
+static PyObject *a__order = NULL;
+
+/* policy._order (borrowed) when the fast path applies to policy.<bulk_name>, else NULL (no
+ * error set; the generic path then runs). */
+static PyObject *lru_order(PyObject *policy, PyObject *bulk_name, int op)
 {
-    PyObject *method, *res;
+    PyTypeObject *tp = Py_TYPE(policy);
+    PyObject *descr, *order;
+    PyMemberDef *member;
+    if ((PyObject *)tp != lru_cls || tp->tp_getattro != PyObject_GenericGetAttr ||
+        _PyType_Lookup(tp, bulk_name) != lru_methods[op])
+        return NULL;
+    descr = _PyType_Lookup(tp, a__order);
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
+        PyDescr_TYPE(descr) != tp)
+        return NULL;
+    member = ((PyMemberDescrObject *)descr)->d_member;
+    if (member->type != Py_T_OBJECT_EX || (member->flags & Py_AUDIT_READ))
+        return NULL;
+    order = *(PyObject **)((char *)policy + member->offset);
+    if (order == NULL || !PyODict_CheckExact(order))
+        return NULL;
+    {   /* order.move_to_end etc. are the OrderedDict's own: nothing in its instance dict */
+        PyObject **dictptr = _PyObject_GetDictPtr(order);
+        if (dictptr != NULL && *dictptr != NULL && PyDict_GET_SIZE(*dictptr) != 0)
+            return NULL;
+    }
+    return order;
+}
+
+/* LRUPolicy.insert_many for exact-int hashes (1 done, 0 not taken: another shape, -1 error).
+ * All-or-nothing like the Python method: the first hash (in order) that is already resident
+ * or repeated raises its ValueError with the order as it was. The keys are inserted one by
+ * one as order.update(dict.fromkeys(hashes)) does; a repeat is seen when the size does not
+ * grow (every hash was checked absent before), and the keys inserted so far are removed
+ * again, so the order holds exactly the keys it held, in their order. */
+static int lru_insert_many(PyObject *order, PyObject *hashes)
+{
+    Py_ssize_t i, k, n = PyTuple_GET_SIZE(hashes), size;
+    PyObject *bad = NULL, *msg;
+    for (i = 0; i < n; i++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(hashes, i)))
+            return 0;
+    for (i = 0; i < n; i++) {
+        int found = PyDict_Contains(order, PyTuple_GET_ITEM(hashes, i));
+        if (found < 0)
+            return -1;
+        if (found)
+            break;
+    }
+    /* a repeat before the first resident hash is reported first, as Python's loop does */
+    size = PyDict_GET_SIZE(order);
+    for (k = 0; k < i; k++) {
+        if (PyODict_SetItem(order, PyTuple_GET_ITEM(hashes, k), Py_None) < 0)
+            goto undo;
+        if (PyDict_GET_SIZE(order) != size + k + 1) { /* a repeat of an earlier hash */
+            bad = PyTuple_GET_ITEM(hashes, k);
+            goto undo;
+        }
+    }
+    if (i == n)
+        return 1;
+    bad = PyTuple_GET_ITEM(hashes, i); /* already resident */
+undo:
+    {
+        /* remove what was inserted (k keys, all new), newest first; keep the error */
+        PyObject *exc_type, *exc_value, *exc_tb;
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        while (k > 0) {
+            if (PyODict_DelItem(order, PyTuple_GET_ITEM(hashes, --k)) < 0) {
+                Py_XDECREF(exc_type), Py_XDECREF(exc_value), Py_XDECREF(exc_tb);
+                return -1;
+            }
+        }
+        PyErr_Restore(exc_type, exc_value, exc_tb);
+    }
+    if (bad == NULL)
+        return -1; /* the error of a failed insert */
+    msg = PyUnicode_FromFormat("block hash %S is already resident in the lru policy", bad);
+    if (msg != NULL) {
+        PyErr_SetObject(PyExc_ValueError, msg);
+        Py_DECREF(msg);
+    }
+    return -1;
+}
+
+/* LRUPolicy.<op>_many(hashes) on order; 0 or -1. */
+static int lru_many(PyObject *order, int op, PyObject *hashes)
+{
+    Py_ssize_t i, n = PyTuple_GET_SIZE(hashes);
+    if (op == LRU_REMOVE) { /* deque(map(order.__delitem__, hashes), 0) */
+        for (i = 0; i < n; i++)
+            APPLY(PyODict_DelItem(order, PyTuple_GET_ITEM(hashes, i)));
+        return 0;
+    }
+    /* touch / refresh: deque(map(order.move_to_end, hashes), 0) */
+    for (i = 0; i < n; i++) {
+        PyObject *args[2] = {order, PyTuple_GET_ITEM(hashes, i)};
+        PyObject *res = PyObject_Vectorcall(odict_move_to_end, args, 2, NULL);
+        if (res == NULL)
+            return -1;
+        Py_DECREF(res);
+    }
+    return 0;
+}
+
+/* _policy_many: policy.<op>_many(hashes) if the policy has it (and it is not None), else
+ * policy.<op>(h) for each hash in order. op is one of LRU_* (for the LRU fast path). */
+static int policy_many(PyObject *policy, PyObject *bulk_name, PyObject *name, int op,
+                       PyObject *hashes)
+{
+    PyObject *method, *res, *order;
     Py_ssize_t i, n;
-    int found = lookup_attr(policy, bulk_name, &method);
+    int found;
+    if (lru_cls != NULL && (order = lru_order(policy, bulk_name, op)) != NULL) {
+        if (op != LRU_INSERT)
+            return lru_many(order, op, hashes);
+        found = lru_insert_many(order, hashes);
+        if (found != 0)
+            return found < 0 ? -1 : 0;
+        /* (not exact ints: the Python method) */
+    }
+    found = lookup_attr(policy, bulk_name, &method);
     if (found < 0)
         return -1;
     if (found && method != Py_None) {
@@ -377,6 +560,229 @@ static int policy_many(PyObject *policy, PyObject *bulk_name, PyObject *name, Py
     return 0;
 }
 
+/* --- Job(...) and Request(...) without running their Python __init__ --------------------
+ * Both classes use __slots__. When the class is still the one checked at setup (same
+ * __init__, object's __new__ and allocator), an instance is allocated and every slot set
+ * directly to exactly what __init__ sets; kv_evolve_init builds one of each both ways and
+ * compares every slot, and leaves the fast path off (the class is called) if they differ. */
+
+enum { J_JOB_ID, J_DIRECTION, J_REQUEST_ID, J_HASHES, J_DEVICE_BLOCKS, J_SLOTS, J_STATE,
+       J_DEADLINE_MS, J_ACKS, J_NUM };
+static const char *const job_slot_names[J_NUM] = {
+    "job_id", "direction", "request_id", "hashes", "device_blocks", "slots", "state",
+    "deadline_ms", "acks"};
+enum { R_REQUEST_ID, R_OFFERED, R_LOADING, R_JOBS, R_FINISHED, R_PREEMPTED, R_NUM };
+static const char *const request_slot_names[R_NUM] = {
+    "request_id", "offered", "loading", "jobs", "finished", "preempted"};
+
+typedef struct {
+    PyObject *cls;  /* the class (cls_Job / cls_Request) when the fast path is on, else NULL */
+    PyObject *init; /* its __init__ as checked at setup */
+    Py_ssize_t offsets[J_NUM];
+} FastClass;
+
+static FastClass fast_job = {NULL, NULL, {0}}, fast_request = {NULL, NULL, {0}};
+static PyObject *a___init__ = NULL, *float_zero = NULL, *empty_tuple = NULL;
+
+/* A new instance of fc->cls with every slot NULL, or NULL: NULL with no error set when the
+ * fast path does not apply now (the caller calls the class). */
+static PyObject *fast_alloc(FastClass *fc)
+{
+    PyTypeObject *tp = (PyTypeObject *)fc->cls;
+    if (tp == NULL || tp->tp_new != PyBaseObject_Type.tp_new ||
+        tp->tp_alloc != PyType_GenericAlloc || _PyType_Lookup(tp, a___init__) != fc->init)
+        return NULL;
+    return tp->tp_alloc(tp, 0);
+}
+
+static inline void fast_set(PyObject *obj, Py_ssize_t offset, PyObject *value)
+{
+    *(PyObject **)((char *)obj + offset) = Py_NewRef(value); /* the slot was NULL */
+}
+
+/* Job(job_id, direction, request_id, hashes, device_blocks, slots) (new reference). */
+static PyObject *new_job(PyObject *const *args, int fast)
+{
+    PyObject *job;
+    int i;
+    if (fast && (job = fast_alloc(&fast_job)) != NULL) {
+        for (i = 0; i < 6; i++)
+            fast_set(job, fast_job.offsets[i], args[i]);
+        fast_set(job, fast_job.offsets[J_STATE], js_QUEUED);
+        fast_set(job, fast_job.offsets[J_DEADLINE_MS], float_zero);
+        fast_set(job, fast_job.offsets[J_ACKS], py_zero);
+        return job;
+    }
+    if (PyErr_Occurred())
+        return NULL;
+    return PyObject_Vectorcall(cls_Job, args, 6, NULL);
+}
+
+/* Request(request_id) (new reference). */
+static PyObject *new_request(PyObject *rid, int fast)
+{
+    PyObject *req, *loading, *jobs;
+    if (fast && (req = fast_alloc(&fast_request)) != NULL) {
+        if ((loading = PyDict_New()) == NULL || (jobs = PyDict_New()) == NULL) {
+            Py_XDECREF(loading);
+            Py_DECREF(req);
+            return NULL;
+        }
+        fast_set(req, fast_request.offsets[R_REQUEST_ID], rid);
+        fast_set(req, fast_request.offsets[R_OFFERED], empty_tuple);
+        fast_set(req, fast_request.offsets[R_LOADING], loading);
+        fast_set(req, fast_request.offsets[R_JOBS], jobs);
+        fast_set(req, fast_request.offsets[R_FINISHED], Py_False);
+        fast_set(req, fast_request.offsets[R_PREEMPTED], Py_False);
+        Py_DECREF(loading);
+        Py_DECREF(jobs);
+        return req;
+    }
+    if (PyErr_Occurred())
+        return NULL;
+    return PyObject_CallOneArg(cls_Request, rid);
+}
+
+/* Set up fc for cls: its slots must be exactly `names` (object slots of its own, base
+ * object, no __dict__), read through their member descriptors. 1 when usable, 0 if not,
+ * -1 on error. */
+static int fast_class_setup(FastClass *fc, PyObject *cls, const char *const *names, int count)
+{
+    PyTypeObject *tp = (PyTypeObject *)cls;
+    PyMemberDef *m;
+    int i, seen = 0;
+    Py_CLEAR(fc->init);
+    Py_CLEAR(fc->cls);
+    if (!PyType_Check(cls) || !(tp->tp_flags & Py_TPFLAGS_HEAPTYPE) ||
+        tp->tp_base != &PyBaseObject_Type || tp->tp_dictoffset != 0 || tp->tp_itemsize != 0 ||
+        tp->tp_new != PyBaseObject_Type.tp_new || tp->tp_alloc != PyType_GenericAlloc ||
+        tp->tp_members == NULL)
+        return 0;
+    for (m = tp->tp_members; m->name != NULL; m++) {
+        for (i = 0; i < count; i++)
+            if (strcmp(m->name, names[i]) == 0)
+                break;
+        if (i == count || m->type != Py_T_OBJECT_EX || m->flags != 0 || (seen >> i) & 1)
+            return 0; /* a slot this file does not know, or of another kind */
+        seen |= 1 << i;
+        fc->offsets[i] = m->offset;
+    }
+    if (seen != (1 << count) - 1)
+        return 0;
+    for (i = 0; i < count; i++) { /* and each name reads that slot */
+        PyObject *name = PyUnicode_InternFromString(names[i]), *descr;
+        if (name == NULL)
+            return -1;
+        descr = _PyType_Lookup(tp, name);
+        Py_DECREF(name);
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
+            PyDescr_TYPE(descr) != tp ||
+            ((PyMemberDescrObject *)descr)->d_member->offset != fc->offsets[i])
+            return 0;
+    }
+    if ((fc->init = _PyType_Lookup(tp, a___init__)) == NULL)
+        return 0;
+    Py_INCREF(fc->init);
+    fc->cls = Py_NewRef(cls);
+    return 1;
+}
+
+/* Slot by slot: same type, equal values, and the very objects passed in where the class
+ * call kept them. 1 same, 0 different, -1 error. */
+static int same_slots(FastClass *fc, int count, PyObject *a, PyObject *b, PyObject *const *args,
+                      int nargs)
+{
+    int i, j;
+    for (i = 0; i < count; i++) {
+        PyObject *x = *(PyObject **)((char *)a + fc->offsets[i]);
+        PyObject *y = *(PyObject **)((char *)b + fc->offsets[i]);
+        if (x == NULL || y == NULL || Py_TYPE(x) != Py_TYPE(y))
+            return 0;
+        for (j = 0; j < nargs; j++)
+            if ((x == args[j]) != (y == args[j]))
+                return 0;
+        if (PyFloat_CheckExact(x)) { /* 0.0 is not -0.0 */
+            double dx = PyFloat_AS_DOUBLE(x), dy = PyFloat_AS_DOUBLE(y);
+            if (memcmp(&dx, &dy, sizeof(double)) != 0)
+                return 0;
+        }
+        if (x != y) {
+            int eq = PyObject_RichCompareBool(x, y, Py_EQ);
+            if (eq != 1)
+                return eq;
+        }
+    }
+    return 1;
+}
+
+/* kv_evolve_init's check of the fast Job and Request against the classes themselves. */
+static int fast_classes_init(void)
+{
+    PyObject *args[6] = {NULL}, *a = NULL, *b = NULL;
+    int i, ok, rc = -1;
+    ok = fast_class_setup(&fast_job, cls_Job, job_slot_names, J_NUM);
+    if (ok < 0)
+        return -1;
+    if (ok) {
+        args[0] = PyLong_FromLong(7);
+        args[1] = Py_NewRef(s_STORE);
+        args[2] = PyUnicode_FromString("kvflow-native-check");
+        args[3] = Py_BuildValue("(ii)", 11, 12);
+        args[4] = Py_BuildValue("(ii)", 13, 14);
+        args[5] = Py_BuildValue("(ii)", 15, 16);
+        for (i = 0; i < 6; i++)
+            if (args[i] == NULL)
+                goto done;
+        if ((a = new_job(args, 0)) == NULL || (b = new_job(args, 1)) == NULL)
+            goto done;
+        if ((ok = same_slots(&fast_job, J_NUM, a, b, args, 6)) < 0)
+            goto done;
+        if (!ok)
+            Py_CLEAR(fast_job.cls);
+        Py_CLEAR(a);
+        Py_CLEAR(b);
+    }
+    ok = fast_class_setup(&fast_request, cls_Request, request_slot_names, R_NUM);
+    if (ok < 0)
+        goto done;
+    if (ok) {
+        PyObject *c = NULL;
+        if (args[2] == NULL && (args[2] = PyUnicode_FromString("kvflow-native-check")) == NULL)
+            goto done;
+        if ((a = new_request(args[2], 0)) == NULL || (b = new_request(args[2], 1)) == NULL ||
+            (c = new_request(args[2], 1)) == NULL) {
+            Py_XDECREF(c);
+            goto done;
+        }
+        ok = same_slots(&fast_request, R_NUM, a, b, &args[2], 1);
+        /* and two requests share no dict */
+        if (ok == 1)
+            for (i = 0; i < R_NUM; i++) {
+                PyObject *x = *(PyObject **)((char *)b + fast_request.offsets[i]);
+                PyObject *y = *(PyObject **)((char *)c + fast_request.offsets[i]);
+                if (x == y && !PyUnicode_CheckExact(x) && !PyTuple_CheckExact(x) &&
+                    !PyBool_Check(x))
+                    ok = 0;
+            }
+        Py_DECREF(c);
+        if (ok < 0)
+            goto done;
+        if (!ok)
+            Py_CLEAR(fast_request.cls);
+    }
+    rc = 0;
+done:
+    if (rc < 0) {
+        Py_CLEAR(fast_job.cls);
+        Py_CLEAR(fast_request.cls);
+    }
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    for (i = 0; i < 6; i++)
+        Py_XDECREF(args[i]);
+    return rc;
+}
+
 /* _request(state, request_id) for a request_id that is not None: the existing request
  * (req, found while validating) or a new Request(request_id) added to state.requests.
  * Returns a kept reference. */
@@ -384,15 +790,15 @@ static PyObject *ensure_request(Refs *refs, PyObject *requests, PyObject *rid, P
 {
     if (req != NULL)
         return req;
-    req = keep(refs, PyObject_CallOneArg(cls_Request, rid));
+    req = keep(refs, new_request(rid, 1));
     if (req == NULL || PyDict_SetItem(requests, rid, req) < 0)
         return NULL;
     return req;
 }
 
-/* _add_job: Job(...) built by the Python class, listed as live and queued, its device blocks
- * held, and its request (created if needed) told. req: the request found while validating,
- * or NULL. */
+/* _add_job: Job(...) (as the Python class builds it), listed as live and queued, its device
+ * blocks held, and its request (created if needed) told. req: the request found while
+ * validating, or NULL. */
 static int add_job(Refs *refs, PyObject *state, PyObject *jobs, PyObject *queued,
                    PyObject *held, PyObject *requests, PyObject *req, PyObject *job_id,
                    PyObject *direction, PyObject *rid, PyObject *hashes,
@@ -401,12 +807,12 @@ static int add_job(Refs *refs, PyObject *state, PyObject *jobs, PyObject *queued
     PyObject *args[6] = {job_id, direction, rid, hashes, device_blocks, slots};
     PyObject *job, *req_jobs;
     Py_ssize_t i, n;
-    job = keep(refs, PyObject_Vectorcall(cls_Job, args, 6, NULL));
+    job = keep(refs, new_job(args, 1));
     if (job == NULL)
         return -1;
     APPLY(PyDict_SetItem(jobs, job_id, job));
     APPLY(PyDict_SetItem(queued, job_id, Py_None));
-    APPLY(PyObject_SetAttr(state, a_last_job_id, job_id));
+    APPLY(setattr_fast(state, a_last_job_id, job_id));
     n = PyTuple_GET_SIZE(device_blocks);
     for (i = 0; i < n; i++)
         APPLY(PyDict_SetItem(held, PyTuple_GET_ITEM(device_blocks, i), job_id));
@@ -416,7 +822,7 @@ static int add_job(Refs *refs, PyObject *state, PyObject *jobs, PyObject *queued
         return -1;
     if ((req_jobs = get(refs, req, a_jobs)) == NULL)
         return -1;
-    return PyObject_SetItem(req_jobs, job_id, Py_None);
+    return set_item(req_jobs, job_id, Py_None);
 }
 
 /* _release_quarantine: for s in reversed(dict.fromkeys(job.slots)), drop the job from the
@@ -580,8 +986,8 @@ static int evolve_load_queued(Refs *r, PyObject *state, PyObject *ev, int check,
     /* apply: the request's pins move from "offered" to the job (counts are unchanged) */
     if ((rest = keep(r, PyTuple_GetSlice(offered, n, PyTuple_GET_SIZE(offered)))) == NULL)
         return -1;
-    APPLY(PyObject_SetAttr(req, a_offered, rest));
-    APPLY(PyObject_SetItem(loading, job_id, hashes));
+    APPLY(setattr_fast(req, a_offered, rest));
+    APPLY(set_item(loading, job_id, hashes));
     APPLY(add_job(r, state, jobs, queued, held, requests, req, job_id, s_LOAD, rid, hashes,
                   device_blocks, slots));
     return 1;
@@ -624,8 +1030,8 @@ static int evolve_jobs_submitted(Refs *r, PyObject *state, PyObject *ev, int che
             return -1;
         }
         Py_INCREF(job);
-        rc = (PyObject_SetAttr(job, a_state, js_IN_FLIGHT) < 0 ||
-              PyObject_SetAttr(job, a_deadline_ms, deadline) < 0 ||
+        rc = (setattr_fast(job, a_state, js_IN_FLIGHT) < 0 ||
+              setattr_fast(job, a_deadline_ms, deadline) < 0 ||
               PyDict_DelItem(queued, jid) < 0) ? -1 : 0;
         Py_DECREF(job);
         APPLY(rc);
@@ -669,7 +1075,7 @@ static int evolve_rank_succeeded(Refs *r, PyObject *state, PyObject *ev, int che
     /* apply */
     if ((new_acks = keep(r, PyLong_FromLongLong(acks | bit))) == NULL)
         return -1;
-    APPLY(PyObject_SetAttr(job, a_acks, new_acks));
+    APPLY(setattr_fast(job, a_acks, new_acks));
     return 1;
 decline:
     return declined();
@@ -761,7 +1167,7 @@ static int evolve_terminal(Refs *r, PyObject *state, PyObject *ev, int check, in
     for (i = 0; i < n; i++)
         APPLY(PyDict_DelItem(held, PyTuple_GET_ITEM(device_blocks, i)));
     if (req_jobs != NULL)
-        APPLY(PyObject_DelItem(req_jobs, jid));
+        APPLY(del_item(req_jobs, jid));
     if (abandoned) { /* frees its quarantined slots; nothing becomes visible */
         APPLY(release_quarantine(quarantine, free_slots, jid, slots));
         return 1;
@@ -771,13 +1177,13 @@ static int evolve_terminal(Refs *r, PyObject *state, PyObject *ev, int check, in
         for (i = 0; i < n; i++)
             APPLY(PyDict_DelItem(pending, PyTuple_GET_ITEM(hashes, i)));
         if (kind == KIND_COMPLETED) { /* RESIDENT: visible from now on */
-            APPLY(policy_many(policy, a_insert_many, a_insert, hashes));
+            APPLY(policy_many(policy, a_insert_many, a_insert, LRU_INSERT, hashes));
         } else { /* free_slots.extend(map(slot_of.pop, reversed(hashes))) */
             for (i = n - 1; i >= 0; i--)
                 APPLY(pop_onto(slot_of, PyTuple_GET_ITEM(hashes, i), free_slots));
         }
     } else { /* a load: its pins are released, the entries stay */
-        APPLY(PyObject_DelItem(loading, jid));
+        APPLY(del_item(loading, jid));
         APPLY(unpin(pins, hashes));
     }
     return 1;
@@ -842,7 +1248,7 @@ static int evolve_evicted(Refs *r, PyObject *state, PyObject *ev, int check, int
     /* apply: free_slots.extend(map(slot_of.pop, reversed(hashes))), then the policy */
     for (i = n - 1; i >= 0; i--)
         APPLY(pop_onto(slot_of, PyTuple_GET_ITEM(hashes, i), free_slots));
-    APPLY(policy_many(policy, a_remove_many, a_remove, hashes));
+    APPLY(policy_many(policy, a_remove_many, a_remove, LRU_REMOVE, hashes));
     return 1;
 decline:
     return declined();
@@ -864,8 +1270,8 @@ static int evolve_touched(Refs *r, PyObject *state, PyObject *ev, int check, int
     NEED(reuse = get(r, ev, a_reuse));
     NEED((again = PyObject_IsTrue(reuse)) >= 0);
     /* apply: "touch" if event.reuse else "refresh" */
-    APPLY(again ? policy_many(policy, a_touch_many, a_touch, hashes)
-                : policy_many(policy, a_refresh_many, a_refresh, hashes));
+    APPLY(again ? policy_many(policy, a_touch_many, a_touch, LRU_TOUCH, hashes)
+                : policy_many(policy, a_refresh_many, a_refresh, LRU_REFRESH, hashes));
     return 1;
 decline:
     return declined();
@@ -928,14 +1334,14 @@ static int evolve_pins_acquired(Refs *r, PyObject *state, PyObject *ev, int chec
         count = PyDict_GetItemWithError(pins, h);
         if (count == NULL && PyErr_Occurred())
             return -1;
-        more = count == NULL ? PyNumber_Add(py_zero, py_one) : PyNumber_Add(count, py_one);
+        more = count == NULL ? Py_NewRef(py_one) : int_step(count, 1); /* 0 + 1 is 1 itself */
         if (more == NULL)
             return -1;
         rc = PyDict_SetItem(pins, h, more);
         Py_DECREF(more);
         APPLY(rc);
     }
-    APPLY(PyObject_SetAttr(req, a_offered, hashes));
+    APPLY(setattr_fast(req, a_offered, hashes));
     return 1;
 decline:
     return declined();
@@ -963,7 +1369,7 @@ static int evolve_pins_released(Refs *r, PyObject *state, PyObject *ev, int chec
     /* apply */
     if ((rest = keep(r, PyTuple_GetSlice(offered, 0, size - n))) == NULL)
         return -1;
-    APPLY(PyObject_SetAttr(req, a_offered, rest));
+    APPLY(setattr_fast(req, a_offered, rest));
     APPLY(unpin(pins, hashes));
     return 1;
 decline:
@@ -984,8 +1390,8 @@ static int evolve_finished(Refs *r, PyObject *state, PyObject *ev, int check, in
     NEED_FALSE(PyObject_IsTrue(flag));
     NEED(preempted = get(r, ev, a_preempted));
     /* apply */
-    APPLY(PyObject_SetAttr(req, a_finished, Py_True));
-    APPLY(PyObject_SetAttr(req, a_preempted, preempted));
+    APPLY(setattr_fast(req, a_finished, Py_True));
+    APPLY(setattr_fast(req, a_preempted, preempted));
     return 1;
 decline:
     return declined();
@@ -1054,6 +1460,174 @@ static int bind_ref(PyObject **slot, const char *name)
     return 0;
 }
 
+/* The LRU fast path's setup: LRUPolicy and its bulk methods, OrderedDict.move_to_end; then
+ * the same calls through the class and through this file on two fresh policies, the errors
+ * included, must leave the same orders and raise the same errors, or the fast path stays
+ * off. -1 only on a real error (MemoryError...). */
+static const char *const lru_method_names[LRU_NUM_OPS] = {
+    "insert_many", "touch_many", "refresh_many", "remove_many"};
+
+/* One step of the check: op(hashes) on p (through the class) and on q (here); 1 when both
+ * returned, or both raised the same exception type with the same message; 0 otherwise. */
+static int lru_check_step(PyObject *p, PyObject *q, int op, PyObject *hashes)
+{
+    PyObject *res, *t1 = NULL, *v1 = NULL, *tb1 = NULL, *t2 = NULL, *v2 = NULL, *tb2 = NULL;
+    PyObject *name;
+    int same = 0, rc;
+    if ((name = PyUnicode_InternFromString(lru_method_names[op])) == NULL)
+        return 0;
+    res = PyObject_CallMethodOneArg(p, name, hashes);
+    Py_XDECREF(res);
+    if (res == NULL)
+        PyErr_Fetch(&t1, &v1, &tb1);
+    rc = policy_many(q, name, name, op, hashes); /* (the fast path: checked by the caller) */
+    Py_DECREF(name);
+    if (rc < 0)
+        PyErr_Fetch(&t2, &v2, &tb2);
+    if ((t1 == NULL) != (t2 == NULL))
+        goto done;
+    if (t1 != NULL) {
+        PyObject *s1, *s2;
+        PyErr_NormalizeException(&t1, &v1, &tb1);
+        PyErr_NormalizeException(&t2, &v2, &tb2);
+        if (t1 != t2 || v1 == NULL || v2 == NULL)
+            goto done;
+        s1 = PyObject_Str(v1);
+        s2 = PyObject_Str(v2);
+        same = s1 != NULL && s2 != NULL && PyUnicode_Compare(s1, s2) == 0;
+        Py_XDECREF(s1);
+        Py_XDECREF(s2);
+        PyErr_Clear();
+    } else {
+        same = 1;
+    }
+done:
+    Py_XDECREF(t1), Py_XDECREF(v1), Py_XDECREF(tb1);
+    Py_XDECREF(t2), Py_XDECREF(v2), Py_XDECREF(tb2);
+    return same;
+}
+
+static int lru_init(void)
+{
+    PyObject *mod, *cls = NULL, *od = NULL, *p = NULL, *q = NULL, *lp = NULL, *lq = NULL;
+    int i, ok = 0;
+    static const struct {
+        int op;
+        const char *hashes;
+    } steps[] = {
+        {LRU_INSERT, "(lllll)"}, {LRU_TOUCH, "(ll)"},   {LRU_REFRESH, "(l)"},
+        {LRU_REMOVE, "(l)"},     {LRU_INSERT, "(ll)"},  {LRU_INSERT, "(lll)"},
+        {LRU_INSERT, "(lll)"},   {LRU_TOUCH, "(ll)"},   {LRU_REMOVE, "(ll)"},
+        {LRU_INSERT, "(l)"},
+    };
+    static const long values[][5] = {
+        {1, 2, 3, 4, 5}, {2, 4},    {1},       {3},       {6, 7},
+        {8, 9, 2},       {10, 11, 10}, {4, 99}, {5, 98},  {12},
+    };
+    Py_CLEAR(lru_cls);
+    for (i = 0; i < LRU_NUM_OPS; i++)
+        Py_CLEAR(lru_methods[i]);
+    Py_XSETREF(a__order, PyUnicode_InternFromString("_order"));
+    if (a__order == NULL)
+        return -1;
+    if ((mod = PyImport_ImportModule("collections")) == NULL)
+        return -1;
+    od = PyObject_GetAttrString(mod, "OrderedDict");
+    Py_DECREF(mod);
+    if (od == NULL)
+        return -1;
+    Py_XSETREF(odict_move_to_end, PyObject_GetAttrString(od, "move_to_end"));
+    Py_DECREF(od);
+    if (odict_move_to_end == NULL)
+        return -1;
+    if ((mod = PyImport_ImportModule("kvflow.policies.lru")) == NULL)
+        return -1;
+    cls = PyObject_GetAttrString(mod, "LRUPolicy");
+    Py_DECREF(mod);
+    if (cls == NULL)
+        return -1;
+    if (!PyType_Check(cls)) {
+        Py_DECREF(cls);
+        return 0;
+    }
+    for (i = 0; i < LRU_NUM_OPS; i++) {
+        PyObject *name = PyUnicode_InternFromString(lru_method_names[i]);
+        if (name == NULL)
+            goto error;
+        lru_methods[i] = _PyType_Lookup((PyTypeObject *)cls, name);
+        Py_DECREF(name);
+        if (lru_methods[i] == NULL)
+            goto off;
+        Py_INCREF(lru_methods[i]);
+    }
+    lru_cls = cls; /* on for the check */
+    cls = NULL;
+    if ((p = PyObject_CallNoArgs(lru_cls)) == NULL || (q = PyObject_CallNoArgs(lru_cls)) == NULL)
+        goto error;
+    for (i = 0; i < (int)(sizeof(steps) / sizeof(steps[0])); i++) {
+        const long *v = values[i];
+        PyObject *hashes = Py_BuildValue(steps[i].hashes, v[0], v[1], v[2], v[3], v[4]);
+        PyObject *name;
+        int same;
+        if (hashes == NULL)
+            goto error;
+        name = PyUnicode_InternFromString(lru_method_names[steps[i].op]);
+        if (name == NULL || lru_order(q, name, steps[i].op) == NULL) { /* the path is taken */
+            Py_XDECREF(name);
+            Py_DECREF(hashes);
+            if (PyErr_Occurred())
+                goto error;
+            goto off;
+        }
+        Py_DECREF(name);
+        same = lru_check_step(p, q, steps[i].op, hashes);
+        Py_DECREF(hashes);
+        if (PyErr_Occurred())
+            goto error;
+        if (!same)
+            goto off;
+        if ((lp = PyObject_GetAttr(p, a__order)) == NULL)
+            goto error;
+        Py_SETREF(lp, PySequence_List(lp));
+        if (lp == NULL || (lq = PyObject_GetAttr(q, a__order)) == NULL)
+            goto error;
+        Py_SETREF(lq, PySequence_List(lq));
+        if (lq == NULL)
+            goto error;
+        if (PyObject_RichCompareBool(lp, lq, Py_EQ) != 1) {
+            if (PyErr_Occurred())
+                goto error;
+            goto off;
+        }
+        Py_CLEAR(lp);
+        Py_CLEAR(lq);
+    }
+    ok = 1;
+off:
+    if (!ok) {
+        Py_CLEAR(lru_cls);
+        for (i = 0; i < LRU_NUM_OPS; i++)
+            Py_CLEAR(lru_methods[i]);
+    }
+    Py_XDECREF(cls);
+    Py_XDECREF(p);
+    Py_XDECREF(q);
+    Py_XDECREF(lp);
+    Py_XDECREF(lq);
+    return 0;
+error:
+    ok = 0;
+    Py_CLEAR(lru_cls);
+    for (i = 0; i < LRU_NUM_OPS; i++)
+        Py_CLEAR(lru_methods[i]);
+    Py_XDECREF(cls);
+    Py_XDECREF(p);
+    Py_XDECREF(q);
+    Py_XDECREF(lp);
+    Py_XDECREF(lq);
+    return -1;
+}
+
 int kv_evolve_init(void)
 {
     int i;
@@ -1079,7 +1653,13 @@ int kv_evolve_init(void)
         return -1;
     Py_XSETREF(py_zero, PyLong_FromLong(0));
     Py_XSETREF(py_one, PyLong_FromLong(1));
-    if (py_zero == NULL || py_one == NULL)
+    Py_XSETREF(float_zero, PyFloat_FromDouble(0.0));
+    Py_XSETREF(empty_tuple, PyTuple_New(0));
+    Py_XSETREF(a___init__, PyUnicode_InternFromString("__init__"));
+    if (py_zero == NULL || py_one == NULL || float_zero == NULL || empty_tuple == NULL ||
+        a___init__ == NULL)
+        return -1;
+    if (fast_classes_init() < 0 || lru_init() < 0)
         return -1;
     return 0;
 }
@@ -1113,8 +1693,9 @@ int kv_apply(PyObject *state, PyObject *event, int check)
     }
     result = evolver->fn(&refs, state, event, check, evolver->kind);
     if (result == 1) {
-        bumped = PyNumber_InPlaceAdd(next_seq, py_one);
-        if (bumped == NULL || PyObject_SetAttr(state, a_next_seq, bumped) < 0)
+        bumped = PyLong_CheckExact(next_seq) ? int_step(next_seq, 1) /* next_seq += 1 */
+                                             : PyNumber_InPlaceAdd(next_seq, py_one);
+        if (bumped == NULL || setattr_fast(state, a_next_seq, bumped) < 0)
             result = -1;
         Py_XDECREF(bumped);
     }

@@ -93,6 +93,54 @@ static PyObject *native_handle(PyObject *self, PyObject *const *args, Py_ssize_t
 /* --- manager.py's boundary normalisation (_ints / _hashes) ------------------------------ */
 
 
+/* tuple(r) for a range r whose values all fit in a long long (the values range iteration
+ * gives, computed directly); NULL with nothing raised when r is outside that (the caller
+ * then iterates), NULL with an error set on a real error. */
+static PyObject *range_tuple(PyObject *r)
+{
+    Py_ssize_t n = PyObject_Size(r);
+    if (n < 0) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError))
+            PyErr_Clear();
+        return NULL;
+    }
+    PyObject *start_obj = PyObject_GetAttrString(r, "start"), *step_obj = NULL;
+    long long start = 0, step = 0;
+    int overflow = 0, ok = 0;
+    if (start_obj != NULL && (step_obj = PyObject_GetAttrString(r, "step")) != NULL) {
+        start = PyLong_AsLongLongAndOverflow(start_obj, &overflow);
+        if (!overflow && !(start == -1 && PyErr_Occurred()))
+            step = PyLong_AsLongLongAndOverflow(step_obj, &overflow);
+        ok = !overflow && !PyErr_Occurred();
+    }
+    Py_XDECREF(start_obj);
+    Py_XDECREF(step_obj);
+    if (!ok)
+        return NULL;
+    /* the last value must fit too: start + (n - 1) * step, checked without overflowing */
+    if (n > 1) {
+        unsigned long long span = (unsigned long long)(n - 1);
+        unsigned long long mag = step < 0 ? 0ULL - (unsigned long long)step : (unsigned long long)step;
+        unsigned long long room = step < 0 ? (unsigned long long)start - (unsigned long long)LLONG_MIN
+                                            : (unsigned long long)LLONG_MAX - (unsigned long long)start;
+        if (mag != 0 && span > room / mag)
+            return NULL;
+    }
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL)
+        return NULL;
+    long long v = start;
+    for (Py_ssize_t i = 0; i < n; i++, v += (i < n ? step : 0)) {
+        PyObject *item = PyLong_FromLongLong(v);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
 /* tuple(values) of exact ints, as manager._ints: tuples and lists of exact ints and ranges
  * pass straight through; anything else goes through operator.index (bool -> int, numpy
  * integers accepted, 1.5 refused); a refusal raises Rejected naming the first values. */
@@ -107,6 +155,9 @@ static PyObject *to_ints(PyObject *values)
         if (i == n)
             return PySequence_Tuple(values); /* a tuple is returned as is */
     } else if (PyRange_Check(values)) {
+        PyObject *out = range_tuple(values);
+        if (out != NULL || PyErr_Occurred())
+            return out;
         return PySequence_Tuple(values);
     }
     PyObject *seq = PySequence_List(values);
@@ -152,6 +203,18 @@ static PyObject *native_ints(PyObject *self, PyObject *values)
     return rejected_cls == NULL ? NULL : to_ints(values);
 }
 
+/* SMALL_INT(v): the exact int v surely fits in a signed 64-bit integer, read from its size
+ * alone (a cheap test; 0 sends v to the full check). Up to 3.11 an int's Py_SIZE is its
+ * signed number of PyLong_SHIFT-bit digits; from 3.12 on, a compact int has one digit. */
+#if PY_VERSION_HEX >= 0x030C0000
+#define SMALL_INT(v) PyUnstable_Long_IsCompact((PyLongObject *)(v))
+#else
+#if PY_VERSION_HEX < 0x030B0000
+#include "longintrepr.h" /* PyLong_SHIFT (Python.h includes it from 3.11 on) */
+#endif
+#define SMALL_INT(v) (Py_ABS(Py_SIZE(v)) * PyLong_SHIFT <= 63)
+#endif
+
 /* manager._hashes: to_ints, then every value must fit in 64 bits, signed or unsigned. */
 static PyObject *native_hashes(PyObject *self, PyObject *values)
 {
@@ -161,6 +224,8 @@ static PyObject *native_hashes(PyObject *self, PyObject *values)
     Py_ssize_t n = PyTuple_GET_SIZE(out);
     for (Py_ssize_t i = 0; i < n; i++) {
         int overflow = 0;
+        if (PyLong_CheckExact(PyTuple_GET_ITEM(out, i)) && SMALL_INT(PyTuple_GET_ITEM(out, i)))
+            continue;
         PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(out, i), &overflow);
         if (overflow == 0)
             continue;

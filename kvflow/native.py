@@ -36,7 +36,10 @@ def built() -> bool:
 
 
 def available() -> bool:
-    """True when the C accelerator was built and bound."""
+    """True when the C accelerator is built and bound to the core (binding happens when
+    kvflow.state is imported; this imports it)."""
+    if _ext is not None and not _bound:
+        import kvflow.state  # noqa: F401  (binds the accelerator at the end of its import)
     return _ext is not None and _bound
 
 

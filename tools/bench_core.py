@@ -6,7 +6,11 @@ Prints, measured in this one run:
   * decision overhead: µs per block for an engine step of 256 requests / 4,096 blocks
     (lookup, accept, stores, plan, results, finish; target <= 1 µs per block).
 
-Usage: python tools/bench_core.py [--requests N] [--quick]
+Each is measured for the native core (the C accelerator, kvflow's default where it is built)
+and for the pure-Python core, and the speed-up is printed; the targets are judged on the
+native core. The engine step runs an ``OffloadManager`` with its default in-memory log.
+
+Usage: python tools/bench_core.py [--requests N] [--quick] [--core both|native|python]
 """
 
 from __future__ import annotations

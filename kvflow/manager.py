@@ -49,7 +49,6 @@ from kvflow.native import function as native_function
 from kvflow.native import handle_function as native_handle_function
 from kvflow.state import State, evolve, evolve_python
 
-
 _INT_ONLY = {int}
 
 

@@ -31,7 +31,13 @@ def _run(path: str, options: Any, show_progress: bool) -> dict[str, Any]:
 
     if not show_progress:
         return simulate(path, options)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     total = _count_lines(path)
     with Progress(

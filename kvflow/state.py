@@ -17,8 +17,8 @@ import copy
 import hashlib
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from itertools import repeat
 from enum import IntEnum
+from itertools import repeat
 from typing import Any
 
 import msgspec

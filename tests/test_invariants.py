@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-
 from core_helpers import manager, store, tokens
+
 from kvflow.manager import OffloadManager
 from kvflow.state import JobState, check_invariants
 

@@ -20,6 +20,12 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+from test_stateful import (
+    OffloadMachine,
+    OffloadMachineARC,
+    OffloadMachineLazyTwoRanks,
+    OffloadMachineTwoRanks,
+)
 
 import kvflow.native as native
 import kvflow.state as state_mod
@@ -29,12 +35,6 @@ from kvflow.events import Lookup, PinsAcquired, StoreQueued
 from kvflow.log import read_trace
 from kvflow.manager import OffloadManager
 from kvflow.state import State, evolve, evolve_python
-from test_stateful import (
-    OffloadMachine,
-    OffloadMachineARC,
-    OffloadMachineLazyTwoRanks,
-    OffloadMachineTwoRanks,
-)
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_native = pytest.mark.skipif(not native.available(), reason="kvflow._native is not built")

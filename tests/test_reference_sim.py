@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from reference_sim import COUNTER_KEYS, reference_simulate
 
 B = 4

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+from reference_sim import reference_simulate
 
 from kvflow.errors import ConfigError
 from kvflow.replay import replay
 from kvflow.simulate import SUMMARY_KEYS, SimOptions, simulate
-from reference_sim import reference_simulate
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "traces" / "workloads" / "example.jsonl"

@@ -26,10 +26,10 @@ import time
 from kvflow.config import Config
 from kvflow.events import (
     BlocksEvicted,
-    JobResult,
     BlocksTouched,
     JobCompleted,
     JobFailed,
+    JobResult,
     JobsSubmitted,
     JobTimedOut,
     LoadQueued,

@@ -60,9 +60,6 @@ class NullLog:
     def record_events(self, events: list[Event]) -> None:
         pass
 
-    def record(self, command: Command, events: list[Event], state: Any) -> None:
-        pass
-
     def after_command(self, state: Any) -> None:
         pass
 
@@ -84,12 +81,6 @@ class MemoryLog:
 
     def record_events(self, events: list[Event]) -> None:
         self.records.extend(events)
-
-    def record(self, command: Command, events: list[Event], state: Any) -> None:
-        """A whole command at once: the command, its events, then ``after_command``."""
-        records = self.records
-        records.append(command)
-        records.extend(events)
 
     def after_command(self, state: Any) -> None:
         pass
@@ -148,16 +139,6 @@ class TraceWriter:
         encode = self._encoder.encode
         self._buffer.extend(encode(e) for e in events)
         self._since_checkpoint += len(events)
-
-    def record(self, command: Command, events: list[Event], state: Any) -> None:
-        """A whole command at once: the command, its events, then ``after_command``."""
-        encode = self._encoder.encode
-        buffer = self._buffer
-        buffer.append(encode(command))
-        if events:
-            buffer.extend(map(encode, events))
-            self._since_checkpoint += len(events)
-        self.after_command(state)
 
     def after_command(self, state: Any) -> None:
         if self._since_checkpoint >= self.checkpoint_every:

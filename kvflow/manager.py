@@ -46,7 +46,6 @@ from kvflow.events import (
 )
 from kvflow.log import MemoryLog
 from kvflow.native import function as native_function
-from kvflow.native import handle_function as native_handle_function
 from kvflow.state import State, evolve, evolve_python
 
 _INT_ONLY = {int}
@@ -157,15 +156,13 @@ class OffloadManager:
         self.paranoid = paranoid
         # Paranoid runs (debugging) decide in Python: if a check fails mid-command there, the
         # events applied so far are still logged before the error propagates.
-        self._native_handle = native_handle_function() if native and not paranoid else None
+        self._native_handle = native_function("handle") if native and not paranoid else None
         self._apply = evolve if native else evolve_python
         # the same boundary normalisation, in C when the accelerator is built
         self._ints = (native and native_function("ints")) or _ints
         self._hashes = (native and native_function("hashes")) or _hashes
         self.state = State(config)
         self.log = log if log is not None else MemoryLog(config)
-        # one call per command when the log offers it (kvflow's logs do); else the three steps
-        self._record = getattr(self.log, "record", None) or self._record_in_steps
         self._notices = Notices()
         self.observers: list[Any] = []  # callables receiving each applied event
 
@@ -179,18 +176,12 @@ class OffloadManager:
             # the C deciders: decide + apply in one call; a refusal raises before any change
             result = self._native_handle(state, command, False)
             if result is not NotImplemented:
-                events = result[1]
-                self._record(command, events, state)
-                if events:
-                    notices = self._notices
-                    for event in events:
-                        if type(event) in _NOTICE_TYPES:
-                            notices.observe(event)
-                    if self.observers:
-                        self._observe(events)
+                log.record_command(command)
+                self._after(result[1])
+                log.after_command(state)
                 return result
         gen = DECIDERS[type(command)](state, command)
-        events = []
+        events: list[Event] = []
         try:
             event = next(gen)  # validation happens here: a Rejected leaves everything as is
         except StopIteration as stop:
@@ -221,17 +212,9 @@ class OffloadManager:
             for event in events:
                 if type(event) in _NOTICE_TYPES:
                     notices.observe(event)
-            self._observe(events)
-
-    def _record_in_steps(self, command: Command, events: list[Event], state: State) -> None:
-        self.log.record_command(command)
-        self.log.record_events(events)
-        self.log.after_command(state)
-
-    def _observe(self, events: list[Event]) -> None:
-        for observe in self.observers:
-            for event in events:
-                observe(event)
+            for observe in self.observers:
+                for event in events:
+                    observe(event)
 
     def take_notices(self) -> Notices:
         notices, self._notices = self._notices, Notices()

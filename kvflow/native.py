@@ -71,15 +71,9 @@ def bind() -> None:
     state._native_evolve = _ext.evolve
 
 
-def handle_function() -> Any:
-    """``_native.handle`` (decide + apply of the hot commands in C), or None."""
-    if not available():
-        return None
-    return _ext.handle  # type: ignore[union-attr]
-
-
 def function(name: str) -> Any:
-    """A function of the C accelerator by name (``ints``, ``hashes``...), or None."""
+    """A function of the C accelerator by name (``handle``, ``fold_chunk``, ``ints``...), or
+    None when the pure-Python core runs."""
     return getattr(_ext, name) if available() else None
 
 

@@ -144,13 +144,7 @@ def _parse_int(text: str, what: str) -> int:
 
 
 def _version_line() -> str:
-    """``kvflow X.Y.Z (native core)`` or ``(python core)``: whether the C accelerator of the
-    core (kvflow._native) is built for this kvflow. The core itself is not imported (start-up
-    stays short)."""
-    from kvflow.native import built
-
-    core = "native" if built() else "python"
-    return f"kvflow {__version__} ({core} core)"
+    return f"kvflow {__version__}"
 
 
 def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
@@ -162,7 +156,7 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
 @click.group(cls=KvflowGroup, invoke_without_command=True)
 @click.option(
     "--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
-    help="Show the version (and whether the native core is built) and exit.",
+    help="Show the version and exit.",
 )
 @click.pass_context
 def main(ctx: click.Context) -> None:

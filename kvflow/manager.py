@@ -45,8 +45,7 @@ from kvflow.events import (
     TransferJob,
 )
 from kvflow.log import MemoryLog
-from kvflow.native import function as native_function
-from kvflow.state import State, evolve, evolve_python
+from kvflow.state import State, evolve
 
 _INT_ONLY = {int}
 
@@ -145,22 +144,11 @@ _NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, StoreRejected, 
 class OffloadManager:
     """The offload decisions for one engine (all ranks): pure state + log + notices."""
 
-    def __init__(
-        self, config: Config, log: Any = None, *, paranoid: bool = False, native: bool = True
-    ) -> None:
+    def __init__(self, config: Config, log: Any = None, *, paranoid: bool = False) -> None:
         """``paranoid=True`` re-checks every event's legality as it is applied (tests,
-        debugging); by default the decider's own validation is trusted on the live path.
-        ``native=False`` runs the pure-Python core even when the C accelerator is built
-        (the results are identical; see kvflow.native)."""
+        debugging); by default the decider's own validation is trusted on the live path."""
         self.config = config
         self.paranoid = paranoid
-        # Paranoid runs (debugging) decide in Python: if a check fails mid-command there, the
-        # events applied so far are still logged before the error propagates.
-        self._native_handle = native_function("handle") if native and not paranoid else None
-        self._apply = evolve if native else evolve_python
-        # the same boundary normalisation, in C when the accelerator is built
-        self._ints = (native and native_function("ints")) or _ints
-        self._hashes = (native and native_function("hashes")) or _hashes
         self.state = State(config)
         self.log = log if log is not None else MemoryLog(config)
         self._notices = Notices()
@@ -172,14 +160,6 @@ class OffloadManager:
         """Decide and apply one command; returns (answer, events appended)."""
         state = self.state
         log = self.log
-        if self._native_handle is not None:
-            # the C deciders: decide + apply in one call; a refusal raises before any change
-            result = self._native_handle(state, command, False)
-            if result is not NotImplemented:
-                log.record_command(command)
-                self._after(result[1])
-                log.after_command(state)
-                return result
         gen = DECIDERS[type(command)](state, command)
         events: list[Event] = []
         try:
@@ -191,7 +171,7 @@ class OffloadManager:
         log.record_command(command)
         check = self.paranoid
         append = events.append
-        apply = self._apply
+        apply = evolve
         try:
             while True:
                 apply(state, event, check)
@@ -229,7 +209,7 @@ class OffloadManager:
         answer, _ = self.handle(
             Lookup(
                 request_id=request_id,
-                block_hashes=self._hashes(block_hashes),
+                block_hashes=_hashes(block_hashes),
                 num_tokens=num_tokens,
                 device_hit_blocks=device_hit_blocks,
             )
@@ -238,7 +218,7 @@ class OffloadManager:
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated device blocks for the first hits: queue their load."""
-        answer, _ = self.handle(AcceptHits(request_id=request_id, device_blocks=self._ints(device_blocks)))
+        answer, _ = self.handle(AcceptHits(request_id=request_id, device_blocks=_ints(device_blocks)))
         return answer  # type: ignore[no-any-return]
 
     def blocks_computed(
@@ -247,7 +227,7 @@ class OffloadManager:
         """Eager mode: store the computed blocks not yet on the tier (F3 dedupe)."""
         answer, _ = self.handle(
             BlocksComputed(
-                request_id=request_id, block_hashes=self._hashes(block_hashes), device_blocks=self._ints(device_blocks)
+                request_id=request_id, block_hashes=_hashes(block_hashes), device_blocks=_ints(device_blocks)
             )
         )
         return answer  # type: ignore[no-any-return]
@@ -255,13 +235,13 @@ class OffloadManager:
     def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
         """Lazy mode: store blocks the device cache is about to drop."""
         answer, _ = self.handle(
-            DeviceBlocksEvicting(block_hashes=self._hashes(block_hashes), device_blocks=self._ints(device_blocks))
+            DeviceBlocksEvicting(block_hashes=_hashes(block_hashes), device_blocks=_ints(device_blocks))
         )
         return answer  # type: ignore[no-any-return]
 
     def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
         """Recency for resident blocks in this order; ``reuse=False`` only reorders."""
-        answer, _ = self.handle(Touch(block_hashes=self._hashes(block_hashes), reuse=reuse))
+        answer, _ = self.handle(Touch(block_hashes=_hashes(block_hashes), reuse=reuse))
         return int(answer)
 
     def evict(self, num_blocks: int) -> int:

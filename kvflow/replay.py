@@ -16,8 +16,7 @@ from kvflow.decide import decide
 from kvflow.errors import IllegalTransition, KvflowError
 from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Event, event_name
 from kvflow.log import Checkpoint, TraceReader
-from kvflow.native import function as native_function
-from kvflow.state import State, check_invariants, evolve, evolve_python
+from kvflow.state import State, check_invariants, evolve
 
 
 @dataclass
@@ -99,14 +98,11 @@ def replay(
     redecide: bool = False,
     strict: bool = False,
     on_event: Callable[[int, Any], None] | None = None,
-    native: bool = True,
 ) -> ReplayResult:
     """Replay the trace at ``path``. Raises TraceError for unreadable files.
 
     ``strict`` checks every invariant after every event (slow; the default checks them at each
     checkpoint and at the end). ``on_event(line, event)`` observes each applied event.
-    ``native=False`` folds with the pure-Python ``evolve`` even where the C accelerator is
-    built (same result; for comparisons).
     """
     reader = TraceReader(path)
     with reader:
@@ -116,11 +112,7 @@ def replay(
         else:
             # commands are decoded and validated in full even though a fold does not use them:
             # a malformed line must stop the replay with its file and line (DESIGN §5)
-            fold_chunk = native_function("fold_chunk") if native else None
-            if fold_chunk is not None and not strict and on_event is None:
-                _fold_chunks(reader, result, until, fold_chunk)
-            else:
-                _fold(reader.records(), result, until, strict, on_event, evolve if native else evolve_python)
+            _fold(reader.records(), result, until, strict, on_event)
         result.warnings.extend(reader.warnings)
     if result.divergence is None and result.stopped_at is None:
         problems = check_invariants(result.state)
@@ -186,7 +178,6 @@ def _fold(
     until: int | None,
     strict: bool,
     on_event: Callable[[int, Any], None] | None,
-    apply: Callable[[State, Event], State] = evolve,
 ) -> None:
     state = result.state
     kinds = _KIND
@@ -202,7 +193,7 @@ def _fold(
                     return
                 if fast:
                     try:
-                        apply(state, rec)
+                        evolve(state, rec)
                     except IllegalTransition as exc:
                         result.divergence = Divergence("illegal", rec.seq, line, str(exc), recorded=rec)
                         return
@@ -221,37 +212,6 @@ def _fold(
                     return
     finally:
         result.events += applied
-    if until is not None and state.last_seq >= until:
-        result.stopped_at = state.last_seq
-
-
-def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, fold_chunk: Any) -> None:
-    """``_fold`` with the per-record loop in C (kvflow._native.fold_chunk): Python only sees
-    checkpoints, events the C evolve declines (illegal ones raise here, from evolve_python),
-    and the stop at ``until``."""
-    state = result.state
-    for numbers, recs in reader.record_chunks():
-        i, n = 0, len(recs)
-        while i < n:
-            status, i, applied, commands = fold_chunk(state, recs, i, until)
-            result.events += applied
-            result.commands += commands
-            if status == 0:
-                break
-            rec, line = recs[i], numbers[i]
-            if status == 1:  # past --until
-                result.stopped_at = state.last_seq
-                return
-            if status == 2:  # declined by C: the Python evolve applies it or names the error
-                try:
-                    evolve_python(state, rec)
-                except IllegalTransition as exc:
-                    result.divergence = Divergence("illegal", rec.seq, line, str(exc), recorded=rec)
-                    return
-                result.events += 1
-            elif not _check_point(result, line, cast(Checkpoint, rec)):
-                return
-            i += 1
     if until is not None and state.last_seq >= until:
         result.stopped_at = state.last_seq
 

@@ -76,11 +76,10 @@ def test_golden_traces_are_present() -> None:
 
 def test_version() -> None:
     from kvflow import __version__
-    from kvflow.native import core_name
 
     result = kvflow("--version")
     assert result.exit_code == 0
-    assert result.output.strip() == f"kvflow {__version__} ({core_name()} core)"
+    assert result.output.strip() == f"kvflow {__version__}"
 
 
 def test_installed_script_runs_and_imports_nothing_heavy() -> None:

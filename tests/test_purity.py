@@ -19,18 +19,17 @@ PACKAGE = ROOT / "kvflow"
 
 PURE_MODULES = [
     "kvflow.events",
-    "kvflow.state",
     "kvflow.decide",
     "kvflow.config",
     "kvflow.kvevents",  # "a function of the events" (its docstring)
-    "kvflow.native",  # binds the optional C accelerator (csrc/, itself pure: no clock/env/I/O)
-    *sorted(
-        "kvflow.policies" + ("" if p.stem == "__init__" else f".{p.stem}")
-        for p in (PACKAGE / "policies").glob("*.py")
+    *(
+        f"kvflow.{package}" + ("" if p.stem == "__init__" else f".{p.stem}")
+        for package in ("state", "policies")
+        for p in sorted((PACKAGE / package).glob("*.py"))
     ),
 ]
 # What the pure modules may import from kvflow itself (errors is plain exception classes).
-PURE_INTERNAL = {*PURE_MODULES, "kvflow.errors", "kvflow.policies", "kvflow._native"}
+PURE_INTERNAL = {*PURE_MODULES, "kvflow.errors"}
 
 FORBIDDEN = {
     "time",
@@ -215,9 +214,8 @@ def test_the_set_iteration_checker_flags_what_it_should() -> None:
 @pytest.mark.parametrize(
     "path",
     [
-        "state.py",
         "decide.py",
-        *sorted(f"policies/{p.name}" for p in (PACKAGE / "policies").glob("*.py")),
+        *(f"{package}/{p.name}" for package in ("state", "policies") for p in sorted((PACKAGE / package).glob("*.py"))),
     ],
 )
 def test_state_and_decisions_never_iterate_a_set(path: str) -> None:

@@ -602,12 +602,11 @@ def test_a_trace_streams_records_with_line_numbers(tmp_path: Path) -> None:
     assert first_line == 2 and type(first).__name__ == "BlocksComputed"
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-def test_a_store_cannot_reuse_a_device_block_still_copied_by_an_abandoned_job(native: bool) -> None:
+def test_a_store_cannot_reuse_a_device_block_still_copied_by_an_abandoned_job() -> None:
     """After a reset, an abandoned in-flight store still reads its device blocks: storing the
     same hash from the same device block again is not a duplicate (the hash left the tier)
-    and must wait until the abandoned copy reports (found by the differential tests)."""
-    m = OffloadManager(config(cpu_blocks=4), native=native)
+    and must wait until the abandoned copy reports."""
+    m = OffloadManager(config(cpu_blocks=4))
     job = m.blocks_computed("a", [1, 2], [0, 1])
     m.plan_step(0.0)
     m.reset()

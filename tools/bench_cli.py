@@ -126,9 +126,7 @@ def main() -> int:
             rps, n, elapsed = bench_simulate(workload, ["--cpu-blocks", "2000", "--device-blocks", "500", "--mode", mode, "--fault-rate", "0.01", "--seed", "1"])
             rows.append((f"simulate {mode}", f"{rps:,.0f} requests/s ({n:,} requests of the {name} in {elapsed:.2f} s)", "", ""))
 
-    from kvflow.native import core_name
-
-    print(f"kvflow bench_cli · python {sys.version.split()[0]} · {core_name()} core")
+    print(f"kvflow bench_cli · python {sys.version.split()[0]}")
     width = max(len(r[0]) for r in rows)
     for name, result, target, status in rows:
         print(f"{name:<{width}}  {result:<70} {target:<14} {status}")

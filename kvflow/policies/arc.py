@@ -186,6 +186,25 @@ class ARCPolicy:
             t1_left -= 1
         return chosen
 
+    # Bulk forms (one call per event): each is exactly the single-hash method applied to
+    # every hash in order.
+
+    def insert_many(self, hashes: tuple[int, ...]) -> None:
+        for h in hashes:
+            self.insert(h)
+
+    def touch_many(self, hashes: tuple[int, ...]) -> None:
+        for h in hashes:
+            self.touch(h)
+
+    def refresh_many(self, hashes: tuple[int, ...]) -> None:
+        for h in hashes:
+            self.refresh(h)
+
+    def remove_many(self, hashes: tuple[int, ...]) -> None:
+        for h in hashes:
+            self.remove(h)
+
     def resident(self) -> list[int]:
         """Resident hashes: ``T1`` then ``T2``, each coldest first."""
         return [*self._t1, *self._t2]

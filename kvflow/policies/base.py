@@ -27,6 +27,16 @@ class Policy(Protocol):
     def remove(self, block_hash: int) -> None:
         """``block_hash`` left the tier (evicted / reset)."""
 
+    # Bulk forms, one call per event: each must equal the single-hash method applied to
+    # every hash in order (the policy tests check it).
+    def insert_many(self, hashes: tuple[int, ...]) -> None: ...
+
+    def touch_many(self, hashes: tuple[int, ...]) -> None: ...
+
+    def refresh_many(self, hashes: tuple[int, ...]) -> None: ...
+
+    def remove_many(self, hashes: tuple[int, ...]) -> None: ...
+
     def victims(self, num_blocks: int, evictable: Callable[[int], bool]) -> list[int] | None:
         """The ``num_blocks`` hashes to evict, in eviction order, or ``None`` if fewer than
         ``num_blocks`` resident hashes are evictable (all-or-nothing, F8). Does not mutate."""

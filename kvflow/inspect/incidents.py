@@ -1,0 +1,247 @@
+"""The incident finder behind ``kvflow incidents``: every failed, timed-out or cancelled
+job of a trace, and what recovery did about it (derived from the folded state).
+
+If the trace stops folding, recovery is derived from the events alone and marked not
+verified.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow.decide import CANCELLED_BY_RESET
+from kvflow.events import (
+    COMMAND_TYPES,
+    LOAD,
+    STORE,
+    JobFailed,
+    JobTimedOut,
+    LateResultIgnored,
+)
+from kvflow.inspect.walk import JobInfo, _Walk
+from kvflow.log import Checkpoint
+from kvflow.state import State
+
+TERMINAL_FAILURES = (JobFailed, JobTimedOut)
+
+
+@dataclass
+class LateResult:
+    seq: int
+    line: int
+    rank: int
+    ok: bool
+    error: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "line": self.line,
+            "rank": self.rank,
+            "ok": self.ok,
+            "error": self.error,
+        }
+
+
+@dataclass
+class Incident:
+    """One failed, timed-out or cancelled job, and what recovery did about it."""
+
+    seq: int
+    line: int
+    step: int
+    time_ms: float | None
+    job_id: int
+    direction: str
+    outcome: str  # "failed", "timed_out", "cancelled"
+    rank: int | None
+    error: str
+    request_id: str | None
+    hashes: tuple[int, ...]
+    device_blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+    queued_seq: int | None
+    submitted_seq: int | None
+    submitted_ms: float | None
+    deadline_ms: float | None
+    ranks_succeeded: list[int]
+    abandoned_at_seq: int | None
+    recovery: dict[str, Any]
+    verified: bool
+    late_results: list[LateResult] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[str]:
+        return [] if self.request_id is None else [self.request_id]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "line": self.line,
+            "step": self.step,
+            "time_ms": self.time_ms,
+            "job_id": self.job_id,
+            "direction": self.direction,
+            "outcome": self.outcome,
+            "rank": self.rank,
+            "error": self.error,
+            "requests": self.requests,
+            "blocks": len(self.hashes),
+            "hashes": list(self.hashes),
+            "device_blocks": list(self.device_blocks),
+            "slots": list(self.slots),
+            "queued_seq": self.queued_seq,
+            "submitted_seq": self.submitted_seq,
+            "submitted_ms": self.submitted_ms,
+            "deadline_ms": self.deadline_ms,
+            "ranks_succeeded": list(self.ranks_succeeded),
+            "abandoned": self.abandoned_at_seq is not None,
+            "abandoned_at_seq": self.abandoned_at_seq,
+            "cancelled_by_reset": self.outcome == "cancelled",
+            "recovery": self.recovery,
+            "verified": self.verified,
+            "late_results": [late.to_dict() for late in self.late_results],
+        }
+
+
+@dataclass
+class IncidentReport:
+    path: str
+    incidents: list[Incident]
+    jobs: int
+    last_seq: int
+    warnings: list[str]
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return [incident.to_dict() for incident in self.incidents]
+
+
+def _recovery_from_state(
+    state: State, event: JobFailed | JobTimedOut, info: JobInfo | None, before: dict[str, Any]
+) -> dict[str, Any]:
+    free_after = set(state.free_slots)
+    held_after = state.held
+    released = [d for d in event.device_blocks if d not in held_after]
+    abandoned = info is not None and info.abandoned_at_seq is not None
+    recovery: dict[str, Any] = {}
+    if abandoned:
+        recovery["quarantined_slots_released"] = [
+            s for s in event.slots if s in before["quarantine"] and s in free_after
+        ]
+        recovery["note"] = (
+            f"abandoned by the reset at seq {info.abandoned_at_seq}: its slots stayed "  # type: ignore[union-attr]
+            "quarantined until this result; nothing became visible"
+        )
+    elif event.direction == STORE:
+        recovery["slots_freed"] = [
+            s for s in event.slots if s not in before["free"] and s in free_after
+        ]
+        recovery["hashes_never_visible"] = [h for h in event.hashes if h not in state.entries]
+    else:
+        recovery["entries_kept_resident"] = [h for h in event.hashes if state.is_resident(h)]
+        pins_before = before["pins"]
+        recovery["pins_released"] = sum(
+            pins_before.get(h, 0) - (state.entries[h].pins if h in state.entries else 0)
+            for h in dict.fromkeys(event.hashes)
+        )
+    if event.direction == LOAD:
+        recovery["recompute_device_blocks"] = list(event.device_blocks)
+    recovery["device_blocks_released"] = released
+    return recovery
+
+
+def _recovery_from_event(event: JobFailed | JobTimedOut, info: JobInfo | None) -> dict[str, Any]:
+    """What the lifecycle rules say recovery does, for a trace that no longer folds."""
+    recovery: dict[str, Any] = {}
+    if info is not None and info.abandoned_at_seq is not None:
+        recovery["quarantined_slots_released"] = list(event.slots)
+    elif event.direction == STORE:
+        recovery["slots_freed"] = list(event.slots)
+        recovery["hashes_never_visible"] = list(event.hashes)
+    else:
+        recovery["entries_kept_resident"] = list(event.hashes)
+        recovery["pins_released"] = len(event.hashes)
+    if event.direction == LOAD:
+        recovery["recompute_device_blocks"] = list(event.device_blocks)
+    recovery["device_blocks_released"] = list(event.device_blocks)
+    return recovery
+
+
+def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
+    """Every failed, timed-out or cancelled job of the trace, in seq order.
+
+    Raises :class:`~kvflow.errors.TraceError` for an unreadable trace.
+    """
+    walk = _Walk(path)
+    incidents: list[Incident] = []
+    by_job: dict[int, Incident] = {}
+    state = walk.state
+    for line, rec in walk.records():
+        kind = type(rec)
+        if kind is Checkpoint:
+            continue
+        if kind in COMMAND_TYPES:
+            walk.on_command(line, rec)
+            continue
+        if kind is JobFailed or kind is JobTimedOut:
+            before: dict[str, Any] = {}
+            folding = walk.folding
+            if folding:
+                entries = state.entries
+                before = {
+                    "free": set(state.free_slots),
+                    "quarantine": dict(state.quarantine),
+                    "pins": {h: entries[h].pins for h in rec.hashes if h in entries},
+                }
+            walk.apply(line, rec)
+            info = walk.jobs.get(rec.job_id)
+            verified = folding and walk.folding
+            if verified:
+                recovery = _recovery_from_state(state, rec, info, before)
+            else:
+                recovery = _recovery_from_event(rec, info)
+            if kind is JobTimedOut:
+                outcome, rank, error = (
+                    "timed_out",
+                    None,
+                    (f"timed out at {rec.now_ms:g} ms (deadline {rec.deadline_ms:g} ms)"),
+                )
+                time_ms: float | None = rec.now_ms
+            else:
+                cancelled = rec.rank < 0 and rec.error == CANCELLED_BY_RESET
+                outcome = "cancelled" if cancelled else "failed"
+                rank, error, time_ms = (None if rec.rank < 0 else rec.rank), rec.error, walk.time_ms
+            incident = Incident(
+                seq=rec.seq,
+                line=line,
+                step=walk.step,
+                time_ms=time_ms,
+                job_id=rec.job_id,
+                direction=rec.direction,
+                outcome=outcome,
+                rank=rank,
+                error=error,
+                request_id=rec.request_id,
+                hashes=rec.hashes,
+                device_blocks=rec.device_blocks,
+                slots=rec.slots,
+                queued_seq=None if info is None else info.queued_seq,
+                submitted_seq=None if info is None else info.submitted_seq,
+                submitted_ms=None if info is None else info.submitted_ms,
+                deadline_ms=None if info is None else info.deadline_ms,
+                ranks_succeeded=[] if info is None else list(info.ranks_succeeded),
+                abandoned_at_seq=None if info is None else info.abandoned_at_seq,
+                recovery=recovery,
+                verified=verified,
+            )
+            incidents.append(incident)
+            by_job[rec.job_id] = incident
+            continue
+        walk.apply(line, rec)
+        if kind is LateResultIgnored:
+            ended = by_job.get(rec.job_id)
+            if ended is not None:
+                ended.late_results.append(LateResult(rec.seq, line, rec.rank, rec.ok, rec.error))
+    return IncidentReport(walk.path, incidents, len(walk.jobs), walk.last_seq, walk.warnings)

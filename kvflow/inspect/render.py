@@ -1,0 +1,182 @@
+"""Rendering trace records as text: one human-readable line per record or incident.
+
+Pure formatting: nothing here reads a trace or folds state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kvflow.events import (
+    AcceptHits,
+    BlocksComputed,
+    BlocksEvicted,
+    BlocksTouched,
+    DeviceBlocksEvicting,
+    Evict,
+    FinishRequest,
+    JobCompleted,
+    JobFailed,
+    JobResult,
+    JobsSubmitted,
+    JobTimedOut,
+    LateResultIgnored,
+    LoadQueued,
+    Lookup,
+    PinsAcquired,
+    PinsReleased,
+    PlanStep,
+    RankSucceeded,
+    RequestClosed,
+    RequestFinished,
+    Reset,
+    ResetAll,
+    StoreQueued,
+    StoreRejected,
+    Tick,
+    Touch,
+    event_name,
+)
+from kvflow.log import Checkpoint
+
+if TYPE_CHECKING:
+    from kvflow.inspect.incidents import Incident
+
+
+def few(values: Any, limit: int = 4) -> str:
+    """``[1, 2, 3, 4, +5 more]``: a list short enough for one line."""
+    values = list(values)
+    shown = ", ".join(str(v) for v in values[:limit])
+    if len(values) > limit:
+        shown += f", +{len(values) - limit} more"
+    return f"[{shown}]"
+
+
+def _req(request_id: str | None) -> str:
+    return "no request" if request_id is None else f"request {request_id}"
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
+
+
+def describe(record: Any) -> str:
+    """One human-readable line for a command, event or checkpoint."""
+    r = record
+    kind = type(r)
+    if kind is StoreQueued:
+        return (
+            f"store job {r.job_id} queued for {_req(r.request_id)}: {_blocks(len(r.hashes))} "
+            f"{few(r.hashes)} from device blocks {few(r.device_blocks)} into slots {few(r.slots)}"
+        )
+    if kind is LoadQueued:
+        return (
+            f"load job {r.job_id} queued for {_req(r.request_id)}: {_blocks(len(r.hashes))} "
+            f"{few(r.hashes)} from slots {few(r.slots)} into device blocks {few(r.device_blocks)}"
+        )
+    if kind is JobsSubmitted:
+        return (
+            f"jobs {few(r.job_ids, 8)} submitted at {r.now_ms:g} ms, deadline {r.deadline_ms:g} ms"
+        )
+    if kind is RankSucceeded:
+        return f"job {r.job_id}: rank {r.rank} succeeded; waiting for the other ranks"
+    if kind is JobCompleted:
+        return f"{r.direction} job {r.job_id} completed ({_req(r.request_id)}, {_blocks(len(r.hashes))})"
+    if kind is JobFailed:
+        if r.rank < 0:
+            return f"{r.direction} job {r.job_id} CANCELLED ({r.error}; {_req(r.request_id)})"
+        return f"{r.direction} job {r.job_id} FAILED on rank {r.rank}: {r.error} ({_req(r.request_id)})"
+    if kind is JobTimedOut:
+        return (
+            f"{r.direction} job {r.job_id} TIMED OUT at {r.now_ms:g} ms "
+            f"(deadline {r.deadline_ms:g} ms; {_req(r.request_id)})"
+        )
+    if kind is LateResultIgnored:
+        outcome = "ok" if r.ok else f"error: {r.error}"
+        return f"late result for ended job {r.job_id} from rank {r.rank} ({outcome}): ignored"
+    if kind is BlocksEvicted:
+        return f"evicted ({r.reason}) {_blocks(len(r.hashes))} {few(r.hashes)} from slots {few(r.slots)}"
+    if kind is BlocksTouched:
+        return f"touched {_blocks(len(r.hashes))} {few(r.hashes)} (last = most recent)"
+    if kind is StoreRejected:
+        return f"store of {_blocks(len(r.hashes))} {few(r.hashes)} for {_req(r.request_id)} rejected: {r.reason}"
+    if kind is PinsAcquired:
+        if not r.hashes:
+            return f"lookup miss for request {r.request_id} ({r.num_tokens} tokens)"
+        return (
+            f"lookup hit: request {r.request_id} pinned {_blocks(len(r.hashes))} "
+            f"{few(r.hashes)} ({r.num_tokens} tokens)"
+        )
+    if kind is PinsReleased:
+        return f"request {r.request_id} released its offered pins on {_blocks(len(r.hashes))} {few(r.hashes)}"
+    if kind is RequestFinished:
+        return f"request {r.request_id} {'preempted' if r.preempted else 'finished'}"
+    if kind is RequestClosed:
+        return f"request {r.request_id} closed (no pins, no live jobs)"
+    if kind is Reset:
+        return f"RESET: tier cleared; in-flight jobs abandoned: {few(r.abandoned_job_ids, 8)}"
+    if kind is Lookup:
+        return (
+            f"lookup for request {r.request_id}: {_blocks(len(r.block_hashes))} "
+            f"{few(r.block_hashes)}, {r.num_tokens} tokens, device hit {r.device_hit_blocks}"
+        )
+    if kind is AcceptHits:
+        return f"request {r.request_id} accepts {len(r.device_blocks)} hits into device blocks {few(r.device_blocks)}"
+    if kind is BlocksComputed:
+        return (
+            f"{_req(r.request_id)} computed {_blocks(len(r.block_hashes))} {few(r.block_hashes)} "
+            f"in device blocks {few(r.device_blocks)}"
+        )
+    if kind is DeviceBlocksEvicting:
+        return (
+            f"device cache drops {_blocks(len(r.block_hashes))} {few(r.block_hashes)} "
+            f"from device blocks {few(r.device_blocks)}"
+        )
+    if kind is Touch:
+        return f"touch {_blocks(len(r.block_hashes))} {few(r.block_hashes)}"
+    if kind is Evict:
+        return f"evict {_blocks(r.num_blocks)} on request"
+    if kind is PlanStep:
+        return f"plan step at {r.now_ms:g} ms"
+    if kind is JobResult:
+        outcome = "ok" if r.ok else f"error: {r.error}"
+        return f"executor result: job {r.job_id} rank {r.rank} {outcome}"
+    if kind is Tick:
+        return f"tick at {r.now_ms:g} ms"
+    if kind is FinishRequest:
+        return f"request {r.request_id} {'preempted' if r.preempted else 'finished'} by the engine"
+    if kind is ResetAll:
+        return "reset requested by the engine"
+    if kind is Checkpoint:
+        return f"checkpoint: digest {r.digest} at seq {r.seq}"
+    return event_name(r)
+
+
+def to_builtins(record: Any) -> Any:
+    """A record as plain JSON data, its ``type`` tag included."""
+    return msgspec.to_builtins(record)
+
+
+def recovery_summary(incident: Incident) -> str:
+    """The recovery of one incident in one line."""
+    rec = incident.recovery
+    parts = []
+    if "quarantined_slots_released" in rec:
+        parts.append(f"quarantined slots released {few(rec['quarantined_slots_released'], 6)}")
+    if "slots_freed" in rec:
+        parts.append(f"slots freed {few(rec['slots_freed'], 6)}")
+    if "hashes_never_visible" in rec:
+        parts.append(f"{len(rec['hashes_never_visible'])} hashes never visible")
+    if "entries_kept_resident" in rec:
+        parts.append(f"{len(rec['entries_kept_resident'])} entries kept resident")
+    if "pins_released" in rec:
+        parts.append(f"{rec['pins_released']} pins released")
+    if "recompute_device_blocks" in rec:
+        parts.append(f"recompute device blocks {few(rec['recompute_device_blocks'], 6)}")
+    if incident.abandoned_at_seq is not None:
+        parts.append(f"abandoned by reset at seq {incident.abandoned_at_seq}")
+    if not incident.verified:
+        parts.append("(not verified: the trace stopped folding)")
+    return "; ".join(parts)

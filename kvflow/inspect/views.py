@@ -1,0 +1,159 @@
+"""State as JSON-ready data: the whole state at a seq, or one followed thing narrowed out
+of it (and its few-word view for ``before -> after``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvflow.inspect.render import few
+from kvflow.inspect.walk import JobInfo
+from kvflow.state import State
+
+if TYPE_CHECKING:
+    from kvflow.inspect.history import Selector
+
+
+def entry_dict(block_hash: int, state: State) -> dict[str, Any]:
+    entry = state.entries.get(block_hash)
+    if entry is None:
+        return {"hash": block_hash, "state": "ABSENT"}
+    return {
+        "hash": block_hash,
+        "state": entry.state.name,
+        "slot": entry.slot,
+        "pins": entry.pins,
+        "job": entry.job_id or None,
+    }
+
+
+def job_dict(job: Any) -> dict[str, Any]:
+    return {
+        "job": job.job_id,
+        "direction": job.direction,
+        "state": job.state.name,
+        "request": job.request_id,
+        "blocks": len(job.hashes),
+        "hashes": list(job.hashes),
+        "device_blocks": list(job.device_blocks),
+        "slots": list(job.slots),
+        "deadline_ms": job.deadline_ms if job.deadline_ms else None,
+        "ranks_succeeded": [r for r in range(job.acks.bit_length()) if job.acks >> r & 1],
+        "abandoned": job.abandoned,
+    }
+
+
+def request_dict(req: Any) -> dict[str, Any]:
+    return {
+        "request": req.request_id,
+        "pins": {str(h): n for h, n in req.pins.items()},
+        "offered": list(req.offered),
+        "jobs": list(req.jobs),
+        "finished": req.finished,
+        "preempted": req.preempted,
+    }
+
+
+def state_to_dict(state: State) -> dict[str, Any]:
+    """The whole state as JSON-ready data (entries by slot, jobs by id)."""
+    entries = sorted(state.entries, key=lambda h: state.entries[h].slot)
+    return {
+        "seq": state.last_seq,
+        "digest": state.digest(),
+        "capacity": state.capacity,
+        "policy": state.config.policy,
+        "resident_blocks": state.num_resident(),
+        "free_slots": len(state.free_slots),
+        "entries": [entry_dict(h, state) for h in entries],
+        "pins": {
+            rid: {str(h): n for h, n in req.pins.items()}
+            for rid, req in sorted(state.requests.items())
+            if req.pins
+        },
+        "requests": [request_dict(state.requests[rid]) for rid in sorted(state.requests)],
+        "jobs": [job_dict(state.jobs[jid]) for jid in sorted(state.jobs)],
+        "quarantine": [{"slot": s, "job": list(j)} for s, j in sorted(state.quarantine.items())],
+        "held_device_blocks": [
+            {"device_block": d, "job": j} for d, j in sorted(state.held.items())
+        ],
+        "recency_coldest_first": state.policy.resident(),
+    }
+
+
+def _slot_owner(state: State, slot: int) -> tuple[str, Any]:
+    """Who owns a slot: ("quarantine", [abandoned job ids]), ("block", hash) or ("free", None)."""
+    if slot in state.quarantine:
+        return "quarantine", list(state.quarantine[slot])
+    for h, s in state.slot_of.items():
+        if s == slot:
+            return "block", h
+    if slot in state.free_slots:
+        return "free", None
+    return "unknown", None
+
+
+def focus_dict(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> dict[str, Any]:
+    """The followed thing's state (the state at one seq, narrowed)."""
+    out: dict[str, Any] = {"seq": state.last_seq}
+    if selector.block is not None:
+        h = selector.block
+        out.update(entry_dict(h, state))
+        out["pins_by_request"] = {
+            rid: req.pins[h] for rid, req in sorted(state.requests.items()) if h in req.pins
+        }
+        out["live_jobs"] = [job_dict(j) for jid, j in sorted(state.jobs.items()) if h in j.hashes]
+    elif selector.job is not None:
+        job = state.jobs.get(selector.job)
+        if job is not None:
+            out.update(job_dict(job))
+        else:
+            info = jobs.get(selector.job)
+            ended = None if info is None else info.ended
+            out.update(
+                {
+                    "job": selector.job,
+                    "state": (ended or "not queued yet").upper().replace(" ", "_"),
+                }
+            )
+    elif selector.request is not None:
+        req = state.requests.get(selector.request)
+        if req is not None:
+            out.update(request_dict(req))
+        else:
+            out.update({"request": selector.request, "state": "UNKNOWN (not seen yet, or closed)"})
+    elif selector.slot is not None:
+        owner, who = _slot_owner(state, selector.slot)
+        out.update({"slot": selector.slot, "owner": owner})
+        if owner == "block":
+            out["entry"] = entry_dict(who, state)  # type: ignore[arg-type]
+        elif owner == "quarantine":
+            out["jobs"] = who
+    return out
+
+
+def _view(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> str:
+    """The followed thing in a few words (for before -> after)."""
+    if selector.block is not None:
+        entry = state.entries.get(selector.block)
+        if entry is None:
+            return "ABSENT"
+        pins = f" pins {entry.pins}" if entry.pins else ""
+        return f"{entry.state.name} slot {entry.slot}{pins}"
+    if selector.job is not None:
+        job = state.jobs.get(selector.job)
+        if job is not None:
+            return job.state.name
+        info = jobs.get(selector.job)
+        return "NEW" if info is None or info.ended is None else info.ended.upper()
+    if selector.request is not None:
+        req = state.requests.get(selector.request)
+        if req is None:
+            return "not live"
+        done = ", finished" if req.finished else ""
+        return f"pins {sum(req.pins.values())}, live jobs {few(req.jobs)}{done}"
+    owner, who = _slot_owner(state, selector.slot)  # type: ignore[arg-type]
+    if owner == "block":
+        return f"block {who} ({state.entries[who].state.name})"  # type: ignore[index]
+    if owner == "quarantine":
+        return f"quarantined by job{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}"
+    return owner

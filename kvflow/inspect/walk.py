@@ -1,0 +1,137 @@
+"""The shared streaming pass over a trace: folds its events and tracks every job.
+
+Both analyses (``incidents`` and ``history``) read a trace through :class:`_Walk`, so what
+they report about state is what ``evolve`` computed, not a re-reading of the event fields.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow.errors import IllegalTransition
+from kvflow.events import (
+    LOAD,
+    STORE,
+    JobCompleted,
+    JobFailed,
+    JobsSubmitted,
+    JobTimedOut,
+    LoadQueued,
+    PlanStep,
+    RankSucceeded,
+    Reset,
+    StoreQueued,
+    Tick,
+)
+from kvflow.log import TraceReader
+from kvflow.state import State, evolve
+
+
+@dataclass
+class JobInfo:
+    """What the trace says about one job, whether it is still live or not."""
+
+    job_id: int
+    direction: str
+    request_id: str | None
+    hashes: tuple[int, ...]
+    device_blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+    queued_seq: int
+    submitted_seq: int | None = None
+    submitted_ms: float | None = None
+    deadline_ms: float | None = None
+    ranks_succeeded: list[int] = field(default_factory=list)
+    abandoned_at_seq: int | None = None
+    ended: str | None = None  # "completed", "failed", "timed_out"
+
+
+class _Walk:
+    """Streams a trace's records and keeps the context every analysis needs: the folded
+    state, the engine step and time, the current command, and every job's description."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+        self.reader = TraceReader(path)
+        self.state = State(self.reader.config)
+        self.folding = True
+        self.fold_error: str | None = None
+        self.step = 0
+        self.time_ms: float | None = None
+        self.command: Any = None
+        self.command_line: int | None = None
+        self.command_before_seq = 0
+        self.jobs: dict[int, JobInfo] = {}
+        self.last_seq = 0
+        self.warnings: list[str] = []
+
+    def records(self) -> Iterator[tuple[int, Any]]:
+        with self.reader:
+            yield from self.reader.records()
+        self.warnings.extend(self.reader.warnings)
+        if self.fold_error is not None:
+            self.warnings.append(
+                f"{self.fold_error}; state-based details after it are not verified "
+                f"(run: kvflow replay {self.path})"
+            )
+
+    def on_command(self, line: int, command: Any) -> None:
+        self.command, self.command_line = command, line
+        self.command_before_seq = self.last_seq
+        kind = type(command)
+        if kind is PlanStep:
+            self.step += 1
+            self.time_ms = command.now_ms
+        elif kind is Tick:
+            self.time_ms = command.now_ms
+
+    def apply(self, line: int, event: Any) -> None:
+        """Fold ``event`` (while the trace folds) and track its jobs."""
+        self.last_seq = event.seq
+        if self.folding:
+            try:
+                evolve(self.state, event)
+            except IllegalTransition as exc:
+                self.folding = False
+                self.fold_error = f"{self.path}:{line}: seq {event.seq} does not fold ({exc})"
+        kind = type(event)
+        jobs = self.jobs
+        if kind is StoreQueued or kind is LoadQueued:
+            jobs[event.job_id] = JobInfo(
+                event.job_id,
+                STORE if kind is StoreQueued else LOAD,
+                event.request_id,
+                event.hashes,
+                event.device_blocks,
+                event.slots,
+                event.seq,
+            )
+        elif kind is JobsSubmitted:
+            for jid in event.job_ids:
+                info = jobs.get(jid)
+                if info is not None:
+                    info.submitted_seq = event.seq
+                    info.submitted_ms = event.now_ms
+                    info.deadline_ms = event.deadline_ms
+        elif kind is RankSucceeded:
+            info = jobs.get(event.job_id)
+            if info is not None:
+                info.ranks_succeeded.append(event.rank)
+        elif kind is Reset:
+            for jid in event.abandoned_job_ids:
+                info = jobs.get(jid)
+                if info is not None:
+                    info.abandoned_at_seq = event.seq
+        elif kind is JobCompleted or kind is JobFailed or kind is JobTimedOut:
+            info = jobs.get(event.job_id)
+            if info is not None:
+                info.ended = (
+                    "completed"
+                    if kind is JobCompleted
+                    else "failed"
+                    if kind is JobFailed
+                    else "timed_out"
+                )

@@ -1,0 +1,136 @@
+"""The state's structural invariants: what must hold after every event, whatever happened.
+
+``check_invariants(state)`` returns the violations (empty when consistent). Replay runs it at
+every checkpoint and at the end (``--strict``: after every event); the Hypothesis machines run
+it after every step. Each section checks its rule in bulk (C-level set and dict operations,
+as exact as a per-item loop) and walks item by item only to name the offenders.
+"""
+
+from __future__ import annotations
+
+from kvflow.events import STORE
+from kvflow.state.model import State
+from kvflow.state.tables import LIVE_JOB_STATES, JobState
+
+
+def check_invariants(state: State) -> list[str]:
+    """Every structural rule of the state; returns the violations (empty when consistent)."""
+    problems: list[str] = []
+    cap = state.capacity
+    slot_of, pending, pin_count, jobs = state.slot_of, state.pending, state.pin_count, state.jobs
+
+    # slots: free + entries + quarantined is exactly 0..cap-1, each once
+    used = list(state.free_slots)
+    used.extend(slot_of.values())
+    used.extend(state.quarantine)
+    if not (len(used) == cap and len(set(used)) == cap and (not used or (min(used) >= 0 and max(used) < cap))):
+        _slot_problems(state, problems)
+    for s, jids in state.quarantine.items():
+        for jid in jids:
+            job = jobs.get(jid)
+            if job is None or not job.abandoned or s not in job.slots:
+                problems.append(f"slot {s} quarantined for job {jid}, which is not an abandoned job using it")
+
+    # pins: every entry's count is what the requests hold; pinned entries are RESIDENT;
+    # pending (STORE_QUEUED / STORING) entries belong to a live store job naming them
+    pin_totals: dict[int, int] = {}
+    for r in state.requests.values():
+        for hashes in (r.offered, *r.loading.values()):
+            for h in hashes:
+                pin_totals[h] = pin_totals.get(h, 0) + 1
+    entries_ok = (
+        pin_count == pin_totals
+        and slot_of.keys() >= pin_count.keys()
+        and pending.keys().isdisjoint(pin_count)
+        and slot_of.keys() >= pending.keys()
+    )
+    if entries_ok:
+        for h, jid in pending.items():
+            job = jobs.get(jid)
+            if job is None or job.direction != STORE or h not in job.hashes:
+                entries_ok = False
+                break
+    if not entries_ok:
+        _entry_problems(state, pin_totals, problems)
+
+    # policy tracks exactly the resident entries
+    tracked = state.policy.resident()
+    resident = [h for h in slot_of if h not in pending]
+    if not (len(tracked) == len(resident) and set(tracked) == set(resident)):
+        problems.append(f"policy tracks {len(tracked)} blocks, tier has {len(resident)} resident")
+
+    # holds match live jobs; queued index matches job states
+    expected_held: dict[int, int] = {}
+    for jid, job in jobs.items():
+        if job.state not in LIVE_JOB_STATES:
+            problems.append(f"job {jid} is live in state {job.state.name}")
+        if (jid in state.queued) != (job.state is JobState.QUEUED):
+            problems.append(f"job {jid} queued index disagrees with state {job.state.name}")
+        for d in job.device_blocks:
+            expected_held[d] = jid
+        if not job.abandoned and job.request_id is not None:
+            req = state.requests.get(job.request_id)
+            if req is None or jid not in req.jobs:
+                problems.append(f"job {jid} is not listed by request {job.request_id}")
+    if expected_held != state.held:
+        problems.append("device-block holds do not match the live jobs")
+    for r in state.requests.values():
+        for jid in r.jobs:
+            if jid not in jobs:
+                problems.append(f"request {r.request_id} lists job {jid} which is not live")
+        if r.offered:
+            pins = r.pins
+            for h in r.offered:
+                if pins.get(h, 0) <= 0:
+                    problems.append(f"request {r.request_id} offers block {h} without a pin")
+    return problems
+
+
+def _slot_problems(state: State, problems: list[str]) -> None:
+    """Name the slots that are out of range, owned twice or missing."""
+    cap = state.capacity
+    owner: dict[int, str] = {}
+    found = len(problems)
+
+    def own(slot: int, who: str) -> None:
+        if not 0 <= slot < cap:
+            problems.append(f"slot {slot} outside 0..{cap - 1} ({who})")
+        elif slot in owner:
+            problems.append(f"slot {slot} owned twice: {owner[slot]} and {who}")
+        else:
+            owner[slot] = who
+
+    for s in state.free_slots:
+        own(s, "free")
+    for h, slot in state.slot_of.items():
+        own(slot, f"block {h}")
+    for s, jids in state.quarantine.items():
+        own(s, f"quarantine of jobs {list(jids)}")
+    if len(owner) != cap and len(problems) == found:
+        problems.append(f"free + used + quarantined = {len(owner)} != capacity {cap}")
+
+
+def _entry_problems(state: State, pin_totals: dict[int, int], problems: list[str]) -> None:
+    """Name the entries whose pins or pending job are wrong."""
+    for h in state.slot_of:
+        pins = state.pin_count.get(h, 0)
+        jid = state.pending.get(h)
+        job = state.jobs.get(jid) if jid is not None else None
+        if jid is None:
+            name = "RESIDENT"
+        else:
+            name = "STORE_QUEUED" if job is not None and job.state is JobState.QUEUED else "STORING"
+        if pins < 0:
+            problems.append(f"block {h} has negative pins {pins}")
+        if pins != pin_totals.get(h, 0):
+            problems.append(f"block {h} has {pins} pins but requests hold {pin_totals.get(h, 0)}")
+        if pins and jid is not None:
+            problems.append(f"block {h} is pinned in state {name}")
+        if jid is not None and (job is None or job.direction != STORE or h not in job.hashes):
+            problems.append(f"block {h} ({name}) has no live store job")
+    for h in pin_totals:
+        if h not in state.slot_of:
+            problems.append(f"pins on block {h} which is not on the tier")
+    for h in state.pin_count:
+        if h not in state.slot_of and h not in pin_totals:
+            problems.append(f"pins on block {h} which is not on the tier")

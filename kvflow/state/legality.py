@@ -1,0 +1,109 @@
+"""Legality checks for ``evolve``: is this event allowed in the current state?
+
+Each check reads the lifecycle tables (kvflow.state.tables) and raises
+:class:`~kvflow.errors.IllegalTransition` naming the state and the event; none mutates, so
+``evolve`` runs every check of an event before it changes anything. The bulk checks use
+C-level set and dict operations and walk block by block only to name the offender.
+"""
+
+from __future__ import annotations
+
+from kvflow.errors import IllegalTransition
+from kvflow.events import Event, LoadQueued, StoreQueued, event_name
+from kvflow.state.model import Job, State
+from kvflow.state.tables import ABSENT, BLOCK_TRANSITIONS, JOB_TRANSITIONS, RESIDENT, BlockState, JobState
+
+# the event tags legal on a RESIDENT entry (for the bulk check)
+_RESIDENT_TAGS = frozenset(BLOCK_TRANSITIONS[RESIDENT])
+
+
+def illegal(state: State, event: Event, what: str, detail: str) -> IllegalTransition:
+    return IllegalTransition(what, f"{event_name(event)}#{event.seq}", detail)
+
+
+def block_next(state: State, event: Event, tag: str, current: BlockState, block_hash: int) -> BlockState:
+    """The next state of an entry in ``current`` under ``tag``, read from the table."""
+    nxt = BLOCK_TRANSITIONS[current].get(tag)
+    if nxt is None:
+        raise illegal(state, event, current.name, f"block {block_hash}")
+    return nxt
+
+
+def job_next(state: State, event: Event, tag: str, job: Job) -> JobState:
+    """The next state of ``job`` under ``tag``, read from the table."""
+    nxt = JOB_TRANSITIONS[job.state].get(tag)
+    if nxt is None:
+        raise illegal(state, event, job.state.name, f"job {job.job_id}")
+    return nxt
+
+
+def check_block(state: State, event: Event, tag: str, block_hash: int) -> None:
+    block_next(state, event, tag, state.block_state(block_hash), block_hash)
+
+
+def check_job(state: State, event: Event, tag: str, job_id: int) -> Job:
+    """The live job ``job_id``, if ``tag`` is legal for it."""
+    job = state.jobs.get(job_id)
+    if job is None:
+        if 0 < job_id <= state.last_job_id:
+            raise illegal(state, event, "TERMINAL", f"job {job_id} is already terminal")
+        raise illegal(state, event, "NEW", f"job {job_id} was never queued")
+    job_next(state, event, tag, job)
+    return job
+
+
+def check_resident(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:
+    """Every hash must be RESIDENT and ``tag`` legal there."""
+    if tag in _RESIDENT_TAGS and state.pending.keys().isdisjoint(hashes):
+        if all(map(state.slot_of.__contains__, hashes)):
+            return
+    for h in hashes:
+        check_block(state, event, tag, h)
+    raise illegal(state, event, "RESIDENT", f"event {tag} does not apply to resident blocks")
+
+
+def check_pending(state: State, event: Event, tag: str, job: Job) -> None:
+    """Every hash of a live store job must still be pending on that job."""
+    if set(map(state.pending.get, job.hashes)) == {job.job_id}:
+        return
+    for h in job.hashes:
+        check_block(state, event, tag, h)
+    raise illegal(state, event, "PENDING", f"blocks of job {job.job_id} are not pending on it")
+
+
+def check_free_slots(state: State, event: Event, slots: tuple[int, ...]) -> None:
+    """A store takes the next free slots, in allocation order."""
+    n = len(slots)
+    free = state.free_slots
+    if n > len(free) or tuple(free[len(free) - n :][::-1]) != slots:
+        raise illegal(state, event, "SLOTS", f"slots {list(slots)[:8]} are not the next free slots")
+
+
+def check_device_blocks_free(state: State, event: Event, device_blocks: tuple[int, ...]) -> None:
+    held = state.held
+    if held.keys().isdisjoint(device_blocks) and len(set(device_blocks)) == len(device_blocks):
+        return
+    for d in device_blocks:
+        if d in held:
+            raise illegal(state, event, "HELD", f"device block {d} is held by job {held[d]}")
+    if len(set(device_blocks)) != len(device_blocks):
+        raise illegal(state, event, "HELD", "device blocks repeat within one job")
+
+
+def check_new_job(state: State, event: StoreQueued | LoadQueued) -> None:
+    if event.job_id != state.last_job_id + 1:
+        raise illegal(state, event, "NEW", f"job id {event.job_id} is not {state.last_job_id + 1}")
+    if not (len(event.hashes) == len(event.device_blocks) == len(event.slots)) or not event.hashes:
+        raise illegal(state, event, "NEW", "hashes, device_blocks and slots must match, non-empty")
+    check_device_blocks_free(state, event, event.device_blocks)
+
+
+def check_absent(state: State, event: StoreQueued) -> None:
+    """A store names blocks that are not on the tier, each once."""
+    slot_of = state.slot_of
+    if not slot_of.keys().isdisjoint(event.hashes) or len(set(event.hashes)) != len(event.hashes):
+        h = next((h for h in event.hashes if h in slot_of), event.hashes[0])
+        current = state.block_state(h)
+        if current is ABSENT:  # repeated within the event
+            raise illegal(state, event, "STORE_QUEUED", f"block {h} is stored twice in one event")
+        raise illegal(state, event, current.name, f"block {h} is already on the tier")

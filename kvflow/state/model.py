@@ -1,0 +1,263 @@
+"""The state's data: CPU-tier entries, live jobs, requests, and the policy's order.
+
+``State`` is built empty from a Config and changed only by ``evolve`` (kvflow.state.evolve).
+Its queries here read; they never change anything. Pure: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+
+from kvflow.config import Config
+from kvflow.policies import make_policy
+from kvflow.policies.base import Policy
+from kvflow.state.digest import canonical, digest
+from kvflow.state.tables import ABSENT, RESIDENT, STORE_QUEUED, STORING, BlockState, JobState
+
+
+class Entry:
+    """A read-only picture of one CPU-tier entry (``state.entries[hash]``).
+
+    The state stores entries column-wise (``slot_of``, ``pending``, ``pin_count``) so that
+    the hot paths are a few C-level dict operations per event rather than a Python object
+    per block; this view assembles one entry for readers (inspect, tests, invariants).
+    """
+
+    __slots__ = ("state", "slot", "pins", "job_id")
+
+    def __init__(self, state: BlockState, slot: int, pins: int, job_id: int) -> None:
+        self.state = state
+        self.slot = slot
+        self.pins = pins
+        self.job_id = job_id  # the live store job while STORE_QUEUED / STORING, else 0
+
+    def __repr__(self) -> str:
+        return f"Entry({self.state.name}, slot={self.slot}, pins={self.pins}, job={self.job_id})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Entry):
+            return NotImplemented
+        return (self.state, self.slot, self.pins, self.job_id) == (
+            other.state,
+            other.slot,
+            other.pins,
+            other.job_id,
+        )
+
+
+class EntriesView(Mapping[int, Entry]):
+    """``State.entries``: every hash on the tier -> its Entry (assembled on access)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: State) -> None:
+        self._state = state
+
+    def __getitem__(self, block_hash: int) -> Entry:
+        st = self._state
+        slot = st.slot_of[block_hash]
+        job_id = st.pending.get(block_hash, 0)
+        return Entry(st.block_state(block_hash), slot, st.pin_count.get(block_hash, 0), job_id)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._state.slot_of
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._state.slot_of)
+
+    def __len__(self) -> int:
+        return len(self._state.slot_of)
+
+
+class Job:
+    """A live transfer job (terminal jobs leave the state; their events stay in the log)."""
+
+    __slots__ = (
+        "job_id",
+        "direction",
+        "request_id",
+        "hashes",
+        "device_blocks",
+        "slots",
+        "state",
+        "deadline_ms",
+        "acks",
+    )
+
+    def __init__(
+        self,
+        job_id: int,
+        direction: str,
+        request_id: str | None,
+        hashes: tuple[int, ...],
+        device_blocks: tuple[int, ...],
+        slots: tuple[int, ...],
+    ) -> None:
+        self.job_id = job_id
+        self.direction = direction
+        self.request_id = request_id
+        self.hashes = hashes
+        self.device_blocks = device_blocks
+        self.slots = slots
+        self.state = JobState.QUEUED
+        self.deadline_ms = 0.0
+        self.acks = 0  # bit mask of ranks that reported success
+
+    @property
+    def abandoned(self) -> bool:
+        return self.state is JobState.ABANDONED
+
+    def __repr__(self) -> str:
+        return (
+            f"Job({self.job_id}, {self.direction}, {self.state.name}, request={self.request_id},"
+            f" blocks={len(self.hashes)})"
+        )
+
+
+class Request:
+    """What kvflow remembers of a request: its pins and its live jobs."""
+
+    __slots__ = ("request_id", "offered", "loading", "jobs", "finished", "preempted")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        # A request's pins are its offered hits plus the blocks of its live load jobs.
+        self.offered: tuple[int, ...] = ()  # lookup hits not yet accepted into a load job
+        self.loading: dict[int, tuple[int, ...]] = {}  # live load job -> its pinned hashes
+        self.jobs: dict[int, None] = {}  # live job ids, in order
+        self.finished = False
+        self.preempted = False
+
+    @property
+    def pins(self) -> dict[int, int]:
+        """hash -> pins this request holds on it (offered hits and live loads)."""
+        counts: dict[int, int] = {}
+        for hashes in (self.offered, *self.loading.values()):
+            for h in hashes:
+                counts[h] = counts.get(h, 0) + 1
+        return counts
+
+    def holds_pins(self) -> bool:
+        return bool(self.offered or self.loading)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, pins={sum(self.pins.values())}, "
+            f"jobs={list(self.jobs)}, finished={self.finished})"
+        )
+
+
+class State:
+    """The whole CPU-tier state. Built empty from a Config, changed only by ``evolve``."""
+
+    __slots__ = (
+        "config",
+        "next_seq",
+        "last_job_id",
+        "slot_of",
+        "pending",
+        "pin_count",
+        "free_slots",
+        "quarantine",
+        "jobs",
+        "queued",
+        "held",
+        "requests",
+        "policy",
+    )
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.next_seq = 1
+        self.last_job_id = 0
+        # Entries, column-wise: every hash on the tier -> its slot; the hashes of live store
+        # jobs (STORE_QUEUED / STORING, which one follows the job) -> that job; pinned hashes
+        # -> their pin count (absent means 0). RESIDENT = on the tier and not pending.
+        self.slot_of: dict[int, int] = {}
+        self.pending: dict[int, int] = {}
+        self.pin_count: dict[int, int] = {}
+        # Free slots as a stack: allocation takes from the end, so a fresh tier hands out
+        # 0, 1, 2... (contiguous host runs keep the executor's copies at full speed).
+        self.free_slots: list[int] = list(range(config.cpu_blocks - 1, -1, -1))
+        # slot -> abandoned jobs still using it (two abandoned loads can read one slot)
+        self.quarantine: dict[int, tuple[int, ...]] = {}
+        self.jobs: dict[int, Job] = {}  # live jobs by id (queued or in flight)
+        self.queued: dict[int, None] = {}  # queued, not yet submitted, in id order
+        self.held: dict[int, int] = {}  # device block -> live job holding it
+        self.requests: dict[str, Request] = {}
+        self.policy: Policy = make_policy(config.policy, config.cpu_blocks)
+
+    # -- queries -------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.config.cpu_blocks
+
+    @property
+    def last_seq(self) -> int:
+        return self.next_seq - 1
+
+    @property
+    def entries(self) -> EntriesView:
+        return EntriesView(self)
+
+    def block_state(self, block_hash: int) -> BlockState:
+        if block_hash not in self.slot_of:
+            return ABSENT
+        job_id = self.pending.get(block_hash)
+        if job_id is None:
+            return RESIDENT
+        return STORE_QUEUED if self.jobs[job_id].state is JobState.QUEUED else STORING
+
+    def is_resident(self, block_hash: int) -> bool:
+        return block_hash in self.slot_of and block_hash not in self.pending
+
+    def evictable(self, block_hash: int) -> bool:
+        return (
+            block_hash not in self.pin_count
+            and block_hash not in self.pending
+            and block_hash in self.slot_of
+        )
+
+    def num_resident(self) -> int:
+        return len(self.policy)
+
+    def copy(self) -> State:
+        """An independent deep copy (used by tests and by ``inspect --at``)."""
+        clone = State.__new__(State)
+        clone.config = self.config
+        clone.next_seq = self.next_seq
+        clone.last_job_id = self.last_job_id
+        clone.slot_of = dict(self.slot_of)
+        clone.pending = dict(self.pending)
+        clone.pin_count = dict(self.pin_count)
+        clone.free_slots = list(self.free_slots)
+        clone.quarantine = dict(self.quarantine)
+        clone.jobs = {}
+        for jid, j in self.jobs.items():
+            nj = Job(j.job_id, j.direction, j.request_id, j.hashes, j.device_blocks, j.slots)
+            nj.state, nj.deadline_ms, nj.acks = j.state, j.deadline_ms, j.acks
+            clone.jobs[jid] = nj
+        clone.queued = dict(self.queued)
+        clone.held = dict(self.held)
+        clone.requests = {}
+        for rid, r in self.requests.items():
+            nr = Request(rid)
+            nr.loading = dict(r.loading)
+            nr.offered = r.offered
+            nr.jobs = dict(r.jobs)
+            nr.finished, nr.preempted = r.finished, r.preempted
+            clone.requests[rid] = nr
+        clone.policy = copy.deepcopy(self.policy)
+        return clone
+
+    # -- determinism ---------------------------------------------------------------------
+
+    def canonical(self) -> tuple[object, ...]:
+        """A deterministic, order-independent picture of the state (see state.digest)."""
+        return canonical(self)
+
+    def digest(self) -> str:
+        """A short hash of ``canonical()``: equal digests mean equal states."""
+        return digest(self)

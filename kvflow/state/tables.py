@@ -1,0 +1,98 @@
+"""The lifecycle tables: every legal transition of a CPU-tier entry and of a transfer job.
+
+These two tables *are* the machine (h11's way): ``evolve`` reads every next state from them,
+``kvflow diagram`` prints them, and the transition tests walk them, so the three cannot
+disagree. An (state, event tag) pair missing from a table is illegal.
+
+Pure data: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class BlockState(IntEnum):
+    ABSENT = 0
+    STORE_QUEUED = 1
+    STORING = 2
+    RESIDENT = 3
+
+
+class JobState(IntEnum):
+    NEW = 0
+    QUEUED = 1
+    IN_FLIGHT = 2
+    COMPLETED = 3
+    FAILED = 4
+    TIMED_OUT = 5
+    # In flight when a reset came: the copy may still be running, so its slots stay
+    # quarantined and its device blocks held until it reports (or times out).
+    ABANDONED = 6
+
+
+ABSENT, STORE_QUEUED, STORING, RESIDENT = (
+    BlockState.ABSENT,
+    BlockState.STORE_QUEUED,
+    BlockState.STORING,
+    BlockState.RESIDENT,
+)
+
+# (state, event tag) -> next state, for one CPU-tier entry named by the event.
+# Pins are a counter on a RESIDENT entry (see the pin rules in evolve), not a separate state.
+BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
+    ABSENT: {"store_queued": STORE_QUEUED, "reset": ABSENT},
+    STORE_QUEUED: {
+        "jobs_submitted": STORING,
+        "job_failed": ABSENT,  # cancelled before submission (reset)
+    },
+    STORING: {
+        "job_completed": RESIDENT,
+        "job_failed": ABSENT,
+        "job_timed_out": ABSENT,
+        "reset": ABSENT,  # dropped; its slot stays quarantined until the job reports
+    },
+    RESIDENT: {
+        "load_queued": RESIDENT,
+        "jobs_submitted": RESIDENT,  # its load job was handed to the executor
+        "job_completed": RESIDENT,  # a load finished: its pin is released
+        "job_failed": RESIDENT,  # a load failed: entry stays, pin released (F1)
+        "job_timed_out": RESIDENT,
+        "pins_acquired": RESIDENT,
+        "pins_released": RESIDENT,
+        "blocks_touched": RESIDENT,
+        "blocks_evicted": ABSENT,  # only when unpinned
+        "reset": ABSENT,
+    },
+}
+
+JOB_TRANSITIONS: dict[JobState, dict[str, JobState]] = {
+    JobState.NEW: {"store_queued": JobState.QUEUED, "load_queued": JobState.QUEUED},
+    JobState.QUEUED: {
+        "jobs_submitted": JobState.IN_FLIGHT,
+        "job_failed": JobState.FAILED,  # cancelled by reset before submission
+    },
+    JobState.IN_FLIGHT: {
+        "rank_succeeded": JobState.IN_FLIGHT,
+        "job_completed": JobState.COMPLETED,
+        "job_failed": JobState.FAILED,
+        "job_timed_out": JobState.TIMED_OUT,
+        "reset": JobState.ABANDONED,
+        "late_result_ignored": JobState.IN_FLIGHT,  # a rank repeated its success
+    },
+    # Its end frees the quarantined slots and held device blocks; nothing becomes visible.
+    JobState.ABANDONED: {
+        "rank_succeeded": JobState.ABANDONED,
+        "job_completed": JobState.COMPLETED,
+        "job_failed": JobState.FAILED,
+        "job_timed_out": JobState.TIMED_OUT,
+        "late_result_ignored": JobState.ABANDONED,
+        "reset": JobState.ABANDONED,
+    },
+    JobState.COMPLETED: {"late_result_ignored": JobState.COMPLETED},
+    JobState.FAILED: {"late_result_ignored": JobState.FAILED},
+    JobState.TIMED_OUT: {"late_result_ignored": JobState.TIMED_OUT},
+}
+TERMINAL_JOB_STATES = (JobState.COMPLETED, JobState.FAILED, JobState.TIMED_OUT)
+# Jobs the state keeps (terminal jobs leave it; their events stay in the log).
+LIVE_JOB_STATES = (JobState.QUEUED, JobState.IN_FLIGHT, JobState.ABANDONED)

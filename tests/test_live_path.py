@@ -1,0 +1,201 @@
+"""The live path against the checked path of the one core.
+
+On the live path the manager applies the events its own deciders produced with
+``evolve(check=False)`` (the decider validated them); folds and replays of recorded logs
+always check. These tests pin that the shortcut never changes a result:
+
+* Twin state machines: every command the Hypothesis machines of test_stateful.py issue runs
+  through a live manager and a paranoid one (``check=True`` on every event); answers,
+  events, refusals (type and message) and state digests must be equal after every command,
+  and folding the log (checked) must rebuild the live state.
+* Every golden trace folds to the same canonical state, event by event, checked and not.
+* An illegal event raises and leaves the state exactly as it was.
+* The engine boundary's normalisation of block ids and hashes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from test_stateful import (
+    OffloadMachine,
+    OffloadMachineARC,
+    OffloadMachineLazyTwoRanks,
+    OffloadMachineTwoRanks,
+)
+
+from kvflow.config import Config
+from kvflow.errors import IllegalTransition, KvflowError
+from kvflow.events import EVENT_TYPES, PinsAcquired, StoreQueued
+from kvflow.log import read_trace
+from kvflow.manager import OffloadManager, _hashes, _ints
+from kvflow.state import State, evolve, fold
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class TwinManager(OffloadManager):
+    """The live manager, shadowed command by command by a paranoid one."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.shadow = OffloadManager(config, paranoid=True)
+
+    def handle(self, command: Any) -> tuple[Any, list[Any]]:
+        expected: Any = None
+        try:
+            expected = self.shadow.handle(command)
+        except KvflowError as exc:
+            expected_exc: KvflowError | None = exc
+        else:
+            expected_exc = None
+        try:
+            got = super().handle(command)
+        except KvflowError as exc:
+            assert expected_exc is not None, f"the live path refused {command}: {exc}"
+            assert (type(exc), str(exc)) == (type(expected_exc), str(expected_exc))
+            assert self.state.digest() == self.shadow.state.digest()
+            raise
+        assert expected_exc is None, f"the checked path refused {command} ({expected_exc}), the live one did not"
+        assert got[0] == expected[0], (command, got[0], expected[0])
+        assert got[1] == expected[1], (command, got[1], expected[1])
+        assert self.state.digest() == self.shadow.state.digest(), command
+        return got
+
+
+class TwinMixin:
+    m: Any
+    config: Config
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[call-arg]
+        observers = self.m.observers
+        self.m = TwinManager(self.config)
+        self.m.observers.extend(observers)
+
+    def teardown(self) -> None:
+        rebuilt = fold(State(self.config), self.m.log.events())
+        assert rebuilt.digest() == self.m.state.digest()
+
+
+TWIN_SETTINGS = settings(
+    max_examples=40,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+class TwinOneRank(TwinMixin, OffloadMachine):
+    pass
+
+
+class TwinTwoRanks(TwinMixin, OffloadMachineTwoRanks):
+    pass
+
+
+class TwinARC(TwinMixin, OffloadMachineARC):
+    pass
+
+
+class TwinLazyTwoRanks(TwinMixin, OffloadMachineLazyTwoRanks):
+    pass
+
+
+class TwinTinyTier(TwinMixin, OffloadMachine):
+    CPU_BLOCKS = 4  # the smallest tier the machine warms: evictions and rejections often
+
+
+TestTwinOneRank = TwinOneRank.TestCase
+TestTwinTwoRanks = TwinTwoRanks.TestCase
+TestTwinARC = TwinARC.TestCase
+TestTwinLazyTwoRanks = TwinLazyTwoRanks.TestCase
+TestTwinTinyTier = TwinTinyTier.TestCase
+for _case in (TestTwinOneRank, TestTwinTwoRanks, TestTwinARC, TestTwinLazyTwoRanks, TestTwinTinyTier):
+    _case.settings = TWIN_SETTINGS
+
+
+GOLDEN = sorted((ROOT / "traces").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=[p.stem for p in GOLDEN])
+def test_golden_traces_fold_identically_checked_and_unchecked(path: Path) -> None:
+    reader, records = read_trace(path)
+    checked, unchecked = State(reader.config), State(reader.config)
+    applied = 0
+    for _, rec in records:
+        if isinstance(rec, EVENT_TYPES):
+            try:
+                evolve(checked, rec)
+            except IllegalTransition:
+                break  # the divergent golden trace: its illegal event must not be applied
+            evolve(unchecked, rec, check=False)
+            applied += 1
+            assert checked.canonical() == unchecked.canonical(), (path.name, rec)
+    assert applied > 0
+
+
+def _store_event(state: State) -> StoreQueued:
+    return StoreQueued(
+        seq=state.next_seq, job_id=1, request_id="r", hashes=(11, 12), device_blocks=(0, 1), slots=(0, 1)
+    )
+
+
+def test_evolve_applies_a_legal_event() -> None:
+    state = State(Config(cpu_blocks=4, block_tokens=4))
+    evolve(state, _store_event(state))
+    assert state.last_seq == 1 and state.slot_of == {11: 0, 12: 1}
+
+
+def test_an_illegal_event_raises_and_changes_nothing() -> None:
+    state = State(Config(cpu_blocks=4, block_tokens=4))
+    evolve(state, _store_event(state))
+    before = state.canonical()
+    again = StoreQueued(  # the same hashes again: already on the tier
+        seq=state.next_seq, job_id=2, request_id="r", hashes=(11, 12), device_blocks=(2, 3), slots=(2, 3)
+    )
+    with pytest.raises(IllegalTransition, match="already on the tier"):
+        evolve(state, again)
+    assert state.canonical() == before
+    with pytest.raises(IllegalTransition, match="gapless"):
+        evolve(state, PinsAcquired(seq=99, request_id="x", hashes=(), num_tokens=1))
+    assert state.canonical() == before
+
+
+BOUNDARY_INPUTS: list[tuple[Any, Any, Any]] = [
+    # (input, _ints result or error, _hashes result or error)
+    ([], (), ()),
+    ((), (), ()),
+    ([1, 2, 3], (1, 2, 3), (1, 2, 3)),
+    ((5, 4), (5, 4), (5, 4)),
+    (range(3, 6), (3, 4, 5), (3, 4, 5)),
+    ([True, 2], (1, 2), (1, 2)),
+    ([2**64 - 1, -(2**63)], (2**64 - 1, -(2**63)), (2**64 - 1, -(2**63))),
+    ([2**64], (2**64,), "64 bits"),
+    ([-(2**63) - 1], (-(2**63) - 1,), "64 bits"),
+    ([1.5, 2], "expected integers", "expected integers"),
+    (["a"], "expected integers", "expected integers"),
+    ([None], "expected integers", "expected integers"),
+    (iter([7, 8]), (7, 8), (7, 8)),
+]
+
+
+@pytest.mark.parametrize(("values", "as_ints", "as_hashes"), BOUNDARY_INPUTS, ids=repr)
+def test_boundary_normalisation(values: Any, as_ints: Any, as_hashes: Any) -> None:
+    items = list(values) if not isinstance(values, (list, tuple, range)) else values
+    for fn, expected in ((_ints, as_ints), (_hashes, as_hashes)):
+        if isinstance(expected, str):
+            with pytest.raises(KvflowError, match=expected):
+                fn(items)
+        else:
+            out = fn(items)
+            assert out == expected and all(type(v) is int for v in out)
+
+
+def test_numpy_integers_are_accepted_where_ints_are() -> None:
+    np = pytest.importorskip("numpy")
+    assert _ints(np.arange(3, dtype=np.int64)) == (0, 1, 2)
+    assert _hashes([np.uint64(2**64 - 1)]) == (2**64 - 1,)

@@ -1,0 +1,271 @@
+"""kvflow beside vLLM's CPU-offload bookkeeping, on the same work, in one run.
+
+Runs the operation sequence of ``../shared/anchors/vllm_manager/`` (the Mooncake synthetic
+trace, one request at a time, every transfer terminal before the next call) through vLLM's
+``CPUOffloadingManager`` and through kvflow's ``SyncEngine`` + ``SimulatedExecutor``,
+interleaved repetition by repetition (vLLM, kvflow, kvflow recording a trace, vLLM, ...), and
+prints the medians in µs per full block and the ratios kvflow / vLLM. Timings on these
+machines drift by 2x between runs; ratios taken inside one run do not.
+
+kvflow's side, per request (keys = its full 512-token blocks in prefix order, as 64-bit ints:
+the first 8 bytes, big-endian, of vLLM's 32-byte key digest):
+
+1. ``lookup`` (at most ``(L-1)//512`` blocks can hit, DESIGN §7);
+2. if hits: ``accept_hits``, touch the hits deepest first, run the load to its end;
+3. ``blocks_computed`` for the rest, run the store to its end;
+4. recency at the end of the request (touch deepest first, ``reuse=False``), ``finish_request``;
+5. drain the KV events.
+
+"Run to its end" is one ``step()`` that submits, the simulated copy finishing on the virtual
+clock, and one ``step()`` that collects. The decision counts (hit / stored / evicted blocks) are
+checked in every repetition against the figures in the anchor's README.
+
+vLLM is imported from an unpacked 0.33.0 source tree (``--vllm-src`` or ``$VLLM_SRC``; the
+anchor's README says how to get one); the anchor harness itself is imported from ``--anchor``.
+
+Usage: python tools/bench_vs_vllm.py [--repeat 11] [--policy both] [--vllm-src DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from kvflow.config import Config
+from kvflow.engine import SyncEngine
+from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
+from kvflow.kvevents import BlockRemoved, BlockStored, KVEventPublisher
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ANCHOR = ROOT.parent / "shared" / "anchors" / "vllm_manager" / "bench_vllm_manager.py"
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+BLOCK_TOKENS = 512
+CAPACITY = 10_000
+# The anchor README's decision counts: (hit blocks, stored, evicted) at 10,000 blocks.
+EXPECTED = {
+    ("vllm", "lru"): (52_952, 64_936, 54_936),
+    ("vllm", "arc"): (53_882, 63_960, 53_960),
+    ("kvflow", "lru"): (52_952, 64_936, 54_936),
+    ("kvflow", "arc"): (53_347, 64_541, 54_541),
+}
+# Issue 8's targets: kvflow / vLLM per full block.
+TARGETS = {("lru", False): 0.2, ("arc", False): 0.5, ("lru", True): 0.35, ("arc", True): 1.0}
+
+
+def load_anchor(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise SystemExit(f"{path}: the vLLM anchor harness is not there (pass --anchor)")
+    spec = importlib.util.spec_from_file_location("bench_vllm_manager", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def block_key(hash_id: int) -> int:
+    """The 64-bit kvflow hash of a Mooncake block id: the first 8 bytes of vLLM's key digest."""
+    return int.from_bytes(hashlib.sha256(b"mooncake-block-%d" % hash_id).digest()[:8], "big")
+
+
+def kvflow_requests(trace: list[tuple[int, list[int]]]) -> list[tuple[str, int, tuple, tuple, tuple, tuple]]:
+    """Untimed setup: per request its id, token count, keys, keys deepest first and device
+    block ids (the simulated engine never reuses one), like an engine's own bookkeeping."""
+    keys: dict[int, int] = {}
+    out = []
+    next_device = 0
+    for i, (n_tokens, ids) in enumerate(trace):
+        ks = tuple(keys.get(h) or keys.setdefault(h, block_key(h)) for h in ids)
+        device = tuple(range(next_device, next_device + len(ks)))
+        next_device += len(ks)
+        out.append((f"req-{i}", n_tokens, ks, ks[::-1], device, tuple(range(len(ks) + 1))))
+    return out
+
+
+def run_kvflow(policy: str, reqs: list, trace_path: str | None) -> tuple[int, tuple[int, int, int], list]:
+    """One timed pass of kvflow over the requests; (ns, (hit, stored, evicted), per request)."""
+    clock = VirtualClock()
+    executor = SimulatedExecutor(clock)
+    config = Config(cpu_blocks=CAPACITY, block_tokens=BLOCK_TOKENS, policy=policy)
+    engine = SyncEngine(config, executor, clock=clock, trace_path=trace_path)
+    publisher = KVEventPublisher(BLOCK_TOKENS)
+    engine.manager.observers.append(publisher)
+    lookup, accept_hits, blocks_computed = engine.lookup, engine.accept_hits, engine.blocks_computed
+    touch, finish, step, take = engine.touch, engine.finish_request, engine.step, publisher.take
+    advance, next_done = clock.advance_to, executor.next_completion_ms
+    removed = 0
+    t0 = time.perf_counter_ns()
+    for rid, n_tokens, keys, deepest_first, device, _ in reqs:
+        hits = lookup(rid, keys, n_tokens)
+        if hits:
+            accept_hits(rid, device[:hits])
+            touch(deepest_first[len(keys) - hits :])
+            step()
+            advance(next_done())
+            step()
+        if hits < len(keys):
+            blocks_computed(rid, keys[hits:], device[hits:])
+            step()
+            advance(next_done())
+            step()
+        touch(deepest_first, False)
+        finish(rid)
+        for kv in take():
+            if type(kv) is BlockRemoved:
+                removed += len(kv.block_hashes)
+    engine.close()
+    t1 = time.perf_counter_ns()
+    c = engine.counters
+    if c.blocks_evicted != removed:
+        raise SystemExit(f"kvflow {policy}: {removed} blocks removed in KV events, {c.blocks_evicted} evicted")
+    return t1 - t0, (c.blocks_loaded, c.blocks_stored, c.blocks_evicted), []
+
+
+def per_request_kvflow(policy: str, reqs: list) -> list[tuple[int, int, int]]:
+    """Untimed: (hit, stored, evicted) per request, to compare with vLLM request by request."""
+    clock = VirtualClock()
+    executor = SimulatedExecutor(clock)
+    engine = SyncEngine(Config(cpu_blocks=CAPACITY, block_tokens=BLOCK_TOKENS, policy=policy), executor, clock=clock)
+    publisher = KVEventPublisher(BLOCK_TOKENS)
+    engine.manager.observers.append(publisher)
+    records = []
+    for rid, n_tokens, keys, deepest_first, device, _ in reqs:
+        hits = engine.lookup(rid, keys, n_tokens)
+        if hits:
+            engine.accept_hits(rid, device[:hits])
+            engine.touch(deepest_first[len(keys) - hits :])
+            engine.step()
+            clock.advance_to(executor.next_completion_ms())
+            engine.step()
+        stored = evicted = 0
+        if hits < len(keys):
+            engine.blocks_computed(rid, keys[hits:], device[hits:])
+            engine.step()
+            clock.advance_to(executor.next_completion_ms())
+            engine.step()
+        engine.touch(deepest_first, False)
+        engine.finish_request(rid)
+        for kv in publisher.take():
+            if type(kv) is BlockStored:
+                stored += len(kv.block_hashes)
+            elif type(kv) is BlockRemoved:
+                evicted += len(kv.block_hashes)
+        records.append((hits, stored, evicted))
+    engine.close()
+    return records
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def bench_policy(policy: str, args: argparse.Namespace, anchor: ModuleType, base: Any, manager_mod: Any,
+                 trace: list, tmp: str) -> dict[str, Any]:
+    HIT = base.LookupResult.HIT
+    full_blocks = sum(len(ids) for _, ids in trace)
+
+    def vllm_once() -> tuple[int, tuple[int, int, int], list]:
+        gc.unfreeze()
+        reqs = anchor.build_requests(trace, BLOCK_TOKENS, True, base)
+        gc.collect()
+        gc.freeze()
+        mgr = manager_mod.CPUOffloadingManager(num_chunks=CAPACITY, cache_policy=policy, enable_events=True)
+        ns, records, _ = anchor.run_clean(mgr, reqs, False, True, HIT)
+        counts = tuple(sum(r[k] for r in records) for k in range(3))
+        return ns, counts, records  # type: ignore[return-value]
+
+    def kvflow_once(traced: bool) -> tuple[int, tuple[int, int, int], list]:
+        gc.unfreeze()
+        reqs = kvflow_requests(trace)
+        gc.collect()
+        gc.freeze()
+        path = os.path.join(tmp, f"{policy}.jsonl") if traced else None
+        ns, counts, _ = run_kvflow(policy, reqs, path)
+        if traced:
+            os.unlink(path)  # type: ignore[arg-type]
+        return ns, counts, []
+
+    # untimed checks: both sides make the decisions the anchor README lists
+    _, vllm_counts, vllm_records = vllm_once()
+    kv_records = per_request_kvflow(policy, kvflow_requests(trace))
+    kv_counts = tuple(sum(r[k] for r in kv_records) for k in range(3))
+    same_requests = sum(1 for a, b in zip(vllm_records, kv_records) if tuple(a) == b)
+    for side, counts in (("vllm", vllm_counts), ("kvflow", kv_counts)):
+        if counts != EXPECTED[(side, policy)] and not args.limit:
+            raise SystemExit(f"{side} {policy}: decisions {counts} != expected {EXPECTED[(side, policy)]}")
+
+    times: dict[str, list[float]] = {"vllm": [], "kvflow": [], "kvflow+trace": []}
+    runs = (("vllm", vllm_once), ("kvflow", lambda: kvflow_once(False)), ("kvflow+trace", lambda: kvflow_once(True)))
+    try:
+        for _ in range(args.repeat):
+            for name, run in runs:
+                ns, counts, _ = run()
+                expected = vllm_counts if name == "vllm" else kv_counts
+                if counts != expected:
+                    raise SystemExit(f"{name} {policy}: decisions {counts} changed from {expected}")
+                times[name].append(ns / 1e3 / full_blocks)
+    finally:
+        gc.unfreeze()
+    return {
+        "policy": policy,
+        "vllm_counts": vllm_counts,
+        "kvflow_counts": kv_counts,
+        "same_requests": same_requests,
+        "requests": len(trace),
+        "us_per_block": {k: median(v) for k, v in times.items()},
+        "spread": {k: (min(v), max(v)) for k, v in times.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--anchor", type=Path, default=DEFAULT_ANCHOR, help="bench_vllm_manager.py of the anchor")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake workload trace")
+    p.add_argument("--vllm-src", default=os.environ.get("VLLM_SRC"), help="vLLM 0.33.0 source tree ($VLLM_SRC)")
+    p.add_argument("--policy", choices=["lru", "arc", "both"], default="both")
+    p.add_argument("--repeat", type=int, default=11, help="interleaved repetitions (medians)")
+    p.add_argument("--limit", type=int, default=None, help="first N requests only (counts unchecked)")
+    args = p.parse_args(argv)
+
+    anchor = load_anchor(args.anchor)
+    if not args.vllm_src:
+        raise SystemExit("pass --vllm-src DIR (or set VLLM_SRC): an unpacked vLLM 0.33.0 sdist")
+    vllm, base, manager_mod = anchor.import_vllm(args.vllm_src, shim=True)
+    trace = anchor.load_trace(args.trace, BLOCK_TOKENS, args.limit)
+    print(f"vLLM {vllm.__version__} CPUOffloadingManager vs kvflow SyncEngine + SimulatedExecutor; "
+          f"python {sys.version.split()[0]}, {os.cpu_count()} cpus")
+    print(f"trace {args.trace.name}: {len(trace)} requests, {sum(len(i) for _, i in trace):,} full blocks, "
+          f"tier {CAPACITY:,} blocks; {args.repeat} interleaved repetitions, medians")
+    ok = True
+    policies = ["lru", "arc"] if args.policy == "both" else [args.policy]
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy in policies:
+            r = bench_policy(policy, args, anchor, base, manager_mod, trace, tmp)
+            us = r["us_per_block"]
+            print(f"\n== {policy}: decisions (hit / stored / evicted blocks) vLLM {r['vllm_counts']}, "
+                  f"kvflow {r['kvflow_counts']}; requests decided alike: {r['same_requests']}/{r['requests']}")
+            for name in ("vllm", "kvflow", "kvflow+trace"):
+                lo, hi = r["spread"][name]
+                line = f"  {name:<13} {us[name]:6.2f} µs per full block  (min {lo:.2f}, max {hi:.2f})"
+                if name != "vllm":
+                    ratio = us[name] / us["vllm"]
+                    target = TARGETS[(policy, name == "kvflow+trace")]
+                    verdict = "ok" if ratio <= target else "MISSED"
+                    ok &= ratio <= target
+                    line += f"   ratio {ratio:.2f}x  (target <= {target}x: {verdict})"
+                print(line)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

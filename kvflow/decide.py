@@ -12,7 +12,9 @@ nothing. Pure: no I/O, no clock, no randomness, no logging.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Generator, Sequence
+from itertools import compress, filterfalse
 from typing import Any
 
 from kvflow.errors import BlockHeld, Rejected, UnknownJob, UnknownRequest
@@ -85,16 +87,14 @@ def decide_lookup(state: State, cmd: Lookup) -> Decision:
         # A repeated lookup (the scheduler could not place the request last step) replaces the
         # hits it offered before, so pins never pile up.
         yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
-    slot_of, pending = state.slot_of, state.pending
-    hits: list[int] = []
-    for h in cmd.block_hashes[cmd.device_hit_blocks : cap]:
-        if h not in slot_of or h in pending:  # only RESIDENT entries are visible
-            break
-        hits.append(h)
-    yield PinsAcquired(
-        seq=state.next_seq, request_id=cmd.request_id, hashes=tuple(hits), num_tokens=cmd.num_tokens
-    )
-    return len(hits)
+    window = cmd.block_hashes[cmd.device_hit_blocks : cap]
+    # only RESIDENT entries are visible: on the tier and not pending (scanned at C level)
+    visible = list(map(state.slot_of.__contains__, window))
+    if state.pending:
+        visible = list(map(operator.gt, visible, map(state.pending.__contains__, window)))
+    n = visible.index(False) if False in visible else len(window)
+    yield PinsAcquired(seq=state.next_seq, request_id=cmd.request_id, hashes=window[:n], num_tokens=cmd.num_tokens)
+    return n
 
 
 def decide_accept_hits(state: State, cmd: AcceptHits) -> Decision:
@@ -172,40 +172,26 @@ def _victims_up_to(state: State, wanted: int) -> list[int]:
     """As many victims as the policy can give, up to ``wanted``, in eviction order."""
     if wanted <= 0:
         return []
-    victims = state.policy.victims(wanted, state.evictable)
+    pinned = state.pin_count.__contains__  # the policy orders exactly the RESIDENT entries
+    victims = state.policy.victims(wanted, pinned)
     if victims is not None:
         return victims
-    evictable = sum(1 for h in state.policy.resident() if state.evictable(h))
-    if evictable == 0:
+    evictable = len(state.policy) - len(state.pin_count)
+    if evictable <= 0:
         return []
-    return state.policy.victims(evictable, state.evictable) or []
+    return state.policy.victims(evictable, pinned) or []
 
 
-def _decide_store(
-    state: State,
-    request_id: str | None,
-    block_hashes: Sequence[int],
-    device_blocks: Sequence[int],
-) -> Decision:
-    if len(block_hashes) != len(device_blocks):
-        raise Rejected(
-            f"store: {len(block_hashes)} hashes but {len(device_blocks)} device blocks"
-        )
-    if request_id is not None:
-        req = state.requests.get(request_id)
-        if req is not None and req.finished:
-            raise Rejected(f"store: request {request_id} is finished")
-    held = state.held
-    same = dict(zip(device_blocks, block_hashes)) if held and not held.keys().isdisjoint(device_blocks) else {}
-    _check_device_blocks(state, device_blocks, same)
-    if not state.config.enabled:
-        return None
-    # DESIGN §7 step 3, block by block in prefix order: a block not on the tier (resident,
-    # queued or in flight; F3) takes a free slot, else evicts the policy's next victim; if
-    # nothing is evictable it and every later block are rejected. A victim may be a later
-    # block of this very command: when its turn comes it is no longer on the tier, so it is
-    # stored again. Evictions and admissions are still emitted as one event each.
-    entries = state.slot_of  # every hash on the tier, whatever its state
+Admission = tuple[list[int], list[int], list[int], int]  # hashes, device blocks, victims, rejected from
+
+
+def _admit_block_by_block(state: State, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> Admission:
+    """DESIGN §7 step 3, block by block in prefix order: a block not on the tier (resident,
+    queued or in flight; F3) takes a free slot, else evicts the policy's next victim; if
+    nothing is evictable it and every later block are rejected. A victim may be a later
+    block of this very command: when its turn comes it is no longer on the tier, so it is
+    stored again. Evictions and admissions are still emitted as one event each."""
+    entries = state.slot_of
     free_avail = len(state.free_slots)
     admit_hashes: list[int] = []
     admit_blocks: list[int] = []
@@ -231,6 +217,48 @@ def _decide_store(
             gone.add(victim)
         admit_hashes.append(h)
         admit_blocks.append(d)
+    return admit_hashes, admit_blocks, victims, rejected_from
+
+
+def _admit_all(state: State, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> Admission | None:
+    """The common case of ``_admit_block_by_block`` in a few C-level passes: every block
+    not on the tier is admitted (each hash once), with victims that are not blocks of this
+    command. None when that is not the outcome (the block-by-block rule then decides)."""
+    absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
+    admit_hashes = list(compress(block_hashes, absent))
+    if len(set(admit_hashes)) != len(admit_hashes):
+        return None
+    need = len(admit_hashes) - len(state.free_slots)
+    victims = _victims_up_to(state, need) if need > 0 else []
+    if len(victims) != max(need, 0) or not set(victims).isdisjoint(block_hashes):
+        return None
+    return admit_hashes, list(compress(device_blocks, absent)), victims, -1
+
+
+def _decide_store(
+    state: State,
+    request_id: str | None,
+    block_hashes: Sequence[int],
+    device_blocks: Sequence[int],
+) -> Decision:
+    if len(block_hashes) != len(device_blocks):
+        raise Rejected(
+            f"store: {len(block_hashes)} hashes but {len(device_blocks)} device blocks"
+        )
+    if request_id is not None:
+        req = state.requests.get(request_id)
+        if req is not None and req.finished:
+            raise Rejected(f"store: request {request_id} is finished")
+    held = state.held
+    same = dict(zip(device_blocks, block_hashes)) if held and not held.keys().isdisjoint(device_blocks) else {}
+    _check_device_blocks(state, device_blocks, same)
+    if not state.config.enabled:
+        return None
+    entries = state.slot_of  # every hash on the tier, whatever its state
+    admission = _admit_all(state, block_hashes, device_blocks)
+    if admission is None:
+        admission = _admit_block_by_block(state, block_hashes, device_blocks)
+    admit_hashes, admit_blocks, victims, rejected_from = admission
     if victims:
         yield BlocksEvicted(
             seq=state.next_seq,
@@ -254,9 +282,9 @@ def _decide_store(
     if rejected_from >= 0:
         rej_hashes: list[int] = []
         rej_blocks: list[int] = []
-        taken = set(admit_hashes)
+        taken = set(admit_hashes)  # (by now the victims have left the tier, the admitted joined it)
         for h, d in zip(block_hashes[rejected_from:], device_blocks[rejected_from:]):
-            if h not in taken and (h not in entries or h in gone):
+            if h not in taken and h not in entries:
                 taken.add(h)
                 rej_hashes.append(h)
                 rej_blocks.append(d)
@@ -284,8 +312,11 @@ def decide_device_evicting(state: State, cmd: DeviceBlocksEvicting) -> Decision:
 
 
 def decide_touch(state: State, cmd: Touch) -> Decision:
-    slot_of, pending = state.slot_of, state.pending
-    touched = tuple(h for h in cmd.block_hashes if h in slot_of and h not in pending)
+    slot_of, pending, hashes = state.slot_of, state.pending, cmd.block_hashes
+    if all(map(slot_of.__contains__, hashes)) and pending.keys().isdisjoint(hashes):
+        touched = hashes  # the common case: every block is RESIDENT
+    else:
+        touched = tuple(filterfalse(pending.__contains__, filter(slot_of.__contains__, hashes)))
     if touched:
         yield BlocksTouched(seq=state.next_seq, hashes=touched, reuse=cmd.reuse)
     return len(touched)
@@ -296,7 +327,7 @@ def decide_evict(state: State, cmd: Evict) -> Decision:
         raise Rejected(f"evict: num_blocks must be >= 0, got {cmd.num_blocks!r}")
     if cmd.num_blocks == 0:
         return 0
-    victims = state.policy.victims(cmd.num_blocks, state.evictable)
+    victims = state.policy.victims(cmd.num_blocks, state.pin_count.__contains__)
     if victims is None:
         raise Rejected(f"evict: fewer than {cmd.num_blocks} unpinned resident blocks (all-or-nothing)")
     yield BlocksEvicted(

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
@@ -32,8 +32,8 @@ PolicyClass = type[LRUPolicy] | type[ARCPolicy]
 BOTH: list[PolicyClass] = [LRUPolicy, ARCPolicy]
 
 
-def every(_: int) -> bool:
-    return True
+def none_pinned(_: int) -> bool:
+    return False
 
 
 AnyPolicy = TypeVar("AnyPolicy", bound=LRUPolicy | ARCPolicy)
@@ -53,7 +53,7 @@ def run_tier(policy: LRUPolicy | ARCPolicy, capacity: int, accesses: Iterable[in
             policy.touch(block_hash)
             continue
         if len(policy) >= capacity:
-            chosen = policy.victims(1, every)
+            chosen = policy.victims(1, none_pinned)
             assert chosen is not None
             policy.remove(chosen[0])
         policy.insert(block_hash)
@@ -64,10 +64,10 @@ def run_tier(policy: LRUPolicy | ARCPolicy, capacity: int, accesses: Iterable[in
 
 def test_lru_evicts_least_recent_and_touch_refreshes() -> None:
     policy = build(LRUPolicy, [A, B, C])
-    assert policy.victims(1, every) == [A]
+    assert policy.victims(1, none_pinned) == [A]
     policy.touch(A)
-    assert policy.victims(1, every) == [B]
-    assert policy.victims(3, every) == [B, C, A]
+    assert policy.victims(1, none_pinned) == [B]
+    assert policy.victims(3, none_pinned) == [B, C, A]
     assert policy.resident() == [B, C, A]
 
 
@@ -75,19 +75,19 @@ def test_lru_evicts_least_recent_and_touch_refreshes() -> None:
 def test_victims_skip_non_evictable(cls: PolicyClass) -> None:
     policy = build(cls, [A, B, C, D])
     pinned = {A, C}
-    assert policy.victims(2, lambda h: h not in pinned) == [B, D]
+    assert policy.victims(2, pinned.__contains__) == [B, D]
 
 
 @pytest.mark.parametrize("cls", BOTH)
 def test_victims_all_or_nothing(cls: PolicyClass) -> None:
     policy = build(cls, [A, B, C])
     before = policy.snapshot()
-    assert policy.victims(3, lambda h: h != B) is None  # only 2 evictable
-    assert policy.victims(4, every) is None  # only 3 resident
-    assert policy.victims(0, every) == []
+    assert policy.victims(3, lambda h: h == B) is None  # only 2 evictable
+    assert policy.victims(4, none_pinned) is None  # only 3 resident
+    assert policy.victims(0, none_pinned) == []
     assert policy.snapshot() == before
     with pytest.raises(ValueError):
-        policy.victims(-1, every)
+        policy.victims(-1, none_pinned)
 
 
 @pytest.mark.parametrize("cls", BOTH)
@@ -95,13 +95,13 @@ def test_chain_touched_deepest_first_evicts_tails_before_heads(cls: PolicyClass)
     # A prefix chain head -> tail, stored head first (so the tail is the most recent).
     chain = [A, B, C, D]
     policy = build(cls, chain)
-    assert policy.victims(1, every) == [A]  # without the touch the head would go first
+    assert policy.victims(1, none_pinned) == [A]  # without the touch the head would go first
     policy.touch(D)
     policy.touch(C)
     policy.touch(B)
     policy.touch(A)  # head last: the most recent (F14)
-    assert policy.victims(1, every) == [D]
-    assert policy.victims(4, every) == [D, C, B, A]
+    assert policy.victims(1, none_pinned) == [D]
+    assert policy.victims(4, none_pinned) == [D, C, B, A]
 
 
 @pytest.mark.parametrize("cls", BOTH)
@@ -132,7 +132,7 @@ def test_arc_survives_a_scan_that_flushes_lru() -> None:
 
 def test_arc_ghost_hit_in_b1_grows_p_and_promotes() -> None:
     arc = build(ARCPolicy, [A, B], capacity=2)
-    assert arc.victims(1, every) == [A]
+    assert arc.victims(1, none_pinned) == [A]
     arc.remove(A)
     assert arc.snapshot() == ("arc", [B], [], [A], [], 0)
     arc.insert(A)
@@ -208,11 +208,11 @@ def test_arc_victims_follow_p_and_fall_back_to_the_other_list() -> None:
     arc.insert(B)
     assert arc.snapshot() == ("arc", [A, B], [C, D], [], [], 1)
     # |T1| = 2 > p: T1's coldest; then |T1| = 1 = p: T2.
-    assert arc.victims(3, every) == [A, C, D]
-    assert arc.victims(3, lambda h: h != A) == [B, C, D]
+    assert arc.victims(3, none_pinned) == [A, C, D]
+    assert arc.victims(3, lambda h: h == A) == [B, C, D]
     # T2 has nothing evictable: T1 is used even though |T1| <= p.
-    assert arc.victims(2, lambda h: h in (A, B)) == [A, B]
-    assert arc.victims(3, lambda h: h in (A, B)) is None
+    assert arc.victims(2, lambda h: h not in (A, B)) == [A, B]
+    assert arc.victims(3, lambda h: h not in (A, B)) is None
 
 
 def test_arc_removal_that_is_not_an_eviction_leaves_no_ghost() -> None:
@@ -255,8 +255,8 @@ def test_victims_does_not_mutate(cls: PolicyClass) -> None:
     run_tier(policy, 4, [A, B, A, C, D, 1, 2, B])
     before = policy.snapshot()
     for count in range(6):
-        policy.victims(count, every)
-        policy.victims(count, lambda h: h % 2 == 0)
+        policy.victims(count, none_pinned)
+        policy.victims(count, lambda h: h % 2 == 1)
     assert policy.snapshot() == before
 
 
@@ -272,7 +272,7 @@ for h in json.loads(sys.argv[2]):
         policy.touch(h)
         continue
     if len(policy) >= 5:
-        policy.remove(policy.victims(1, lambda _: True)[0])
+        policy.remove(policy.victims(1, lambda _: False)[0])
     policy.insert(h)
 sys.stdout.write(msgspec.json.encode(policy.snapshot()).decode())
 """
@@ -391,7 +391,7 @@ class _PolicyMachine(RuleBasedStateMachine):
             return block_hash not in pinned
 
         before = self.policy.snapshot()
-        chosen = self.policy.victims(count, evictable)
+        chosen = self.policy.victims(count, pinned.__contains__)
         assert self.policy.snapshot() == before
         assert chosen == self.reference_victims(count, evictable)
         if chosen is None:
@@ -576,3 +576,56 @@ TestLRUModel = LRUMachine.TestCase
 TestLRUModel.settings = _machine_settings
 TestARCModel = ARCMachine.TestCase
 TestARCModel.settings = _machine_settings
+
+
+# --- bulk forms equal the one-by-one methods -----------------------------------------------
+
+BULK_OPS = ("insert", "touch", "refresh", "remove")
+
+
+def _random_history(policy: Any, rng: Any, capacity: int, fresh: Any) -> None:
+    """Inserts (fresh and ghost hits), touches, refreshes and removals, residents <= capacity."""
+    for _ in range(rng.randint(0, 60)):
+        resident = policy.resident()
+        r = rng.random()
+        if r < 0.5 and len(resident) < capacity:
+            ghosts = [*getattr(policy, "_b1", ()), *getattr(policy, "_b2", ())]
+            policy.insert(rng.choice(ghosts) if ghosts and rng.random() < 0.3 else fresh())
+        elif r < 0.65 and resident:
+            policy.remove(rng.choice(resident))
+        elif r < 0.85 and resident:
+            policy.touch(rng.choice(resident))
+        elif resident:
+            policy.refresh(rng.choice(resident))
+
+
+@pytest.mark.parametrize("cls", BOTH)
+@pytest.mark.parametrize("op", BULK_OPS)
+def test_bulk_forms_equal_the_one_by_one_methods(cls: PolicyClass, op: str) -> None:
+    import copy
+    import random
+
+    rng = random.Random(f"{cls.name}-{op}")
+    compared = 0
+    for _ in range(1500):
+        capacity = rng.randint(1, 10)
+        policy = cls(capacity)
+        counter = iter(range(1, 10**6))
+        _random_history(policy, rng, capacity, lambda: next(counter))
+        resident = policy.resident()
+        if op == "insert":
+            room = capacity - len(resident)
+            ghosts = [*getattr(policy, "_b1", ()), *getattr(policy, "_b2", ())]
+            pool = [next(counter) for _ in range(room)] + rng.sample(ghosts, min(len(ghosts), rng.randint(0, 2)))
+            hashes = tuple(rng.sample(pool, min(len(pool), rng.randint(0, room))))
+        else:
+            hashes = tuple(rng.sample(resident, rng.randint(0, len(resident))))
+            if op != "remove" and hashes and rng.random() < 0.2:
+                hashes += (hashes[0],)  # a repeat: the bulk form must still match
+        one_by_one = copy.deepcopy(policy)
+        for h in hashes:
+            getattr(one_by_one, op)(h)
+        getattr(policy, f"{op}_many")(hashes)
+        assert policy.snapshot() == one_by_one.snapshot(), (op, hashes)
+        compared += bool(hashes)
+    assert compared > 500

@@ -520,14 +520,14 @@ class _SkipColdestOnce:
         self.armed_from_call = armed_from_call
         self.done = False
 
-    def victims(self, num_blocks: int, evictable: Callable[[int], bool]) -> list[int] | None:
+    def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
         self.calls += 1
         if not self.done and self.calls >= self.armed_from_call:
-            picked: list[int] | None = self.inner.victims(num_blocks + 1, evictable)
+            picked: list[int] | None = self.inner.victims(num_blocks + 1, pinned)
             if picked is not None:
                 self.done = True
                 return picked[1:]
-        return self.inner.victims(num_blocks, evictable)  # type: ignore[no-any-return]
+        return self.inner.victims(num_blocks, pinned)  # type: ignore[no-any-return]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

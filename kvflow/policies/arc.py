@@ -26,8 +26,10 @@ snapshot, and with it the state digest, is exact.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import operator
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from itertools import compress, filterfalse, islice
 
 from kvflow.errors import ConfigError
 
@@ -139,9 +141,9 @@ class ARCPolicy:
             (b2 or b1).popitem(last=False)
             excess -= 1
 
-    def victims(self, num_blocks: int, evictable: Callable[[int], bool]) -> list[int] | None:
-        """The paper's REPLACE choice made ``num_blocks`` times, skipping non-evictable
-        entries, or ``None`` if fewer are evictable (all-or-nothing, F8). Does not mutate.
+    def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
+        """The paper's REPLACE choice made ``num_blocks`` times, skipping ``pinned``
+        entries, or ``None`` if fewer are unpinned (all-or-nothing, F8). Does not mutate.
 
         Take ``T1``'s coldest when ``|T1| > p`` (``|T1|`` shrinking as victims are taken from
         it), else ``T2``'s coldest; when the preferred list has nothing evictable left, the
@@ -149,11 +151,23 @@ class ARCPolicy:
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if num_blocks > len(self._t1) + len(self._t2):
+        t1, t2 = self._t1, self._t2
+        if num_blocks > len(t1) + len(t2):
             return None
-        # filter() over the dicts: C-speed skipping of pinned entries, lazily consumed.
-        cold1 = filter(evictable, self._t1)
-        cold2 = filter(evictable, self._t2)
+        # The usual outcome in two C-level scans: T1's share (down to p) then T2's rest.
+        from_t1 = min(num_blocks, max(0, len(t1) - self._p))
+        chosen = list(islice(filterfalse(pinned, t1), from_t1))
+        if len(chosen) == from_t1:
+            rest = list(islice(filterfalse(pinned, t2), num_blocks - from_t1))
+            if len(rest) == num_blocks - from_t1:
+                return chosen + rest
+        return self._victims_one_by_one(num_blocks, pinned)
+
+    def _victims_one_by_one(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
+        """``victims`` when a list runs out of unpinned entries before its share is taken."""
+        # filterfalse() over the dicts: C-speed skipping of pinned entries, lazily consumed.
+        cold1 = filterfalse(pinned, self._t1)
+        cold2 = filterfalse(pinned, self._t2)
         # The next evictable entry of each list, peeked only when needed (None: none left).
         head1: int | None = None
         head2: int | None = None
@@ -186,22 +200,80 @@ class ARCPolicy:
             t1_left -= 1
         return chosen
 
-    # Bulk forms (one call per event): each is exactly the single-hash method applied to
-    # every hash in order.
+    # Bulk forms, one call per event: each equals the single-hash method applied to every
+    # hash in order (tests/test_policies.py checks it on random histories). The common case
+    # runs as a few C-level dict operations; anything unusual takes the one-by-one loop.
+
+    def _fits(self, hashes: tuple[int, ...]) -> bool:
+        """True when ``hashes`` are distinct and the residents plus them fit the tier with
+        the directory bounds holding (the conditions the bulk paths rely on)."""
+        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
+        return (
+            len(set(hashes)) == len(hashes)
+            and len(t1) + len(t2) <= capacity
+            and len(t1) + len(b1) <= capacity
+            and len(t1) + len(t2) + len(b1) + len(b2) <= 2 * capacity
+        )
 
     def insert_many(self, hashes: tuple[int, ...]) -> None:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if (
+            len(t1) + len(t2) + len(hashes) <= self.capacity
+            and self._fits(hashes)
+            and all(d.keys().isdisjoint(hashes) for d in (t1, t2, b1, b2))
+        ):
+            # First sightings only: all join T1; the ghosts trimmed one by one would be the
+            # oldest ones, the same number in total (each insert grows both bounds by one).
+            t1.update(dict.fromkeys(hashes))
+            while b1 and len(t1) + len(b1) > self.capacity:
+                b1.popitem(last=False)
+            excess = len(t1) + len(t2) + len(b1) + len(b2) - 2 * self.capacity
+            while excess > 0 and (b1 or b2):
+                (b2 or b1).popitem(last=False)
+                excess -= 1
+            return
         for h in hashes:
             self.insert(h)
 
     def touch_many(self, hashes: tuple[int, ...]) -> None:
+        t1, t2 = self._t1, self._t2
+        in_t1 = list(map(t1.__contains__, hashes))
+        in_t2 = list(map(t2.__contains__, hashes))
+        if len(set(hashes)) == len(hashes) and all(map(operator.or_, in_t1, in_t2)):
+            # each becomes the most recent of T2, in order
+            deque(map(t1.__delitem__, compress(hashes, in_t1)), 0)
+            deque(map(t2.__delitem__, compress(hashes, in_t2)), 0)
+            t2.update(dict.fromkeys(hashes))
+            return
         for h in hashes:
             self.touch(h)
 
     def refresh_many(self, hashes: tuple[int, ...]) -> None:
-        for h in hashes:
-            self.refresh(h)
+        # T1's and T2's orders are independent: each list's members move to its end, in order
+        # (a hash in neither raises KeyError from T2, as refresh does)
+        t1, t2 = self._t1, self._t2
+        in_t1 = list(map(t1.__contains__, hashes))
+        deque(map(t1.move_to_end, compress(hashes, in_t1)), 0)
+        deque(map(t2.move_to_end, compress(hashes, map(operator.not_, in_t1))), 0)
 
     def remove_many(self, hashes: tuple[int, ...]) -> None:
+        t1, t2 = self._t1, self._t2
+        in_t1 = list(map(t1.__contains__, hashes))
+        in_t2 = list(map(t2.__contains__, hashes))
+        if (
+            len(t1) + len(t2) <= self.capacity
+            and len(set(hashes)) == len(hashes)
+            and all(map(operator.or_, in_t1, in_t2))
+        ):
+            # evictions of residents that fit: each becomes its list's newest ghost, and no
+            # trimming is due (the residents only shrink)
+            from_t1 = list(compress(hashes, in_t1))
+            from_t2 = list(compress(hashes, in_t2))
+            deque(map(t1.__delitem__, from_t1), 0)
+            deque(map(t2.__delitem__, from_t2), 0)
+            self._b1.update(dict.fromkeys(from_t1))
+            self._b2.update(dict.fromkeys(from_t2))
+            return
         for h in hashes:
             self.remove(h)
 

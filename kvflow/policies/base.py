@@ -37,9 +37,10 @@ class Policy(Protocol):
 
     def remove_many(self, hashes: tuple[int, ...]) -> None: ...
 
-    def victims(self, num_blocks: int, evictable: Callable[[int], bool]) -> list[int] | None:
-        """The ``num_blocks`` hashes to evict, in eviction order, or ``None`` if fewer than
-        ``num_blocks`` resident hashes are evictable (all-or-nothing, F8). Does not mutate."""
+    def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
+        """The ``num_blocks`` hashes to evict, in eviction order, skipping the ``pinned``
+        ones, or ``None`` if fewer than ``num_blocks`` resident hashes are unpinned
+        (all-or-nothing, F8). Does not mutate."""
 
     def resident(self) -> list[int]:
         """The resident hashes the policy tracks, in a deterministic order."""

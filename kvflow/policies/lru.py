@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import islice
+from itertools import filterfalse, islice
 
 
 class LRUPolicy:
@@ -82,14 +82,15 @@ class LRUPolicy:
         ARC (LRU remembers nothing about evicted hashes). ``KeyError`` if not resident."""
         del self._order[block_hash]
 
-    def victims(self, num_blocks: int, evictable: Callable[[int], bool]) -> list[int] | None:
-        """The ``num_blocks`` coldest evictable hashes, coldest first, or ``None`` if there
-        are fewer (all-or-nothing, F8). Scans from the cold end and stops at ``num_blocks``."""
+    def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
+        """The ``num_blocks`` coldest hashes that are not ``pinned``, coldest first, or
+        ``None`` if there are fewer (all-or-nothing, F8). Scans from the cold end and stops
+        at ``num_blocks`` (at C level: ``pinned`` is typically a dict's ``__contains__``)."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._order):
             return None
-        chosen = list(islice(filter(evictable, self._order), num_blocks))
+        chosen = list(islice(filterfalse(pinned, self._order), num_blocks))
         return chosen if len(chosen) == num_blocks else None
 
     def resident(self) -> list[int]:

@@ -11,7 +11,14 @@ from __future__ import annotations
 from kvflow.errors import IllegalTransition
 from kvflow.events import Event, LoadQueued, StoreQueued, event_name
 from kvflow.state.model import Job, State
-from kvflow.state.tables import ABSENT, BLOCK_TRANSITIONS, JOB_TRANSITIONS, RESIDENT, BlockState, JobState
+from kvflow.state.tables import (
+    ABSENT,
+    BLOCK_TRANSITIONS,
+    JOB_TRANSITIONS,
+    RESIDENT,
+    BlockState,
+    JobState,
+)
 
 # the event tags legal on a RESIDENT entry (for the bulk check)
 _RESIDENT_TAGS = frozenset(BLOCK_TRANSITIONS[RESIDENT])

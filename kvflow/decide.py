@@ -439,12 +439,14 @@ def decide_job_results(state: State, cmd: JobResults) -> Decision:
     return None
 
 
+def expired_jobs(state: State, now_ms: float) -> list[Job]:
+    """The submitted jobs whose deadline has come by ``now_ms`` (F2), in job order."""
+    queued = JobState.QUEUED
+    return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is not queued]
+
+
 def decide_tick(state: State, cmd: Tick) -> Decision:
-    expired = [
-        job
-        for job in state.jobs.values()
-        if job.state is not JobState.QUEUED and job.deadline_ms <= cmd.now_ms
-    ]
+    expired = expired_jobs(state, cmd.now_ms)
     for job in expired:
         request_id = None if job.abandoned else job.request_id
         yield JobTimedOut(
@@ -498,4 +500,4 @@ def decide(state: State, command: Command) -> Decision:
     return DECIDERS[type(command)](state, command)
 
 
-__all__ = ["decide", "DECIDERS", "hit_cap_blocks", "CANCELLED_BY_RESET", "LOAD", "STORE"]
+__all__ = ["decide", "DECIDERS", "expired_jobs", "hit_cap_blocks", "CANCELLED_BY_RESET", "LOAD", "STORE"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.config import Config
-from kvflow.decide import DECIDERS
+from kvflow.decide import DECIDERS, expired_jobs
 from kvflow.errors import Rejected
 from kvflow.events import (
     LOAD,
@@ -189,11 +189,11 @@ class OffloadManager:
         self.log.record_events(events)
         if events:
             notices = self._notices
+            observers = self.observers
             for event in events:
                 if type(event) in _NOTICE_TYPES:
                     notices.observe(event)
-            for observe in self.observers:
-                for event in events:
+                for observe in observers:
                     observe(event)
 
     def take_notices(self) -> Notices:
@@ -249,7 +249,12 @@ class OffloadManager:
         return int(answer)
 
     def plan_step(self, now_ms: float = 0.0) -> list[TransferJob]:
-        """The jobs to hand to the executor now; each job is returned once (F5)."""
+        """The jobs to hand to the executor now; each job is returned once (F5).
+
+        With nothing queued there is nothing to decide, and no command is recorded (an
+        engine calls this every step)."""
+        if not self.state.queued:
+            return []
         answer, _ = self.handle(PlanStep(now_ms=now_ms))
         return answer  # type: ignore[no-any-return]
 
@@ -262,7 +267,12 @@ class OffloadManager:
             self.handle(JobResults(results=tuple(results)))
 
     def tick(self, now_ms: float) -> int:
-        """Time out in-flight jobs whose deadline has passed (F2); returns how many."""
+        """Time out in-flight jobs whose deadline has passed (F2); returns how many.
+
+        When no job is due there is nothing to decide, and no command is recorded (an
+        engine calls this every step)."""
+        if not expired_jobs(self.state, now_ms):
+            return 0
         answer, _ = self.handle(Tick(now_ms=now_ms))
         return int(answer)
 

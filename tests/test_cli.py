@@ -25,6 +25,8 @@ from kvflow.state import BLOCK_TRANSITIONS, JOB_TRANSITIONS
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "traces"
 GOLDEN = sorted(p.name for p in TRACES.glob("*.jsonl"))
+# recorded by an earlier build and kept as recorded (traces/README.md), not regenerated
+RECORDED_EARLIER = ["clean_idle_ticks.jsonl"]
 CONSISTENT = [name for name in GOLDEN if name != "divergent.jsonl"]
 KVFLOW_SCRIPT = Path(sys.executable).with_name("kvflow")
 
@@ -562,7 +564,7 @@ def _load_tool() -> ModuleType:
 def test_regenerating_golden_traces_is_byte_identical(tmp_path: Path) -> None:
     tool = _load_tool()
     written = tool.make_golden_traces(tmp_path)
-    assert sorted(p.name for p in written) == GOLDEN
+    assert sorted(p.name for p in written) == sorted(set(GOLDEN) - set(RECORDED_EARLIER))
     for path in written:
         assert path.read_bytes() == (TRACES / path.name).read_bytes(), (
             f"{path.name} differs from traces/: regenerate with python tools/make_golden_traces.py"

@@ -36,6 +36,7 @@ from kvflow.errors import KvflowError, Rejected
 from kvflow.events import (
     LOAD,
     STORE,
+    TERMINAL_TYPES,
     BlocksEvicted,
     Event,
     JobCompleted,
@@ -182,7 +183,7 @@ class SyncEngine:
         self._submitted_at: dict[int, float] = {}
         self._log = logger if logger is not None else structlog.get_logger("kvflow")
         self._debug = logger is not None or structlog.is_configured()
-        self.manager.observers.append(self._observe)
+        self._subscribe()
         self.closed = False
 
     # -- scheduling-time calls (forwarded; Rejected propagates: it is the caller's bug) ---
@@ -285,59 +286,73 @@ class SyncEngine:
 
     # -- observation: counters, latencies, logs ------------------------------------------
 
-    def _observe(self, event: Event) -> None:
-        kind = type(event)
-        c = self.counters
-        if kind is JobsSubmitted:
-            c.jobs_submitted += len(event.job_ids)  # type: ignore[union-attr]
-        elif (kind is JobCompleted or kind is JobFailed or kind is JobTimedOut) and event.abandoned:  # type: ignore[union-attr]
-            self._submitted_at.pop(event.job_id, None)  # type: ignore[union-attr]
-        elif kind is JobCompleted or kind is JobFailed or kind is JobTimedOut:
-            n = len(event.hashes)  # type: ignore[union-attr]
-            started = self._submitted_at.pop(event.job_id, None)  # type: ignore[union-attr]
-            if kind is JobCompleted:
-                c.jobs_completed += 1
-                if event.direction == STORE:  # type: ignore[union-attr]
-                    c.blocks_stored += n
-                    c.bytes_stored += n * self.bytes_per_block
-                else:
-                    c.blocks_loaded += n
-                    c.bytes_loaded += n * self.bytes_per_block
-                    c.hit_tokens += n * self.config.block_tokens  # only loads that landed
-            else:
-                if kind is JobFailed:
-                    c.jobs_failed += 1
-                else:
-                    c.jobs_timed_out += 1
-                if self._debug:
-                    self._log.warning(
-                        f"kvflow.{event_name(event)}",
-                        job=event.job_id,  # type: ignore[union-attr]
-                        request=event.request_id,  # type: ignore[union-attr]
-                        direction=event.direction,  # type: ignore[union-attr]
-                        blocks=n,
-                        error=getattr(event, "error", "deadline passed"),
-                    )
-            if started is not None:
-                latency = self.clock() - started
-                self.latencies.add(event.direction, latency)  # type: ignore[union-attr]
-        elif kind is BlocksEvicted:
-            c.blocks_evicted += len(event.hashes)  # type: ignore[union-attr]
-        elif kind is StoreRejected:
-            c.blocks_rejected += len(event.hashes)  # type: ignore[union-attr]
-        elif kind is LateResultIgnored:
-            c.late_results += 1
+    def _subscribe(self) -> None:
+        on = self.manager.subscribe
+        on(self._on_submitted, (JobsSubmitted,))
+        on(self._on_terminal, TERMINAL_TYPES)
+        on(self._on_evicted, (BlocksEvicted,))
+        on(self._on_rejected, (StoreRejected,))
+        on(self._on_late, (LateResultIgnored,))
         if self._debug:
-            fields: dict[str, Any] = {"seq": event.seq}
-            job = getattr(event, "job_id", None)
-            if job is not None:
-                fields["job"] = job
-            request = getattr(event, "request_id", None)
-            if request is not None:
-                fields["request"] = request
-            if kind is PinsAcquired:
-                fields["hits"] = len(event.hashes)  # type: ignore[union-attr]
-            self._log.debug(f"kvflow.{event_name(event)}", **fields)
+            on(self._log_event)
+
+    def _on_submitted(self, event: JobsSubmitted) -> None:
+        self.counters.jobs_submitted += len(event.job_ids)
+
+    def _on_terminal(self, event: JobCompleted | JobFailed | JobTimedOut) -> None:
+        started = self._submitted_at.pop(event.job_id, None)
+        if event.abandoned:
+            return  # a reset already told the engine; only the holds end now
+        c = self.counters
+        n = len(event.hashes)
+        kind = type(event)
+        if kind is JobCompleted:
+            c.jobs_completed += 1
+            if event.direction == STORE:
+                c.blocks_stored += n
+                c.bytes_stored += n * self.bytes_per_block
+            else:
+                c.blocks_loaded += n
+                c.bytes_loaded += n * self.bytes_per_block
+                c.hit_tokens += n * self.config.block_tokens  # only loads that landed
+        else:
+            if kind is JobFailed:
+                c.jobs_failed += 1
+            else:
+                c.jobs_timed_out += 1
+            if self._debug:
+                self._log.warning(
+                    f"kvflow.{event_name(event)}",
+                    job=event.job_id,
+                    request=event.request_id,
+                    direction=event.direction,
+                    blocks=n,
+                    error=getattr(event, "error", "deadline passed"),
+                )
+        if started is not None:
+            self.latencies.add(event.direction, self.clock() - started)
+
+    def _on_evicted(self, event: BlocksEvicted) -> None:
+        self.counters.blocks_evicted += len(event.hashes)
+
+    def _on_rejected(self, event: StoreRejected) -> None:
+        self.counters.blocks_rejected += len(event.hashes)
+
+    def _on_late(self, event: LateResultIgnored) -> None:
+        self.counters.late_results += 1
+
+    def _log_event(self, event: Event) -> None:
+        """Every applied event at debug level (only when structlog is configured)."""
+        fields: dict[str, Any] = {"seq": event.seq}
+        job = getattr(event, "job_id", None)
+        if job is not None:
+            fields["job"] = job
+        request = getattr(event, "request_id", None)
+        if request is not None:
+            fields["request"] = request
+        if type(event) is PinsAcquired:
+            fields["hits"] = len(event.hashes)
+        self._log.debug(f"kvflow.{event_name(event)}", **fields)
 
     # -- teardown ------------------------------------------------------------------------
 

@@ -82,8 +82,11 @@ def kv_events(events: Iterable[Event], block_tokens: int) -> list[KVEvent]:
 
 
 class KVEventPublisher:
-    """Collects KV events as a manager applies events: ``manager.observers.append(pub)``,
-    then ``pub.take()`` each step (e.g. to hand to vLLM's ``KVEventBatch``)."""
+    """Collects KV events as a manager applies events: ``manager.subscribe(pub)``, then
+    ``pub.take()`` each step (e.g. to hand to vLLM's ``KVEventBatch``)."""
+
+    # the kvflow events that can imply a KV event (``subscribe`` reads this)
+    event_types = (JobCompleted, BlocksEvicted, Reset)
 
     def __init__(self, block_tokens: int) -> None:
         self.block_tokens = block_tokens

@@ -12,7 +12,7 @@ This module is pure apart from the log it is handed (the log decides whether to 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from kvflow.config import Config
 from kvflow.decide import DECIDERS, expired_jobs
 from kvflow.errors import Rejected
 from kvflow.events import (
+    EVENT_TYPES,
     LOAD,
     STORE,
     AcceptHits,
@@ -44,7 +45,7 @@ from kvflow.events import (
     Touch,
     TransferJob,
 )
-from kvflow.log import MemoryLog
+from kvflow.log import MemoryLog, NullLog
 from kvflow.state import State, evolve
 
 _INT_ONLY = {int}
@@ -152,49 +153,80 @@ class OffloadManager:
         self.state = State(config)
         self.log = log if log is not None else MemoryLog(config)
         self._notices = Notices()
-        self.observers: list[Any] = []  # callables receiving each applied event
+        # callables receiving the applied events, by event type (see subscribe)
+        self._subscribers: list[tuple[Callable[[Event], None], tuple[type, ...] | None]] = []
+        self._dispatch: dict[type, tuple[Callable[[Event], None], ...]] = {}
+        self._rebuild_dispatch()
 
     # -- the core loop -------------------------------------------------------------------
+
+    @property
+    def log(self) -> Any:
+        """Where commands and events are recorded (a MemoryLog, a TraceWriter, a NullLog)."""
+        return self._log
+
+    @log.setter
+    def log(self, log: Any) -> None:
+        self._log = log
+        self._recording = not isinstance(log, NullLog)  # a NullLog's calls are skipped
 
     def handle(self, command: Command) -> tuple[Any, list[Event]]:
         """Decide and apply one command; returns (answer, events appended)."""
         state = self.state
-        log = self.log
         gen = DECIDERS[type(command)](state, command)
-        events: list[Event] = []
         try:
             event = next(gen)  # validation happens here: a Rejected leaves everything as is
         except StopIteration as stop:
-            log.record_command(command)
-            log.after_command(state)
-            return stop.value, events
-        log.record_command(command)
-        check = self.paranoid
+            if self._recording:
+                self._log.record_command(command)
+                self._log.after_command(state)
+            return stop.value, []
+        recording = self._recording
+        if recording:
+            self._log.record_command(command)
+        events: list[Event] = []
         append = events.append
-        apply = evolve
+        check = self.paranoid
         try:
             while True:
-                apply(state, event, check)
+                evolve(state, event, check)
                 append(event)
                 event = gen.send(None)
         except StopIteration as stop:
             answer = stop.value
         finally:
-            self._after(events)
-        log.after_command(state)
+            # what was applied is recorded and observed, even if a paranoid check raised
+            if recording:
+                self._log.record_events(events)
+            dispatch = self._dispatch
+            for applied in events:
+                for callback in dispatch[type(applied)]:
+                    callback(applied)
+        if recording:
+            self._log.after_command(state)
         return answer, events
 
-    def _after(self, events: list[Event]) -> None:
-        """Record the applied events and derive notices / observer calls from them."""
-        self.log.record_events(events)
-        if events:
-            notices = self._notices
-            observers = self.observers
-            for event in events:
-                if type(event) in _NOTICE_TYPES:
-                    notices.observe(event)
-                for observe in observers:
-                    observe(event)
+    def subscribe(self, callback: Callable[[Event], None], event_types: Sequence[type] | None = None) -> None:
+        """Call ``callback(event)`` for every event applied from now on whose type is in
+        ``event_types`` (default: the callback's own ``event_types`` attribute if it has
+        one, else every event), in log order, after the event is applied. Naming the types
+        keeps the other events free of the call."""
+        types = event_types if event_types is not None else getattr(callback, "event_types", None)
+        self._subscribers.append((callback, None if types is None else tuple(types)))
+        self._rebuild_dispatch()
+
+    def _rebuild_dispatch(self) -> None:
+        notice = self._observe_notice
+        self._dispatch = {
+            kind: tuple(
+                [notice] * (kind in _NOTICE_TYPES)
+                + [fn for fn, types in self._subscribers if types is None or kind in types]
+            )
+            for kind in EVENT_TYPES
+        }
+
+    def _observe_notice(self, event: Event) -> None:
+        self._notices.observe(event)
 
     def take_notices(self) -> Notices:
         notices, self._notices = self._notices, Notices()

@@ -245,7 +245,7 @@ def test_a_hung_job_times_out_by_the_engine_clock_and_its_late_result_is_ignored
 
     # the copy finally reports, after the deadline
     seen: list[object] = []
-    engine.manager.observers.append(seen.append)
+    engine.manager.subscribe(seen.append)
     engine.apply_results([JobResult(job_id=job, rank=0, ok=True)])
     last = seen[-1]
     assert isinstance(last, LateResultIgnored) and last.job_id == job

@@ -32,7 +32,7 @@ B = 16
 def rig() -> tuple[OffloadManager, KVEventPublisher]:
     manager = OffloadManager(Config(cpu_blocks=4, block_tokens=B, job_deadline_ms=100.0), paranoid=True)
     publisher = KVEventPublisher(B)
-    manager.observers.append(publisher)
+    manager.subscribe(publisher)
     return manager, publisher
 
 

@@ -72,9 +72,10 @@ class TwinMixin:
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[call-arg]
-        observers = self.m.observers
+        subscribers = self.m._subscribers
         self.m = TwinManager(self.config)
-        self.m.observers.extend(observers)
+        for callback, event_types in subscribers:
+            self.m.subscribe(callback, event_types)
 
     def teardown(self) -> None:
         rebuilt = fold(State(self.config), self.m.log.events())

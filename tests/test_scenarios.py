@@ -415,7 +415,7 @@ def resident(m: OffloadManager) -> set[int]:
 def test_kv_events_announce_blocks_only_when_readable() -> None:
     m = manager(cpu_blocks=3)
     publisher = KVEventPublisher(BT)
-    m.observers.append(publisher)
+    m.subscribe(publisher)
     stream: list[Any] = []
 
     def step() -> list[Any]:
@@ -456,7 +456,7 @@ def test_kv_events_from_a_replayed_trace_match_the_live_stream(tmp_path: Path) -
     cfg = config(cpu_blocks=4)
     m = OffloadManager(cfg, log=TraceWriter(path, cfg))
     publisher = KVEventPublisher(BT)
-    m.observers.append(publisher)
+    m.subscribe(publisher)
     drive_workload(m)
     m.close()
     live = publisher.take()

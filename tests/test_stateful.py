@@ -60,7 +60,7 @@ class OffloadMachine(RuleBasedStateMachine):
         )
         self.m = OffloadManager(self.config)
         self.kv = KVEventPublisher(BT)
-        self.m.observers.append(self.kv)
+        self.m.subscribe(self.kv)
         self.announced: set[int] = set()  # what a KV-event consumer believes is on the tier
         self.now = 0.0
         self.next_device_block = 1000

@@ -99,7 +99,7 @@ def run_kvflow(policy: str, reqs: list, trace_path: str | None) -> tuple[int, tu
     config = Config(cpu_blocks=CAPACITY, block_tokens=BLOCK_TOKENS, policy=policy)
     engine = SyncEngine(config, executor, clock=clock, trace_path=trace_path)
     publisher = KVEventPublisher(BLOCK_TOKENS)
-    engine.manager.observers.append(publisher)
+    engine.manager.subscribe(publisher)
     lookup, accept_hits, blocks_computed = engine.lookup, engine.accept_hits, engine.blocks_computed
     touch, finish, step, take = engine.touch, engine.finish_request, engine.step, publisher.take
     advance, next_done = clock.advance_to, executor.next_completion_ms
@@ -137,7 +137,7 @@ def per_request_kvflow(policy: str, reqs: list) -> list[tuple[int, int, int]]:
     executor = SimulatedExecutor(clock)
     engine = SyncEngine(Config(cpu_blocks=CAPACITY, block_tokens=BLOCK_TOKENS, policy=policy), executor, clock=clock)
     publisher = KVEventPublisher(BLOCK_TOKENS)
-    engine.manager.observers.append(publisher)
+    engine.manager.subscribe(publisher)
     records = []
     for rid, n_tokens, keys, deepest_first, device, _ in reqs:
         hits = engine.lookup(rid, keys, n_tokens)

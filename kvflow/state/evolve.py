@@ -96,14 +96,15 @@ _ENTRY_MOVES: dict[tuple[BlockState, BlockState], Callable[..., None]] = {
     (STORE_QUEUED, ABSENT): _drop_pending,
     (STORING, ABSENT): _drop_pending,
     (RESIDENT, ABSENT): _evict,
-    (RESIDENT, RESIDENT): _stay,
-    (ABSENT, ABSENT): _stay,
 }
 
 
 def _move(state: State, current: BlockState, tag: str, hashes: tuple[int, ...], job: Job | None) -> None:
-    """Move entries that are all in ``current`` to where the table says ``tag`` takes them."""
-    _ENTRY_MOVES[current, BLOCK_TRANSITIONS[current][tag]](state, hashes, job)
+    """Move entries that are all in ``current`` to where the table says ``tag`` takes them
+    (a self-loop leaves them as they are: the event's own effect does the rest)."""
+    nxt = BLOCK_TRANSITIONS[current][tag]
+    if nxt is not current:
+        _ENTRY_MOVES[current, nxt](state, hashes, job)
 
 
 # --- jobs and requests ------------------------------------------------------------------
@@ -156,8 +157,20 @@ def _release_quarantine(state: State, job: Job) -> None:
             free.append(s)
 
 
+def _pin(state: State, hashes: tuple[int, ...]) -> None:
+    pins = state.pin_count
+    if pins.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
+        pins.update(dict.fromkeys(hashes, 1))  # the usual case: nobody else pins them
+        return
+    for h in hashes:
+        pins[h] = pins.get(h, 0) + 1
+
+
 def _unpin(state: State, hashes: tuple[int, ...]) -> None:
     pins = state.pin_count
+    if len(set(hashes)) == len(hashes) and all(map((1).__eq__, map(pins.__getitem__, hashes))):
+        deque(map(pins.__delitem__, hashes), 0)  # the usual case: these were the only pins
+        return
     for h in hashes:
         left = pins[h] - 1
         if left:
@@ -329,9 +342,7 @@ def _pins_acquired(state: State, event: PinsAcquired, check: bool) -> None:
     if req is None:
         req = state.requests[event.request_id] = Request(event.request_id)
     _move(state, RESIDENT, "pins_acquired", event.hashes, None)
-    pins = state.pin_count
-    for h in event.hashes:
-        pins[h] = pins.get(h, 0) + 1
+    _pin(state, event.hashes)
     req.offered = event.hashes
 
 

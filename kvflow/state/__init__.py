@@ -4,13 +4,13 @@ Everything here is pure: no I/O, no clock, no randomness, no logging (a test enf
 
 - ``tables``: the block and job lifecycle tables, the machine itself;
 - ``model``: ``State`` (entries column-wise, live jobs, requests, the policy) and its queries;
-- ``legality`` / ``evolve``: apply one event, reading every next state from the tables;
+- ``legality`` / ``apply``: ``evolve`` applies one event, reading every next state from the tables;
 - ``invariants``: the structural rules checked at checkpoints and by the tests;
 - ``digest``: the deterministic state digest that traces carry.
 """
 
 from kvflow.errors import IllegalTransition
-from kvflow.state.evolve import evolve, fold
+from kvflow.state.apply import evolve, fold
 from kvflow.state.invariants import check_invariants
 from kvflow.state.model import EntriesView, Entry, Job, Request, State
 from kvflow.state.tables import (

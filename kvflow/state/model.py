@@ -1,6 +1,6 @@
 """The state's data: CPU-tier entries, live jobs, requests, and the policy's order.
 
-``State`` is built empty from a Config and changed only by ``evolve`` (kvflow.state.evolve).
+``State`` is built empty from a Config and changed only by ``evolve`` (kvflow.state.apply).
 Its queries here read; they never change anything. Pure: no I/O, no clock, no randomness.
 """
 

@@ -61,7 +61,7 @@ CANCELLED_BY_RESET = "cancelled by reset before submission"
 
 
 def _whole(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def hit_cap_blocks(num_tokens: int, block_tokens: int) -> int:
@@ -379,12 +379,12 @@ def _terminal_fields(job: Job) -> dict[str, Any]:
     }
 
 
-def _maybe_close(state: State, request_id: str | None) -> Decision:
+def _closable(state: State, request_id: str | None) -> bool:
+    """A finished request whose last job and pin are gone is closed (it leaves the state)."""
     if request_id is None:
-        return
+        return False
     req = state.requests.get(request_id)
-    if req is not None and req.finished and not req.jobs and not req.holds_pins():
-        yield RequestClosed(seq=state.next_seq, request_id=request_id)
+    return req is not None and req.finished and not req.jobs and not req.holds_pins()
 
 
 def decide_job_result(state: State, cmd: JobResult) -> Decision:
@@ -416,7 +416,8 @@ def decide_job_result(state: State, cmd: JobResult) -> Decision:
     else:
         yield RankSucceeded(seq=state.next_seq, job_id=job.job_id, rank=cmd.rank)
         return None
-    yield from _maybe_close(state, request_id)
+    if _closable(state, request_id):
+        yield RequestClosed(seq=state.next_seq, request_id=request_id)
     return None
 
 
@@ -452,7 +453,8 @@ def decide_tick(state: State, cmd: Tick) -> Decision:
         yield JobTimedOut(
             seq=state.next_seq, now_ms=float(cmd.now_ms), deadline_ms=float(job.deadline_ms), **_terminal_fields(job)
         )
-        yield from _maybe_close(state, request_id)
+        if _closable(state, request_id):
+            yield RequestClosed(seq=state.next_seq, request_id=request_id)
     return len(expired)
 
 
@@ -467,7 +469,8 @@ def decide_finish(state: State, cmd: FinishRequest) -> Decision:
     if req.offered:
         yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
     yield RequestFinished(seq=state.next_seq, request_id=cmd.request_id, preempted=cmd.preempted)
-    yield from _maybe_close(state, cmd.request_id)
+    if _closable(state, cmd.request_id):
+        yield RequestClosed(seq=state.next_seq, request_id=cmd.request_id)
     return None
 
 

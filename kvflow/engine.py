@@ -250,6 +250,8 @@ class SyncEngine:
         jobs = self.manager.plan_step(now)
         if jobs:
             self._submit(jobs, compute_done, now)
+        if not self.manager.has_notices():
+            return StepReport(now_ms=now, submitted=jobs, timed_out=timed_out)
         notices = self.manager.take_notices()
         return StepReport(
             now_ms=now,

@@ -48,8 +48,6 @@ from kvflow.events import (
 from kvflow.log import MemoryLog, NullLog
 from kvflow.state import State, evolve
 
-_INT_ONLY = {int}
-
 
 def _ints(values: Sequence[int]) -> tuple[int, ...]:
     """Block ids and hashes as a tuple of plain ints. Tuples, lists and ranges of ints pass
@@ -57,7 +55,7 @@ def _ints(values: Sequence[int]) -> tuple[int, ...]:
     ``operator.index``, which refuses lossy values such as 1.5."""
     kind = type(values)
     if kind is tuple or kind is list:
-        if set(map(type, values)) <= _INT_ONLY:
+        if list(map(type, values)).count(int) == len(values):  # every one a plain int
             return tuple(values)
     elif kind is range:
         return tuple(values)
@@ -229,8 +227,13 @@ class OffloadManager:
         self._notices.observe(event)
 
     def take_notices(self) -> Notices:
+        """What happened since the last call (F4: kept until taken)."""
         notices, self._notices = self._notices, Notices()
         return notices
+
+    def has_notices(self) -> bool:
+        """Whether ``take_notices`` would hand over anything."""
+        return bool(self._notices)
 
     # -- the engine API ------------------------------------------------------------------
 

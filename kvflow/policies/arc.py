@@ -26,10 +26,9 @@ snapshot, and with it the state digest, is exact.
 
 from __future__ import annotations
 
-import operator
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import compress, filterfalse, islice
+from itertools import filterfalse, islice, repeat
 
 from kvflow.errors import ConfigError
 
@@ -201,81 +200,72 @@ class ARCPolicy:
         return chosen
 
     # Bulk forms, one call per event: each equals the single-hash method applied to every
-    # hash in order (tests/test_policies.py checks it on random histories). The common case
-    # runs as a few C-level dict operations; anything unusual takes the one-by-one loop.
-
-    def _fits(self, hashes: tuple[int, ...]) -> bool:
-        """True when ``hashes`` are distinct and the residents plus them fit the tier with
-        the directory bounds holding (the conditions the bulk paths rely on)."""
-        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
-        return (
-            len(set(hashes)) == len(hashes)
-            and len(t1) + len(t2) <= capacity
-            and len(t1) + len(b1) <= capacity
-            and len(t1) + len(t2) + len(b1) + len(b2) <= 2 * capacity
-        )
+    # hash in order (tests/test_policies.py checks it on random histories), for the inputs
+    # evolve hands them: hashes resident where the single method needs them resident,
+    # distinct where the event makes them so (a store's, an eviction's). They skip the
+    # single methods' errors for other inputs: evolve has checked the event before.
 
     def insert_many(self, hashes: tuple[int, ...]) -> None:
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        """``insert`` for each of a store's hashes (distinct, none resident)."""
+        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
         if (
-            len(t1) + len(t2) + len(hashes) <= self.capacity
-            and self._fits(hashes)
-            and all(d.keys().isdisjoint(hashes) for d in (t1, t2, b1, b2))
+            len(t1) + len(t2) + len(hashes) <= capacity
+            and len(t1) + len(b1) <= capacity
+            and len(t1) + len(t2) + len(b1) + len(b2) <= 2 * capacity
+            and b1.keys().isdisjoint(hashes)
+            and b2.keys().isdisjoint(hashes)
         ):
             # First sightings only: all join T1; the ghosts trimmed one by one would be the
-            # oldest ones, the same number in total (each insert grows both bounds by one).
-            t1.update(dict.fromkeys(hashes))
-            while b1 and len(t1) + len(b1) > self.capacity:
-                b1.popitem(last=False)
-            excess = len(t1) + len(t2) + len(b1) + len(b2) - 2 * self.capacity
-            while excess > 0 and (b1 or b2):
-                (b2 or b1).popitem(last=False)
-                excess -= 1
+            # oldest ones, the same number of each kind (each insert grows both bounds by one).
+            for h in hashes:
+                t1[h] = None
+            _drop_oldest(b1, len(t1) + len(b1) - capacity)
+            excess = len(t1) + len(t2) + len(b1) + len(b2) - 2 * capacity
+            if excess > 0:
+                from_b2 = min(excess, len(b2))
+                _drop_oldest(b2, from_b2)
+                _drop_oldest(b1, excess - from_b2)
             return
-        for h in hashes:
+        for h in hashes:  # ghost hits adapt p one at a time
             self.insert(h)
 
     def touch_many(self, hashes: tuple[int, ...]) -> None:
+        """``touch`` for each hash (resident; repeats allowed): each becomes the most recent
+        of T2, in order."""
         t1, t2 = self._t1, self._t2
-        in_t1 = list(map(t1.__contains__, hashes))
-        in_t2 = list(map(t2.__contains__, hashes))
-        if len(set(hashes)) == len(hashes) and all(map(operator.or_, in_t1, in_t2)):
-            # each becomes the most recent of T2, in order
-            deque(map(t1.__delitem__, compress(hashes, in_t1)), 0)
-            deque(map(t2.__delitem__, compress(hashes, in_t2)), 0)
-            t2.update(dict.fromkeys(hashes))
-            return
         for h in hashes:
-            self.touch(h)
+            if h in t1:
+                del t1[h]
+                t2[h] = None
+            else:
+                t2.move_to_end(h)
 
     def refresh_many(self, hashes: tuple[int, ...]) -> None:
-        # T1's and T2's orders are independent: each list's members move to its end, in order
-        # (a hash in neither raises KeyError from T2, as refresh does)
+        """``refresh`` for each hash (resident; repeats allowed). T1's and T2's orders are
+        independent: each list's members move to its end, in order."""
         t1, t2 = self._t1, self._t2
-        in_t1 = list(map(t1.__contains__, hashes))
-        deque(map(t1.move_to_end, compress(hashes, in_t1)), 0)
-        deque(map(t2.move_to_end, compress(hashes, map(operator.not_, in_t1))), 0)
+        for h in hashes:
+            if h in t1:
+                t1.move_to_end(h)
+            else:
+                t2.move_to_end(h)
 
     def remove_many(self, hashes: tuple[int, ...]) -> None:
+        """``remove`` (an eviction: ghosts kept) for each hash (distinct, resident)."""
         t1, t2 = self._t1, self._t2
-        in_t1 = list(map(t1.__contains__, hashes))
-        in_t2 = list(map(t2.__contains__, hashes))
-        if (
-            len(t1) + len(t2) <= self.capacity
-            and len(set(hashes)) == len(hashes)
-            and all(map(operator.or_, in_t1, in_t2))
-        ):
-            # evictions of residents that fit: each becomes its list's newest ghost, and no
-            # trimming is due (the residents only shrink)
-            from_t1 = list(compress(hashes, in_t1))
-            from_t2 = list(compress(hashes, in_t2))
-            deque(map(t1.__delitem__, from_t1), 0)
-            deque(map(t2.__delitem__, from_t2), 0)
-            self._b1.update(dict.fromkeys(from_t1))
-            self._b2.update(dict.fromkeys(from_t2))
+        if len(t1) + len(t2) > self.capacity:  # an overfilled tier trims ghosts as it shrinks
+            for h in hashes:
+                self.remove(h)
             return
+        # each becomes its list's newest ghost; the residents only shrink, so no trimming
+        b1, b2 = self._b1, self._b2
         for h in hashes:
-            self.remove(h)
+            if h in t1:
+                del t1[h]
+                b1[h] = None
+            else:
+                del t2[h]
+                b2[h] = None
 
     def resident(self) -> list[int]:
         """Resident hashes: ``T1`` then ``T2``, each coldest first."""
@@ -305,3 +295,9 @@ class ARCPolicy:
             f"ARCPolicy(capacity={self.capacity}, p={self._p}, t1={len(self._t1)}, "
             f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
         )
+
+
+def _drop_oldest(ghosts: OrderedDict[int, None], count: int) -> None:
+    """Forget the ``count`` oldest ghosts (at most all of them)."""
+    if count > 0:
+        deque(map(ghosts.popitem, repeat(False, min(count, len(ghosts)))), 0)

@@ -47,20 +47,16 @@ class LRUPolicy:
         self._order.move_to_end(block_hash)
 
     def insert_many(self, hashes: tuple[int, ...]) -> None:
-        """``insert`` for each hash in order (one C-level update on the hot path).
-
-        All-or-nothing: a hash already resident, or repeated in ``hashes`` (which ``insert``
-        one by one would also refuse), raises ``ValueError`` before anything changes.
-        """
+        """``insert`` for each hash in order. All-or-nothing: a hash already resident, or
+        repeated in ``hashes``, raises ``ValueError`` and changes nothing."""
         order = self._order
-        fresh = dict.fromkeys(hashes)
-        if len(fresh) != len(hashes) or not order.keys().isdisjoint(fresh):
-            seen: set[int] = set()
-            for h in hashes:
-                if h in order or h in seen:
-                    raise ValueError(f"block hash {h} is already resident in the lru policy")
-                seen.add(h)
-        order.update(fresh)
+        before = len(order)
+        for h in hashes:
+            order[h] = None  # a tracked hash keeps its place, so the count falls short
+        if len(order) != before + len(hashes):
+            while len(order) > before:  # the new ones are the newest: take them back
+                order.popitem()
+            raise ValueError(f"a block hash of {list(hashes)[:4]} is already resident in the lru policy")
 
     def refresh(self, block_hash: int) -> None:
         """LRU has no notion of frequency: a reorder is a touch."""
@@ -75,7 +71,9 @@ class LRUPolicy:
 
     def remove_many(self, hashes: tuple[int, ...]) -> None:
         """``remove`` for each hash."""
-        deque(map(self._order.__delitem__, hashes), 0)
+        order = self._order
+        for h in hashes:
+            del order[h]
 
     def remove(self, block_hash: int, ghost: bool = True) -> None:
         """``block_hash`` left the tier. ``ghost`` is accepted for interface parity with

@@ -313,7 +313,7 @@ def decide_device_evicting(state: State, cmd: DeviceBlocksEvicting) -> Decision:
 
 def decide_touch(state: State, cmd: Touch) -> Decision:
     slot_of, pending, hashes = state.slot_of, state.pending, cmd.block_hashes
-    if all(map(slot_of.__contains__, hashes)) and pending.keys().isdisjoint(hashes):
+    if all(map(slot_of.__contains__, hashes)) and (not pending or pending.keys().isdisjoint(hashes)):
         touched = hashes  # the common case: every block is RESIDENT
     else:
         touched = tuple(filterfalse(pending.__contains__, filter(slot_of.__contains__, hashes)))
@@ -367,16 +367,19 @@ def decide_plan_step(state: State, cmd: PlanStep) -> Decision:
     return jobs
 
 
-def _terminal_fields(job: Job) -> dict[str, Any]:
-    return {
-        "abandoned": job.abandoned,
-        "job_id": job.job_id,
-        "direction": job.direction,
-        "request_id": job.request_id,
-        "hashes": job.hashes,
-        "device_blocks": job.device_blocks,
-        "slots": job.slots,
-    }
+def _terminal_event(kind: type[Any], state: State, job: Job, **outcome: Any) -> Any:
+    """A JobCompleted / JobFailed / JobTimedOut describing ``job``, with its outcome fields."""
+    return kind(
+        seq=state.next_seq,
+        abandoned=job.state is JobState.ABANDONED,
+        job_id=job.job_id,
+        direction=job.direction,
+        request_id=job.request_id,
+        hashes=job.hashes,
+        device_blocks=job.device_blocks,
+        slots=job.slots,
+        **outcome,
+    )
 
 
 def _closable(state: State, request_id: str | None) -> bool:
@@ -387,56 +390,50 @@ def _closable(state: State, request_id: str | None) -> bool:
     return req is not None and req.finished and not req.jobs and not req.holds_pins()
 
 
-def decide_job_result(state: State, cmd: JobResult) -> Decision:
-    if not _whole(cmd.job_id) or not 0 < cmd.job_id <= state.last_job_id:
-        raise UnknownJob(f"result for unknown job {cmd.job_id!r} (last issued: {state.last_job_id})")
-    if not _whole(cmd.rank) or not 0 <= cmd.rank < state.config.world_size:
-        raise Rejected(f"result for job {cmd.job_id}: rank {cmd.rank!r} outside world size {state.config.world_size}")
+def _check_result(state: State, result: JobResult) -> None:
+    """A result must name a job issued and submitted, and a rank of the world (F12)."""
+    if not _whole(result.job_id) or not 0 < result.job_id <= state.last_job_id:
+        raise UnknownJob(f"result for unknown job {result.job_id!r} (last issued: {state.last_job_id})")
+    world = state.config.world_size
+    if not _whole(result.rank) or not 0 <= result.rank < world:
+        raise Rejected(f"result for job {result.job_id}: rank {result.rank!r} outside world size {world}")
+    job = state.jobs.get(result.job_id)
+    if job is not None and job.state is JobState.QUEUED:
+        raise Rejected(f"result for job {result.job_id}, which was never submitted")
+
+
+def _apply_result(state: State, cmd: JobResult) -> Decision:
+    """The events of one checked result: the job's end, a rank's success, or a late result."""
     job = state.jobs.get(cmd.job_id)
-    if job is None:
-        yield LateResultIgnored(
-            seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error
-        )
-        return None
-    if job.state is JobState.QUEUED:
-        raise Rejected(f"result for job {cmd.job_id}, which was never submitted")
     bit = 1 << cmd.rank
-    if job.acks & bit:
-        yield LateResultIgnored(
-            seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error
-        )
-        return None
-    request_id = None if job.abandoned else job.request_id
+    if job is None or job.acks & bit:  # already terminal, or a rank repeating its success
+        yield LateResultIgnored(seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error)
+        return
+    request_id = None if job.state is JobState.ABANDONED else job.request_id
     if not cmd.ok:
-        yield JobFailed(
-            seq=state.next_seq, rank=cmd.rank, error=cmd.error or "unknown error", **_terminal_fields(job)
-        )
+        yield _terminal_event(JobFailed, state, job, rank=cmd.rank, error=cmd.error or "unknown error")
     elif job.acks | bit == (1 << state.config.world_size) - 1:
-        yield JobCompleted(seq=state.next_seq, rank=cmd.rank, **_terminal_fields(job))
+        yield _terminal_event(JobCompleted, state, job, rank=cmd.rank)
     else:
         yield RankSucceeded(seq=state.next_seq, job_id=job.job_id, rank=cmd.rank)
-        return None
+        return
     if _closable(state, request_id):
         yield RequestClosed(seq=state.next_seq, request_id=request_id)
+
+
+def decide_job_result(state: State, cmd: JobResult) -> Decision:
+    _check_result(state, cmd)
+    yield from _apply_result(state, cmd)
     return None
 
 
 def decide_job_results(state: State, cmd: JobResults) -> Decision:
     """Many executor outcomes at once (one command per engine step instead of one per job).
     All are checked before anything is applied, so a bad one refuses the whole batch."""
-    last = state.last_job_id
-    world = state.config.world_size
-    jobs = state.jobs
     for r in cmd.results:
-        if not _whole(r.job_id) or not 0 < r.job_id <= last:
-            raise UnknownJob(f"result for unknown job {r.job_id!r} (last issued: {last})")
-        if not _whole(r.rank) or not 0 <= r.rank < world:
-            raise Rejected(f"result for job {r.job_id}: rank {r.rank!r} outside world size {world}")
-        job = jobs.get(r.job_id)
-        if job is not None and job.state is JobState.QUEUED:
-            raise Rejected(f"result for job {r.job_id}, which was never submitted")
+        _check_result(state, r)
     for r in cmd.results:
-        yield from decide_job_result(state, r)
+        yield from _apply_result(state, r)
     return None
 
 
@@ -450,9 +447,7 @@ def decide_tick(state: State, cmd: Tick) -> Decision:
     expired = expired_jobs(state, cmd.now_ms)
     for job in expired:
         request_id = None if job.abandoned else job.request_id
-        yield JobTimedOut(
-            seq=state.next_seq, now_ms=float(cmd.now_ms), deadline_ms=float(job.deadline_ms), **_terminal_fields(job)
-        )
+        yield _terminal_event(JobTimedOut, state, job, now_ms=float(cmd.now_ms), deadline_ms=float(job.deadline_ms))
         if _closable(state, request_id):
             yield RequestClosed(seq=state.next_seq, request_id=request_id)
     return len(expired)
@@ -477,7 +472,7 @@ def decide_finish(state: State, cmd: FinishRequest) -> Decision:
 def decide_reset(state: State, cmd: ResetAll) -> Decision:
     for jid in list(state.queued):
         job = state.jobs[jid]
-        yield JobFailed(seq=state.next_seq, rank=-1, error=CANCELLED_BY_RESET, **_terminal_fields(job))
+        yield _terminal_event(JobFailed, state, job, rank=-1, error=CANCELLED_BY_RESET)
     yield Reset(seq=state.next_seq, abandoned_job_ids=tuple(state.jobs))
     return None
 

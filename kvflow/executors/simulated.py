@@ -129,8 +129,9 @@ class SimulatedExecutor:
         across directions, not within one)."""
         now = self.clock.now_ms
         ids = [job.job_id for job in jobs]
-        repeated = [j for j in ids if j in self._known] or [j for j in ids if ids.count(j) > 1]
-        if repeated:  # refuse the whole call: nothing launched, no fault drawn (F5)
+        if len(set(ids)) != len(ids) or not self._known.isdisjoint(ids):
+            # refuse the whole call: nothing launched, no fault drawn (F5)
+            repeated = [j for j in ids if j in self._known] or [j for j in ids if ids.count(j) > 1]
             raise Rejected(f"job {repeated[0]} submitted twice (F5)")
         for job in jobs:
             self._known.add(job.job_id)

@@ -54,3 +54,10 @@ class TraceError(KvflowError):
 
 class TransferError(KvflowError):
     """An executor could not perform a copy (becomes a failed outcome, never escapes)."""
+
+
+def one_line(e: BaseException) -> str:
+    """A foreign exception as ``Type: first line of its message``: how the executors quote a
+    torch or numpy error inside a failed job's error (a result's error is one line)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

@@ -112,7 +112,10 @@ def replay(
         else:
             # commands are decoded and validated in full even though a fold does not use them:
             # a malformed line must stop the replay with its file and line (DESIGN §5)
-            _fold(reader.records(), result, until, strict, on_event)
+            if strict or on_event is not None:
+                _fold(reader.records(), result, until, strict, on_event)
+            else:
+                _fold_chunks(reader, result, until)
         result.warnings.extend(reader.warnings)
     if result.divergence is None and result.stopped_at is None:
         problems = check_invariants(result.state)
@@ -179,39 +182,63 @@ def _fold(
     strict: bool,
     on_event: Callable[[int, Any], None] | None,
 ) -> None:
+    """The fold record by record: ``--strict`` invariants after every event, observers."""
     state = result.state
     kinds = _KIND
+    for line, rec in records:
+        kind = kinds[type(rec)]
+        if kind == 0:
+            if until is not None and rec.seq > until:
+                result.stopped_at = state.last_seq
+                return
+            if not _apply(result, line, rec, strict):
+                return
+            if on_event is not None:
+                on_event(line, rec)
+        elif kind == 1:
+            result.commands += 1
+        elif not _check_point(result, line, rec):
+            return
+    if until is not None and state.last_seq >= until:
+        result.stopped_at = state.last_seq
+
+
+_EVENT_TYPE_SET = frozenset(EVENT_TYPES)
+
+
+def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None) -> None:
+    """``_fold`` without strict checks or observers, chunk by chunk: the loop over a decoded
+    chunk touches each record once, and line numbers are looked up only when needed."""
+    state = result.state
+    events = _EVENT_TYPE_SET
     limit = until if until is not None else float("inf")
-    fast = not strict and on_event is None
-    applied = 0
-    try:
-        for line, rec in records:
-            kind = kinds[type(rec)]
-            if kind == 0:
-                if rec.seq > limit:
-                    result.stopped_at = state.last_seq
-                    return
-                if fast:
-                    try:
-                        evolve(state, rec)
-                    except IllegalTransition as exc:
-                        result.divergence = Divergence("illegal", rec.seq, line, str(exc), recorded=rec)
+    for numbers, recs in reader.record_chunks():
+        i = -1
+        applied = commands = 0
+        try:
+            for rec in recs:
+                i += 1
+                kind = type(rec)
+                if kind in events:
+                    if rec.seq > limit:
+                        result.stopped_at = state.last_seq
                         return
+                    evolve(state, rec)
                     applied += 1
-                    continue
-                if not _apply(result, line, rec, strict):
-                    return
-                if on_event is not None:
-                    on_event(line, rec)
-            elif kind == 1:
-                result.commands += 1
-            else:
-                result.events += applied
-                applied = 0
-                if not _check_point(result, line, rec):
-                    return
-    finally:
-        result.events += applied
+                elif kind is Checkpoint:
+                    result.events += applied
+                    applied = 0
+                    if not _check_point(result, numbers[i], rec):
+                        return
+                else:
+                    commands += 1
+        except IllegalTransition as exc:
+            rec = recs[i]
+            result.divergence = Divergence("illegal", rec.seq, numbers[i], str(exc), recorded=rec)
+            return
+        finally:
+            result.events += applied
+            result.commands += commands
     if until is not None and state.last_seq >= until:
         result.stopped_at = state.last_seq
 

@@ -1,53 +1,57 @@
 """The torch executor: batched KV page copies between a device KV cache and the host pool.
 
 One code path for CUDA, Ascend NPU and the CPU device, over ``torch.Stream`` / ``torch.Event``
-(``kvflow.executors.npu`` holds the few per-device decisions). What one ``submit`` does, per
-direction (all of the call's store jobs together, all of its load jobs together):
+(``kvflow.executors.npu`` holds the few per-device decisions). This module is the executor's job
+bookkeeping: it accepts jobs, tracks them until each has exactly one result, and runs the
+completion threads. The rest is split by job:
 
-* **store**: the store stream waits on the engine's compute-done event (F9); per KV region one
-  device gather (``index_select``) of the pages into a staging buffer, then one copy per run of
-  consecutive slots straight into the pool's range; one event is recorded for the whole batch.
-* **load**: the load stream waits on the compute-done event (F9); per region one copy per run
-  into a device staging buffer, then one ``index_copy_`` into the engine's device blocks.
-* Slots that do not form a few runs (``max_runs``) go through ``scatter``: ``"uva"`` (CUDA, the
-  default there) lets a device kernel gather/scatter the pinned pool directly through unified
-  addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host memory and scatters or
-  gathers on the CPU (stores in the completion thread, loads in the caller).
+* ``transfer_plan``: a ``submit`` validates each job and merges all of its store jobs together,
+  all of its load jobs together, sorted by slot (a job with a bad index fails alone, before
+  anything is launched: on CUDA an out-of-range index would kill the context);
+* ``page_copies``: the copy kernels that move one such batch per direction (runs, UVA or host
+  scatter, checksums);
+* ``streams``: the streams and events the copies are ordered with; ``uva``: device aliases of
+  the pinned pool.
 
-Pairs are sorted by slot first, so a job whose slots are a permutation of a run is one run.
+When a submit stores and loads the same blocks or slots, the load waits for the store's event.
 
 Completion (F6): a thread per direction waits for each batch's event (query with a short sleep on
 CUDA, ``synchronize`` on NPU, nothing on CPU where copies are synchronous), runs the batch's host
 side (host scatter, checksum check) and puts one ``JobResult`` per job on ONE ``SimpleQueue``;
 ``poll``/``wait`` read it from the engine's thread. Any exception in a copy becomes a failed
-result for the jobs of that batch and the executor keeps serving (F2); a job with a bad index
-fails alone, before anything is launched (on CUDA an out-of-range index would kill the context).
+result for the jobs of that batch and the executor keeps serving (F2).
 """
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
 import torch
 
-from kvflow.errors import ConfigError, KvflowError, Rejected, TransferError, UnknownJob
+from kvflow.errors import ConfigError, KvflowError, Rejected, TransferError, UnknownJob, one_line
 from kvflow.events import LOAD, STORE, JobResult, TransferJob
 from kvflow.executors import npu as adapter
 from kvflow.executors.host_pool import HostPool
-from kvflow.executors.layout import KVCaches, KVLayout, word_bytes
+from kvflow.executors.layout import KVCaches, KVLayout
+from kvflow.executors.page_copies import Finish, PageCopies, ScatterMode
+from kvflow.executors.streams import new_stream, record_event, wait_event
+from kvflow.executors.transfer_plan import Plan, overlaps, plan_jobs
+from kvflow.executors.uva import device_alias
 
-ScatterMode = Literal["auto", "runs", "host", "uva"]
-Finish = Callable[[], dict[int, str]]
+__all__ = ["HISTORY", "ScatterMode", "TorchExecutor"]
+
+# tools/bench_transfer.py builds UVA views itself when it switches scatter modes on a live executor
+_device_alias = device_alias
 
 HISTORY = 100_000  # finished results kept for wait() and duplicate detection
+
+
 
 
 @dataclass
@@ -71,34 +75,8 @@ class _Lane:
     last_event: Any | None = None
 
 
-@dataclass
-class _Plan:
-    """A direction's pairs, sorted by slot, and the runs of consecutive slots among them."""
 
-    jobs: list[TransferJob]
-    device_blocks: np.ndarray
-    slots: np.ndarray
-    owner: np.ndarray  # index into jobs for each pair
-    runs: list[tuple[int, int, int]]  # (first pair, length, first slot)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
-def _runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive slot numbers in a sorted array."""
-    n = len(slots)
-    if n == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [n]))
-    return [(int(a), int(b - a), int(slots[a])) for a, b in zip(starts, ends, strict=True)]
-
-
-class TorchExecutor:
+class TorchExecutor(PageCopies):
     """Moves KV pages for ``TransferJob``s; results come back through ``poll``/``wait``.
 
     ``kv_caches``: the engine's KV tensors (see ``layout.py``). ``cpu_blocks``: slots of the host
@@ -157,41 +135,8 @@ class TorchExecutor:
                     f"{self.layout.num_regions} regions)"
                 )
         self.pool = pool
-        self._host_views: list[torch.Tensor] = []
-        self._uva_views: list[torch.Tensor] = []
-        if pool.enabled:
-            self._host_views = [
-                pool.region(i, r.word_dtype) for i, r in enumerate(self.layout.regions)
-            ]
-            if self.scatter == "uva" or (
-                self.scatter == "auto" and self.device.type == "cuda" and pool.pinned
-            ):
-                try:
-                    self._uva_views = [_device_alias(v, self.device) for v in self._host_views]
-                except ConfigError:
-                    if self.scatter == "uva":
-                        raise
-        if self.scatter == "auto":
-            # Measured on H200 (tools/bench_transfer_results.md): device kernels through UVA keep
-            # scattered slots at 0.82-0.88 of the link with no CPU work; host staging costs a CPU
-            # memcpy per byte (22-38 GB/s end to end). Host staging is the portable fallback.
-            self.scatter = "uva" if self._uva_views else "host"
-        self._cs_mult = None
-        self._cs_table = np.zeros(max(pool.cpu_blocks, 0), dtype=np.int64)
-        self._cs_valid = np.zeros(max(pool.cpu_blocks, 0), dtype=bool)
-        if checksums:
-            mult = torch.arange(1, 2 * self.layout.num_regions, 2, dtype=torch.int64)
-            self._cs_mult = mult.view(-1, 1).to(self.device)
+        self._init_copies(staging_bytes)
 
-        # Batched single-run path: regions of one word type and page size are handled a chunk
-        # at a time (one staging tensor, one _foreach_copy_), which halves the Python calls per
-        # region; chunks keep device staging under staging_bytes.
-        self._batched = True
-        self.staging_bytes = int(staging_bytes)
-        self._pages = [r.pages for r in self.layout.regions]
-        self._words = [int(r.pages.shape[1]) for r in self.layout.regions]
-        self._dtypes = [r.word_dtype for r in self.layout.regions]
-        self._wbytes = [word_bytes(d) for d in self._dtypes]
 
         self._channel: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -209,13 +154,10 @@ class TorchExecutor:
         }
         self._lanes: dict[str, _Lane] = {d: self._start_lane(d) for d in (STORE, LOAD)}
 
-    # --- streams and events (device-agnostic) ---------------------------------------------
+    # --- lanes: one stream and one completion thread per direction ----------------------------
 
     def _start_lane(self, direction: str) -> _Lane:
-        stream = None
-        if self.traits.has_streams:
-            stream = torch.Stream(device=self.device, **adapter.stream_kwargs(self.traits))
-        lane = _Lane(direction, stream, queue.SimpleQueue())
+        lane = _Lane(direction, new_stream(self.device, self.traits), queue.SimpleQueue())
         lane.thread = threading.Thread(
             target=self._complete_loop,
             args=(lane,),
@@ -224,60 +166,6 @@ class TorchExecutor:
         )
         lane.thread.start()
         return lane
-
-    @contextlib.contextmanager
-    def _on(self, stream: Any | None) -> Iterator[None]:
-        """Make ``stream`` current, so staging memory is allocated on it (stream-ordered reuse)."""
-        if stream is None:
-            yield
-            return
-        if hasattr(stream, "__enter__"):
-            with stream:
-                yield
-            return
-        previous = torch.accelerator.current_stream(self.device)  # torch without Stream.__enter__
-        torch.accelerator.set_stream(stream)
-        try:
-            yield
-        finally:
-            torch.accelerator.set_stream(previous)
-
-    def _wait_for(self, stream: Any | None, event: Any | None) -> None:
-        """Order the copies after the engine's compute (F9) or after another batch."""
-        if event is None:
-            return
-        if stream is None:
-            sync = getattr(event, "synchronize", None)
-            if sync is not None:
-                with contextlib.suppress(RuntimeError):
-                    sync()
-            return
-        try:
-            stream.wait_event(event)
-        except TypeError:
-            event.wait(stream)
-
-    def _record(self, stream: Any | None) -> Any | None:
-        if stream is None:
-            return None
-        event = torch.Event(device=self.device)
-        event.record(stream)
-        return event
-
-    def _wait_event(self, event: Any | None) -> None:
-        if event is None:
-            return
-        if self.traits.wait_mode == "synchronize":
-            event.synchronize()
-            return
-        delay = 20e-6
-        while adapter.event_state(self.traits, bool(event.query())) == "pending":
-            time.sleep(delay)
-            delay = min(delay * 2, 200e-6)
-
-    def _pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        pin = self.traits.has_streams and self.traits.pin_strategy != "none"
-        return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -306,10 +194,14 @@ class TorchExecutor:
             self._in_flight.update(seen)
             self._counters["jobs_submitted"] += len(jobs)
             self._counters["submissions"] += 1
-        plans: dict[str, _Plan | None] = {}
+        plans: dict[str, Plan | None] = {}
         for direction in (STORE, LOAD):
             mine = [j for j in jobs if j.direction == direction]
-            plans[direction] = self._plan(direction, mine) if mine else None
+            plans[direction] = (
+                plan_jobs(direction, mine, self.layout.num_blocks, self.pool.cpu_blocks, self._fail_now)
+                if mine
+                else None
+            )
         for job in jobs:
             if job.direction not in (STORE, LOAD):
                 self._fail_now(job, f"job {job.job_id}: unknown direction {job.direction!r}")
@@ -320,7 +212,7 @@ class TorchExecutor:
             store_event = self._launch(STORE, store_plan, compute_done, None)
         if load_plan is not None:
             after = None
-            if store_plan is not None and _overlaps(store_plan, load_plan):
+            if store_plan is not None and overlaps(store_plan, load_plan):
                 after = store_event  # same blocks or slots in both directions: load after store
             self._launch(LOAD, load_plan, compute_done, after)
 
@@ -454,83 +346,10 @@ class TorchExecutor:
             self._finished.popitem(last=False)
         self._ready.append(result)
 
-    # --- planning -----------------------------------------------------------------------------
-
-    def _check_job(self, job: TransferJob) -> tuple[np.ndarray, np.ndarray] | str:
-        """The job's index arrays, or why it cannot run (it then fails alone, nothing launched)."""
-        if len(job.device_blocks) != len(job.slots):
-            return (
-                f"job {job.job_id}: {len(job.device_blocks)} device blocks "
-                f"but {len(job.slots)} slots"
-            )
-        count = len(job.slots)
-        try:
-            dev = np.fromiter(job.device_blocks, dtype=np.int64, count=count)
-            slots = np.fromiter(job.slots, dtype=np.int64, count=count)
-        except (TypeError, ValueError, OverflowError) as e:
-            return f"job {job.job_id}: block ids must be integers ({_first_line(e)})"
-        if len(dev) == 0:
-            return dev, slots
-        nb, cb = self.layout.num_blocks, self.pool.cpu_blocks
-        if dev.min() < 0 or dev.max() >= nb:
-            bad = int(dev[(dev < 0) | (dev >= nb)][0])
-            return f"job {job.job_id}: device block {bad} out of range [0, {nb})"
-        if slots.min() < 0 or slots.max() >= cb:
-            bad = int(slots[(slots < 0) | (slots >= cb)][0])
-            return f"job {job.job_id}: slot {bad} out of range [0, {cb})"
-        key = slots if job.direction == STORE else dev
-        if count > 1 and not (key[1:] > key[:-1]).all():  # not strictly increasing: look closer
-            ordered = np.sort(key)
-            if (ordered[1:] == ordered[:-1]).any():
-                what = (
-                    "a slot appears twice in one store"
-                    if job.direction == STORE
-                    else "a device block appears twice in one load"
-                )
-                return f"job {job.job_id}: {what}"
-        return dev, slots
-
-    def _plan(self, direction: str, jobs: list[TransferJob]) -> _Plan | None:
-        """Validate and merge a direction's jobs; bad jobs fail now, alone."""
-        kept: list[TransferJob] = []
-        devs: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        taken: set[int] = set()  # slots (store) / device blocks (load) claimed by earlier jobs
-        for job in jobs:
-            checked = self._check_job(job)
-            if isinstance(checked, str):
-                self._fail_now(job, checked)
-                continue
-            dev, sl = checked
-            if len(jobs) > 1:
-                keys = (sl if direction == STORE else dev).tolist()
-                clash = taken.intersection(keys)
-                if clash:
-                    what = "slot" if direction == STORE else "device block"
-                    self._fail_now(
-                        job,
-                        f"job {job.job_id}: {what} {min(clash)} is also written by "
-                        "an earlier job of the same submit",
-                    )
-                    continue
-                taken.update(keys)
-            kept.append(job)
-            devs.append(dev)
-            slots.append(sl)
-        if not kept:
-            return None
-        dev_all = np.concatenate(devs)
-        slot_all = np.concatenate(slots)
-        owner = np.repeat(np.arange(len(kept)), [len(d) for d in devs])
-        if len(slot_all) > 1 and not (slot_all[1:] > slot_all[:-1]).all():
-            order = np.argsort(slot_all, kind="stable")
-            dev_all, slot_all, owner = dev_all[order], slot_all[order], owner[order]
-        return _Plan(kept, dev_all, slot_all, owner, _runs(slot_all))
-
     # --- launching ----------------------------------------------------------------------------
 
     def _launch(
-        self, direction: str, plan: _Plan, compute_done: Any | None, after: Any | None
+        self, direction: str, plan: Plan, compute_done: Any | None, after: Any | None
     ) -> Any | None:
         """Enqueue one direction's copies; a raise here fails the batch, never the caller (F2)."""
         lane = self._lanes[direction]
@@ -542,200 +361,15 @@ class TorchExecutor:
             if len(plan.slots) == 0:
                 batch.finish = None
             elif direction == STORE:
-                batch.finish = self._launch_store(lane, plan, compute_done, batch.keepalive)
+                batch.finish = self._launch_store(lane.stream, plan, compute_done, batch.keepalive)
             else:
-                batch.finish = self._launch_load(lane, plan, compute_done, after, batch.keepalive)
-            batch.event = self._record(lane.stream)
+                batch.finish = self._launch_load(lane.stream, plan, compute_done, after, batch.keepalive)
+            batch.event = record_event(lane.stream, self.device)
             lane.last_event = batch.event
         except Exception as e:  # noqa: BLE001 - F2: every copy error becomes a failed result
-            batch.error = f"{direction} launch failed on {self.device}: {_first_line(e)}"
+            batch.error = f"{direction} launch failed on {self.device}: {one_line(e)}"
         lane.pending.put(batch)
         return batch.event
-
-    def _chunks(self, n: int) -> Iterator[tuple[int, int]]:
-        """Ranges [a, b) of regions with one word type and size, each within staging_bytes."""
-        a, count = 0, len(self._pages)
-        while a < count:
-            per_region = n * self._words[a] * self._wbytes[a]
-            limit = max(1, self.staging_bytes // max(1, per_region))
-            b = a + 1
-            while (
-                b < count
-                and b - a < limit
-                and self._words[b] == self._words[a]
-                and self._dtypes[b] == self._dtypes[a]
-            ):
-                b += 1
-            yield a, b
-            a = b
-
-    def _regions_unbatched(self, single: bool, scattered: bool) -> Sequence[Any]:
-        """The regions the per-region loop still has to do (none when the batched path ran)."""
-        return () if (single and not scattered and self._batched) else self.layout.regions
-
-    def _launch_indices(
-        self, plan: _Plan, scattered: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Device-side index tensors of a batch (on the current stream): device blocks, the
-        slots when GPU kernels address the pinned pool directly, and a checksum buffer."""
-        idx = torch.from_numpy(plan.device_blocks).to(self.device, non_blocking=True)
-        slot_idx = None
-        if scattered and self.scatter == "uva":
-            slot_idx = torch.from_numpy(plan.slots).to(self.device, non_blocking=True)
-        sums = None
-        if self.checksums:
-            n = len(plan.slots)
-            sums = torch.empty((self.layout.num_regions, n), dtype=torch.int64, device=self.device)
-        return idx, slot_idx, sums
-
-    def _scattered(self, plan: _Plan) -> bool:
-        return self.scatter != "runs" and len(plan.runs) > self.max_runs
-
-    def _launch_store(
-        self, lane: _Lane, plan: _Plan, compute_done: Any, keep: list[Any]
-    ) -> Finish | None:
-        slots, runs, n = plan.slots, plan.runs, len(plan.slots)
-        scattered = self._scattered(plan)
-        self._cs_valid[slots] = False  # the slots' content is about to change
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        cs_host = None
-        with self._on(lane.stream):
-            self._wait_for(lane.stream, compute_done)
-            idx, slot_idx, sums = self._launch_indices(plan, scattered)
-            single = len(runs) == 1
-            if single and not scattered and self._batched:
-                s0 = runs[0][2]
-                for a, b in self._chunks(n):
-                    staging = torch.empty(
-                        (b - a, n, self._words[a]), dtype=self._dtypes[a], device=self.device
-                    )
-                    parts = staging.unbind(0)
-                    for k in range(a, b):
-                        torch.index_select(self._pages[k], 0, idx, out=parts[k - a])
-                    if sums is not None:
-                        torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
-                    dst = [self._host_views[k][s0 : s0 + n] for k in range(a, b)]
-                    torch._foreach_copy_(dst, parts, non_blocking=True)
-            for r, region in enumerate(self._regions_unbatched(single, scattered)):
-                staging = torch.index_select(region.pages, 0, idx)
-                if sums is not None:
-                    torch.sum(staging, 1, dtype=torch.int64, out=sums[r])
-                host = self._host_views[r]
-                if not scattered:
-                    if single:
-                        s0 = runs[0][2]
-                        host[s0 : s0 + n].copy_(staging, non_blocking=True)
-                    else:
-                        for a, length, s in runs:
-                            host[s : s + length].copy_(staging[a : a + length], non_blocking=True)
-                elif self.scatter == "uva":
-                    assert slot_idx is not None
-                    self._uva_views[r].index_copy_(0, slot_idx, staging)
-                else:
-                    pinned = self._pinned_empty(tuple(staging.shape), staging.dtype)
-                    pinned.copy_(staging, non_blocking=True)
-                    staged.append((host, pinned))
-            if sums is not None:
-                assert self._cs_mult is not None
-                cs = (sums * self._cs_mult).sum(0)
-                cs_host = self._pinned_empty((n,), torch.int64)
-                cs_host.copy_(cs, non_blocking=True)
-        keep.extend(p for _, p in staged)
-
-        def finish() -> dict[int, str]:
-            if staged:
-                slot_t = torch.from_numpy(slots)
-                for host, pinned in staged:
-                    host.index_copy_(0, slot_t, pinned)
-            if cs_host is not None:
-                self._cs_table[slots] = cs_host.numpy()
-                self._cs_valid[slots] = True
-            return {}
-
-        return finish if (staged or cs_host is not None) else None
-
-    def _launch_load(
-        self, lane: _Lane, plan: _Plan, compute_done: Any, after: Any, keep: list[Any]
-    ) -> Finish | None:
-        slots, runs, n = plan.slots, plan.runs, len(plan.slots)
-        scattered = self._scattered(plan)
-        expected = valid = None
-        if self.checksums:
-            expected, valid = self._cs_table[slots].copy(), self._cs_valid[slots].copy()
-        cs_host = None
-        slot_cpu = torch.from_numpy(slots) if scattered and self.scatter == "host" else None
-        with self._on(lane.stream):
-            self._wait_for(lane.stream, compute_done)
-            self._wait_for(lane.stream, after)
-            idx, slot_idx, sums = self._launch_indices(plan, scattered)
-            single = len(runs) == 1
-            if single and not scattered and self._batched:
-                s0 = runs[0][2]
-                for a, b in self._chunks(n):
-                    staging = torch.empty(
-                        (b - a, n, self._words[a]), dtype=self._dtypes[a], device=self.device
-                    )
-                    parts = staging.unbind(0)
-                    torch._foreach_copy_(
-                        parts,
-                        [self._host_views[k][s0 : s0 + n] for k in range(a, b)],
-                        non_blocking=True,
-                    )
-                    if sums is not None:
-                        torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
-                    for k in range(a, b):
-                        self._pages[k].index_copy_(0, idx, parts[k - a])
-            for r, region in enumerate(self._regions_unbatched(single, scattered)):
-                host = self._host_views[r]
-                if not scattered:
-                    if single:
-                        s0 = runs[0][2]
-                        staging = host[s0 : s0 + n].to(self.device, non_blocking=True)
-                    else:
-                        staging = torch.empty(
-                            (n, host.shape[1]), dtype=host.dtype, device=self.device
-                        )
-                        for a, length, s in runs:
-                            staging[a : a + length].copy_(host[s : s + length], non_blocking=True)
-                elif self.scatter == "uva":
-                    assert slot_idx is not None
-                    staging = torch.index_select(self._uva_views[r], 0, slot_idx)
-                else:
-                    assert slot_cpu is not None
-                    pinned = self._pinned_empty((n, host.shape[1]), host.dtype)
-                    torch.index_select(host, 0, slot_cpu, out=pinned)
-                    keep.append(pinned)
-                    staging = pinned.to(self.device, non_blocking=True)
-                if sums is not None:
-                    torch.sum(staging, 1, dtype=torch.int64, out=sums[r])
-                region.pages.index_copy_(0, idx, staging)
-            if sums is not None:
-                assert self._cs_mult is not None
-                cs = (sums * self._cs_mult).sum(0)
-                cs_host = self._pinned_empty((n,), torch.int64)
-                cs_host.copy_(cs, non_blocking=True)
-        if cs_host is None:
-            return None
-        assert expected is not None and valid is not None
-
-        def finish() -> dict[int, str]:
-            got = cs_host.numpy()
-            bad = np.flatnonzero((got != expected) | ~valid)
-            errors: dict[int, str] = {}
-            for pos in bad.tolist():
-                job = plan.jobs[int(plan.owner[pos])]
-                if job.job_id in errors:
-                    continue
-                slot, block = int(slots[pos]), int(plan.device_blocks[pos])
-                errors[job.job_id] = (
-                    f"checksum mismatch: slot {slot} -> device block {block} "
-                    "(host copy corrupted; recompute)"
-                    if valid[pos]
-                    else f"no checksum recorded for slot {slot}: never stored by this executor"
-                )
-            return errors
-
-        return finish
 
     # --- completion thread --------------------------------------------------------------------
 
@@ -751,11 +385,11 @@ class TorchExecutor:
                 errors = {j.job_id: batch.error for j in batch.jobs}
             else:
                 try:
-                    self._wait_event(batch.event)
+                    wait_event(batch.event, self.traits)
                     if batch.finish is not None:
                         errors = batch.finish()
                 except Exception as e:  # noqa: BLE001 - F2
-                    msg = f"{batch.direction} copy failed on {self.device}: {_first_line(e)}"
+                    msg = f"{batch.direction} copy failed on {self.device}: {one_line(e)}"
                     errors = {j.job_id: msg for j in batch.jobs}
             batch.keepalive.clear()
             ok_bytes = 0
@@ -771,39 +405,3 @@ class TorchExecutor:
             for job in batch.jobs:
                 err = errors.get(job.job_id)
                 self._emit(job, err is None, err)
-
-
-def _overlaps(store: _Plan, load: _Plan) -> bool:
-    """Do a store and a load of one submit touch the same device blocks or slots?"""
-    return bool(
-        np.intersect1d(store.device_blocks, load.device_blocks).size
-        or np.intersect1d(store.slots, load.slots).size
-    )
-
-
-class _CudaArray:
-    """``__cuda_array_interface__`` over pinned host memory: a CUDA tensor aliasing the pool."""
-
-    def __init__(self, host: torch.Tensor) -> None:
-        self._host = host
-        typestr = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}[word_bytes(host.dtype)]
-        self.__cuda_array_interface__ = {
-            "shape": tuple(host.shape),
-            "strides": tuple(s * host.element_size() for s in host.stride()),
-            "typestr": typestr,
-            "data": (host.data_ptr(), False),
-            "version": 2,
-        }
-
-
-def _device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CUDA tensor over a pinned host region (UVA), so kernels gather/scatter it directly."""
-    try:
-        alias = torch.as_tensor(_CudaArray(host), device=device)
-    except Exception as e:  # noqa: BLE001
-        raise ConfigError(
-            f"scatter='uva' unavailable: cannot map the pinned pool ({_first_line(e)})"
-        ) from None
-    if alias.data_ptr() != host.data_ptr():
-        raise ConfigError("scatter='uva' unavailable: device pointer differs from the host pointer")
-    return alias

@@ -201,9 +201,8 @@ def _load_queued(state: State, event: LoadQueued, check: bool) -> None:
         lg.check_new_job(state, event)
         if req is None or req.finished:
             raise lg.illegal(state, event, "NO_REQUEST", f"request {event.request_id} is not live")
-        if req.offered[:n] != event.hashes:
+        if req.offered[:n] != event.hashes:  # (offered hits are pinned, hence RESIDENT)
             raise lg.illegal(state, event, "PINS", "a load must take the request's offered hits, in order")
-        lg.check_resident(state, event, "load_queued", event.hashes)
         if tuple(map(state.slot_of.__getitem__, event.hashes)) != event.slots:
             raise lg.illegal(state, event, "RESIDENT", "the load's slots are not where its blocks live")
     if req is None:
@@ -244,11 +243,8 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
         raise lg.illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
     if event.abandoned != job.abandoned:
         raise lg.illegal(state, event, job.state.name, f"job {job.job_id} abandoned is {job.abandoned}")
-    if not job.abandoned:
-        if job.direction == STORE:
-            lg.check_pending(state, event, tag, job)
-        else:
-            lg.check_resident(state, event, tag, job.hashes)
+    # (Its entries need no check: a live store's hashes stay pending on it and a live load's
+    # stay pinned, hence RESIDENT, until this event: the invariants every earlier event kept.)
     if type(event) is JobCompleted:
         world = state.config.world_size
         if not 0 <= event.rank < world:

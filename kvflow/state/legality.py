@@ -61,21 +61,13 @@ def check_job(state: State, event: Event, tag: str, job_id: int) -> Job:
 
 def check_resident(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:
     """Every hash must be RESIDENT and ``tag`` legal there."""
-    if tag in _RESIDENT_TAGS and state.pending.keys().isdisjoint(hashes):
-        if all(map(state.slot_of.__contains__, hashes)):
+    pending = state.pending
+    if tag in _RESIDENT_TAGS and all(map(state.slot_of.__contains__, hashes)):
+        if not pending or pending.keys().isdisjoint(hashes):
             return
     for h in hashes:
         check_block(state, event, tag, h)
     raise illegal(state, event, "RESIDENT", f"event {tag} does not apply to resident blocks")
-
-
-def check_pending(state: State, event: Event, tag: str, job: Job) -> None:
-    """Every hash of a live store job must still be pending on that job."""
-    if set(map(state.pending.get, job.hashes)) == {job.job_id}:
-        return
-    for h in job.hashes:
-        check_block(state, event, tag, h)
-    raise illegal(state, event, "PENDING", f"blocks of job {job.job_id} are not pending on it")
 
 
 def check_free_slots(state: State, event: Event, slots: tuple[int, ...]) -> None:

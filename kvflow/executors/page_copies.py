@@ -1,0 +1,278 @@
+"""The copy kernels of the torch executor: how one batch of KV pages moves, per direction.
+
+What one direction's share of a ``submit`` launches (``Plan``: all of its jobs' pairs together,
+sorted by slot, see ``transfer_plan``):
+
+* **store**: the store stream waits on the engine's compute-done event (F9); per KV region one
+  device gather (``index_select``) of the pages into a staging buffer, then one copy per run of
+  consecutive slots straight into the pool's range.
+* **load**: the load stream waits on the compute-done event (F9); per region one copy per run
+  into a device staging buffer, then one ``index_copy_`` into the engine's device blocks.
+* Slots that do not form a few runs (``max_runs``) go through ``scatter``: ``"uva"`` (CUDA, the
+  default there) lets a device kernel gather/scatter the pinned pool directly through unified
+  addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host memory and scatters or
+  gathers on the CPU (stores in the completion thread, loads in the caller).
+* With ``checksums``, a store records a per-slot checksum of what it copied and a load verifies
+  it (a mismatch fails the job: the host copy is corrupt, recompute).
+
+The host side that can only run once the copies are done (host scatter, checksum bookkeeping)
+is returned as a ``Finish`` callable that the executor's completion thread runs. ``PageCopies``
+is a mixin of ``TorchExecutor``: the kernels read and set the executor's own attributes, which
+benchmarks and tests also switch directly (``scatter``, ``_batched``, ``_uva_views``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from kvflow.errors import ConfigError
+from kvflow.executors.host_pool import HostPool
+from kvflow.executors.layout import KVLayout, word_bytes
+from kvflow.executors.npu import DeviceTraits
+from kvflow.executors.streams import on_stream, pinned_empty, wait_for
+from kvflow.executors.transfer_plan import Plan
+from kvflow.executors.uva import device_alias
+
+ScatterMode = Literal["auto", "runs", "host", "uva"]
+Finish = Callable[[], dict[int, str]]
+
+
+class PageCopies:
+    """Launches a batch's copies on a stream; returns the host-side ``Finish`` (or None)."""
+
+    # Set by TorchExecutor.__init__ before it calls _init_copies.
+    layout: KVLayout
+    device: torch.device
+    traits: DeviceTraits
+    pool: HostPool
+    checksums: bool
+    max_runs: int
+    scatter: ScatterMode
+
+    def _init_copies(self, staging_bytes: int) -> None:
+        """The pool's views per region, the scatter mode, checksum tables, batching tables."""
+        pool = self.pool
+        self._host_views: list[torch.Tensor] = []
+        self._uva_views: list[torch.Tensor] = []
+        if pool.enabled:
+            self._host_views = [
+                pool.region(i, r.word_dtype) for i, r in enumerate(self.layout.regions)
+            ]
+            if self.scatter == "uva" or (
+                self.scatter == "auto" and self.device.type == "cuda" and pool.pinned
+            ):
+                try:
+                    self._uva_views = [device_alias(v, self.device) for v in self._host_views]
+                except ConfigError:
+                    if self.scatter == "uva":
+                        raise
+        if self.scatter == "auto":
+            # Measured on H200 (tools/bench_transfer_results.md): device kernels through UVA keep
+            # scattered slots at 0.82-0.88 of the link with no CPU work; host staging costs a CPU
+            # memcpy per byte (22-38 GB/s end to end). Host staging is the portable fallback.
+            self.scatter = "uva" if self._uva_views else "host"
+        self._cs_mult = None
+        self._cs_table = np.zeros(max(pool.cpu_blocks, 0), dtype=np.int64)
+        self._cs_valid = np.zeros(max(pool.cpu_blocks, 0), dtype=bool)
+        if self.checksums:
+            mult = torch.arange(1, 2 * self.layout.num_regions, 2, dtype=torch.int64)
+            self._cs_mult = mult.view(-1, 1).to(self.device)
+
+        # Batched single-run path: regions of one word type and page size are handled a chunk
+        # at a time (one staging tensor, one _foreach_copy_), which halves the Python calls per
+        # region; chunks keep device staging under staging_bytes.
+        self._batched = True
+        self.staging_bytes = int(staging_bytes)
+        self._pages = [r.pages for r in self.layout.regions]
+        self._words = [int(r.pages.shape[1]) for r in self.layout.regions]
+        self._dtypes = [r.word_dtype for r in self.layout.regions]
+        self._wbytes = [word_bytes(d) for d in self._dtypes]
+
+    def _chunks(self, n: int) -> Iterator[tuple[int, int]]:
+        """Ranges [a, b) of regions with one word type and size, each within staging_bytes."""
+        a, count = 0, len(self._pages)
+        while a < count:
+            per_region = n * self._words[a] * self._wbytes[a]
+            limit = max(1, self.staging_bytes // max(1, per_region))
+            b = a + 1
+            while (
+                b < count
+                and b - a < limit
+                and self._words[b] == self._words[a]
+                and self._dtypes[b] == self._dtypes[a]
+            ):
+                b += 1
+            yield a, b
+            a = b
+
+    def _regions_unbatched(self, single: bool, scattered: bool) -> Sequence[Any]:
+        """The regions the per-region loop still has to do (none when the batched path ran)."""
+        return () if (single and not scattered and self._batched) else self.layout.regions
+
+    def _launch_indices(
+        self, plan: Plan, scattered: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Device-side index tensors of a batch (on the current stream): device blocks, the
+        slots when GPU kernels address the pinned pool directly, and a checksum buffer."""
+        idx = torch.from_numpy(plan.device_blocks).to(self.device, non_blocking=True)
+        slot_idx = None
+        if scattered and self.scatter == "uva":
+            slot_idx = torch.from_numpy(plan.slots).to(self.device, non_blocking=True)
+        sums = None
+        if self.checksums:
+            n = len(plan.slots)
+            sums = torch.empty((self.layout.num_regions, n), dtype=torch.int64, device=self.device)
+        return idx, slot_idx, sums
+
+    def _scattered(self, plan: Plan) -> bool:
+        return self.scatter != "runs" and len(plan.runs) > self.max_runs
+
+    def _launch_store(
+        self, stream: Any | None, plan: Plan, compute_done: Any, keep: list[Any]
+    ) -> Finish | None:
+        slots, runs, n = plan.slots, plan.runs, len(plan.slots)
+        scattered = self._scattered(plan)
+        self._cs_valid[slots] = False  # the slots' content is about to change
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cs_host = None
+        with on_stream(stream, self.device):
+            wait_for(stream, compute_done)
+            idx, slot_idx, sums = self._launch_indices(plan, scattered)
+            single = len(runs) == 1
+            if single and not scattered and self._batched:
+                s0 = runs[0][2]
+                for a, b in self._chunks(n):
+                    staging = torch.empty(
+                        (b - a, n, self._words[a]), dtype=self._dtypes[a], device=self.device
+                    )
+                    parts = staging.unbind(0)
+                    for k in range(a, b):
+                        torch.index_select(self._pages[k], 0, idx, out=parts[k - a])
+                    if sums is not None:
+                        torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
+                    dst = [self._host_views[k][s0 : s0 + n] for k in range(a, b)]
+                    torch._foreach_copy_(dst, parts, non_blocking=True)
+            for r, region in enumerate(self._regions_unbatched(single, scattered)):
+                staging = torch.index_select(region.pages, 0, idx)
+                if sums is not None:
+                    torch.sum(staging, 1, dtype=torch.int64, out=sums[r])
+                host = self._host_views[r]
+                if not scattered:
+                    if single:
+                        s0 = runs[0][2]
+                        host[s0 : s0 + n].copy_(staging, non_blocking=True)
+                    else:
+                        for a, length, s in runs:
+                            host[s : s + length].copy_(staging[a : a + length], non_blocking=True)
+                elif self.scatter == "uva":
+                    assert slot_idx is not None
+                    self._uva_views[r].index_copy_(0, slot_idx, staging)
+                else:
+                    pinned = pinned_empty(tuple(staging.shape), staging.dtype, self.traits)
+                    pinned.copy_(staging, non_blocking=True)
+                    staged.append((host, pinned))
+            if sums is not None:
+                assert self._cs_mult is not None
+                cs = (sums * self._cs_mult).sum(0)
+                cs_host = pinned_empty((n,), torch.int64, self.traits)
+                cs_host.copy_(cs, non_blocking=True)
+        keep.extend(p for _, p in staged)
+
+        def finish() -> dict[int, str]:
+            if staged:
+                slot_t = torch.from_numpy(slots)
+                for host, pinned in staged:
+                    host.index_copy_(0, slot_t, pinned)
+            if cs_host is not None:
+                self._cs_table[slots] = cs_host.numpy()
+                self._cs_valid[slots] = True
+            return {}
+
+        return finish if (staged or cs_host is not None) else None
+
+    def _launch_load(
+        self, stream: Any | None, plan: Plan, compute_done: Any, after: Any, keep: list[Any]
+    ) -> Finish | None:
+        slots, runs, n = plan.slots, plan.runs, len(plan.slots)
+        scattered = self._scattered(plan)
+        expected = valid = None
+        if self.checksums:
+            expected, valid = self._cs_table[slots].copy(), self._cs_valid[slots].copy()
+        cs_host = None
+        slot_cpu = torch.from_numpy(slots) if scattered and self.scatter == "host" else None
+        with on_stream(stream, self.device):
+            wait_for(stream, compute_done)
+            wait_for(stream, after)
+            idx, slot_idx, sums = self._launch_indices(plan, scattered)
+            single = len(runs) == 1
+            if single and not scattered and self._batched:
+                s0 = runs[0][2]
+                for a, b in self._chunks(n):
+                    staging = torch.empty(
+                        (b - a, n, self._words[a]), dtype=self._dtypes[a], device=self.device
+                    )
+                    parts = staging.unbind(0)
+                    torch._foreach_copy_(
+                        parts,
+                        [self._host_views[k][s0 : s0 + n] for k in range(a, b)],
+                        non_blocking=True,
+                    )
+                    if sums is not None:
+                        torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
+                    for k in range(a, b):
+                        self._pages[k].index_copy_(0, idx, parts[k - a])
+            for r, region in enumerate(self._regions_unbatched(single, scattered)):
+                host = self._host_views[r]
+                if not scattered:
+                    if single:
+                        s0 = runs[0][2]
+                        staging = host[s0 : s0 + n].to(self.device, non_blocking=True)
+                    else:
+                        staging = torch.empty(
+                            (n, host.shape[1]), dtype=host.dtype, device=self.device
+                        )
+                        for a, length, s in runs:
+                            staging[a : a + length].copy_(host[s : s + length], non_blocking=True)
+                elif self.scatter == "uva":
+                    assert slot_idx is not None
+                    staging = torch.index_select(self._uva_views[r], 0, slot_idx)
+                else:
+                    assert slot_cpu is not None
+                    pinned = pinned_empty((n, host.shape[1]), host.dtype, self.traits)
+                    torch.index_select(host, 0, slot_cpu, out=pinned)
+                    keep.append(pinned)
+                    staging = pinned.to(self.device, non_blocking=True)
+                if sums is not None:
+                    torch.sum(staging, 1, dtype=torch.int64, out=sums[r])
+                region.pages.index_copy_(0, idx, staging)
+            if sums is not None:
+                assert self._cs_mult is not None
+                cs = (sums * self._cs_mult).sum(0)
+                cs_host = pinned_empty((n,), torch.int64, self.traits)
+                cs_host.copy_(cs, non_blocking=True)
+        if cs_host is None:
+            return None
+        assert expected is not None and valid is not None
+
+        def finish() -> dict[int, str]:
+            got = cs_host.numpy()
+            bad = np.flatnonzero((got != expected) | ~valid)
+            errors: dict[int, str] = {}
+            for pos in bad.tolist():
+                job = plan.jobs[int(plan.owner[pos])]
+                if job.job_id in errors:
+                    continue
+                slot, block = int(slots[pos]), int(plan.device_blocks[pos])
+                errors[job.job_id] = (
+                    f"checksum mismatch: slot {slot} -> device block {block} "
+                    "(host copy corrupted; recompute)"
+                    if valid[pos]
+                    else f"no checksum recorded for slot {slot}: never stored by this executor"
+                )
+            return errors
+
+        return finish

@@ -1,0 +1,44 @@
+"""The ``kvflow kv-events`` verb: a trace's events as the vLLM-compatible KV events they imply
+(``kvflow.kvevents`` does the mapping), one JSON line each.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvflow.cli_common import user_errors, warn
+
+
+@click.command("kv-events")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("--until", type=int, default=None, help="Stop after this seq.")
+def kv_events_command(trace: str, until: int | None) -> None:
+    """The vLLM-compatible KV events (BlockStored / BlockRemoved / AllBlocksCleared, medium
+    CPU) that TRACE's events imply, as JSON lines."""
+    from typing import cast
+
+    import msgspec
+
+    from kvflow.events import EVENT_TYPES, Event
+    from kvflow.kvevents import kv_event
+    from kvflow.log import TraceReader
+
+    encoder = msgspec.json.Encoder()
+    out = sys.stdout
+    with user_errors():
+        reader = TraceReader(trace)
+        with reader:
+            block_tokens = reader.config.block_tokens
+            for _, rec in reader.records():
+                if not isinstance(rec, EVENT_TYPES):
+                    continue
+                rec = cast("Event", rec)
+                if until is not None and rec.seq > until:
+                    break
+                kv = kv_event(rec, block_tokens)
+                if kv is not None:
+                    out.write(encoder.encode(kv).decode() + "\n")
+        for warning in reader.warnings:
+            warn(warning)

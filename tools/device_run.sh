@@ -21,17 +21,13 @@ if ! $PY -c "import msgspec, structlog, anyio" 2>/dev/null; then
   fi
 fi
 
-# The C accelerator of the core (csrc/): built in place when the image has a compiler; the
-# pure-Python core runs otherwise (tests/test_native.py then says which).
-$PY setup.py build_ext --inplace -q >"$OUT/build_native.log" 2>&1 || echo "native core not built (see build_native.log)"
-
 probe() {
   { nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv || true
     df -h /dev/shm || true
     $PY - <<'PY'
 import sys, torch, msgspec, numpy
-import kvflow.native
-print("kvflow core", kvflow.native.core_name())
+import kvflow
+print("kvflow", kvflow.__version__)
 print("python", sys.version.split()[0], "torch", torch.__version__, "msgspec", msgspec.__version__, "numpy", numpy.__version__)
 print("cuda", torch.cuda.is_available(), torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 print("Stream.__enter__", hasattr(torch.Stream, "__enter__"), "accelerator", torch.accelerator.current_accelerator())
@@ -44,7 +40,7 @@ PY
 
 tests() {
   $PY -m pytest -q -p no:cacheprovider tests/test_torch_executor.py tests/test_npu_adapter.py \
-    tests/test_ranks.py tests/test_engine_torch.py tests/test_engine.py tests/test_native.py -rs 2>&1 | tee "$OUT/tests.log"
+    tests/test_ranks.py tests/test_engine_torch.py tests/test_engine.py tests/test_live_path.py -rs 2>&1 | tee "$OUT/tests.log"
   $PY tools/example_engine.py --device cuda 2>&1 | tee "$OUT/example.log"
 }
 

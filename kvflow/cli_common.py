@@ -1,4 +1,5 @@
-"""What every ``kvflow`` verb shares: exit codes, one-line errors and warnings, JSON and rich output.
+"""What every ``kvflow`` verb shares: exit codes, one-line errors and warnings, JSON and rich
+output.
 
 Kept apart from ``kvflow.cli`` (the click group) so the verb modules can import it without
 importing the group back: ``python -m kvflow.cli`` runs the group as ``__main__``, and a verb

@@ -11,6 +11,7 @@ This module is pure apart from the log it is handed (the log decides whether to 
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from kvflow.events import (
     JobFailed,
     JobResult,
     JobResults,
+    JobsSubmitted,
     JobTimedOut,
     Lookup,
     PlanStep,
@@ -46,7 +48,7 @@ from kvflow.events import (
     TransferJob,
 )
 from kvflow.log import MemoryLog, NullLog
-from kvflow.state import State, evolve
+from kvflow.state import JobState, State, evolve
 
 
 def _ints(values: Sequence[int]) -> tuple[int, ...]:
@@ -154,6 +156,7 @@ class OffloadManager:
         # callables receiving the applied events, by event type (see subscribe)
         self._subscribers: list[tuple[Callable[[Event], None], tuple[type, ...] | None]] = []
         self._dispatch: dict[type, tuple[Callable[[Event], None], ...]] = {}
+        self._no_deadline_before_ms = math.inf  # no submitted job is due before this
         self._rebuild_dispatch()
 
     # -- the core loop -------------------------------------------------------------------
@@ -218,6 +221,7 @@ class OffloadManager:
         self._dispatch = {
             kind: tuple(
                 [notice] * (kind in _NOTICE_TYPES)
+                + [self._on_submitted] * (kind is JobsSubmitted)
                 + [fn for fn, types in self._subscribers if types is None or kind in types]
             )
             for kind in EVENT_TYPES
@@ -306,10 +310,22 @@ class OffloadManager:
 
         When no job is due there is nothing to decide, and no command is recorded (an
         engine calls this every step)."""
+        if now_ms < self._no_deadline_before_ms:
+            return 0
         if not expired_jobs(self.state, now_ms):
+            self._no_deadline_before_ms = self._earliest_deadline()
             return 0
         answer, _ = self.handle(Tick(now_ms=now_ms))
+        self._no_deadline_before_ms = self._earliest_deadline()
         return int(answer)
+
+    def _earliest_deadline(self) -> float:
+        queued = JobState.QUEUED
+        return min((j.deadline_ms for j in self.state.jobs.values() if j.state is not queued), default=math.inf)
+
+    def _on_submitted(self, event: JobsSubmitted) -> None:
+        # a lower bound on every live job's deadline, so that idle steps skip the scan
+        self._no_deadline_before_ms = min(self._no_deadline_before_ms, event.deadline_ms)
 
     def finish_request(self, request_id: str, preempted: bool = False) -> None:
         self.handle(FinishRequest(request_id=request_id, preempted=preempted))

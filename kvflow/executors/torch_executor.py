@@ -44,14 +44,10 @@ from kvflow.executors.streams import new_stream, record_event, wait_event
 from kvflow.executors.transfer_plan import Plan, overlaps, plan_jobs
 from kvflow.executors.uva import device_alias
 
-__all__ = ["HISTORY", "ScatterMode", "TorchExecutor"]
-
 # tools/bench_transfer.py builds UVA views itself when it switches scatter modes on a live executor
 _device_alias = device_alias
 
 HISTORY = 100_000  # finished results kept for wait() and duplicate detection
-
-
 
 
 @dataclass
@@ -73,7 +69,6 @@ class _Lane:
     pending: queue.SimpleQueue[_Batch | None]
     thread: threading.Thread | None = None
     last_event: Any | None = None
-
 
 
 class TorchExecutor(PageCopies):
@@ -137,7 +132,6 @@ class TorchExecutor(PageCopies):
         self.pool = pool
         self._init_copies(staging_bytes)
 
-
         self._channel: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
@@ -195,13 +189,10 @@ class TorchExecutor(PageCopies):
             self._counters["jobs_submitted"] += len(jobs)
             self._counters["submissions"] += 1
         plans: dict[str, Plan | None] = {}
+        nb, cb = self.layout.num_blocks, self.pool.cpu_blocks
         for direction in (STORE, LOAD):
             mine = [j for j in jobs if j.direction == direction]
-            plans[direction] = (
-                plan_jobs(direction, mine, self.layout.num_blocks, self.pool.cpu_blocks, self._fail_now)
-                if mine
-                else None
-            )
+            plans[direction] = plan_jobs(direction, mine, nb, cb, self._fail_now) if mine else None
         for job in jobs:
             if job.direction not in (STORE, LOAD):
                 self._fail_now(job, f"job {job.job_id}: unknown direction {job.direction!r}")
@@ -363,7 +354,9 @@ class TorchExecutor(PageCopies):
             elif direction == STORE:
                 batch.finish = self._launch_store(lane.stream, plan, compute_done, batch.keepalive)
             else:
-                batch.finish = self._launch_load(lane.stream, plan, compute_done, after, batch.keepalive)
+                batch.finish = self._launch_load(
+                    lane.stream, plan, compute_done, after, batch.keepalive
+                )
             batch.event = record_event(lane.stream, self.device)
             lane.last_event = batch.event
         except Exception as e:  # noqa: BLE001 - F2: every copy error becomes a failed result

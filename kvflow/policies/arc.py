@@ -64,32 +64,7 @@ class ARCPolicy:
 
         Raises ``ValueError`` if it is already resident: the state and the policy disagree.
         """
-        b1 = self._b1
-        b2 = self._b2
-        # Ghosts are never resident, so a ghost hit needs no residency check.
-        if block_hash in b1:
-            # Step computed with the hit still counted in B1, as in the paper.
-            self._p = min(self.capacity, self._p + max(1, len(b2) // len(b1)))
-            del b1[block_hash]
-            self._t2[block_hash] = None
-            return
-        if block_hash in b2:
-            self._p = max(0, self._p - max(1, len(b1) // len(b2)))
-            del b2[block_hash]
-            self._t2[block_hash] = None
-            return
-        t1 = self._t1
-        t2 = self._t2
-        if block_hash in t1 or block_hash in t2:
-            raise ValueError(f"block hash {block_hash} is already resident in the arc policy")
-        t1[block_hash] = None
-        # The hot path of a full tier, inlined: L1 and L1 + L2 grew by one and the bounds
-        # held before, so at most one ghost of each kind has to go (_trim_ghosts, unrolled).
-        capacity = self.capacity
-        if b1 and len(t1) + len(b1) > capacity:
-            b1.popitem(last=False)
-        if (b1 or b2) and len(t1) + len(t2) + len(b1) + len(b2) > 2 * capacity:
-            (b2 or b1).popitem(last=False)
+        self.insert_many((block_hash,))
 
     def touch(self, block_hash: int) -> None:
         """A resident hash was used: it becomes the most recent of ``T2``.
@@ -206,17 +181,23 @@ class ARCPolicy:
     # single methods' errors for other inputs: evolve has checked the event before.
 
     def insert_many(self, hashes: tuple[int, ...]) -> None:
-        """``insert`` for each of a store's hashes (distinct, none resident)."""
+        """``insert`` for each hash in order. A hash already resident raises ``ValueError``
+        (the hashes before it stay inserted: evolve never hands such a list)."""
         t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
         if (
-            len(t1) + len(t2) + len(hashes) <= capacity
+            len(hashes) > 1
+            and len(t1) + len(t2) + len(hashes) <= capacity
             and len(t1) + len(b1) <= capacity
             and len(t1) + len(t2) + len(b1) + len(b2) <= 2 * capacity
             and b1.keys().isdisjoint(hashes)
             and b2.keys().isdisjoint(hashes)
+            and t1.keys().isdisjoint(hashes)
+            and t2.keys().isdisjoint(hashes)
+            and len(set(hashes)) == len(hashes)
         ):
-            # First sightings only: all join T1; the ghosts trimmed one by one would be the
-            # oldest ones, the same number of each kind (each insert grows both bounds by one).
+            # First sightings only, and they fit: all join T1; the ghosts the loop below
+            # would trim one by one are the oldest ones, the same number of each kind (each
+            # insert grows both bounds by one), so they go in two bulk steps.
             for h in hashes:
                 t1[h] = None
             _drop_oldest(b1, len(t1) + len(b1) - capacity)
@@ -226,8 +207,31 @@ class ARCPolicy:
                 _drop_oldest(b2, from_b2)
                 _drop_oldest(b1, excess - from_b2)
             return
-        for h in hashes:  # ghost hits adapt p one at a time
-            self.insert(h)
+        p = self._p
+        try:
+            for h in hashes:
+                # Ghosts are never resident, so a ghost hit needs no residency check.
+                if h in b1:
+                    # Step computed with the hit still counted in B1, as in the paper.
+                    p = min(capacity, p + max(1, len(b2) // len(b1)))
+                    del b1[h]
+                    t2[h] = None
+                elif h in b2:
+                    p = max(0, p - max(1, len(b1) // len(b2)))
+                    del b2[h]
+                    t2[h] = None
+                elif h in t1 or h in t2:
+                    raise ValueError(f"block hash {h} is already resident in the arc policy")
+                else:
+                    t1[h] = None
+                    # L1 and L1 + L2 grew by one and the bounds held before, so at most one
+                    # ghost of each kind has to go (_trim_ghosts, unrolled).
+                    if b1 and len(t1) + len(b1) > capacity:
+                        b1.popitem(last=False)
+                    if (b1 or b2) and len(t1) + len(t2) + len(b1) + len(b2) > 2 * capacity:
+                        (b2 or b1).popitem(last=False)
+        finally:
+            self._p = p
 
     def touch_many(self, hashes: tuple[int, ...]) -> None:
         """``touch`` for each hash (resident; repeats allowed): each becomes the most recent

@@ -382,12 +382,15 @@ def _terminal_event(kind: type[Any], state: State, job: Job, **outcome: Any) -> 
     )
 
 
-def _closable(state: State, request_id: str | None) -> bool:
-    """A finished request whose last job and pin are gone is closed (it leaves the state)."""
+def _closing(state: State, request_id: str | None) -> RequestClosed | None:
+    """The close of a finished request whose last job and pin are gone (it leaves the
+    state), or None while it still has some."""
     if request_id is None:
-        return False
+        return None
     req = state.requests.get(request_id)
-    return req is not None and req.finished and not req.jobs and not req.holds_pins()
+    if req is None or not req.finished or req.jobs or req.holds_pins():
+        return None
+    return RequestClosed(seq=state.next_seq, request_id=request_id)
 
 
 def _check_result(state: State, result: JobResult) -> None:
@@ -417,8 +420,9 @@ def _apply_result(state: State, cmd: JobResult) -> Decision:
     else:
         yield RankSucceeded(seq=state.next_seq, job_id=job.job_id, rank=cmd.rank)
         return
-    if _closable(state, request_id):
-        yield RequestClosed(seq=state.next_seq, request_id=request_id)
+    closing = _closing(state, request_id)
+    if closing is not None:
+        yield closing
 
 
 def decide_job_result(state: State, cmd: JobResult) -> Decision:
@@ -448,8 +452,9 @@ def decide_tick(state: State, cmd: Tick) -> Decision:
     for job in expired:
         request_id = None if job.abandoned else job.request_id
         yield _terminal_event(JobTimedOut, state, job, now_ms=float(cmd.now_ms), deadline_ms=float(job.deadline_ms))
-        if _closable(state, request_id):
-            yield RequestClosed(seq=state.next_seq, request_id=request_id)
+        closing = _closing(state, request_id)
+        if closing is not None:
+            yield closing
     return len(expired)
 
 
@@ -464,8 +469,9 @@ def decide_finish(state: State, cmd: FinishRequest) -> Decision:
     if req.offered:
         yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
     yield RequestFinished(seq=state.next_seq, request_id=cmd.request_id, preempted=cmd.preempted)
-    if _closable(state, cmd.request_id):
-        yield RequestClosed(seq=state.next_seq, request_id=cmd.request_id)
+    closing = _closing(state, cmd.request_id)
+    if closing is not None:
+        yield closing
     return None
 
 

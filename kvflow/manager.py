@@ -154,8 +154,8 @@ class OffloadManager:
         self.log = log if log is not None else MemoryLog(config)
         self._notices = Notices()
         # callables receiving the applied events, by event type (see subscribe)
-        self._subscribers: list[tuple[Callable[[Event], None], tuple[type, ...] | None]] = []
-        self._dispatch: dict[type, tuple[Callable[[Event], None], ...]] = {}
+        self._subscribers: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
+        self._dispatch: dict[type, tuple[Callable[[Any], None], ...]] = {}
         self._no_deadline_before_ms = math.inf  # no submitted job is due before this
         self._rebuild_dispatch()
 
@@ -207,7 +207,7 @@ class OffloadManager:
             self._log.after_command(state)
         return answer, events
 
-    def subscribe(self, callback: Callable[[Event], None], event_types: Sequence[type] | None = None) -> None:
+    def subscribe(self, callback: Callable[[Any], None], event_types: Sequence[type] | None = None) -> None:
         """Call ``callback(event)`` for every event applied from now on whose type is in
         ``event_types`` (default: the callback's own ``event_types`` attribute if it has
         one, else every event), in log order, after the event is applied. Naming the types

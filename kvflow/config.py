@@ -10,6 +10,8 @@ import msgspec
 from kvflow.errors import ConfigError
 
 STORE_MODES = ("eager", "lazy")
+# Rank acknowledgements are kept as a bit mask that traces record as a 64-bit integer.
+MAX_WORLD_SIZE = 64
 
 
 def _is_int(value: object) -> bool:
@@ -59,8 +61,10 @@ def validate_config(config: Config) -> None:
         raise ConfigError(
             f"store_mode must be one of {', '.join(STORE_MODES)}, got {config.store_mode!r}"
         )
-    if not _is_int(config.world_size) or config.world_size < 1:
-        raise ConfigError(f"world_size must be a whole number >= 1, got {config.world_size!r}")
+    if not _is_int(config.world_size) or not 1 <= config.world_size <= MAX_WORLD_SIZE:
+        raise ConfigError(
+            f"world_size must be a whole number within 1..{MAX_WORLD_SIZE}, got {config.world_size!r}"
+        )
     deadline = config.job_deadline_ms
     if (
         isinstance(deadline, bool)

@@ -12,14 +12,13 @@ This module is pure apart from the log it is handed (the log decides whether to 
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow import boundary as bd
 from kvflow.config import Config
 from kvflow.decide import DECIDERS, expired_jobs
-from kvflow.errors import Rejected
 from kvflow.events import (
     EVENT_TYPES,
     LOAD,
@@ -49,32 +48,6 @@ from kvflow.events import (
 )
 from kvflow.log import MemoryLog, NullLog
 from kvflow.state import JobState, State, evolve
-
-
-def _ints(values: Sequence[int]) -> tuple[int, ...]:
-    """Block ids and hashes as a tuple of plain ints. Tuples, lists and ranges of ints pass
-    straight through; numpy integers and other integer-likes are converted with
-    ``operator.index``, which refuses lossy values such as 1.5."""
-    kind = type(values)
-    if kind is tuple or kind is list:
-        if list(map(type, values)).count(int) == len(values):  # every one a plain int
-            return tuple(values)
-    elif kind is range:
-        return tuple(values)
-    try:
-        return tuple(map(operator.index, values))
-    except TypeError:
-        raise Rejected(f"expected integers, got {list(values)[:4]!r}") from None
-
-
-def _hashes(values: Sequence[int]) -> tuple[int, ...]:
-    """Block hashes: integers that fit in 64 bits (signed or unsigned), so that traces and
-    state digests encode them exactly. Hash a longer digest down first (e.g. its first 8
-    bytes as an int)."""
-    out = _ints(values)
-    if out and (min(out) < -(2**63) or max(out) >= 2**64):
-        raise Rejected("block hashes must fit in 64 bits; hash a longer digest down to 8 bytes first")
-    return out
 
 
 @dataclass
@@ -244,20 +217,21 @@ class OffloadManager:
     def lookup(
         self, request_id: str, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0
     ) -> int:
-        """Blocks after the device hit that can be loaded from the CPU tier; pins them (F7)."""
+        """How many blocks after the device hit can be loaded from the CPU tier; pins them (F7)."""
         answer, _ = self.handle(
             Lookup(
-                request_id=request_id,
-                block_hashes=_hashes(block_hashes),
-                num_tokens=num_tokens,
-                device_hit_blocks=device_hit_blocks,
+                request_id=bd.request_id(request_id),
+                block_hashes=bd.hashes(block_hashes),
+                num_tokens=bd.count(num_tokens, "num_tokens"),
+                device_hit_blocks=bd.count(device_hit_blocks, "device_hit_blocks"),
             )
         )
         return int(answer)
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated device blocks for the first hits: queue their load."""
-        answer, _ = self.handle(AcceptHits(request_id=request_id, device_blocks=_ints(device_blocks)))
+        command = AcceptHits(request_id=bd.request_id(request_id), device_blocks=bd.device_blocks(device_blocks))
+        answer, _ = self.handle(command)
         return answer  # type: ignore[no-any-return]
 
     def blocks_computed(
@@ -266,25 +240,27 @@ class OffloadManager:
         """Eager mode: store the computed blocks not yet on the tier (F3 dedupe)."""
         answer, _ = self.handle(
             BlocksComputed(
-                request_id=request_id, block_hashes=_hashes(block_hashes), device_blocks=_ints(device_blocks)
+                request_id=bd.optional_request_id(request_id),
+                block_hashes=bd.hashes(block_hashes),
+                device_blocks=bd.device_blocks(device_blocks),
             )
         )
         return answer  # type: ignore[no-any-return]
 
     def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
         """Lazy mode: store blocks the device cache is about to drop."""
-        answer, _ = self.handle(
-            DeviceBlocksEvicting(block_hashes=_hashes(block_hashes), device_blocks=_ints(device_blocks))
-        )
+        command = DeviceBlocksEvicting(block_hashes=bd.hashes(block_hashes), device_blocks=bd.device_blocks(device_blocks))
+        answer, _ = self.handle(command)
         return answer  # type: ignore[no-any-return]
 
     def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
         """Recency for resident blocks in this order; ``reuse=False`` only reorders."""
-        answer, _ = self.handle(Touch(block_hashes=_hashes(block_hashes), reuse=reuse))
+        answer, _ = self.handle(Touch(block_hashes=bd.hashes(block_hashes), reuse=bd.flag(reuse, "reuse")))
         return int(answer)
 
     def evict(self, num_blocks: int) -> int:
-        answer, _ = self.handle(Evict(num_blocks=num_blocks))
+        """Evict ``num_blocks`` unpinned resident blocks through the policy (all or nothing)."""
+        answer, _ = self.handle(Evict(num_blocks=bd.count(num_blocks, "num_blocks")))
         return int(answer)
 
     def plan_step(self, now_ms: float = 0.0) -> list[TransferJob]:
@@ -292,24 +268,27 @@ class OffloadManager:
 
         With nothing queued there is nothing to decide, and no command is recorded (an
         engine calls this every step)."""
+        now_ms = bd.time_ms(now_ms, "now_ms")
         if not self.state.queued:
             return []
         answer, _ = self.handle(PlanStep(now_ms=now_ms))
         return answer  # type: ignore[no-any-return]
 
     def job_result(self, job_id: int, rank: int = 0, ok: bool = True, error: str | None = None) -> None:
-        self.handle(JobResult(job_id=job_id, rank=rank, ok=ok, error=error))
+        """One executor outcome (``ok`` must be a bool: anything else is a failed result)."""
+        self.handle(bd.result(JobResult(job_id=job_id, rank=rank, ok=ok, error=error)))
 
     def job_results(self, results: Sequence[JobResult]) -> None:
         """Apply many outcomes in one command; a bad one refuses the batch (nothing applied)."""
         if results:
-            self.handle(JobResults(results=tuple(results)))
+            self.handle(JobResults(results=tuple(map(bd.result, results))))
 
     def tick(self, now_ms: float) -> int:
         """Time out in-flight jobs whose deadline has passed (F2); returns how many.
 
         When no job is due there is nothing to decide, and no command is recorded (an
         engine calls this every step)."""
+        now_ms = bd.time_ms(now_ms, "now_ms")
         if now_ms < self._no_deadline_before_ms:
             return 0
         if not expired_jobs(self.state, now_ms):
@@ -328,12 +307,18 @@ class OffloadManager:
         self._no_deadline_before_ms = min(self._no_deadline_before_ms, event.deadline_ms)
 
     def finish_request(self, request_id: str, preempted: bool = False) -> None:
-        self.handle(FinishRequest(request_id=request_id, preempted=preempted))
+        """The request is done (or preempted): its offered pins are released at once; it
+        leaves the state when its last live job ends."""
+        command = FinishRequest(request_id=bd.request_id(request_id), preempted=bd.flag(preempted, "preempted"))
+        self.handle(command)
 
     def reset(self) -> None:
+        """Forget the tier: queued jobs are cancelled, in-flight ones abandoned (their slots
+        stay quarantined until they report)."""
         self.handle(ResetAll())
 
     def close(self) -> None:
+        """Close the log (a trace file gets its last checkpoint)."""
         self.log.close(self.state)
 
     # -- views ---------------------------------------------------------------------------

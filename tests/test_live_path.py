@@ -27,11 +27,13 @@ from test_stateful import (
     OffloadMachineTwoRanks,
 )
 
+from kvflow.boundary import hashes as _hashes
+from kvflow.boundary import ints as _ints
 from kvflow.config import Config
 from kvflow.errors import IllegalTransition, KvflowError
 from kvflow.events import EVENT_TYPES, PinsAcquired, StoreQueued
 from kvflow.log import read_trace
-from kvflow.manager import OffloadManager, _hashes, _ints
+from kvflow.manager import OffloadManager
 from kvflow.state import State, evolve, fold
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,9 +179,9 @@ BOUNDARY_INPUTS: list[tuple[Any, Any, Any]] = [
     ([2**64 - 1, -(2**63)], (2**64 - 1, -(2**63)), (2**64 - 1, -(2**63))),
     ([2**64], (2**64,), "64 bits"),
     ([-(2**63) - 1], (-(2**63) - 1,), "64 bits"),
-    ([1.5, 2], "expected integers", "expected integers"),
-    (["a"], "expected integers", "expected integers"),
-    ([None], "expected integers", "expected integers"),
+    ([1.5, 2], "must be integers", "must be integers"),
+    (["a"], "must be integers", "must be integers"),
+    ([None], "must be integers", "must be integers"),
     (iter([7, 8]), (7, 8), (7, 8)),
 ]
 

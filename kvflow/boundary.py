@@ -1,0 +1,123 @@
+"""The engine-facing boundary (F19): every argument is checked before anything changes.
+
+An engine calls kvflow with whatever its own code holds: numpy integers, ranges, lists, a NaN
+from a broken clock, a string where a flag belongs. Everything that reaches a command is
+normalised here to the plain values a trace can record and read back (ints within 64 bits,
+``str`` request ids, ``bool`` flags, finite times), or refused with
+:class:`~kvflow.errors.Rejected` and a one-line message, before the command exists: a refused
+call leaves state and trace unchanged. Pure: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+from kvflow.errors import Rejected
+from kvflow.events import JobResult
+
+HASH_MIN = -(2**63)  # block hashes are 64-bit, signed or unsigned
+ID_LIMIT = 2**64  # device block ids and hashes stay below this (traces and digests encode them)
+
+
+def ints(values: Sequence[int], what: str = "block ids") -> tuple[int, ...]:
+    """A tuple of plain ints. Tuples and lists of ints pass straight through; numpy integers
+    and other integer-likes are converted with ``operator.index``, which refuses lossy values
+    such as 1.5 (and bools are integers: True is 1)."""
+    kind = type(values)
+    if kind is tuple or kind is list:
+        if list(map(type, values)).count(int) == len(values):  # every one a plain int
+            return tuple(values)
+    elif kind is range:
+        return tuple(values)
+    try:
+        return tuple(map(operator.index, values))
+    except TypeError:
+        raise Rejected(f"{what} must be integers, got {list(values)[:4]!r}") from None
+
+
+def hashes(values: Sequence[int]) -> tuple[int, ...]:
+    """Block hashes: integers that fit in 64 bits (signed or unsigned), so that traces and
+    state digests encode them exactly. Hash a longer digest down first (e.g. its first 8
+    bytes as an int)."""
+    out = ints(values, "block hashes")
+    if out and (min(out) < HASH_MIN or max(out) >= ID_LIMIT):
+        raise Rejected("block hashes must fit in 64 bits; hash a longer digest down to 8 bytes first")
+    return out
+
+
+def device_blocks(values: Sequence[int]) -> tuple[int, ...]:
+    """Device block ids: integers below 2**64 (negative ids are refused by the decisions,
+    which also check them against the blocks live jobs hold)."""
+    out = ints(values, "device blocks")
+    if out and max(out) >= ID_LIMIT:
+        raise Rejected(f"device block {max(out)} does not fit in 64 bits")
+    return out
+
+
+def request_id(value: object) -> str:
+    if type(value) is not str:
+        raise Rejected(f"request ids are str, got {type(value).__name__} {value!r}")
+    return value
+
+
+def optional_request_id(value: object) -> str | None:
+    return None if value is None else request_id(value)
+
+
+def flag(value: object, name: str) -> bool:
+    if type(value) is not bool:
+        raise Rejected(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def count(value: object, name: str) -> int:
+    """A whole number >= 0 (numpy integers accepted, bools refused)."""
+    if type(value) is not int:
+        if isinstance(value, bool):
+            raise Rejected(f"{name} must be a whole number >= 0, got {value!r}")
+        try:
+            value = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            raise Rejected(f"{name} must be a whole number >= 0, got {type(value).__name__} {value!r}") from None
+    if value < 0:  # type: ignore[operator]
+        raise Rejected(f"{name} must be a whole number >= 0, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def time_ms(value: object, name: str) -> float:
+    """A finite time in milliseconds (a NaN or infinite clock would make a job that never
+    times out and a trace that does not read back)."""
+    if type(value) is not float:
+        # ints and numpy numbers are numbers.Real; bools, strings and None are refused
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise Rejected(f"{name} must be a number of milliseconds, got {type(value).__name__} {value!r}")
+        value = float(value)
+    if not math.isfinite(value):  # type: ignore[arg-type]
+        raise Rejected(f"{name} must be finite, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def result(value: Any) -> JobResult:
+    """An executor's outcome as the decisions take it. Job id and rank are normalised to ints
+    (a bad one is the decisions' to refuse, naming it); an ``ok`` that is not a bool or an
+    ``error`` that is not a string makes the result a failure with a clear error, never a
+    success (``ok="false"`` is truthy)."""
+    try:
+        job_id, rank = operator.index(value.job_id), operator.index(value.rank)
+    except (TypeError, AttributeError):
+        job_id, rank = getattr(value, "job_id", None), getattr(value, "rank", None)
+    ok, error = getattr(value, "ok", None), getattr(value, "error", None)
+    if type(ok) is bool and (error is None or type(error) is str):
+        if type(value) is JobResult and job_id is value.job_id and rank is value.rank:
+            return value
+        return JobResult(job_id=job_id, rank=rank, ok=ok, error=error)  # type: ignore[arg-type]
+    return JobResult(
+        job_id=job_id,  # type: ignore[arg-type]
+        rank=rank,  # type: ignore[arg-type]
+        ok=False,
+        error=f"malformed executor result (ok={ok!r}, error={error!r}): treated as failed",
+    )

@@ -106,18 +106,20 @@ def result(value: Any) -> JobResult:
     (a bad one is the decisions' to refuse, naming it); an ``ok`` that is not a bool or an
     ``error`` that is not a string makes the result a failure with a clear error, never a
     success (``ok="false"`` is truthy)."""
+    job_id: Any = getattr(value, "job_id", None)
+    rank: Any = getattr(value, "rank", None)
     try:
-        job_id, rank = operator.index(value.job_id), operator.index(value.rank)
-    except (TypeError, AttributeError):
-        job_id, rank = getattr(value, "job_id", None), getattr(value, "rank", None)
+        job_id, rank = operator.index(job_id), operator.index(rank)
+    except TypeError:
+        pass  # left as they are: the decisions refuse them with their values
     ok, error = getattr(value, "ok", None), getattr(value, "error", None)
     if type(ok) is bool and (error is None or type(error) is str):
         if type(value) is JobResult and job_id is value.job_id and rank is value.rank:
             return value
-        return JobResult(job_id=job_id, rank=rank, ok=ok, error=error)  # type: ignore[arg-type]
+        return JobResult(job_id=job_id, rank=rank, ok=ok, error=error)
     return JobResult(
-        job_id=job_id,  # type: ignore[arg-type]
-        rank=rank,  # type: ignore[arg-type]
+        job_id=job_id,
+        rank=rank,
         ok=False,
         error=f"malformed executor result (ok={ok!r}, error={error!r}): treated as failed",
     )

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import structlog
 
 from kvflow.config import Config
-from kvflow.errors import KvflowError, Rejected
+from kvflow.errors import ConfigError, KvflowError, Rejected
 from kvflow.events import (
     LOAD,
     STORE,
@@ -55,7 +55,10 @@ from kvflow.manager import LoadFailure, OffloadManager
 
 
 class Executor(Protocol):
-    """What the engine needs from an executor (torch, simulated, or a rank group)."""
+    """What the engine needs from an executor (torch, simulated, or a rank group).
+
+    An executor that owns a host pool exposes it as ``pool`` (its ``cpu_blocks`` must equal
+    the config's, checked when the engine is built)."""
 
     def submit(self, jobs: Sequence[TransferJob], compute_done: Any = None) -> None: ...
 
@@ -162,6 +165,13 @@ class SyncEngine:
         self.config = config
         self.executor = executor
         self.clock = clock
+        pool = getattr(executor, "pool", None)  # an executor with a host pool exposes it (F11)
+        pool_slots = getattr(pool, "cpu_blocks", None)
+        if pool_slots is not None and pool_slots != config.cpu_blocks:
+            raise ConfigError(
+                f"config cpu_blocks={config.cpu_blocks} but the executor's host pool has {pool_slots} "
+                "slots: build both from the same number"
+            )
         if not bytes_per_block:  # a torch executor knows its KV layout; a simulated one its model
             layout = getattr(executor, "layout", None)
             model = getattr(executor, "model", None)

@@ -299,3 +299,34 @@ def test_shared_pool_is_one_memory_and_fixed_layout() -> None:
     import os
 
     assert not os.path.exists(path)
+
+
+# --- capacity and ordering (issue 9, item 7) ---------------------------------------------
+
+
+class _BrokenComputeDone:
+    """A compute-done event whose wait raises (a failed device, a destroyed stream)."""
+
+    def synchronize(self) -> None:
+        raise RuntimeError("device lost while waiting for compute")
+
+
+def test_a_compute_done_wait_that_raises_fails_the_batch_on_the_cpu_device() -> None:
+    kv = make_kv("stacked", "cpu")
+    with TorchExecutor(kv, 8) as ex:
+        host = ex.pool.region(0, ex.layout.regions[0].word_dtype)
+        before = host.clone()
+        ex.submit([TransferJob(1, "store", (3,), (0,))], compute_done=_BrokenComputeDone())
+        result = ex.wait(1, timeout_s=30)
+        assert not result.ok and "device lost while waiting for compute" in result.error
+        assert torch.equal(host, before)  # nothing was copied out of order
+
+
+def test_the_engine_refuses_a_config_whose_cpu_blocks_differ_from_the_pool() -> None:
+    from kvflow.config import Config
+    from kvflow.engine import SyncEngine
+
+    with TorchExecutor(make_kv("stacked", "cpu"), 64) as ex:
+        with pytest.raises(ConfigError, match="cpu_blocks=128 but the executor's host pool has 64 slots"):
+            SyncEngine(Config(cpu_blocks=128, block_tokens=4), ex)
+        SyncEngine(Config(cpu_blocks=64, block_tokens=4), ex).close()

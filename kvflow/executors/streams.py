@@ -49,10 +49,11 @@ def wait_for(stream: Any | None, event: Any | None) -> None:
     if event is None:
         return
     if stream is None:
+        # Without streams (the CPU device) the copy runs now, so it waits here; a wait that
+        # raises fails the batch (the caller's except) rather than copying unordered (F9).
         sync = getattr(event, "synchronize", None)
         if sync is not None:
-            with contextlib.suppress(RuntimeError):
-                sync()
+            sync()
         return
     try:
         stream.wait_event(event)

@@ -113,13 +113,20 @@ def result(value: Any) -> JobResult:
     except TypeError:
         pass  # left as they are: the decisions refuse them with their values
     ok, error = getattr(value, "ok", None), getattr(value, "error", None)
+    corrupt = getattr(value, "corrupt", ())
+    if type(corrupt) is not tuple or list(map(type, corrupt)).count(int) != len(corrupt):
+        try:
+            corrupt = hashes(corrupt)
+        except (Rejected, TypeError):
+            corrupt = ()  # unreadable: the failure itself still stands
     if type(ok) is bool and (error is None or type(error) is str):
-        if type(value) is JobResult and job_id is value.job_id and rank is value.rank:
+        if type(value) is JobResult and job_id is value.job_id and rank is value.rank and corrupt is value.corrupt:
             return value
-        return JobResult(job_id=job_id, rank=rank, ok=ok, error=error)
+        return JobResult(job_id=job_id, rank=rank, ok=ok, error=error, corrupt=corrupt)
     return JobResult(
         job_id=job_id,
         rank=rank,
         ok=False,
         error=f"malformed executor result (ok={ok!r}, error={error!r}): treated as failed",
+        corrupt=corrupt,
     )

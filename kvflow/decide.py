@@ -30,6 +30,7 @@ from kvflow.events import (
     Event,
     Evict,
     FinishRequest,
+    Invalidate,
     JobCompleted,
     JobFailed,
     JobResult,
@@ -339,6 +340,28 @@ def decide_evict(state: State, cmd: Evict) -> Decision:
     return len(victims)
 
 
+def _evict_resident(state: State, hashes: Sequence[int], reason: str) -> BlocksEvicted | None:
+    """The eviction of those of ``hashes`` that are RESIDENT and unpinned (each once), or None."""
+    slot_of, pending, pinned = state.slot_of, state.pending, state.pin_count
+    chosen = [h for h in dict.fromkeys(hashes) if h in slot_of and h not in pending and h not in pinned]
+    if not chosen:
+        return None
+    return BlocksEvicted(
+        seq=state.next_seq,
+        hashes=tuple(chosen),
+        slots=tuple(map(slot_of.__getitem__, chosen)),
+        reason=reason,  # type: ignore[arg-type]
+    )
+
+
+def decide_invalidate(state: State, cmd: Invalidate) -> Decision:
+    eviction = _evict_resident(state, cmd.block_hashes, "invalidated")
+    if eviction is None:
+        return 0
+    yield eviction
+    return len(eviction.hashes)
+
+
 # --- jobs ----------------------------------------------------------------------------------
 
 
@@ -415,6 +438,15 @@ def _apply_result(state: State, cmd: JobResult) -> Decision:
     request_id = None if job.state is JobState.ABANDONED else job.request_id
     if not cmd.ok:
         yield _terminal_event(JobFailed, state, job, rank=cmd.rank, error=cmd.error or "unknown error")
+        if cmd.corrupt and job.direction == LOAD and job.state is not JobState.ABANDONED:
+            # F17: bad bytes are never offered twice: the entries the load found corrupt
+            # leave the tier now that its pins are released (those another request still
+            # pins go when that load fails on them too)
+            named = set(cmd.corrupt)
+            bad = [h for h in job.hashes if h in named]
+            eviction = _evict_resident(state, bad, "corrupt")
+            if eviction is not None:
+                yield eviction
     elif job.acks | bit == (1 << state.config.world_size) - 1:
         yield _terminal_event(JobCompleted, state, job, rank=cmd.rank)
     else:
@@ -496,6 +528,7 @@ DECIDERS: dict[type, Callable[[State, Any], Decision]] = {
     Tick: decide_tick,
     FinishRequest: decide_finish,
     ResetAll: decide_reset,
+    Invalidate: decide_invalidate,
 }
 
 

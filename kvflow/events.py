@@ -129,7 +129,9 @@ class LateResultIgnored(_Event, frozen=True, tag="late_result_ignored"):
 
 # --- tier contents ---------------------------------------------------------------------------
 
-EvictReason = Literal["capacity", "explicit"]
+# capacity: a store needed the slot; explicit: Evict; corrupt: a load found the host copy bad
+# (F17); invalidated: the engine said the data is bad (OffloadManager.invalidate).
+EvictReason = Literal["capacity", "explicit", "corrupt", "invalidated"]
 
 
 class BlocksEvicted(_Event, frozen=True, tag="blocks_evicted"):
@@ -283,13 +285,17 @@ class PlanStep(_Command, frozen=True, tag="plan_step"):
     now_ms: float
 
 
-class JobResult(_Command, frozen=True, tag="job_result"):
-    """An executor outcome for one rank of one job."""
+# omit_defaults: a success is recorded as just its job (and rank); the common case stays short
+class JobResult(_Command, frozen=True, tag="job_result", omit_defaults=True):
+    """An executor outcome for one rank of one job. A failed load whose host copy failed its
+    integrity check names the bad blocks in ``corrupt`` (F17: they are evicted, so the
+    engine's recompute stores them again)."""
 
     job_id: int
     rank: int = 0
     ok: bool = True
     error: str | None = None
+    corrupt: Hashes = ()
 
 
 class JobResults(_Command, frozen=True, tag="job_results"):
@@ -315,6 +321,13 @@ class ResetAll(_Command, frozen=True, tag="reset_all"):
     """Drop everything; abandon in-flight work safely."""
 
 
+class Invalidate(_Command, frozen=True, tag="invalidate"):
+    """The engine learned that these blocks' bytes are bad: evict the resident, unpinned
+    ones (F17), so nothing offers them again."""
+
+    block_hashes: Hashes
+
+
 Command = Union[
     Lookup,
     AcceptHits,
@@ -328,6 +341,7 @@ Command = Union[
     Tick,
     FinishRequest,
     ResetAll,
+    Invalidate,
 ]
 
 COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]

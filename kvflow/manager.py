@@ -31,6 +31,7 @@ from kvflow.events import (
     Event,
     Evict,
     FinishRequest,
+    Invalidate,
     JobCompleted,
     JobFailed,
     JobResult,
@@ -311,6 +312,15 @@ class OffloadManager:
         leaves the state when its last live job ends."""
         command = FinishRequest(request_id=bd.request_id(request_id), preempted=bd.flag(preempted, "preempted"))
         self.handle(command)
+
+    def invalidate(self, block_hashes: Sequence[int]) -> int:
+        """The engine learned that these blocks' bytes are bad (F17): the resident, unpinned
+        ones are evicted (reason ``invalidated``) so no lookup offers them again and a
+        recompute stores them anew. Returns how many were evicted; blocks pinned by a
+        request's lookup or load, or still being stored, stay (a load of them that fails
+        its integrity check evicts them)."""
+        answer, _ = self.handle(Invalidate(block_hashes=bd.hashes(block_hashes)))
+        return int(answer)
 
     def reset(self) -> None:
         """Forget the tier: queued jobs are cancelled, in-flight ones abandoned (their slots

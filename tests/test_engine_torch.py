@@ -161,7 +161,7 @@ def test_an_injected_load_failure_reports_the_device_blocks_and_keeps_the_entrie
     assert all(torch.equal(x, y) for x, y in zip(blocks_of(kv, (25, 26, 27)), original, strict=True))
 
 
-def test_a_corrupted_host_slot_fails_the_load_by_checksum(rig: Any) -> None:
+def test_f17_a_corrupted_host_slot_fails_the_load_and_leaves_the_tier(rig: Any) -> None:
     engine, ex, kv = rig(checksums=True)
     store_request_a(engine)
     slot = engine.manager.state.entries[A_HASHES[1]].slot
@@ -174,8 +174,25 @@ def test_a_corrupted_host_slot_fails_the_load_by_checksum(rig: Any) -> None:
     [failure] = report.loads_failed
     assert failure.device_blocks == B_BLOCKS
     assert "checksum mismatch" in failure.error
-    assert all(engine.manager.state.is_resident(h) for h in A_HASHES)
+    # F17: the corrupt entry left the tier (the good ones stay), so nothing offers it again
+    state = engine.manager.state
+    assert not state.is_resident(A_HASHES[1])
+    assert state.is_resident(A_HASHES[0]) and state.is_resident(A_HASHES[2])
     engine.finish_request("B")
+    assert_clean(engine)
+    # the engine's recompute stores the block again (no dedupe against the bad copy) and a
+    # later load of the whole prefix brings back the right bytes
+    assert engine.lookup("C", (*A_HASHES, 14), 3 * B + 7) == 1
+    engine.accept_hits("C", (30,))
+    step_until_idle(engine)
+    assert engine.blocks_computed("C", A_HASHES, A_BLOCKS) is not None
+    step_until_idle(engine)
+    engine.finish_request("C")
+    assert engine.lookup("D", (*A_HASHES, 14), 3 * B + 7) == 3
+    engine.accept_hits("D", (25, 26, 27))
+    assert len(step_until_idle(engine).loads_finished) == 1
+    assert all(torch.equal(x, y) for x, y in zip(blocks_of(kv, (25, 26, 27)), blocks_of(kv, A_BLOCKS), strict=True))
+    engine.finish_request("D")
     assert_clean(engine)
 
 

@@ -637,3 +637,85 @@ def test_F14_touching_a_chain_deepest_first_evicts_tails_before_heads(
         evicted += [h for h in (head, mid, tail) if h not in m.state.entries and h not in evicted]
     assert evicted == [tail, mid, head]
     consistent(m)
+
+
+# --- F17 -----------------------------------------------------------------------------------
+
+
+def test_F17_an_integrity_failure_evicts_the_entries_it_names() -> None:
+    from kvflow.events import BlocksEvicted, JobFailed, JobResult
+    from kvflow.kvevents import BlockRemoved, KVEventPublisher
+
+    m = manager(cpu_blocks=8)
+    kv = KVEventPublisher(BT)
+    m.subscribe(kv)
+    store(m, "w", [A, B, C], [1, 2, 3])
+    m.finish_request("w")
+    job = load(m, "r", [A, B, C], [4, 5, 6])
+    kv.take()
+    m.job_results([JobResult(job_id=job, ok=False, error="checksum mismatch", corrupt=(B, 99))])
+    failed, evicted = m.log.events()[-2:]
+    assert type(failed) is JobFailed and failed.job_id == job
+    assert type(evicted) is BlocksEvicted and evicted.reason == "corrupt"
+    assert evicted.hashes == (B,)  # only the load's own blocks; 99 was never part of it
+    assert [type(e) for e in kv.take()] == [BlockRemoved]
+    m.finish_request("r")
+    # bad bytes are never offered twice: the prefix now stops before B ...
+    assert m.lookup("s", [A, B, C], tokens(3)) == 1
+    m.accept_hits("s", [])
+    # ... and the engine's recompute stores B again instead of deduplicating against it
+    job2 = m.blocks_computed("s", [A, B, C], [7, 8, 9])
+    assert [j.hashes for j in m.plan_step(2.0) if j.job_id == job2] == [(B,)]
+    consistent(m)
+
+
+def test_F17_an_entry_another_request_still_pins_is_not_evicted() -> None:
+    from kvflow.events import BlocksEvicted, JobResult
+
+    m = manager(cpu_blocks=8)
+    store(m, "w", [A, B], [1, 2])
+    m.finish_request("w")
+    job = load(m, "r", [A, B], [3, 4])
+    assert m.lookup("other", [A, B], tokens(2)) == 2  # offered to another request: pinned
+    m.job_results([JobResult(job_id=job, ok=False, error="checksum mismatch", corrupt=(A, B))])
+    assert not [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
+    assert m.state.is_resident(A) and m.state.is_resident(B)
+    consistent(m)
+
+
+def test_F17_invalidate_evicts_resident_unpinned_blocks_and_nothing_else() -> None:
+    from kvflow.events import BlocksEvicted
+
+    m = manager(cpu_blocks=8)
+    store(m, "w", [A, B, C], [1, 2, 3])
+    m.finish_request("w")
+    assert m.lookup("r", [A], tokens(1)) == 1  # A is pinned by an offer
+    pending = m.blocks_computed("x", [D], [4])  # D is being stored
+    assert m.invalidate([A, B, D, E]) == 1
+    (evicted,) = [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
+    assert evicted.hashes == (B,) and evicted.reason == "invalidated"
+    assert m.state.is_resident(A) and m.state.is_resident(C) and pending
+    assert m.invalidate([]) == 0 and m.invalidate([B]) == 0
+    unchanged_after(m, lambda: m.invalidate([2**64]), Rejected)
+    consistent(m)
+
+
+def test_F17_a_trace_with_integrity_failures_replays_and_redecides(tmp_path: Any) -> None:
+    from kvflow.events import JobResult
+    from kvflow.log import TraceWriter
+    from kvflow.replay import replay
+
+    path = tmp_path / "corrupt.jsonl"
+    cfg = Config(cpu_blocks=8, block_tokens=BT, job_deadline_ms=DEADLINE_MS)
+    m = OffloadManager(cfg, log=TraceWriter(path, cfg, checkpoint_every=3))
+    store(m, "w", [A, B, C], [1, 2, 3])
+    m.finish_request("w")
+    job = load(m, "r", [A, B, C], [4, 5, 6])
+    m.job_results([JobResult(job_id=job, ok=False, error="checksum mismatch", corrupt=(C,))])
+    m.finish_request("r")
+    m.invalidate([A])
+    m.close()
+    for redecide in (False, True):
+        result = replay(path, redecide=redecide)
+        assert result.ok, result.divergence
+        assert result.state.digest() == m.state.digest()

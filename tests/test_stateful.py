@@ -224,6 +224,34 @@ class OffloadMachine(RuleBasedStateMachine):
         rank = data.draw(st.sampled_from(ranks), label="rank")
         self.m.job_result(job_id, rank=rank, ok=ok != 0, error=None if ok else "copy failed")
 
+    @precondition(
+        lambda self: any(j.state in SUBMITTED and j.direction == "load" for j in self.m.state.jobs.values())
+    )
+    @rule(data=st.data(), foreign=st.lists(HASH_POOL, max_size=2))
+    def integrity_failure(self, data: Any, foreign: list[int]) -> None:
+        """F17: a load finds some of its host copies bad (and names blocks it never read)."""
+        loads = [j for j in self.in_flight() if self.m.state.jobs[j].direction == "load"]
+        job = self.m.state.jobs[data.draw(st.sampled_from(loads), label="load")]
+        named = data.draw(st.lists(st.sampled_from(job.hashes), min_size=1, unique=True), label="corrupt")
+        rank = next(r for r in range(self.WORLD_SIZE) if not job.acks & (1 << r))
+        abandoned = job.abandoned
+        corrupt = tuple(named + [h for h in foreign if h not in job.hashes])
+        before = {h for h in foreign if self.m.state.is_resident(h)} - set(job.hashes)
+        self.m.job_results([JobResult(job_id=job.job_id, rank=rank, ok=False, error="checksum", corrupt=corrupt)])
+        state = self.m.state
+        if not abandoned:  # an abandoned job's entries already left the tier at the reset
+            for h in named:  # gone, unless another request still pins it
+                assert not state.is_resident(h) or h in state.pin_count, h
+        assert {h for h in before if state.is_resident(h)} == before  # blocks it never read stay
+
+    @rule(hashes=st.lists(HASH_POOL, max_size=5))
+    def invalidate(self, hashes: list[int]) -> None:
+        """F17: the engine says these blocks are bad."""
+        state = self.m.state
+        expected = len({h for h in hashes if state.is_resident(h) and h not in state.pin_count})
+        assert self.m.invalidate(hashes) == expected
+        assert not any(state.is_resident(h) and h not in state.pin_count for h in hashes)
+
     @precondition(lambda self: bool(self.m.state.queued) or bool(self.in_flight()))
     @rule(data=st.data(), batched=st.booleans())
     def executor_step(self, data: Any, batched: bool) -> None:

@@ -202,10 +202,11 @@ def test_checksum_mismatch_fails_the_load(device: str) -> None:
         assert run(ex, [TransferJob(2, "load", (10, 11, 12), (0, 1, 2))])[2].ok
         raw = ex.pool.region(3)  # uint8 view of one region
         raw[1, 5] ^= 0x5A  # corrupt one byte of slot 1
-        ex.submit([TransferJob(3, "load", (20,), (0,)), TransferJob(4, "load", (21, 22), (2, 1))])
+        ex.submit([TransferJob(3, "load", (20,), (0,)), TransferJob(4, "load", (21, 22), (2, 1), hashes=(70, 71))])
         ok, bad = ex.wait(3, timeout_s=30), ex.wait(4, timeout_s=30)
         assert ok.ok
         assert not bad.ok and "checksum mismatch: slot 1 -> device block 22" in bad.error
+        assert bad.corrupt == (71,)  # the block whose host copy is bad, by hash (F17)
         never = run(ex, [TransferJob(5, "load", (23,), (7,))])[5]
         assert not never.ok and "no checksum recorded for slot 7" in never.error
 

@@ -38,7 +38,9 @@ from kvflow.executors.transfer_plan import Plan
 from kvflow.executors.uva import device_alias
 
 ScatterMode = Literal["auto", "runs", "host", "uva"]
-Finish = Callable[[], dict[int, str]]
+# What a batch's host-side finish reports: job id -> (error, hashes whose host copy is bad)
+Failures = dict[int, tuple[str, tuple[int, ...]]]
+Finish = Callable[[], Failures]
 
 
 class PageCopies:
@@ -182,7 +184,7 @@ class PageCopies:
                 cs_host.copy_(cs, non_blocking=True)
         keep.extend(p for _, p in staged)
 
-        def finish() -> dict[int, str]:
+        def finish() -> Failures:
             if staged:
                 slot_t = torch.from_numpy(slots)
                 for host, pinned in staged:
@@ -258,21 +260,24 @@ class PageCopies:
             return None
         assert expected is not None and valid is not None
 
-        def finish() -> dict[int, str]:
+        def finish() -> Failures:
             got = cs_host.numpy()
             bad = np.flatnonzero((got != expected) | ~valid)
             errors: dict[int, str] = {}
+            corrupt: dict[int, list[int]] = {}
             for pos in bad.tolist():
                 job = plan.jobs[int(plan.owner[pos])]
+                slot, block = int(slots[pos]), int(plan.device_blocks[pos])
+                if job.hashes:  # name the block whose host copy cannot be trusted (F17)
+                    corrupt.setdefault(job.job_id, []).append(job.hashes[job.slots.index(slot)])
                 if job.job_id in errors:
                     continue
-                slot, block = int(slots[pos]), int(plan.device_blocks[pos])
                 errors[job.job_id] = (
                     f"checksum mismatch: slot {slot} -> device block {block} "
                     "(host copy corrupted; recompute)"
                     if valid[pos]
                     else f"no checksum recorded for slot {slot}: never stored by this executor"
                 )
-            return errors
+            return {j: (e, tuple(dict.fromkeys(corrupt.get(j, ())))) for j, e in errors.items()}
 
         return finish

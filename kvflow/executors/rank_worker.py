@@ -142,7 +142,7 @@ def _rank_main(
     def forward() -> None:
         while not stop.is_set():
             for r in executor.wait_any(0.05):
-                send(("result", r.job_id, r.rank, r.ok, r.error))
+                send(("result", r.job_id, r.rank, r.ok, r.error, r.corrupt))
 
     forwarder = threading.Thread(target=forward, name=f"kvflow-rank{rank}-fwd", daemon=True)
     forwarder.start()
@@ -160,7 +160,7 @@ def _rank_main(
                 executor.submit(jobs)
             except KvflowError as e:
                 for job in jobs:
-                    send(("result", job.job_id, rank, False, f"rank {rank}: {e}"))
+                    send(("result", job.job_id, rank, False, f"rank {rank}: {e}", ()))
         elif kind == "pages":
             blocks = torch.tensor(payload, dtype=torch.int64, device=device)
             data = b"".join(
@@ -172,7 +172,7 @@ def _rank_main(
     stop.set()
     forwarder.join()
     for r in executor.poll():
-        send(("result", r.job_id, r.rank, r.ok, r.error))
+        send(("result", r.job_id, r.rank, r.ok, r.error, r.corrupt))
     pool.close()
 
 
@@ -345,9 +345,9 @@ class RankGroup:
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == "result":
-            _, job_id, rank, ok, error = msg
+            _, job_id, rank, ok, error, corrupt = msg
             self._pending[rank].discard(job_id)
-            self._ready.append(JobResult(job_id=job_id, rank=rank, ok=ok, error=error))
+            self._ready.append(JobResult(job_id=job_id, rank=rank, ok=ok, error=error, corrupt=corrupt))
         elif msg[0] == "pages":
             self._pages[msg[1]] = msg[2]
         elif msg[0] == "ready":

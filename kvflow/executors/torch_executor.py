@@ -39,7 +39,7 @@ from kvflow.events import LOAD, STORE, JobResult, TransferJob
 from kvflow.executors import npu as adapter
 from kvflow.executors.host_pool import HostPool
 from kvflow.executors.layout import KVCaches, KVLayout
-from kvflow.executors.page_copies import Finish, PageCopies, ScatterMode
+from kvflow.executors.page_copies import Failures, Finish, PageCopies, ScatterMode
 from kvflow.executors.streams import new_stream, record_event, wait_event
 from kvflow.executors.transfer_plan import Plan, overlaps, plan_jobs
 from kvflow.executors.uva import device_alias
@@ -312,8 +312,8 @@ class TorchExecutor(PageCopies):
 
     # --- results channel ----------------------------------------------------------------------
 
-    def _emit(self, job: TransferJob, ok: bool, error: str | None) -> None:
-        self._channel.put(JobResult(job_id=job.job_id, rank=self.rank, ok=ok, error=error))
+    def _emit(self, job: TransferJob, ok: bool, error: str | None, corrupt: tuple[int, ...] = ()) -> None:
+        self._channel.put(JobResult(job_id=job.job_id, rank=self.rank, ok=ok, error=error, corrupt=corrupt))
 
     def _fail_now(self, job: TransferJob, error: str) -> None:
         """A job refused before launch: counted, then reported like any failure."""
@@ -373,9 +373,9 @@ class TorchExecutor(PageCopies):
             batch = lane.pending.get()
             if batch is None:
                 return
-            errors: dict[int, str] = {}
+            errors: Failures = {}
             if batch.error is not None:
-                errors = {j.job_id: batch.error for j in batch.jobs}
+                errors = {j.job_id: (batch.error, ()) for j in batch.jobs}
             else:
                 try:
                     wait_event(batch.event, self.traits)
@@ -383,7 +383,7 @@ class TorchExecutor(PageCopies):
                         errors = batch.finish()
                 except Exception as e:  # noqa: BLE001 - F2
                     msg = f"{batch.direction} copy failed on {self.device}: {one_line(e)}"
-                    errors = {j.job_id: msg for j in batch.jobs}
+                    errors = {j.job_id: (msg, ()) for j in batch.jobs}
             batch.keepalive.clear()
             ok_bytes = 0
             with self._lock:
@@ -396,5 +396,8 @@ class TorchExecutor(PageCopies):
                 key = "bytes_stored" if batch.direction == STORE else "bytes_loaded"
                 self._counters[key] += ok_bytes
             for job in batch.jobs:
-                err = errors.get(job.job_id)
-                self._emit(job, err is None, err)
+                failure = errors.get(job.job_id)
+                if failure is None:
+                    self._emit(job, True, None)
+                else:
+                    self._emit(job, False, failure[0], failure[1])

@@ -16,6 +16,7 @@ from kvflow.events import (
     COMMAND_TYPES,
     LOAD,
     STORE,
+    BlocksEvicted,
     JobFailed,
     JobTimedOut,
     LateResultIgnored,
@@ -240,6 +241,13 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
             by_job[rec.job_id] = incident
             continue
         walk.apply(line, rec)
+        if kind is BlocksEvicted and rec.reason == "corrupt" and incidents and incidents[-1].seq == rec.seq - 1:
+            # F17: the failed load found these host copies bad; they left the tier with it
+            recovery = incidents[-1].recovery
+            gone = set(rec.hashes)
+            recovery["evicted_as_corrupt"] = list(rec.hashes)
+            if "entries_kept_resident" in recovery:
+                recovery["entries_kept_resident"] = [h for h in recovery["entries_kept_resident"] if h not in gone]
         if kind is LateResultIgnored:
             ended = by_job.get(rec.job_id)
             if ended is not None:

@@ -171,6 +171,8 @@ def recovery_summary(incident: Incident) -> str:
         parts.append(f"{len(rec['hashes_never_visible'])} hashes never visible")
     if "entries_kept_resident" in rec:
         parts.append(f"{len(rec['entries_kept_resident'])} entries kept resident")
+    if "evicted_as_corrupt" in rec:
+        parts.append(f"{len(rec['evicted_as_corrupt'])} evicted as corrupt")
     if "pins_released" in rec:
         parts.append(f"{rec['pins_released']} pins released")
     if "recompute_device_blocks" in rec:

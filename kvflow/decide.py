@@ -493,9 +493,8 @@ def decide_tick(state: State, cmd: Tick) -> Decision:
 def decide_finish(state: State, cmd: FinishRequest) -> Decision:
     req = state.requests.get(cmd.request_id)
     if req is None:
-        if not state.config.enabled:
-            return None
-        raise UnknownRequest(f"finish: unknown request {cmd.request_id!r}")
+        # F18: routine for an engine (a request kvflow never saw, or one already closed)
+        return False
     if req.finished:
         raise Rejected(f"finish: request {cmd.request_id!r} is already finished")
     if req.offered:
@@ -504,7 +503,7 @@ def decide_finish(state: State, cmd: FinishRequest) -> Decision:
     closing = _closing(state, cmd.request_id)
     if closing is not None:
         yield closing
-    return None
+    return True
 
 
 def decide_reset(state: State, cmd: ResetAll) -> Decision:

@@ -220,8 +220,8 @@ class SyncEngine:
     def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
         return self.manager.touch(block_hashes, reuse)
 
-    def finish_request(self, request_id: str, preempted: bool = False) -> None:
-        self.manager.finish_request(request_id, preempted)
+    def finish_request(self, request_id: str, preempted: bool = False) -> bool:
+        return self.manager.finish_request(request_id, preempted)
 
     def reset(self) -> None:
         self.manager.reset()

@@ -307,11 +307,13 @@ class OffloadManager:
         # a lower bound on every live job's deadline, so that idle steps skip the scan
         self._no_deadline_before_ms = min(self._no_deadline_before_ms, event.deadline_ms)
 
-    def finish_request(self, request_id: str, preempted: bool = False) -> None:
+    def finish_request(self, request_id: str, preempted: bool = False) -> bool:
         """The request is done (or preempted): its offered pins are released at once; it
-        leaves the state when its last live job ends."""
+        leaves the state when its last live job ends. False (and nothing changes) for a
+        request kvflow does not know: one it never saw or already forgot (F18)."""
         command = FinishRequest(request_id=bd.request_id(request_id), preempted=bd.flag(preempted, "preempted"))
-        self.handle(command)
+        answer, _ = self.handle(command)
+        return bool(answer)
 
     def invalidate(self, block_hashes: Sequence[int]) -> int:
         """The engine learned that these blocks' bytes are bad (F17): the resident, unpinned

@@ -583,11 +583,20 @@ def test_F12_result_for_unknown_job_id_is_refused() -> None:
 
 def test_F12_unknown_request_is_refused() -> None:
     m = manager()
-    unchanged_after(m, lambda: m.finish_request("ghost"), UnknownRequest)
     unchanged_after(m, lambda: m.accept_hits("ghost", [1]), UnknownRequest)
+
+
+def test_F18_finishing_a_request_kvflow_never_saw_is_a_no_op() -> None:
+    m = manager()
+    digest = m.state.digest()
+    assert m.finish_request("ghost") is False
+    assert m.state.digest() == digest and not m.log.events()
     m.lookup("r", [A], tokens(1))
-    m.finish_request("r")  # closed and forgotten
-    unchanged_after(m, lambda: m.finish_request("r"), UnknownRequest)
+    assert m.finish_request("r") is True  # closed and forgotten
+    events = len(m.log.events())
+    assert m.finish_request("r") is False  # routine for an engine: nothing happens
+    assert len(m.log.events()) == events
+    consistent(m)
 
 
 @pytest.mark.parametrize("bad_hash", [2**64, -(2**63) - 1, 2**70])

@@ -510,7 +510,7 @@ def decide_reset(state: State, cmd: ResetAll) -> Decision:
     for jid in list(state.queued):
         job = state.jobs[jid]
         yield _terminal_event(JobFailed, state, job, rank=-1, error=CANCELLED_BY_RESET)
-    yield Reset(seq=state.next_seq, abandoned_job_ids=tuple(state.jobs))
+    yield Reset(seq=state.next_seq, abandoned_job_ids=tuple(state.jobs), keeps_requests=True)
     return None
 
 

@@ -140,6 +140,8 @@ class StepReport:
     stores_failed: list[tuple[int, str]] = field(default_factory=list)
     released_device_blocks: list[int] = field(default_factory=list)
     timed_out: int = 0
+    rejected_store_blocks: int = 0  # blocks a store could not take (tier full of pinned / in-flight)
+    all_blocks_cleared: bool = False  # a reset cleared the tier (vLLM's AllBlocksCleared)
 
 
 class SyncEngine:
@@ -272,6 +274,8 @@ class SyncEngine:
             stores_failed=notices.stores_failed,
             released_device_blocks=notices.released_device_blocks,
             timed_out=timed_out,
+            rejected_store_blocks=notices.rejected_store_blocks,
+            all_blocks_cleared=notices.all_blocks_cleared,
         )
 
     def _poll(self) -> list[JobResult]:
@@ -567,6 +571,8 @@ def _merge(into: StepReport, report: StepReport) -> None:
     into.stores_failed.extend(report.stores_failed)
     into.released_device_blocks.extend(report.released_device_blocks)
     into.timed_out += report.timed_out
+    into.rejected_store_blocks += report.rejected_store_blocks
+    into.all_blocks_cleared = into.all_blocks_cleared or report.all_blocks_cleared
 
 
 __all__ = ["Engine", "SyncEngine", "StepReport", "Counters", "Latencies", "Executor", "percentile", "KvflowError"]

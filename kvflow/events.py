@@ -199,9 +199,14 @@ class Reset(_Event, frozen=True, tag="reset"):
     slots and device blocks stay quarantined until the executor reports them (or they time
     out), because a copy may still be writing there; then the slots are freed and nothing
     becomes visible.
+
+    ``keeps_requests`` (F18): live requests stay known, without pins or jobs (their abandoned
+    loads are reported failed); finished ones are forgotten. Traces recorded before it
+    existed read as False: every request was forgotten.
     """
 
     abandoned_job_ids: tuple[int, ...]
+    keeps_requests: bool = False
 
 
 Event = Union[

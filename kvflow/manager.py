@@ -50,6 +50,8 @@ from kvflow.events import (
 from kvflow.log import MemoryLog, NullLog
 from kvflow.state import JobState, State, evolve
 
+ABANDONED_BY_RESET = "abandoned by a reset: recompute these device blocks once they are released"
+
 
 @dataclass
 class LoadFailure:
@@ -203,6 +205,16 @@ class OffloadManager:
 
     def _observe_notice(self, event: Event) -> None:
         self._notices.observe(event)
+        if type(event) is Reset and event.keeps_requests:  # type: ignore[union-attr]
+            # F18: a load the reset abandoned never lands: its request recomputes those
+            # device blocks (which stay held until the abandoned copy reports)
+            jobs = self.state.jobs
+            for jid in event.abandoned_job_ids:  # type: ignore[union-attr]
+                job = jobs.get(jid)
+                if job is not None and job.direction == LOAD and job.request_id is not None:
+                    self._notices.loads_failed.append(
+                        LoadFailure(job.request_id, jid, job.device_blocks, ABANDONED_BY_RESET)
+                    )
 
     def take_notices(self) -> Notices:
         """What happened since the last call (F4: kept until taken)."""

@@ -728,3 +728,42 @@ def test_F17_a_trace_with_integrity_failures_replays_and_redecides(tmp_path: Any
         result = replay(path, redecide=redecide)
         assert result.ok, result.divergence
         assert result.state.digest() == m.state.digest()
+
+
+# --- F18 -----------------------------------------------------------------------------------
+
+
+def test_F18_requests_survive_a_reset_and_hear_of_their_abandoned_loads() -> None:
+    from kvflow.engine import SyncEngine
+    from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
+
+    clock = VirtualClock()
+    engine = SyncEngine(Config(cpu_blocks=2, block_tokens=BT, job_deadline_ms=DEADLINE_MS), SimulatedExecutor(clock), clock=clock)
+    engine.blocks_computed("w", [A, B], [1, 2])
+    engine.step()
+    clock.advance_to(100.0)
+    engine.step()
+    engine.finish_request("w")
+    assert engine.lookup("r", [A, B], tokens(2)) == 2
+    load_id = engine.accept_hits("r", [10, 11])
+    engine.step()  # the load is in flight
+    engine.reset()
+    report = engine.step()
+    assert report.all_blocks_cleared
+    assert [(f.request_id, f.job_id, f.device_blocks) for f in report.loads_failed] == [("r", load_id, (10, 11))]
+    assert 10 in engine.held_device_blocks()  # fenced until the abandoned copy reports
+    assert engine.finish_request("r") is True  # still known (today: UnknownRequest)
+    # a store the full tier cannot take is reported in the step, not dropped
+    assert engine.lookup("x", [C, D, E], tokens(3)) == 0
+    engine.blocks_computed("x", [C, D, E], [20, 21, 22])
+    assert engine.step().rejected_store_blocks == 3  # both slots still read by the abandoned load
+    consistent(engine.manager)
+
+
+def test_F18_a_reset_recorded_before_keeps_requests_forgets_every_request() -> None:
+    from kvflow.events import PinsAcquired, Reset
+
+    state = State(Config(cpu_blocks=4, block_tokens=BT))
+    evolve(state, PinsAcquired(seq=1, request_id="r", hashes=(), num_tokens=5))
+    evolve(state, Reset(seq=2, abandoned_job_ids=()))  # as a trace from before F18 reads
+    assert state.requests == {}

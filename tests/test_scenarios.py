@@ -241,7 +241,10 @@ def test_reset_with_jobs_in_flight_quarantines_slots_until_they_report() -> None
     assert [e.job_id for e in cancelled] == [queued_id]
     quarantined = {m.state.jobs[load_id].slots[0], m.state.jobs[store_id].slots[0]}
     assert set(m.state.quarantine) == quarantined
-    assert m.state.entries == {} and m.state.requests == {}
+    assert m.state.entries == {}
+    # F18: the live requests stay known (no pins, no jobs); the abandoned load is reported
+    assert sorted(m.state.requests) == ["r", "s", "s2"]
+    assert [(f.request_id, f.job_id, f.device_blocks) for f in notices.loads_failed] == [("r", load_id, (10,))]
     assert sorted(m.held_device_blocks()) == [10, 11]  # still being copied
     # new stores may not take quarantined slots: only 2 of 4 are usable
     m.blocks_computed("n", [E, F, 27], [20, 21, 22])

@@ -335,10 +335,19 @@ class OffloadMachine(RuleBasedStateMachine):
         if go:
             return  # rare on purpose: it wipes the tier
         in_flight = set(self.in_flight())
+        unfinished = {rid for rid, r in self.m.state.requests.items() if not r.finished}
+        loads = {j for j in in_flight if self.m.state.jobs[j].direction == "load" and self.m.state.jobs[j].request_id}
+        self.m.take_notices()
         self.m.reset()
         assert set(self.m.state.jobs) == in_flight
         assert all(job.abandoned for job in self.m.state.jobs.values())
-        assert self.m.state.entries == {} and self.m.state.requests == {}
+        assert self.m.state.entries == {}
+        # F18: live requests stay known, with nothing on the tier; abandoned loads are reported
+        assert set(self.m.state.requests) == unfinished
+        assert all(not r.pins and not r.jobs for r in self.m.state.requests.values())
+        notices = self.m.take_notices()
+        assert notices.all_blocks_cleared
+        assert {f.job_id for f in notices.loads_failed} >= loads
 
     # -- invariants ------------------------------------------------------------------------
 

@@ -400,7 +400,14 @@ def _reset(state: State, event: Reset, check: bool) -> None:
     state.slot_of.clear()
     state.pending.clear()
     state.pin_count.clear()
-    state.requests.clear()
+    if event.keeps_requests:  # F18: live requests stay known, with nothing on the tier
+        for rid, req in list(state.requests.items()):
+            if req.finished:
+                del state.requests[rid]
+            else:
+                req.offered, req.loading, req.jobs = (), {}, {}
+    else:
+        state.requests.clear()
     state.policy.clear()
 
 

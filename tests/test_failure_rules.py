@@ -738,7 +738,7 @@ def test_F18_requests_survive_a_reset_and_hear_of_their_abandoned_loads() -> Non
     from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
 
     clock = VirtualClock()
-    engine = SyncEngine(Config(cpu_blocks=2, block_tokens=BT, job_deadline_ms=DEADLINE_MS), SimulatedExecutor(clock), clock=clock)
+    engine = SyncEngine(Config(cpu_blocks=2, block_tokens=BT, job_deadline_ms=DEADLINE_MS), SimulatedExecutor(clock), clock=clock, keep_log=True)
     engine.blocks_computed("w", [A, B], [1, 2])
     engine.step()
     clock.advance_to(100.0)

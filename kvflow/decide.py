@@ -169,71 +169,47 @@ def _check_device_blocks(
         )
 
 
-def _victims_up_to(state: State, wanted: int) -> list[int]:
-    """As many victims as the policy can give, up to ``wanted``, in eviction order."""
+def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> list[int]:
+    """As many victims as the policy can give, up to ``wanted``, in eviction order, never a
+    pinned block nor one of ``protected`` (F16: a store's own chain)."""
     if wanted <= 0:
         return []
-    pinned = state.pin_count.__contains__  # the policy orders exactly the RESIDENT entries
-    victims = state.policy.victims(wanted, pinned)
+    pin_count, slot_of = state.pin_count, state.slot_of
+    if slot_of.keys().isdisjoint(protected):
+        blocked: Any = pin_count  # the policy orders exactly the RESIDENT entries
+    else:
+        blocked = set(pin_count)
+        blocked.update(protected)
+    victims = state.policy.victims(wanted, blocked.__contains__)
     if victims is not None:
         return victims
-    evictable = len(state.policy) - len(state.pin_count)
+    evictable = sum(1 for h in state.policy.resident() if h not in blocked)
     if evictable <= 0:
         return []
-    return state.policy.victims(evictable, pinned) or []
+    return state.policy.victims(evictable, blocked.__contains__) or []
 
 
-Admission = tuple[list[int], list[int], list[int], int]  # hashes, device blocks, victims, rejected from
+# hashes admitted, their device blocks, victims, and the blocks rejected (hashes, device blocks)
+Admission = tuple[list[int], list[int], list[int], list[int], list[int]]
 
 
-def _admit_block_by_block(state: State, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> Admission:
-    """DESIGN §7 step 3, block by block in prefix order: a block not on the tier (resident,
-    queued or in flight; F3) takes a free slot, else evicts the policy's next victim; if
-    nothing is evictable it and every later block are rejected. A victim may be a later
-    block of this very command: when its turn comes it is no longer on the tier, so it is
-    stored again. Evictions and admissions are still emitted as one event each."""
-    entries = state.slot_of
-    free_avail = len(state.free_slots)
-    admit_hashes: list[int] = []
-    admit_blocks: list[int] = []
-    seen: set[int] = set()
-    victims: list[int] = []
-    gone: set[int] = set()
-    candidates: list[int] | None = None
-    rejected_from = -1
-    for i, (h, d) in enumerate(zip(block_hashes, device_blocks)):
-        if h in seen or (h in entries and h not in gone):
-            continue
-        seen.add(h)
-        if free_avail:
-            free_avail -= 1
-        else:
-            if candidates is None:  # each later block needs at most one victim
-                candidates = _victims_up_to(state, len(block_hashes) - i)
-            if len(victims) == len(candidates):
-                rejected_from = i
-                break
-            victim = candidates[len(victims)]
-            victims.append(victim)
-            gone.add(victim)
-        admit_hashes.append(h)
-        admit_blocks.append(d)
-    return admit_hashes, admit_blocks, victims, rejected_from
-
-
-def _admit_all(state: State, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> Admission | None:
-    """The common case of ``_admit_block_by_block`` in a few C-level passes: every block
-    not on the tier is admitted (each hash once), with victims that are not blocks of this
-    command. None when that is not the outcome (the block-by-block rule then decides)."""
+def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> Admission:
+    """DESIGN §7 step 3: every block of the store not on the tier (resident, queued or in
+    flight; F3), each hash once, in prefix order, takes a free slot, else evicts the policy's
+    next victim, never a block of this store's own chain (F16); when nothing else can be
+    evicted, it and every later block are rejected."""
     absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
-    admit_hashes = list(compress(block_hashes, absent))
-    if len(set(admit_hashes)) != len(admit_hashes):
-        return None
-    need = len(admit_hashes) - len(state.free_slots)
-    victims = _victims_up_to(state, need) if need > 0 else []
-    if len(victims) != max(need, 0) or not set(victims).isdisjoint(block_hashes):
-        return None
-    return admit_hashes, list(compress(device_blocks, absent)), victims, -1
+    new_hashes = list(compress(block_hashes, absent))
+    new_blocks = list(compress(device_blocks, absent))
+    if len(set(new_hashes)) != len(new_hashes):  # a hash named twice is stored once
+        firsts: dict[int, int] = {}
+        for h, d in zip(new_hashes, new_blocks):
+            firsts.setdefault(h, d)
+        new_hashes, new_blocks = list(firsts), list(firsts.values())
+    need = len(new_hashes) - len(state.free_slots)
+    victims = _victims_up_to(state, need, block_hashes) if need > 0 else []
+    admitted = len(new_hashes) - max(0, need - len(victims))
+    return new_hashes[:admitted], new_blocks[:admitted], victims, new_hashes[admitted:], new_blocks[admitted:]
 
 
 def _decide_store(
@@ -255,11 +231,10 @@ def _decide_store(
     _check_device_blocks(state, device_blocks, same)
     if not state.config.enabled:
         return None
-    entries = state.slot_of  # every hash on the tier, whatever its state
-    admission = _admit_all(state, block_hashes, device_blocks)
-    if admission is None:
-        admission = _admit_block_by_block(state, block_hashes, device_blocks)
-    admit_hashes, admit_blocks, victims, rejected_from = admission
+    entries = state.slot_of
+    admit_hashes, admit_blocks, victims, rejected_hashes, rejected_blocks = _admission(
+        state, block_hashes, device_blocks
+    )
     if victims:
         yield BlocksEvicted(
             seq=state.next_seq,
@@ -280,21 +255,13 @@ def _decide_store(
             device_blocks=tuple(admit_blocks),
             slots=tuple(free[len(free) - admitted :][::-1]),
         )
-    if rejected_from >= 0:
-        rej_hashes: list[int] = []
-        rej_blocks: list[int] = []
-        taken = set(admit_hashes)  # (by now the victims have left the tier, the admitted joined it)
-        for h, d in zip(block_hashes[rejected_from:], device_blocks[rejected_from:]):
-            if h not in taken and h not in entries:
-                taken.add(h)
-                rej_hashes.append(h)
-                rej_blocks.append(d)
+    if rejected_hashes:
         yield StoreRejected(
             seq=state.next_seq,
             request_id=request_id,
-            hashes=tuple(rej_hashes),
-            device_blocks=tuple(rej_blocks),
-            reason=f"tier full: {state.capacity} slots held by pinned or in-flight entries",
+            hashes=tuple(rejected_hashes),
+            device_blocks=tuple(rejected_blocks),
+            reason=f"tier full: {state.capacity} slots held by pinned, in-flight or own-chain entries",
         )
     return job_id
 

@@ -21,8 +21,9 @@ The rules, as refined for kvflow (B = block_tokens, L = input_length):
 * Eager store, after the load: every full block not already on the tier (resident or queued in
   this job), in prefix order, takes a slot: a free one while the tier holds fewer than
   ``cpu_blocks`` entries (queued ones included), else by evicting the least recent resident
-  entry; when no resident entry is left (the job's own queued blocks fill the tier) this block
-  and every later one are rejected. Admitted blocks form one store job; on success they become
+  entry that is not a block of the store itself (F16: its own chain, hits included, since the
+  eager store names all the request's full blocks); when no such entry is left this block and
+  every later one are rejected. Admitted blocks form one store job; on success they become
   resident, most recent, in queue order.
 * End of request: the request's resident full blocks are touched deepest first; then the device
   cache touches all its full blocks deepest first and evicts its least recent blocks beyond M.
@@ -95,14 +96,16 @@ def reference_simulate(
         return failed
 
     def store_job(hashes: list[int]) -> None:
+        own = set(hashes)  # F16: a store never evicts a block of its own chain
         queued: list[int] = []
         for block in hashes:
             if block in cpu or block in queued:
                 continue
             if len(cpu) + len(queued) >= cpu_blocks:
-                if not cpu:
-                    break  # only this job's own queued blocks are left: reject the rest
-                cpu.popitem(last=False)
+                victim = next((b for b in cpu if b not in own), None)
+                if victim is None:
+                    break  # only this store's own blocks are left: reject the rest
+                del cpu[victim]
                 counts["evicted_blocks"] += 1
             queued.append(block)
         if not queued or job_fails():

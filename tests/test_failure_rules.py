@@ -767,3 +767,34 @@ def test_F18_a_reset_recorded_before_keeps_requests_forgets_every_request() -> N
     evolve(state, PinsAcquired(seq=1, request_id="r", hashes=(), num_tokens=5))
     evolve(state, Reset(seq=2, abandoned_job_ids=()))  # as a trace from before F18 reads
     assert state.requests == {}
+
+
+# --- F16 -----------------------------------------------------------------------------------
+
+
+def test_F16_a_store_never_evicts_its_own_chain() -> None:
+    from kvflow.events import BlocksEvicted
+
+    m = manager(cpu_blocks=3)
+    store(m, "a", [100, 101], [1, 2])  # 100 is the least recent
+    store(m, "b", [900], [3])
+    job = m.blocks_computed("c", [100, 101, 102], [4, 5, 6])
+    (evicted,) = [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
+    assert evicted.hashes == (900,)  # not 100, the head of the chain being extended
+    assert [j.hashes for j in m.plan_step(1.0) if j.job_id == job] == [(102,)]
+    consistent(m)
+
+
+def test_F16_when_only_the_own_chain_could_go_the_rest_of_the_store_is_rejected() -> None:
+    from kvflow.events import BlocksEvicted, StoreRejected
+
+    m = manager(cpu_blocks=2)
+    store(m, "a", [100, 101], [1, 2])
+    m.take_notices()
+    assert m.blocks_computed("c", [100, 101, 102, 103], [3, 4, 5, 6]) is None
+    assert not [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
+    (rejected,) = [e for e in m.log.events() if isinstance(e, StoreRejected)]
+    assert rejected.hashes == (102, 103) and rejected.device_blocks == (5, 6)
+    assert m.state.is_resident(100) and m.state.is_resident(101)
+    assert m.take_notices().rejected_store_blocks == 2
+    consistent(m)

@@ -74,21 +74,22 @@ def test_lru_evicts_a_chains_tail_before_its_head(tmp_path: Path) -> None:
     )
 
 
-def test_hits_are_touched_deepest_first_so_own_stores_spare_the_head(tmp_path: Path) -> None:
+def test_f16_a_store_never_evicts_its_own_chain(tmp_path: Path) -> None:
     path = workload(
         tmp_path,
         (9, [1, 2, 100]),  # cpu [2, 1]
         (5, [3, 101]),  # cpu [2, 1, 3]
-        # Hits 1, 2; the load touches 2 then 1 -> [3, 2, 1]. Storing 5 evicts 3, storing 6
-        # evicts 2 (the tail of the hit, not its head) -> [1, 5, 6]; end -> [6, 5, 1].
+        # Hits 1, 2; the load touches 2 then 1 -> [3, 2, 1]. Storing 5 evicts 3; storing 6
+        # finds only its own chain (1, 2, 5) left to evict: 6 is rejected -> [2, 1, 5];
+        # end touches 5, 2, 1 -> [5, 2, 1].
         (17, [1, 2, 5, 6, 102]),
-        # Hits 1 only (2 is gone); storing 2 evicts 6 -> [5, 1, 2].
+        # Hits 1 and 2: the chain survived its own store.
         (9, [1, 2, 103]),
     )
-    # Touching the hit head first would evict 1 at the 3rd request and make the 4th miss.
+    # Before F16 the store of 6 evicted 2, the tail of its own hit, and the 4th request hit 1 only.
     assert reference_simulate(path, cpu_blocks=3, device_blocks=0, block_tokens=B) == expect(
-        requests=4, prompt_tokens=40, hit_tokens=12, cpu_hit_tokens=12,
-        stored_blocks=6, loaded_blocks=3, evicted_blocks=3,
+        requests=4, prompt_tokens=40, hit_tokens=16, cpu_hit_tokens=16,
+        stored_blocks=4, loaded_blocks=4, evicted_blocks=1,
     )
 
 
@@ -98,12 +99,13 @@ def test_a_request_larger_than_the_tier_stores_what_fits(tmp_path: Path) -> None
         # 3 full blocks, 2 slots: 1, 2 take the free slots; for 3 the only entries are this
         # job's own queued blocks, which cannot be evicted, so 3 is rejected. cpu [2, 1].
         (13, [1, 2, 3, 100]),
-        # Hits 1, 2 (touched -> [2, 1]); storing 3 evicts 2 -> [1, 3].
+        # Hits 1, 2 (touched -> [2, 1]); 3 could only take the place of its own chain's 1 or
+        # 2 (F16), so it is rejected again and the chain stays whole: [2, 1].
         (13, [1, 2, 3, 101]),
     )
     assert reference_simulate(path, cpu_blocks=2, device_blocks=0, block_tokens=B) == expect(
         requests=2, prompt_tokens=26, hit_tokens=8, cpu_hit_tokens=8,
-        stored_blocks=3, loaded_blocks=2, evicted_blocks=1,
+        stored_blocks=2, loaded_blocks=2, evicted_blocks=0,
     )
 
 

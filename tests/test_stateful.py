@@ -186,10 +186,13 @@ class OffloadMachine(RuleBasedStateMachine):
             for h in hashes
             if (e := self.m.state.entries.get(h)) and e.job_id
         }
+        events_before = len(self.m.log.events())
         refused = self.refused(
             lambda: self.m.blocks_computed(rid, hashes, device_blocks), BlockHeld
         )
         assert refused == expect_held
+        for event in self.m.log.events()[events_before:]:  # F16: never its own chain
+            assert not (isinstance(event, BlocksEvicted) and set(event.hashes) & set(hashes)), event
         for h, (state, job_id) in in_flight.items():
             # a hash queued or in flight is never stored twice (F3): same entry, same job
             entry = self.m.state.entries[h]

@@ -27,8 +27,10 @@ from kvflow.events import (
     BlocksTouched,
     Command,
     DeviceBlocksEvicting,
+    EndFences,
     Event,
     Evict,
+    FenceLifted,
     FinishRequest,
     Invalidate,
     JobCompleted,
@@ -138,8 +140,9 @@ def _check_device_blocks(
 ) -> None:
     """Device blocks must not be held by a live job (F12), except a store of the same hash
     (that one is a duplicate, F3). ``allow_same_store`` maps device block -> hash asked.
-    A job abandoned by a reset holds its device blocks until it reports, whatever the hash:
-    its hashes left the tier, so a "duplicate" store would take the blocks it still copies."""
+    A fenced job (abandoned by a reset, timed out, failed on one rank) holds its device blocks
+    until its copy is over, whatever the hash: its hashes left the tier, so a "duplicate"
+    store would take the blocks it may still copy (F15)."""
     if not device_blocks:
         return
     unique = set(device_blocks)
@@ -159,7 +162,7 @@ def _check_device_blocks(
         if jid is None:
             continue
         job = state.jobs[jid]
-        if job.direction == STORE and not job.abandoned and d in allow_same_store:
+        if job.direction == STORE and not job.fenced and d in allow_same_store:
             index = job.device_blocks.index(d)
             if job.hashes[index] == allow_same_store[d]:
                 continue
@@ -169,17 +172,33 @@ def _check_device_blocks(
         )
 
 
+def _fenced_slot_owners(state: State) -> list[int]:
+    """Resident entries whose slot a fenced load may still read (F15): evicting one would
+    free no slot until the fence is lifted, so eviction for space passes them over."""
+    if not state.quarantine:
+        return []
+    slot_of = state.slot_of
+    return [
+        h
+        for job in state.jobs.values()
+        if job.fenced and job.direction == LOAD
+        for h, s in zip(job.hashes, job.slots)
+        if slot_of.get(h) == s
+    ]
+
+
 def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> list[int]:
     """As many victims as the policy can give, up to ``wanted``, in eviction order, never a
     pinned block nor one of ``protected`` (F16: a store's own chain)."""
     if wanted <= 0:
         return []
     pin_count, slot_of = state.pin_count, state.slot_of
-    if slot_of.keys().isdisjoint(protected):
+    if slot_of.keys().isdisjoint(protected) and not state.quarantine:
         blocked: Any = pin_count  # the policy orders exactly the RESIDENT entries
     else:
         blocked = set(pin_count)
         blocked.update(protected)
+        blocked.update(_fenced_slot_owners(state))
     victims = state.policy.victims(wanted, blocked.__contains__)
     if victims is not None:
         return victims
@@ -295,7 +314,11 @@ def decide_evict(state: State, cmd: Evict) -> Decision:
         raise Rejected(f"evict: num_blocks must be >= 0, got {cmd.num_blocks!r}")
     if cmd.num_blocks == 0:
         return 0
-    victims = state.policy.victims(cmd.num_blocks, state.pin_count.__contains__)
+    blocked: Any = state.pin_count
+    if state.quarantine:  # (an entry whose slot stays fenced would free nothing)
+        blocked = set(state.pin_count)
+        blocked.update(_fenced_slot_owners(state))
+    victims = state.policy.victims(cmd.num_blocks, blocked.__contains__)
     if victims is None:
         raise Rejected(f"evict: fewer than {cmd.num_blocks} unpinned resident blocks (all-or-nothing)")
     yield BlocksEvicted(
@@ -395,16 +418,30 @@ def _check_result(state: State, result: JobResult) -> None:
         raise Rejected(f"result for job {result.job_id}, which was never submitted")
 
 
+def _fence_lifted(state: State, job: Job, reason: str) -> FenceLifted:
+    return FenceLifted(
+        seq=state.next_seq, job_id=job.job_id, device_blocks=job.device_blocks, slots=job.slots, reason=reason  # type: ignore[arg-type]
+    )
+
+
 def _apply_result(state: State, cmd: JobResult) -> Decision:
-    """The events of one checked result: the job's end, a rank's success, or a late result."""
+    """The events of one checked result: the job's end, a rank's success, or a late result
+    (which, for a fenced job, says that rank's copy is over: the last one lifts the fence)."""
     job = state.jobs.get(cmd.job_id)
     bit = 1 << cmd.rank
-    if job is None or job.acks & bit:  # already terminal, or a rank repeating its success
+    every_rank = (1 << state.config.world_size) - 1
+    if job is None or job.acks & bit or job.state is JobState.FENCED:
         yield LateResultIgnored(seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error)
+        if job is not None and job.state is JobState.FENCED and job.reported == every_rank:
+            yield _fence_lifted(state, job, "copy over")
         return
     request_id = None if job.state is JobState.ABANDONED else job.request_id
     if not cmd.ok:
-        yield _terminal_event(JobFailed, state, job, rank=cmd.rank, error=cmd.error or "unknown error")
+        # F15: while another rank has not reported, its copy may still run: fence the memory
+        fenced = job.reported | bit != every_rank
+        yield _terminal_event(
+            JobFailed, state, job, rank=cmd.rank, error=cmd.error or "unknown error", fenced=fenced
+        )
         if cmd.corrupt and job.direction == LOAD and job.state is not JobState.ABANDONED:
             # F17: bad bytes are never offered twice: the entries the load found corrupt
             # leave the tier now that its pins are released (those another request still
@@ -441,16 +478,21 @@ def decide_job_results(state: State, cmd: JobResults) -> Decision:
 
 
 def expired_jobs(state: State, now_ms: float) -> list[Job]:
-    """The submitted jobs whose deadline has come by ``now_ms`` (F2), in job order."""
-    queued = JobState.QUEUED
-    return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is not queued]
+    """The in-flight jobs whose deadline has come by ``now_ms`` (F2), in job order. (A fenced
+    job's outcome is already known: its deadline has nothing left to decide.)"""
+    in_flight = JobState.IN_FLIGHT
+    return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is in_flight]
 
 
 def decide_tick(state: State, cmd: Tick) -> Decision:
     expired = expired_jobs(state, cmd.now_ms)
     for job in expired:
-        request_id = None if job.abandoned else job.request_id
-        yield _terminal_event(JobTimedOut, state, job, now_ms=float(cmd.now_ms), deadline_ms=float(job.deadline_ms))
+        request_id = job.request_id
+        # F15: the engine learns of the timeout now; the copy may still run, so the job's
+        # memory stays fenced until the executor reports it over
+        yield _terminal_event(
+            JobTimedOut, state, job, now_ms=float(cmd.now_ms), deadline_ms=float(job.deadline_ms), fenced=True
+        )
         closing = _closing(state, request_id)
         if closing is not None:
             yield closing
@@ -477,8 +519,17 @@ def decide_reset(state: State, cmd: ResetAll) -> Decision:
     for jid in list(state.queued):
         job = state.jobs[jid]
         yield _terminal_event(JobFailed, state, job, rank=-1, error=CANCELLED_BY_RESET)
-    yield Reset(seq=state.next_seq, abandoned_job_ids=tuple(state.jobs), keeps_requests=True)
+    live = tuple(jid for jid, job in state.jobs.items() if job.state is not JobState.FENCED)
+    yield Reset(seq=state.next_seq, abandoned_job_ids=live, keeps_requests=True)
     return None
+
+
+def decide_end_fences(state: State, cmd: EndFences) -> Decision:
+    """The executor is closed, its copies stopped: every fenced job's memory comes back."""
+    fenced = [job for job in state.jobs.values() if job.fenced]
+    for job in fenced:
+        yield _fence_lifted(state, job, "executor closed")
+    return len(fenced)
 
 
 DECIDERS: dict[type, Callable[[State, Any], Decision]] = {
@@ -495,6 +546,7 @@ DECIDERS: dict[type, Callable[[State, Any], Decision]] = {
     FinishRequest: decide_finish,
     ResetAll: decide_reset,
     Invalidate: decide_invalidate,
+    EndFences: decide_end_fences,
 }
 
 

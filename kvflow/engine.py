@@ -39,6 +39,7 @@ from kvflow.events import (
     TERMINAL_TYPES,
     BlocksEvicted,
     Event,
+    FenceLifted,
     JobCompleted,
     JobFailed,
     JobResult,
@@ -46,16 +47,25 @@ from kvflow.events import (
     JobTimedOut,
     LateResultIgnored,
     PinsAcquired,
+    Reset,
     StoreRejected,
     TransferJob,
     event_name,
 )
 from kvflow.log import MemoryLog, NullLog, TraceWriter
-from kvflow.manager import LoadFailure, OffloadManager
+from kvflow.manager import Fence, LoadFailure, OffloadManager
 
 
 class Executor(Protocol):
     """What the engine needs from an executor (torch, simulated, or a rank group).
+
+    * ``submit`` accepts jobs (or raises: then none of them was accepted);
+    * ``poll`` returns results; **every accepted job gets one result per rank once that
+      rank's copy is over** — also after the job timed out in the engine: that late result
+      is what lifts the job's fence (F15), so a copy still running never has its memory
+      handed out again;
+    * ``close`` returns only once no copy can run any more (the engine then ends every
+      fence).
 
     An executor that owns a host pool exposes it as ``pool`` (its ``cpu_blocks`` must equal
     the config's, checked when the engine is built)."""
@@ -83,6 +93,9 @@ class Counters:
     jobs_failed: int = 0
     jobs_timed_out: int = 0
     late_results: int = 0
+    jobs_fenced: int = 0  # outcome known while a copy may still run (F15)
+    fences_lifted: int = 0  # of those, the copies reported over (or the executor closed)
+    fences_overdue: int = 0  # fences held past ``fence_warn_ms`` (each warned about once)
     unknown_results: int = 0
     executor_errors: int = 0
     blocks_stored: int = 0
@@ -159,11 +172,13 @@ class SyncEngine:
         logger: Any = None,
         checkpoint_every: int = 10_000,
         keep_log: bool = False,
+        fence_warn_ms: float | None = None,
         _auto_flush: bool = True,
     ) -> None:
         """``trace_path`` records a trace file while running; without it the engine keeps no
         log (``keep_log=True`` keeps one in memory, for tests and short runs: it grows with
-        every event)."""
+        every event). A fence held longer than ``fence_warn_ms`` (default: the job deadline)
+        is counted in ``fences_overdue`` and logged once as ``kvflow.fence_held``."""
         self.config = config
         self.executor = executor
         self.clock = clock
@@ -193,6 +208,10 @@ class SyncEngine:
         self.counters = Counters()
         self.latencies = Latencies()
         self._submitted_at: dict[int, float] = {}
+        # fenced job -> when it was fenced (engine clock); the overdue ones were warned about
+        self._fenced_at: dict[int, float] = {}
+        self._overdue: set[int] = set()
+        self.fence_warn_ms = config.job_deadline_ms if fence_warn_ms is None else float(fence_warn_ms)
         self._log = logger if logger is not None else structlog.get_logger("kvflow")
         self._debug = logger is not None or structlog.is_configured()
         self._subscribe()
@@ -203,36 +222,72 @@ class SyncEngine:
     def lookup(
         self, request_id: str, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0
     ) -> int:
+        """How many of the request's blocks after its first ``device_hit_blocks`` (those the
+        device cache already holds) the CPU tier can load, counted in blocks. Those hits are
+        pinned for the request until ``accept_hits`` takes them into a load, or releases them
+        (``accept_hits(request_id, [])``), or the request finishes. ``block_hashes`` are the
+        request's full-block hashes in prefix order; at most ``num_tokens - 1`` tokens hit."""
         hits = self.manager.lookup(request_id, block_hashes, num_tokens, device_hit_blocks)
         self.counters.lookups += 1
         self.counters.lookup_tokens += num_tokens
         return hits
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
+        """The engine allocated ``device_blocks`` for the first ``len(device_blocks)`` hits of
+        the last lookup: queue their load (its job id, or None for none). The rest of the
+        hits are unpinned; ``[]`` releases them all (a request the engine does not schedule
+        now). The device blocks stay held until a report names them released."""
         return self.manager.accept_hits(request_id, device_blocks)
 
     def blocks_computed(
         self, request_id: str | None, block_hashes: Sequence[int], device_blocks: Sequence[int]
     ) -> int | None:
+        """Eager mode: these full blocks were computed, ``block_hashes[i]`` in
+        ``device_blocks[i]``, in prefix order. The ones not on the tier are stored (job id,
+        or None); the rest are deduplicated (F3). A store never evicts the request's own
+        chain (F16); what does not fit is counted in ``rejected_store_blocks``."""
         return self.manager.blocks_computed(request_id, block_hashes, device_blocks)
 
     def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
+        """Lazy mode: the device cache is about to drop these blocks; store the missing ones
+        (the job id, or None). Keep the device blocks until a report releases them."""
         return self.manager.device_blocks_evicting(block_hashes, device_blocks)
 
     def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
+        """Recency for the resident blocks among ``block_hashes``, in this order (the last is
+        the most recent); returns how many were resident. At a request's finish, touch its
+        chain with ``reuse=False`` (ordering only): under ARC ``reuse=True`` counts a second
+        use and promotes every fresh block to T2."""
         return self.manager.touch(block_hashes, reuse)
 
     def finish_request(self, request_id: str, preempted: bool = False) -> bool:
+        """The request finished (or was preempted): its unaccepted hits are unpinned now; its
+        live jobs finish on their own. False, changing nothing, for a request kvflow does not
+        know (never seen, or already forgotten)."""
         return self.manager.finish_request(request_id, preempted)
 
+    def invalidate(self, block_hashes: Sequence[int]) -> int:
+        """The engine learned these blocks' bytes are bad: evict the resident, unpinned ones
+        (F17) so they are never offered again; returns how many."""
+        return self.manager.invalidate(block_hashes)
+
     def reset(self) -> None:
+        """Clear the tier (vLLM's reset_prefix_cache): queued jobs are cancelled, in-flight
+        ones abandoned and fenced until their copies report over; requests stay known, and
+        their abandoned loads are reported failed (fenced) in the next step's report."""
         self.manager.reset()
 
     def held_device_blocks(self) -> list[int]:
+        """Device blocks the engine must not reuse yet: named by a live or fenced job."""
         return self.manager.held_device_blocks()
 
     def has_live_jobs(self) -> bool:
+        """Whether a queued or in-flight job's outcome is still to come (fences excluded)."""
         return self.manager.has_live_jobs()
+
+    def fences(self) -> list[Fence]:
+        """Jobs whose outcome is known but whose copy may still run (F15), oldest first."""
+        return self.manager.fences()
 
     # -- the step ------------------------------------------------------------------------
 
@@ -253,7 +308,10 @@ class SyncEngine:
                 self._log.warning("kvflow.result_rejected", job=result.job_id, rank=result.rank, error=str(exc))
 
     def step(self, compute_done: Any = None, results: Sequence[JobResult] | None = None) -> StepReport:
-        """Collect completions, time out late jobs, submit the queued jobs; report."""
+        """One engine step: apply the executor's results (``results``, else ``poll()``),
+        time out jobs past their deadline, hand the queued jobs to the executor (after
+        ``compute_done``, an event the copies wait for), and report what the engine must act
+        on: loads finished or failed, stores finished or failed, device blocks released."""
         now = self.clock()
         if results is None:
             results = self._poll()
@@ -262,6 +320,8 @@ class SyncEngine:
         jobs = self.manager.plan_step(now)
         if jobs:
             self._submit(jobs, compute_done, now)
+        if self._fenced_at:
+            self._watch_fences(now)
         if not self.manager.has_notices():
             return StepReport(now_ms=now, submitted=jobs, timed_out=timed_out)
         notices = self.manager.take_notices()
@@ -277,6 +337,29 @@ class SyncEngine:
             rejected_store_blocks=notices.rejected_store_blocks,
             all_blocks_cleared=notices.all_blocks_cleared,
         )
+
+    def _watch_fences(self, now: float) -> None:
+        """A fence held past ``fence_warn_ms`` is counted and warned about once (F15: an
+        executor that never reports a copy over keeps the memory, visibly)."""
+        overdue = [j for j, t in self._fenced_at.items() if now - t > self.fence_warn_ms and j not in self._overdue]
+        if not overdue:
+            return
+        by_id = {f.job_id: f for f in self.manager.fences()}
+        for job_id in overdue:
+            self._overdue.add(job_id)
+            self.counters.fences_overdue += 1
+            fence = by_id.get(job_id)
+            if fence is not None:
+                self._log.warning(
+                    "kvflow.fence_held",
+                    job=job_id,
+                    request=fence.request_id,
+                    direction=fence.direction,
+                    held_ms=now - self._fenced_at[job_id],
+                    device_blocks=len(fence.device_blocks),
+                    slots=len(fence.slots),
+                    ranks_pending=list(fence.ranks_pending),
+                )
 
     def _poll(self) -> list[JobResult]:
         try:
@@ -309,14 +392,37 @@ class SyncEngine:
         on(self._on_evicted, (BlocksEvicted,))
         on(self._on_rejected, (StoreRejected,))
         on(self._on_late, (LateResultIgnored,))
+        on(self._on_fence_event, (FenceLifted, Reset))
         if self._debug:
             on(self._log_event)
 
     def _on_submitted(self, event: JobsSubmitted) -> None:
         self.counters.jobs_submitted += len(event.job_ids)
 
+    def _fence(self, job_id: int) -> None:
+        if job_id not in self._fenced_at:
+            self._fenced_at[job_id] = self.clock()
+            self.counters.jobs_fenced += 1
+
+    def _on_fence_event(self, event: FenceLifted | Reset) -> None:
+        if type(event) is Reset:
+            for job_id in event.abandoned_job_ids:  # type: ignore[union-attr]
+                self._fence(job_id)
+        else:
+            self._unfence(event.job_id)  # type: ignore[union-attr]
+
+    def _unfence(self, job_id: int) -> None:
+        if self._fenced_at.pop(job_id, None) is not None:
+            self.counters.fences_lifted += 1
+            self._overdue.discard(job_id)
+
     def _on_terminal(self, event: JobCompleted | JobFailed | JobTimedOut) -> None:
         started = self._submitted_at.pop(event.job_id, None)
+        fenced = type(event) is not JobCompleted and event.fenced  # type: ignore[union-attr]
+        if fenced:
+            self._fence(event.job_id)
+        elif event.abandoned:
+            self._unfence(event.job_id)  # every rank of the abandoned job reported
         if event.abandoned:
             return  # a reset already told the engine; only the holds end now
         c = self.counters
@@ -389,11 +495,15 @@ class SyncEngine:
         return merged
 
     def close(self) -> None:
+        """Close the executor (its copies stop), then end every fence (F15: no copy can touch
+        the memory any more) and close the trace. Idempotent. If the executor's close raises,
+        the fences stay: its copies may still run."""
         if self.closed:
             return
         self.closed = True
         try:
             self.executor.close()
+            self.manager.end_fences()
         finally:
             self.manager.close()
 
@@ -469,7 +579,10 @@ class Engine(AbstractAsyncContextManager["Engine"]):
     device_blocks_evicting = _forward("device_blocks_evicting")
     touch = _forward("touch")
     finish_request = _forward("finish_request")
+    invalidate = _forward("invalidate")
     reset = _forward("reset")
+    fences = _forward("fences")
+    held_device_blocks = _forward("held_device_blocks")
 
     async def __aenter__(self) -> Engine:
         import anyio
@@ -575,4 +688,14 @@ def _merge(into: StepReport, report: StepReport) -> None:
     into.all_blocks_cleared = into.all_blocks_cleared or report.all_blocks_cleared
 
 
-__all__ = ["Engine", "SyncEngine", "StepReport", "Counters", "Latencies", "Executor", "percentile", "KvflowError"]
+__all__ = [
+    "Engine",
+    "SyncEngine",
+    "StepReport",
+    "Counters",
+    "Latencies",
+    "Executor",
+    "Fence",
+    "percentile",
+    "KvflowError",
+]

@@ -104,10 +104,15 @@ class JobFailed(_Terminal, frozen=True, tag="job_failed"):
 
     Store: entries removed, slots freed, hashes never visible. Load: entries stay resident,
     the job's pins are released and ``device_blocks`` must be recomputed by the engine.
+
+    ``fenced`` (F15): other ranks had not reported yet, so their copies may still run: the
+    outcome applies at once, but the job's slots stay quarantined and its device blocks held
+    until every rank has reported (``FenceLifted``). Traces from before it read as False.
     """
 
     rank: int
     error: str
+    fenced: bool = False
 
 
 class JobTimedOut(_Terminal, frozen=True, tag="job_timed_out"):
@@ -115,16 +120,33 @@ class JobTimedOut(_Terminal, frozen=True, tag="job_timed_out"):
 
     now_ms: float
     deadline_ms: float
+    # F15: the copy may still be running (see JobFailed.fenced); traces from before read False
+    fenced: bool = False
 
 
 class LateResultIgnored(_Event, frozen=True, tag="late_result_ignored"):
-    """A result for a job that is already terminal, or a rank repeating its success:
-    recorded, changes nothing."""
+    """A result for a job that is already terminal, or a rank repeating its success: its
+    outcome changes nothing. For a fenced job it records that this rank's copy is over."""
 
     job_id: int
     rank: int
     ok: bool
     error: str | None = None
+
+
+FenceReason = Literal["copy over", "executor closed"]
+
+
+class FenceLifted(_Event, frozen=True, tag="fence_lifted"):
+    """The copy of a fenced job (timed out, failed on one rank, or abandoned by a reset) is
+    over (F15): every rank reported, or the executor was closed and its copies stopped. Its
+    quarantined ``slots`` are free again unless an entry still owns them, and its
+    ``device_blocks`` are released to the engine."""
+
+    job_id: int
+    device_blocks: Blocks
+    slots: Blocks
+    reason: FenceReason
 
 
 # --- tier contents ---------------------------------------------------------------------------
@@ -218,6 +240,7 @@ Event = Union[
     JobFailed,
     JobTimedOut,
     LateResultIgnored,
+    FenceLifted,
     BlocksEvicted,
     BlocksTouched,
     StoreRejected,
@@ -333,6 +356,10 @@ class Invalidate(_Command, frozen=True, tag="invalidate"):
     block_hashes: Hashes
 
 
+class EndFences(_Command, frozen=True, tag="end_fences"):
+    """The executor is closed and its copies have stopped: every fence ends (F15)."""
+
+
 Command = Union[
     Lookup,
     AcceptHits,
@@ -347,6 +374,7 @@ Command = Union[
     FinishRequest,
     ResetAll,
     Invalidate,
+    EndFences,
 ]
 
 COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]

@@ -214,7 +214,7 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
         ):
             table.add_column(column)
         for j in state["jobs"]:
-            flags = " (abandoned)" if j["abandoned"] else ""
+            flags = " (abandoned: fenced)" if j["abandoned"] else ""
             table.add_row(
                 str(j["job"]),
                 j["direction"],

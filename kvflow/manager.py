@@ -28,8 +28,10 @@ from kvflow.events import (
     BlocksEvicted,
     Command,
     DeviceBlocksEvicting,
+    EndFences,
     Event,
     Evict,
+    FenceLifted,
     FinishRequest,
     Invalidate,
     JobCompleted,
@@ -55,12 +57,32 @@ ABANDONED_BY_RESET = "abandoned by a reset: recompute these device blocks once t
 
 @dataclass
 class LoadFailure:
-    """A load that did not land: ``device_blocks`` hold garbage and must be recomputed."""
+    """A load that did not land: ``device_blocks`` hold garbage and must be recomputed.
+
+    ``fenced`` (F15): the load's copy may still be writing those device blocks (it timed out,
+    failed on one rank, or was abandoned by a reset). Recompute into other blocks; these
+    come back in a later ``released_device_blocks``, once the copy is over."""
 
     request_id: str
     job_id: int
     device_blocks: tuple[int, ...]
     error: str
+    fenced: bool = False
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A job whose outcome is known but whose copy may still run (F15): its slots and device
+    blocks are not reused until the executor reports every rank's copy over."""
+
+    job_id: int
+    direction: str
+    request_id: str | None
+    device_blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+    deadline_ms: float
+    ranks_pending: tuple[int, ...]  # ranks that have not reported yet
+    abandoned: bool  # fenced by a reset (else: timed out, or failed on another rank)
 
 
 @dataclass
@@ -89,7 +111,9 @@ class Notices:
     def observe(self, event: Event) -> None:
         kind = type(event)
         if kind is JobCompleted or kind is JobFailed or kind is JobTimedOut:
-            self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
+            fenced = kind is not JobCompleted and event.fenced  # type: ignore[union-attr]
+            if not fenced:  # (a fenced job's device blocks come back at its FenceLifted)
+                self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
             if event.abandoned:  # type: ignore[union-attr]
                 return  # a reset already told the engine; only the holds end now
             error = None
@@ -102,20 +126,22 @@ class Notices:
                     self.loads_finished.append((event.request_id, event.job_id))  # type: ignore[union-attr]
                 else:
                     self.loads_failed.append(
-                        LoadFailure(event.request_id, event.job_id, event.device_blocks, error)  # type: ignore[union-attr,arg-type]
+                        LoadFailure(event.request_id, event.job_id, event.device_blocks, error, fenced)  # type: ignore[union-attr,arg-type]
                     )
             elif event.direction == STORE:  # type: ignore[union-attr]
                 if error is None:
                     self.stores_finished.append(event.job_id)  # type: ignore[union-attr]
                 else:
                     self.stores_failed.append((event.job_id, error))  # type: ignore[union-attr]
+        elif kind is FenceLifted:
+            self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
         elif kind is StoreRejected:
             self.rejected_store_blocks += len(event.hashes)  # type: ignore[union-attr]
         elif kind is Reset:
             self.all_blocks_cleared = True
 
 
-_NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, StoreRejected, Reset})
+_NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, FenceLifted, StoreRejected, Reset})
 
 
 class OffloadManager:
@@ -213,7 +239,7 @@ class OffloadManager:
                 job = jobs.get(jid)
                 if job is not None and job.direction == LOAD and job.request_id is not None:
                     self._notices.loads_failed.append(
-                        LoadFailure(job.request_id, jid, job.device_blocks, ABANDONED_BY_RESET)
+                        LoadFailure(job.request_id, jid, job.device_blocks, ABANDONED_BY_RESET, fenced=True)
                     )
 
     def take_notices(self) -> Notices:
@@ -311,9 +337,14 @@ class OffloadManager:
         self._no_deadline_before_ms = self._earliest_deadline()
         return int(answer)
 
+    def next_deadline_ms(self) -> float | None:
+        """The earliest deadline of an in-flight job (when the next timeout can come)."""
+        earliest = self._earliest_deadline()
+        return None if earliest == math.inf else earliest
+
     def _earliest_deadline(self) -> float:
-        queued = JobState.QUEUED
-        return min((j.deadline_ms for j in self.state.jobs.values() if j.state is not queued), default=math.inf)
+        in_flight = JobState.IN_FLIGHT
+        return min((j.deadline_ms for j in self.state.jobs.values() if j.state is in_flight), default=math.inf)
 
     def _on_submitted(self, event: JobsSubmitted) -> None:
         # a lower bound on every live job's deadline, so that idle steps skip the scan
@@ -338,8 +369,17 @@ class OffloadManager:
 
     def reset(self) -> None:
         """Forget the tier: queued jobs are cancelled, in-flight ones abandoned (their slots
-        stay quarantined until they report)."""
+        and device blocks stay fenced until every rank reports, F15)."""
         self.handle(ResetAll())
+
+    def end_fences(self) -> int:
+        """The executor is closed and its copies have stopped: every fence ends (its device
+        blocks are released, its slots freed). Returns how many. Call only once no copy can
+        run any more: ``SyncEngine.close`` does, after the executor's ``close()``."""
+        if not any(job.fenced for job in self.state.jobs.values()):
+            return 0
+        answer, _ = self.handle(EndFences())
+        return int(answer)
 
     def close(self) -> None:
         """Close the log (a trace file gets its last checkpoint)."""
@@ -352,7 +392,28 @@ class OffloadManager:
         return list(self.state.held)
 
     def has_live_jobs(self) -> bool:
-        return bool(self.state.jobs)
+        """Whether a job's outcome is still to come (queued or in flight). Fenced jobs are
+        not live: their outcome is known, only their memory waits (see ``fences``)."""
+        live = (JobState.QUEUED, JobState.IN_FLIGHT)
+        return any(job.state in live for job in self.state.jobs.values())
+
+    def fences(self) -> list[Fence]:
+        """The fenced jobs, oldest first: outcome known, copy perhaps still running (F15)."""
+        world = self.config.world_size
+        return [
+            Fence(
+                job_id=job.job_id,
+                direction=job.direction,
+                request_id=job.request_id,
+                device_blocks=job.device_blocks,
+                slots=job.slots,
+                deadline_ms=job.deadline_ms,
+                ranks_pending=tuple(r for r in range(world) if not job.reported >> r & 1),
+                abandoned=job.abandoned,
+            )
+            for job in self.state.jobs.values()
+            if job.fenced
+        ]
 
 
-__all__ = ["OffloadManager", "Notices", "LoadFailure", "BlocksEvicted"]
+__all__ = ["OffloadManager", "Notices", "LoadFailure", "Fence", "BlocksEvicted"]

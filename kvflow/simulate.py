@@ -170,7 +170,9 @@ class Simulation:
         while engine.has_live_jobs():
             due = executor.next_completion_ms()
             if due is None:  # a hung job: jump to the earliest deadline
-                due = min(j.deadline_ms for j in engine.manager.state.jobs.values())
+                due = engine.manager.next_deadline_ms()
+            if due is None:  # (cannot happen: step() submitted every queued job)
+                break
             clock.advance_to(due)
             report = engine.step()
             merged.loads_failed.extend(report.loads_failed)
@@ -262,9 +264,9 @@ class Simulation:
             if due is not None:
                 candidates.append(due)
             elif engine.has_live_jobs():
-                in_flight = [j.deadline_ms for j in engine.manager.state.jobs.values() if j.deadline_ms]
-                if in_flight:
-                    candidates.append(min(in_flight))
+                deadline = engine.manager.next_deadline_ms()
+                if deadline is not None:
+                    candidates.append(deadline)
             if not candidates:
                 break
             clock.advance_to(min(candidates))

@@ -242,8 +242,21 @@ def test_incidents_lists_every_failed_and_timed_out_job(name: str) -> None:
             assert incident["error"] == event["error"]
         recovery = incident["recovery"]
         assert incident["verified"]
-        assert recovery["device_blocks_released"] == event["device_blocks"]
-        if event["direction"] == "store":
+        fenced = event.get("fenced", False)
+        assert incident["fenced"] is fenced
+        if fenced:  # F15: the memory comes back when the copy reports over, not before
+            assert recovery["device_blocks_released"] == []
+            assert recovery["device_blocks_fenced"] == event["device_blocks"]
+            lifted = incident["fence_lifted"]
+            assert lifted is not None, "every fence of a golden trace ends (copy over or executor closed)"
+            assert lifted["device_blocks_released"] == event["device_blocks"]
+            assert lifted["reason"] in ("copy over", "executor closed")
+        else:
+            assert recovery["device_blocks_released"] == event["device_blocks"]
+        if event["direction"] == "store" and fenced:
+            assert recovery["slots_freed"] == [] and recovery["slots_fenced"] == event["slots"]
+            assert sorted(incident["fence_lifted"]["slots_freed"]) == sorted(event["slots"])
+        elif event["direction"] == "store":
             assert recovery["slots_freed"] == event["slots"]
             assert recovery["hashes_never_visible"] == event["hashes"]
         else:

@@ -19,8 +19,8 @@ from structlog.testing import capture_logs
 
 from kvflow.config import Config
 from kvflow.engine import Counters, Engine, Latencies, StepReport, SyncEngine, percentile
-from kvflow.errors import BlockHeld
-from kvflow.events import LOAD, STORE, JobResult, LateResultIgnored, TransferJob
+from kvflow.errors import BlockHeld, Rejected
+from kvflow.events import LOAD, STORE, FenceLifted, JobResult, LateResultIgnored, TransferJob
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
 from kvflow.replay import replay
 from kvflow.state import check_invariants
@@ -67,8 +67,9 @@ def run_until_idle(engine: SyncEngine, ex: SimulatedExecutor, clock: VirtualCloc
         if not engine.has_live_jobs():
             return merged
         due = ex.next_completion_ms()
-        if due is None:
-            due = min(j.deadline_ms for j in engine.manager.state.jobs.values())
+        deadline = engine.manager.next_deadline_ms()
+        if due is None or (deadline is not None and deadline < due):
+            due = deadline
         clock.advance_to(due)
         merge(merged, engine.step())
     raise AssertionError("engine never became idle")
@@ -239,17 +240,21 @@ def test_a_hung_job_times_out_by_the_engine_clock_and_its_late_result_is_ignored
     assert report.timed_out == 1
     assert [jid for jid, _ in report.stores_failed] == [job]
     assert "timed out" in report.stores_failed[0][1]
-    assert sorted(report.released_device_blocks) == [0, 1, 2]
+    # F15: the copy may still run: its device blocks stay held, visibly fenced
+    assert report.released_device_blocks == [] and sorted(engine.held_device_blocks()) == [0, 1, 2]
+    assert [f.job_id for f in engine.fences()] == [job] and engine.counters.jobs_fenced == 1
     assert engine.counters.jobs_timed_out == 1
     assert engine.latencies.store_ms == pytest.approx([DEADLINE_MS])
 
-    # the copy finally reports, after the deadline
+    # the copy finally reports, after the deadline: the fence is lifted
     seen: list[object] = []
     engine.manager.subscribe(seen.append)
     engine.apply_results([JobResult(job_id=job, rank=0, ok=True)])
-    last = seen[-1]
-    assert isinstance(last, LateResultIgnored) and last.job_id == job
-    assert engine.counters.late_results == 1
+    late, lifted = seen[-2:]
+    assert isinstance(late, LateResultIgnored) and late.job_id == job
+    assert isinstance(lifted, FenceLifted) and lifted.job_id == job
+    assert sorted(engine.step().released_device_blocks) == [0, 1, 2]
+    assert engine.counters.late_results == 1 and engine.counters.fences_lifted == 1
     assert engine.lookup("B", A_HASHES, 3 * B + 1) == 0  # the late success made nothing visible
     engine.finish_request("A")
     engine.finish_request("B")
@@ -276,9 +281,41 @@ def test_a_hung_load_times_out_as_a_failed_load() -> None:
     job = engine.accept_hits("B", (10, 11, 12))
     report = run_until_idle(engine, ex, clock)
     assert report.timed_out == 1
-    assert [(f.job_id, f.device_blocks) for f in report.loads_failed] == [(job, (10, 11, 12))]
+    failures = [(f.job_id, f.device_blocks, f.fenced) for f in report.loads_failed]
+    assert failures == [(job, (10, 11, 12), True)]
     assert all(engine.manager.state.is_resident(h) for h in A_HASHES)
     engine.finish_request("B")
+    # the executor never answers: the fence stays (F15) until close() stops the copies
+    assert sorted(engine.held_device_blocks()) == [10, 11, 12]
+    engine.close()
+    assert_clean(engine)
+
+
+def test_a_load_that_outlives_its_deadline_never_has_its_blocks_handed_back_early() -> None:
+    """F15 on the simulated executor: the load reports 25 ms after its deadline; until then
+    its device blocks and slots stay fenced, then the late result lifts the fence."""
+    engine, ex, clock = make(slow_jobs=[2], slow_by_ms=DEADLINE_MS + 25)
+    store_a(engine, ex, clock)
+    engine.lookup("B", A_HASHES + (104,), 3 * B + 5)
+    job = engine.accept_hits("B", (10, 11, 12))
+    timed_out = run_until_idle(engine, ex, clock)  # until the timeout: the outcome is known
+    assert [(f.job_id, f.fenced) for f in timed_out.loads_failed] == [(job, True)]
+    assert timed_out.released_device_blocks == []
+    # the load's blocks are resident and unpinned (lookups see them), but evicting one would
+    # free no slot while the late copy may read it: eviction for space passes them over
+    assert engine.lookup("C", A_HASHES + (105,), 3 * B + 5) == 3
+    engine.accept_hits("C", [])
+    assert engine.manager.state.quarantine
+    with pytest.raises(Rejected):
+        engine.manager.evict(1)
+    due = ex.next_completion_ms()
+    assert due is not None and due > DEADLINE_MS
+    while not engine.step().released_device_blocks:
+        assert clock.now_ms <= due, "the late copy's fence was never lifted"
+        clock.advance_to(clock.now_ms + 5)
+    assert engine.counters.fences_lifted == 1 and engine.fences() == []
+    engine.finish_request("B")
+    engine.finish_request("C")
     assert_clean(engine)
 
 
@@ -637,7 +674,8 @@ async def test_async_engine_times_out_a_hung_job_on_a_wall_driven_virtual_clock(
             assert report.timed_out == 1
             assert [jid for jid, _ in report.stores_failed] == [hung]
             assert report.stores_finished == [fine]
-            assert sorted(report.released_device_blocks) == [0, 1, 2, 3]
+            assert sorted(report.released_device_blocks) == [3]  # the hung job's stay fenced
+            assert [f.job_id for f in engine.fences()] == [hung]
             assert clock.now_ms >= 30.0
             assert engine.counters.jobs_timed_out == 1
         tg.cancel_scope.cancel()

@@ -22,6 +22,7 @@ from kvflow.errors import (
     UnknownRequest,
 )
 from kvflow.events import (
+    FenceLifted,
     TERMINAL_TYPES,
     BlocksEvicted,
     JobCompleted,
@@ -85,6 +86,18 @@ def test_F1_failed_store_frees_slots_and_hides_hash(outcome: str) -> None:
         m.job_result(job_id, ok=False, error="DMA error")
     else:
         assert m.tick(DEADLINE_MS) == 1
+        # F15: the copy may still be writing: slots and device blocks stay fenced...
+        fenced = m.take_notices()
+        assert [job for job, _ in fenced.stores_failed] == [job_id]
+        assert fenced.released_device_blocks == [] and sorted(m.held_device_blocks()) == [5, 6]
+        assert len(m.state.free_slots) == free_before - 2
+        assert m.lookup("q", [A, B, C], tokens(3)) == 0, "a timed-out store is never visible"
+        # ...until the executor reports the copy over (its late result)
+        m.job_result(job_id)
+        lifted = m.take_notices()
+        assert sorted(lifted.released_device_blocks) == [5, 6] and lifted.stores_failed == []
+        lifted.stores_failed = fenced.stores_failed
+        m._notices = lifted
     notices = m.take_notices()
     assert len(m.state.free_slots) == free_before
     assert (
@@ -115,6 +128,16 @@ def test_F1_failed_load_keeps_entries_and_reports_recompute(outcome: str) -> Non
         m.job_result(job_id, ok=False, error="H2D copy failed")
     else:
         assert m.tick(1.0 + DEADLINE_MS) == 1
+        # F15: the request learns at once; the device blocks stay fenced (the copy may still
+        # write them) until the executor reports the copy over
+        fenced = m.take_notices()
+        assert [f.fenced for f in fenced.loads_failed] == [True]
+        assert fenced.released_device_blocks == [] and sorted(m.held_device_blocks()) == [20, 21]
+        m.job_result(job_id)
+        lifted = m.take_notices()
+        assert sorted(lifted.released_device_blocks) == [20, 21] and lifted.loads_failed == []
+        fenced.released_device_blocks = lifted.released_device_blocks
+        m._notices = fenced
     notices = m.take_notices()
     for h in (A, B):
         assert m.state.block_state(h) is BlockState.RESIDENT
@@ -154,15 +177,19 @@ def test_F2_every_job_reaches_exactly_one_terminal_event() -> None:
     m.job_result(abandoned)  # an abandoned copy reports after the reset
     for job_id in (ok, failed, timed_out, cancelled):
         m.job_result(job_id)  # late results are recorded and ignored
-    m.tick(10 * DEADLINE_MS)  # the silent abandoned copy times out
+    assert m.tick(10 * DEADLINE_MS) == 0  # an abandoned job's outcome is already known
+    assert [f.job_id for f in m.fences()] == [abandoned_silent]  # F15: its copy never reported
+    assert m.end_fences() == 1  # the executor closed: its copies stopped
     counts = terminal_counts(m)
     issued = range(1, m.state.last_job_id + 1)
-    assert {j: counts[j] for j in issued} == {j: 1 for j in issued}
-    assert not m.has_live_jobs()
+    assert {j: counts[j] for j in issued} == {j: int(j != abandoned_silent) for j in issued}
+    assert not m.has_live_jobs() and not m.state.jobs
     kinds = {e.job_id: type(e) for e in m.log.events() if isinstance(e, TERMINAL_TYPES)}
     assert kinds[ok] is JobCompleted and kinds[failed] is JobFailed
     assert kinds[timed_out] is JobTimedOut and kinds[cancelled] is JobFailed
-    assert kinds[abandoned] is JobCompleted and kinds[abandoned_silent] is JobTimedOut
+    assert kinds[abandoned] is JobCompleted
+    lifted = [(e.job_id, e.reason) for e in m.log.events() if isinstance(e, FenceLifted)]
+    assert lifted == [(timed_out, "copy over"), (abandoned_silent, "executor closed")]
     late = [e.job_id for e in m.log.events() if isinstance(e, LateResultIgnored)]
     assert late == [ok, failed, timed_out, cancelled]
     consistent(m)
@@ -202,15 +229,17 @@ def test_F2_late_result_after_timeout_is_recorded_and_changes_nothing_but_seq(
     job_id = m.blocks_computed("r", [A], [1])
     m.plan_step(0.0)
     m.tick(DEADLINE_MS)
-    before = m.state.canonical()
+    fenced = m.state.copy()
     m.job_result(job_id, ok=late_ok, error=None if late_ok else "late failure")
-    after = m.state.canonical()
-    assert after[0] == before[0] + 1  # next_seq
-    assert after[1:] == before[1:]
-    last = m.log.events()[-1]
-    assert isinstance(last, LateResultIgnored)
-    assert (last.job_id, last.ok) == (job_id, late_ok)
+    late, lifted = m.log.events()[-2:]
+    assert isinstance(late, LateResultIgnored)
+    assert (late.job_id, late.ok) == (job_id, late_ok)
+    # F15: the late result says the copy is over: the fence is lifted, nothing else changes
+    assert isinstance(lifted, FenceLifted) and (lifted.job_id, lifted.reason) == (job_id, "copy over")
     assert m.state.block_state(A) is BlockState.ABSENT
+    assert job_id not in m.state.jobs and m.held_device_blocks() == [] and not m.state.quarantine
+    assert sorted(m.state.free_slots) == sorted([*fenced.free_slots, *fenced.quarantine])
+    assert m.state.policy.snapshot() == fenced.policy.snapshot()
     consistent(m)
 
 
@@ -246,13 +275,14 @@ def test_F2_a_batch_of_results_with_a_repeat_applies_cleanly() -> None:
             JobResult(job_id=second, rank=0),  # after its failure: late
         ]
     )
-    kinds = [type(e).__name__ for e in m.log.events()[-5:]]
+    kinds = [type(e).__name__ for e in m.log.events()[-6:]]
     assert kinds == [
         "RankSucceeded",
         "LateResultIgnored",
-        "JobFailed",
+        "JobFailed",  # rank 0 had not reported: fenced (F15)
         "JobCompleted",
-        "LateResultIgnored",
+        "LateResultIgnored",  # rank 0's copy is over...
+        "FenceLifted",  # ...so the failed job's memory comes back
     ]
     assert terminal_counts(m) == Counter({first: 1, second: 1})
     consistent(m)
@@ -462,8 +492,10 @@ def test_F10_capacity_is_fixed_at_config_and_slots_always_add_up() -> None:
     def check() -> None:
         s = m.state
         assert s.capacity == 5 and m.config.cpu_blocks == 5
-        assert len(s.free_slots) + used_slots(s) + len(s.quarantine) == 5
-        slots = [*s.free_slots, *(e.slot for e in s.entries.values()), *s.quarantine]
+        owned = {e.slot for e in s.entries.values()}
+        quarantined_only = [q for q in s.quarantine if q not in owned]  # (a fenced load's slot may be both)
+        assert len(s.free_slots) + used_slots(s) + len(quarantined_only) == 5
+        slots = [*s.free_slots, *owned, *quarantined_only]
         assert sorted(slots) == list(range(5))
 
     check()
@@ -485,6 +517,9 @@ def test_F10_capacity_is_fixed_at_config_and_slots_always_add_up() -> None:
     m.plan_step(200 * DEADLINE_MS)
     check()
     m.job_result(m.state.last_job_id)
+    check()
+    assert m.state.quarantine  # the abandoned copies never reported: still fenced (F15)
+    m.end_fences()
     check()
     assert not m.state.quarantine
 

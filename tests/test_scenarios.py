@@ -14,6 +14,7 @@ from core_helpers import BT, DEADLINE_MS, config, consistent, manager, store, to
 from kvflow.config import Config
 from kvflow.errors import BlockHeld, TraceError
 from kvflow.events import (
+    FenceLifted,
     BlocksEvicted,
     BlocksTouched,
     JobCompleted,
@@ -199,6 +200,9 @@ def test_finish_during_in_flight_job_closes_only_after_completion(
         m.tick(DEADLINE_MS)
     last = m.log.events()[-1]
     assert isinstance(last, RequestClosed) and last.request_id == "r"
+    if outcome == "timed_out":  # F15: the request is done, its job's memory stays fenced
+        assert "r" not in m.state.requests and sorted(m.held_device_blocks()) == [10, 11]
+        m.job_result(job_id)  # the copy reports, late
     assert "r" not in m.state.requests and not m.held_device_blocks()
     if direction == "load":
         assert m.state.entries[A].pins == 0 and m.state.entries[B].pins == 0
@@ -339,11 +343,16 @@ def test_world_size_two_fails_if_either_rank_fails(failing_rank: int, failure_fi
     m.job_result(job_id, rank=failing_rank, ok=False, error="rank died")
     failed = [e for e in m.log.events() if isinstance(e, JobFailed)]
     assert [(e.job_id, e.rank) for e in failed] == [(job_id, failing_rank)]
+    assert m.state.block_state(A) is BlockState.ABSENT  # the outcome applies at once
+    # F15: while the other rank has not reported, its copy may still write the slot
+    assert failed[0].fenced is failure_first and bool(m.state.jobs) is failure_first
     if failure_first:
+        assert m.held_device_blocks() == [1] and m.state.quarantine
         m.job_result(job_id, rank=other)
-        last = m.log.events()[-1]
-        assert isinstance(last, LateResultIgnored) and (last.job_id, last.rank) == (job_id, other)
-    assert m.state.block_state(A) is BlockState.ABSENT and not m.state.jobs
+        late, lifted = m.log.events()[-2:]
+        assert isinstance(late, LateResultIgnored) and (late.job_id, late.rank) == (job_id, other)
+        assert isinstance(lifted, FenceLifted) and lifted.job_id == job_id
+    assert m.state.block_state(A) is BlockState.ABSENT and not m.state.jobs and not m.state.quarantine
     consistent(m)
 
 

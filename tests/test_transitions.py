@@ -23,6 +23,7 @@ from kvflow.events import (
     BlocksEvicted,
     BlocksTouched,
     Event,
+    FenceLifted,
     JobCompleted,
     JobFailed,
     JobsSubmitted,
@@ -64,6 +65,7 @@ ALL_TAGS = sorted(t.__struct_config__.tag for t in EVENT_TYPES)  # type: ignore[
 NON_BLOCK_TAGS = {
     "rank_succeeded",  # one rank of a job: the job table's business
     "late_result_ignored",
+    "fence_lifted",  # a fenced job's memory: its entries were settled by its outcome
     "store_rejected",  # names hashes that were *not* admitted; changes nothing
     "request_finished",
     "request_closed",
@@ -79,7 +81,9 @@ NON_JOB_TAGS = {
     "request_finished",
     "request_closed",
 }
-JOB_TAGS = sorted(set(ALL_TAGS) - NON_JOB_TAGS)
+# An outcome event with ``fenced`` set is its own row key in the job table (F15).
+FENCED_TAGS = {"job_failed:fenced", "job_timed_out:fenced"}
+JOB_TAGS = sorted((set(ALL_TAGS) - NON_JOB_TAGS) | FENCED_TAGS)
 
 
 # --- building states through the manager ---------------------------------------------------
@@ -154,6 +158,11 @@ def terminal_fields(m: OffloadManager, job_id: int) -> dict[str, Any]:
         )
     q = queued_event(m, job_id)
     live = m.state.jobs.get(job_id)
+    if live is None:
+        gone = [e for e in m.log.events() if type(e) in _TERMINAL_STATE and e.job_id == job_id]  # type: ignore[attr-defined]
+        live_abandoned = bool(gone) and gone[0].abandoned  # type: ignore[attr-defined]
+    else:
+        live_abandoned = live.abandoned
     return dict(
         job_id=job_id,
         direction="store" if isinstance(q, StoreQueued) else "load",
@@ -161,7 +170,7 @@ def terminal_fields(m: OffloadManager, job_id: int) -> dict[str, Any]:
         hashes=q.hashes,
         device_blocks=q.device_blocks,
         slots=q.slots,
-        abandoned=live is not None and live.abandoned,
+        abandoned=live_abandoned,
     )
 
 
@@ -172,8 +181,9 @@ def deadline_of(m: OffloadManager, job_id: int) -> float:
 
 def apply_directly(m: OffloadManager, event: Event) -> None:
     """Preparation that no single manager call produces alone (e.g. a finished request that
-    is not closed yet): apply a real event with ``evolve``."""
+    is not closed yet): apply a real event with ``evolve`` and record it in the log."""
     evolve(m.state, event)
+    m.log.record_events([event])
 
 
 def seq(m: OffloadManager) -> int:
@@ -246,6 +256,14 @@ def block_event(tag: str, m: OffloadManager) -> Event:
     raise AssertionError(f"no block event for {tag}")
 
 
+def fenced_other_job(m: OffloadManager) -> int:
+    """An in-flight store of another block that timed out while its copy may still run."""
+    job_id = other_in_flight_job(m)
+    fields = terminal_fields(m, job_id)
+    apply_directly(m, JobTimedOut(seq=seq(m), now_ms=9.0, deadline_ms=9.0, fenced=True, **fields))
+    return job_id
+
+
 def other_in_flight_job(m: OffloadManager) -> int:
     """An in-flight store of another block, submitted alone so H's state does not move."""
     job_id = m.blocks_computed("o", [601], [810])
@@ -271,6 +289,12 @@ def neutral_event(tag: str, m: OffloadManager, target_job: int | None = None) ->
         return RankSucceeded(seq=seq(m), job_id=target_job, rank=0)
     if tag == "late_result_ignored":
         return LateResultIgnored(seq=seq(m), job_id=1, rank=0, ok=True)
+    if tag == "fence_lifted":
+        job_id = fenced_other_job(m)
+        job = m.state.jobs[job_id]
+        return FenceLifted(
+            seq=seq(m), job_id=job_id, device_blocks=job.device_blocks, slots=job.slots, reason="executor closed"
+        )
     if tag == "store_rejected":
         return StoreRejected(
             seq=seq(m), request_id="x", hashes=(602,), device_blocks=(811,), reason="tier full"
@@ -374,9 +398,17 @@ def job_in(job_state: JobState, direction: str, world_size: int = 1) -> tuple[Of
     if job_state is JobState.COMPLETED:
         complete(m, job_id)
     elif job_state is JobState.FAILED:
+        for rank in range(1, world_size):  # the other ranks' copies are over: nothing fenced
+            m.job_result(job_id, rank=rank)
         m.job_result(job_id, ok=False, error="copy failed")
     elif job_state is JobState.TIMED_OUT:
-        assert m.tick(1.0 + DEADLINE_MS) == 1
+        # a timeout that also ended the fence: what traces recorded before fences say
+        fields = terminal_fields(m, job_id)
+        apply_directly(m, JobTimedOut(seq=seq(m), now_ms=2e3, deadline_ms=1.0 + DEADLINE_MS, **fields))
+    elif job_state in (JobState.FENCED, JobState.LIFTED):
+        assert m.tick(1.0 + DEADLINE_MS) == 1  # F15: timed out, its copy may still run
+        if job_state is JobState.LIFTED:
+            complete(m, job_id)  # every rank's (late) result: the copy is over
     elif job_state is JobState.ABANDONED:
         m.reset()
         # the reset cleared the tier: put LOADABLE and SPARE back, as fresh() has them
@@ -405,6 +437,8 @@ def observed_job_state(m: OffloadManager, job_id: int, applied: Event | None = N
     if job_id > m.state.last_job_id:
         return JobState.NEW
     events = [*m.log.events(), *([applied] if applied is not None else [])]
+    if any(type(e) is FenceLifted and e.job_id == job_id for e in events):
+        return JobState.LIFTED
     terminal = [e for e in events if type(e) in _TERMINAL_STATE and e.job_id == job_id]  # type: ignore[attr-defined]
     assert len(terminal) == 1, terminal
     return _TERMINAL_STATE[type(terminal[0])]
@@ -437,21 +471,35 @@ def job_event(tag: str, m: OffloadManager, job_id: int) -> Event:
         )
     if tag == "rank_succeeded":
         return RankSucceeded(seq=seq(m), job_id=job_id, rank=0)
-    if tag in ("job_completed", "job_failed", "job_timed_out"):
+    if tag.split(":")[0] in ("job_completed", "job_failed", "job_timed_out"):
         fields = terminal_fields(m, job_id)
+        fenced = tag.endswith(":fenced")
         if tag == "job_completed":
             return JobCompleted(seq=seq(m), rank=0, **fields)
-        if tag == "job_failed":
-            return JobFailed(seq=seq(m), rank=0, error="copy failed", **fields)
+        if tag.startswith("job_failed"):
+            return JobFailed(seq=seq(m), rank=0, error="copy failed", fenced=fenced, **fields)
         deadline = deadline_of(m, job_id)
-        return JobTimedOut(seq=seq(m), now_ms=deadline, deadline_ms=deadline, **fields)
+        return JobTimedOut(seq=seq(m), now_ms=deadline, deadline_ms=deadline, fenced=fenced, **fields)
+    if tag == "fence_lifted":
+        fields = terminal_fields(m, job_id)
+        return FenceLifted(
+            seq=seq(m),
+            job_id=job_id,
+            device_blocks=fields["device_blocks"],
+            slots=fields["slots"],
+            reason="executor closed",
+        )
     if tag == "late_result_ignored":
         job = s.jobs.get(job_id)
         if job is not None and job.state in (JobState.IN_FLIGHT, JobState.ABANDONED):
             # the best case for legality: rank 0 already reported, this is a repeat
             m.job_result(job_id, rank=0)
         return LateResultIgnored(seq=seq(m), job_id=job_id, rank=0, ok=True)
-    if tag == "reset":
+    if tag == "reset":  # (a fenced job is already out of the tier's books: not abandoned)
+        job = s.jobs.get(job_id)
+        if job is not None and job.state is JobState.FENCED:
+            live = tuple(j for j, other in s.jobs.items() if other.state is not JobState.FENCED)
+            return Reset(seq=seq(m), abandoned_job_ids=live)
         return Reset(seq=seq(m), abandoned_job_ids=(job_id,))
     raise AssertionError(f"no job event for {tag}")
 
@@ -465,8 +513,9 @@ def job_cases() -> list[Any]:
 
 
 def world_size_for(tag: str) -> int:
-    # a rank's own success (not the last) only exists with several ranks
-    return 2 if tag in ("rank_succeeded", "late_result_ignored") else 1
+    # a rank's own success (not the last), and a failure that fences because another rank
+    # may still copy, only exist with several ranks
+    return 2 if tag in ("rank_succeeded", "late_result_ignored", "job_failed:fenced") else 1
 
 
 @pytest.mark.parametrize("tag", JOB_TAGS)
@@ -485,7 +534,7 @@ def test_job_transition(job_state: JobState, direction: str, tag: str) -> None:
         apply_legal(m.state, event)
         assert observed_job_state(m, job_id, applied=event) is expected
         if tag == "reset":
-            assert m.state.jobs[job_id].abandoned
+            assert m.state.jobs[job_id].fenced
 
 
 @pytest.mark.parametrize("tag", sorted(NON_JOB_TAGS))
@@ -506,7 +555,7 @@ def test_tags_that_name_no_job_leave_jobs_alone(
 
 
 def test_tables_name_only_real_event_tags_and_every_state() -> None:
-    tags = set(ALL_TAGS)
+    tags = set(ALL_TAGS) | FENCED_TAGS
     assert set(BLOCK_TRANSITIONS) == set(BlockState)
     assert set(JOB_TRANSITIONS) == set(JobState)
     for row in [*BLOCK_TRANSITIONS.values(), *JOB_TRANSITIONS.values()]:
@@ -515,7 +564,7 @@ def test_tables_name_only_real_event_tags_and_every_state() -> None:
 
 
 def test_terminal_job_states_accept_only_late_results() -> None:
-    for state in (JobState.COMPLETED, JobState.FAILED, JobState.TIMED_OUT):
+    for state in (JobState.COMPLETED, JobState.FAILED, JobState.TIMED_OUT, JobState.LIFTED):
         assert JOB_TRANSITIONS[state] == {"late_result_ignored": state}
 
 

@@ -263,6 +263,21 @@ class Run:
             if req is not None and req.phase == "loading" and req.load_job == failure.job_id:
                 req.phase = "compute"
                 req.recompute = list(failure.device_blocks)
+                if failure.fenced:
+                    self._swap_fenced(req, failure.device_blocks)
+
+    def _swap_fenced(self, req: _Request, fenced: tuple[int, ...]) -> None:
+        """F15: the failed load may still be writing its device blocks, so the recompute
+        goes into fresh ones (the fenced blocks come back once their copy is over); with
+        none free, the request is preempted and runs again later."""
+        fresh = self._alloc(len(fenced))
+        if fresh is None:
+            self.finish(req, preempted=True)
+            self.requeue(req, after_steps=1)
+            return
+        self._release(list(fenced))
+        req.device_blocks[: len(fenced)] = fresh
+        req.recompute = fresh
 
     def live(self) -> list[_Request]:
         return [r for r in self.requests.values() if r.phase != "done"]
@@ -308,6 +323,8 @@ class Run:
             if self.step >= MAX_STEPS:
                 raise RuntimeError(f"{self.name}: did not settle in {MAX_STEPS} steps")
             self._step()
+        # the executor closes: its copies stop, so the fences of jobs that never answered end
+        self.manager.end_fences()
         self.manager.close()
 
 

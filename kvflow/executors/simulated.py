@@ -7,7 +7,10 @@ one after another, a per-job latency plus bytes over bandwidth, and faults:
 * ``fault_rate``: each job fails with this probability, drawn once per job *in submission
   order* from ``random.Random(seed)`` (DESIGN §7 rule 6);
 * ``fail_jobs``: the k-th submitted jobs (1-based) fail;
-* ``hang_jobs``: the k-th submitted jobs never complete (they time out in the engine);
+* ``hang_jobs``: the k-th submitted jobs never complete (they time out in the engine and
+  stay fenced until the executor is closed);
+* ``slow_jobs``: the k-th submitted jobs take ``slow_by_ms`` longer (a copy that outlives its
+  deadline reports late: that result lifts its fence, F15);
 * ``fail_rank``: with several ranks, which rank reports the failure (others succeed).
 
 Deterministic for a seed. Reads time only from the clock it is given.
@@ -100,6 +103,8 @@ class SimulatedExecutor:
         seed: int = 0,
         fail_jobs: Iterable[int] = (),
         hang_jobs: Iterable[int] = (),
+        slow_jobs: Iterable[int] = (),
+        slow_by_ms: float = 0.0,
         fail_rank: int = 0,
         error_text: str = "simulated transfer failure",
     ) -> None:
@@ -114,6 +119,10 @@ class SimulatedExecutor:
         self.rng = random.Random(seed)
         self.fail_jobs = frozenset(fail_jobs)
         self.hang_jobs = frozenset(hang_jobs)
+        self.slow_jobs = frozenset(slow_jobs)
+        if not math.isfinite(slow_by_ms) or slow_by_ms < 0:
+            raise ConfigError(f"slow_by_ms must be a finite number >= 0, got {slow_by_ms}")
+        self.slow_by_ms = float(slow_by_ms)
         self.fail_rank = fail_rank
         self.error_text = error_text
         self.stats = SimStats()
@@ -142,6 +151,8 @@ class SimulatedExecutor:
             start = max(now, self._stream_free_ms[job.direction])
             duration = self.model.duration_ms(len(job.device_blocks))
             done = start + duration
+            if self._ordinal in self.slow_jobs:
+                done += self.slow_by_ms  # (it holds its stream that long too)
             self._stream_free_ms[job.direction] = done
             self.stats.jobs += 1
             self.stats.blocks += len(job.device_blocks)

@@ -17,6 +17,7 @@ from kvflow.events import (
     LOAD,
     STORE,
     BlocksEvicted,
+    FenceLifted,
     JobFailed,
     JobTimedOut,
     LateResultIgnored,
@@ -72,6 +73,10 @@ class Incident:
     recovery: dict[str, Any]
     verified: bool
     late_results: list[LateResult] = field(default_factory=list)
+    # F15: the copy may still have been running, so its memory was fenced; the lift (when the
+    # copy reported over, or the executor closed), or None while the trace ends fenced
+    fenced: bool = False
+    fence_lifted: dict[str, Any] | None = None
 
     @property
     def requests(self) -> list[str]:
@@ -104,6 +109,8 @@ class Incident:
             "recovery": self.recovery,
             "verified": self.verified,
             "late_results": [late.to_dict() for late in self.late_results],
+            "fenced": self.fenced,
+            "fence_lifted": self.fence_lifted,
         }
 
 
@@ -150,6 +157,9 @@ def _recovery_from_state(
     if event.direction == LOAD:
         recovery["recompute_device_blocks"] = list(event.device_blocks)
     recovery["device_blocks_released"] = released
+    if event.fenced:
+        recovery["slots_fenced"] = [s for s in event.slots if s in state.quarantine]
+        recovery["device_blocks_fenced"] = [d for d in event.device_blocks if d in held_after]
     return recovery
 
 
@@ -166,7 +176,14 @@ def _recovery_from_event(event: JobFailed | JobTimedOut, info: JobInfo | None) -
         recovery["pins_released"] = len(event.hashes)
     if event.direction == LOAD:
         recovery["recompute_device_blocks"] = list(event.device_blocks)
-    recovery["device_blocks_released"] = list(event.device_blocks)
+    if event.fenced:
+        recovery["device_blocks_released"] = []
+        recovery["slots_fenced"] = list(event.slots)
+        recovery["device_blocks_fenced"] = list(event.device_blocks)
+        if event.direction == STORE:
+            recovery["slots_freed"] = []
+    else:
+        recovery["device_blocks_released"] = list(event.device_blocks)
     return recovery
 
 
@@ -236,9 +253,25 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
                 abandoned_at_seq=None if info is None else info.abandoned_at_seq,
                 recovery=recovery,
                 verified=verified,
+                fenced=rec.fenced,
             )
             incidents.append(incident)
             by_job[rec.job_id] = incident
+            continue
+        if kind is FenceLifted:
+            free_before = set(state.free_slots)
+            walk.apply(line, rec)
+            fenced = by_job.get(rec.job_id)
+            if fenced is not None:
+                fenced.fence_lifted = {
+                    "seq": rec.seq,
+                    "line": line,
+                    "reason": rec.reason,
+                    "slots_freed": [s for s in rec.slots if s not in free_before and s in state.free_slots]
+                    if walk.folding
+                    else list(rec.slots),
+                    "device_blocks_released": list(rec.device_blocks),
+                }
             continue
         walk.apply(line, rec)
         if kind is BlocksEvicted and rec.reason == "corrupt" and incidents and incidents[-1].seq == rec.seq - 1:
@@ -252,4 +285,10 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
             ended = by_job.get(rec.job_id)
             if ended is not None:
                 ended.late_results.append(LateResult(rec.seq, line, rec.rank, rec.ok, rec.error))
+    held = [i.job_id for i in incidents if i.fenced and i.fence_lifted is None]
+    if held:
+        walk.warnings.append(
+            f"{len(held)} fenced job{'s' if len(held) > 1 else ''} never reported the copy over "
+            f"by the end of the trace (slots and device blocks still held): jobs {held[:8]}"
+        )
     return IncidentReport(walk.path, incidents, len(walk.jobs), walk.last_seq, walk.warnings)

@@ -18,6 +18,7 @@ from kvflow.events import (
     Evict,
     FinishRequest,
     JobCompleted,
+    FenceLifted,
     JobFailed,
     JobResult,
     JobsSubmitted,
@@ -87,11 +88,18 @@ def describe(record: Any) -> str:
     if kind is JobFailed:
         if r.rank < 0:
             return f"{r.direction} job {r.job_id} CANCELLED ({r.error}; {_req(r.request_id)})"
-        return f"{r.direction} job {r.job_id} FAILED on rank {r.rank}: {r.error} ({_req(r.request_id)})"
+        fence = "; memory FENCED until every rank reports" if r.fenced else ""
+        return f"{r.direction} job {r.job_id} FAILED on rank {r.rank}: {r.error} ({_req(r.request_id)}){fence}"
     if kind is JobTimedOut:
+        fence = "; memory FENCED until the copy reports over" if r.fenced else ""
         return (
             f"{r.direction} job {r.job_id} TIMED OUT at {r.now_ms:g} ms "
-            f"(deadline {r.deadline_ms:g} ms; {_req(r.request_id)})"
+            f"(deadline {r.deadline_ms:g} ms; {_req(r.request_id)}){fence}"
+        )
+    if kind is FenceLifted:
+        return (
+            f"fence of job {r.job_id} lifted ({r.reason}): slots {few(r.slots)} and device blocks "
+            f"{few(r.device_blocks)} may be reused"
         )
     if kind is LateResultIgnored:
         outcome = "ok" if r.ok else f"error: {r.error}"
@@ -179,6 +187,15 @@ def recovery_summary(incident: Incident) -> str:
         parts.append(f"recompute device blocks {few(rec['recompute_device_blocks'], 6)}")
     if incident.abandoned_at_seq is not None:
         parts.append(f"abandoned by reset at seq {incident.abandoned_at_seq}")
+    if incident.fenced:
+        lifted = incident.fence_lifted
+        if lifted is None:
+            parts.append("FENCED to the end of the trace: the copy never reported over (slots and device blocks held)")
+        else:
+            parts.append(
+                f"fenced until seq {lifted['seq']} ({lifted['reason']}): device blocks "
+                f"{few(lifted['device_blocks_released'], 6)} released then"
+            )
     if not incident.verified:
         parts.append("(not verified: the trace stopped folding)")
     return "; ".join(parts)

@@ -40,6 +40,9 @@ def job_dict(job: Any) -> dict[str, Any]:
         "deadline_ms": job.deadline_ms if job.deadline_ms else None,
         "ranks_succeeded": [r for r in range(job.acks.bit_length()) if job.acks >> r & 1],
         "abandoned": job.abandoned,
+        # F15: outcome known, copy perhaps still running; its slots and device blocks wait
+        "fenced": job.fenced,
+        "ranks_reported": [r for r in range(job.reported.bit_length()) if job.reported >> r & 1],
     }
 
 
@@ -81,7 +84,7 @@ def state_to_dict(state: State) -> dict[str, Any]:
 
 
 def _slot_owner(state: State, slot: int) -> tuple[str, Any]:
-    """Who owns a slot: ("quarantine", [abandoned job ids]), ("block", hash) or ("free", None)."""
+    """Who owns a slot: ("quarantine", [fenced job ids]), ("block", hash) or ("free", None)."""
     if slot in state.quarantine:
         return "quarantine", list(state.quarantine[slot])
     for h, s in state.slot_of.items():

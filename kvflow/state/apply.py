@@ -23,6 +23,7 @@ from kvflow.events import (
     BlocksEvicted,
     BlocksTouched,
     Event,
+    FenceLifted,
     JobCompleted,
     JobFailed,
     JobsSubmitted,
@@ -45,10 +46,10 @@ from kvflow.state.tables import (
     ABSENT,
     BLOCK_TRANSITIONS,
     JOB_TRANSITIONS,
+    OUTCOME_JOB_STATES,
     RESIDENT,
     STORE_QUEUED,
     STORING,
-    TERMINAL_JOB_STATES,
     BlockState,
     JobState,
 )
@@ -77,17 +78,29 @@ def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
     state.policy.insert_many(hashes)
 
 
+def _free(state: State, hashes: tuple[int, ...]) -> None:
+    """The entries leave their slots; a slot a fenced copy may still use stays out of the
+    free list until that fence is lifted (F15)."""
+    slots = map(state.slot_of.pop, reversed(hashes))
+    quarantine = state.quarantine
+    if quarantine:
+        state.free_slots.extend([s for s in slots if s not in quarantine])
+    else:
+        state.free_slots.extend(slots)
+
+
 def _drop_pending(state: State, hashes: tuple[int, ...], job: Job) -> None:
-    """STORE_QUEUED / STORING -> ABSENT: never visible; the slots are free again."""
+    """STORE_QUEUED / STORING -> ABSENT: never visible; the slots are free again (or fenced,
+    when the job's copy may still be writing them)."""
     pending = state.pending
     for h in hashes:
         del pending[h]
-    state.free_slots.extend(map(state.slot_of.pop, reversed(hashes)))
+    _free(state, hashes)
 
 
 def _evict(state: State, hashes: tuple[int, ...], job: Job | None) -> None:
     """RESIDENT -> ABSENT: the slots are free again; the policy forgets (or ghosts) them."""
-    state.free_slots.extend(map(state.slot_of.pop, reversed(hashes)))
+    _free(state, hashes)
     state.policy.remove_many(hashes)
 
 
@@ -150,17 +163,35 @@ def _end_job(state: State, job: Job, abandoned: bool) -> None:
         del state.requests[job.request_id].jobs[job.job_id]
 
 
+def _quarantine(state: State, job: Job) -> None:
+    """Fence the job's slots: none is handed out again while its copy may still run."""
+    quarantine, jid = state.quarantine, job.job_id
+    for s in dict.fromkeys(job.slots):  # a load may read one slot twice
+        quarantine[s] = quarantine.get(s, ()) + (jid,)
+
+
+def _fence(state: State, job: Job) -> None:
+    """The job's outcome is applied but its copy may still run (F15): its slots are
+    quarantined and its device blocks stay held; its request forgets it."""
+    _quarantine(state, job)
+    if job.request_id is not None:
+        del state.requests[job.request_id].jobs[job.job_id]
+
+
 def _release_quarantine(state: State, job: Job) -> None:
+    """The fence ends: each of the job's slots no other fence uses is free again, unless
+    its entry still owns it (a fenced load's block may still be resident)."""
     quarantine = state.quarantine
-    free = state.free_slots
+    free, slot_of = state.free_slots, state.slot_of
     jid = job.job_id
-    for s in reversed(dict.fromkeys(job.slots)):  # a load may read one slot twice
+    for h, s in reversed(dict.fromkeys(zip(job.hashes, job.slots))):
         users = tuple(j for j in quarantine[s] if j != jid)
         if users:
-            quarantine[s] = users  # another abandoned job still reads this slot
+            quarantine[s] = users  # another fenced job still uses this slot
         else:
             del quarantine[s]
-            free.append(s)
+            if slot_of.get(h) != s:
+                free.append(s)
 
 
 def _pin(state: State, hashes: tuple[int, ...]) -> None:
@@ -235,6 +266,11 @@ def _jobs_submitted(state: State, event: JobsSubmitted, check: bool) -> None:
 
 def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, tag: str) -> Job:
     job = lg.check_job(state, event, tag, event.job_id)
+    if type(event) is JobFailed and event.fenced:
+        if not 0 <= event.rank < state.config.world_size:
+            raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+        if job.reported | (1 << event.rank) == (1 << state.config.world_size) - 1:
+            raise lg.illegal(state, event, job.state.name, "every rank has reported: nothing to fence")
     if (
         job.hashes != event.hashes
         or job.direction != event.direction
@@ -256,17 +292,26 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
 
 def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check: bool) -> None:
     tag = event_name(event)
-    job = _check_terminal(state, event, tag) if check else state.jobs[event.job_id]
+    fenced = type(event) is not JobCompleted and event.fenced  # type: ignore[union-attr]
+    job_tag = tag + ":fenced" if fenced else tag
+    job = _check_terminal(state, event, job_tag) if check else state.jobs[event.job_id]
     was = job.state
-    job.state = JOB_TRANSITIONS[was][tag]
-    if job.state not in TERMINAL_JOB_STATES:
-        raise IllegalTransition(was.name, f"{tag}#{event.seq}", "the job table must end the job here")
+    job.state = JOB_TRANSITIONS[was][job_tag]
+    if job.state not in OUTCOME_JOB_STATES:
+        raise IllegalTransition(was.name, f"{tag}#{event.seq}", "the job table must end or fence the job here")
     abandoned = was is JobState.ABANDONED
-    _end_job(state, job, abandoned)
-    if abandoned:
-        # its entries left the tier at the reset; only its quarantined slots come back now
-        _release_quarantine(state, job)
-        return
+    if fenced:
+        if type(event) is JobFailed:
+            job.reported |= 1 << event.rank
+        if abandoned:
+            return  # already fenced by the reset (its entries left the tier then)
+        _fence(state, job)  # memory stays fenced; the outcome below applies now
+    else:
+        _end_job(state, job, abandoned)
+        if abandoned:
+            # its entries left the tier at the reset; only its quarantined slots come back now
+            _release_quarantine(state, job)
+            return
     if job.direction == STORE:
         _move(state, STORE_QUEUED if was is JobState.QUEUED else STORING, tag, job.hashes, job)
     else:
@@ -285,17 +330,35 @@ def _rank_succeeded(state: State, event: RankSucceeded, check: bool) -> None:
         raise lg.illegal(state, event, job.state.name, "the last rank's success is JobCompleted")
     job.state = JOB_TRANSITIONS[job.state]["rank_succeeded"]
     job.acks |= bit
+    job.reported |= bit
 
 
 def _late(state: State, event: LateResultIgnored, check: bool) -> None:
     job = state.jobs.get(event.job_id)
-    if job is not None:
+    if job is not None and job.state is JobState.FENCED:
+        # a fenced job's rank reports: that rank's copy is over
+        if not 0 <= event.rank < state.config.world_size:
+            raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+        job.state = lg.job_next(state, event, "late_result_ignored", job)
+        job.reported |= 1 << event.rank
+    elif job is not None:
         # legal for a live job only as a repeat of a rank that already reported success
         if not (0 <= event.rank < 64 and job.acks & (1 << event.rank)):
             raise lg.illegal(state, event, job.state.name, f"job {event.job_id} is live")
         job.state = lg.job_next(state, event, "late_result_ignored", job)
     elif not 0 < event.job_id <= state.last_job_id:
         raise lg.illegal(state, event, "NEW", f"job {event.job_id} was never queued")
+
+
+def _fence_lifted(state: State, event: FenceLifted, check: bool) -> None:
+    job = lg.check_job(state, event, "fence_lifted", event.job_id)
+    if job.device_blocks != event.device_blocks or job.slots != event.slots:
+        raise lg.illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
+    if event.reason == "copy over" and job.reported != (1 << state.config.world_size) - 1:
+        raise lg.illegal(state, event, job.state.name, f"job {job.job_id}: not every rank has reported")
+    job.state = lg.job_next(state, event, "fence_lifted", job)
+    _end_job(state, job, abandoned=True)  # its request forgot it when it was fenced
+    _release_quarantine(state, job)
 
 
 def _evicted(state: State, event: BlocksEvicted, check: bool) -> None:
@@ -378,7 +441,7 @@ def _reset(state: State, event: Reset, check: bool) -> None:
     abandoned = event.abandoned_job_ids
     if state.queued:
         raise lg.illegal(state, event, "QUEUED", "queued jobs must be cancelled before a reset")
-    if list(abandoned) != list(state.jobs):
+    if list(abandoned) != [jid for jid, j in state.jobs.items() if j.state is not JobState.FENCED]:
         raise lg.illegal(state, event, "IN_FLIGHT", "the reset must abandon exactly the in-flight jobs")
     # every entry goes where the table sends it under "reset" (the bulk writer below is the
     # one for ABSENT; a table that said otherwise is refused before anything changes)
@@ -420,6 +483,7 @@ _EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {
     JobFailed: _terminal,  # type: ignore[dict-item]
     JobTimedOut: _terminal,  # type: ignore[dict-item]
     LateResultIgnored: _late,  # type: ignore[dict-item]
+    FenceLifted: _fence_lifted,  # type: ignore[dict-item]
     BlocksEvicted: _evicted,  # type: ignore[dict-item]
     BlocksTouched: _touched,  # type: ignore[dict-item]
     StoreRejected: _rejected,  # type: ignore[dict-item]

@@ -44,6 +44,8 @@ def canonical(state: State) -> tuple[Any, ...]:
             map(pending.get, hashes, repeat(0, n)),
         )
     )
+    # (a job's ``reported`` ranks differ from its ``acks`` only while it is fenced: added
+    # then only, so the digests of traces recorded before fences are unchanged)
     jobs = [
         (
             j.job_id,
@@ -57,6 +59,7 @@ def canonical(state: State) -> tuple[Any, ...]:
             j.acks,
             j.abandoned,
         )
+        + ((j.reported,) if j.reported != j.acks else ())
         for j in sorted(state.jobs.values(), key=lambda j: j.job_id)
     ]
     requests = [

@@ -19,17 +19,27 @@ def check_invariants(state: State) -> list[str]:
     cap = state.capacity
     slot_of, pending, pin_count, jobs = state.slot_of, state.pending, state.pin_count, state.jobs
 
-    # slots: free + entries + quarantined is exactly 0..cap-1, each once
+    # slots: free + entries + quarantined is exactly 0..cap-1, each once (a fenced load's
+    # slot can be both quarantined and still owned by its resident entry)
+    quarantine = state.quarantine
     used = list(state.free_slots)
     used.extend(slot_of.values())
-    used.extend(state.quarantine)
+    if quarantine:
+        entry_slots = set(slot_of.values())
+        used.extend(s for s in quarantine if s not in entry_slots)
     if not (len(used) == cap and len(set(used)) == cap and (not used or (min(used) >= 0 and max(used) < cap))):
         _slot_problems(state, problems)
-    for s, jids in state.quarantine.items():
+    for s, jids in quarantine.items():
         for jid in jids:
             job = jobs.get(jid)
-            if job is None or not job.abandoned or s not in job.slots:
-                problems.append(f"slot {s} quarantined for job {jid}, which is not an abandoned job using it")
+            if job is None or not job.fenced or s not in job.slots:
+                problems.append(f"slot {s} quarantined for job {jid}, which is not a fenced job using it")
+    # F15: no slot a fenced copy may still use is free or handed to another store
+    for jid, job in jobs.items():
+        if job.fenced:
+            for s in job.slots:
+                if jid not in quarantine.get(s, ()):
+                    problems.append(f"slot {s} of fenced job {jid} is not quarantined")
 
     # pins: every entry's count is what the requests hold; pinned entries are RESIDENT;
     # pending (STORE_QUEUED / STORING) entries belong to a live store job naming them
@@ -68,10 +78,11 @@ def check_invariants(state: State) -> list[str]:
             problems.append(f"job {jid} queued index disagrees with state {job.state.name}")
         for d in job.device_blocks:
             expected_held[d] = jid
-        if not job.abandoned and job.request_id is not None:
+        if job.request_id is not None:
             req = state.requests.get(job.request_id)
-            if req is None or jid not in req.jobs:
-                problems.append(f"job {jid} is not listed by request {job.request_id}")
+            listed = req is not None and jid in req.jobs
+            if listed == job.fenced:  # a request forgets its job when the job is fenced
+                problems.append(f"job {jid} ({job.state.name}) listed by request {job.request_id}: {listed}")
     if expected_held != state.held:
         problems.append("device-block holds do not match the live jobs")
     for r in state.requests.values():
@@ -104,8 +115,10 @@ def _slot_problems(state: State, problems: list[str]) -> None:
         own(s, "free")
     for h, slot in state.slot_of.items():
         own(slot, f"block {h}")
+    entry_slots = set(state.slot_of.values())
     for s, jids in state.quarantine.items():
-        own(s, f"quarantine of jobs {list(jids)}")
+        if s not in entry_slots:
+            own(s, f"quarantine of jobs {list(jids)}")
     if len(owner) != cap and len(problems) == found:
         problems.append(f"free + used + quarantined = {len(owner)} != capacity {cap}")
 

@@ -83,6 +83,7 @@ class Job:
         "state",
         "deadline_ms",
         "acks",
+        "reported",
     )
 
     def __init__(
@@ -103,10 +104,16 @@ class Job:
         self.state = JobState.QUEUED
         self.deadline_ms = 0.0
         self.acks = 0  # bit mask of ranks that reported success
+        self.reported = 0  # bit mask of ranks that reported at all: their copy is over
 
     @property
     def abandoned(self) -> bool:
         return self.state is JobState.ABANDONED
+
+    @property
+    def fenced(self) -> bool:
+        """Its outcome is known but its copy may still run: its memory is fenced (F15)."""
+        return self.state is JobState.FENCED or self.state is JobState.ABANDONED
 
     def __repr__(self) -> str:
         return (
@@ -180,7 +187,8 @@ class State:
         # Free slots as a stack: allocation takes from the end, so a fresh tier hands out
         # 0, 1, 2... (contiguous host runs keep the executor's copies at full speed).
         self.free_slots: list[int] = list(range(config.cpu_blocks - 1, -1, -1))
-        # slot -> abandoned jobs still using it (two abandoned loads can read one slot)
+        # slot -> fenced jobs whose copy may still use it (two fenced loads can read one
+        # slot; a fenced load's slot may still belong to its resident entry)
         self.quarantine: dict[int, tuple[int, ...]] = {}
         self.jobs: dict[int, Job] = {}  # live jobs by id (queued or in flight)
         self.queued: dict[int, None] = {}  # queued, not yet submitted, in id order
@@ -237,7 +245,7 @@ class State:
         clone.jobs = {}
         for jid, j in self.jobs.items():
             nj = Job(j.job_id, j.direction, j.request_id, j.hashes, j.device_blocks, j.slots)
-            nj.state, nj.deadline_ms, nj.acks = j.state, j.deadline_ms, j.acks
+            nj.state, nj.deadline_ms, nj.acks, nj.reported = j.state, j.deadline_ms, j.acks, j.reported
             clone.jobs[jid] = nj
         clone.queued = dict(self.queued)
         clone.held = dict(self.held)

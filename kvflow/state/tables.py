@@ -27,8 +27,13 @@ class JobState(IntEnum):
     FAILED = 4
     TIMED_OUT = 5
     # In flight when a reset came: the copy may still be running, so its slots stay
-    # quarantined and its device blocks held until it reports (or times out).
+    # quarantined and its device blocks held until every rank reports (F15).
     ABANDONED = 6
+    # Outcome decided (timed out, or failed on one rank) while a copy may still run: the
+    # engine was told, but its slots and device blocks stay fenced until the copy is over.
+    FENCED = 7
+    # The fence ended: the job leaves the state.
+    LIFTED = 8
 
 
 ABSENT, STORE_QUEUED, STORING, RESIDENT = (
@@ -66,6 +71,8 @@ BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
     },
 }
 
+# Job tags: an outcome event with ``fenced`` set reads as "<tag>:fenced" (the copy may still
+# run, so the job is FENCED rather than gone).
 JOB_TRANSITIONS: dict[JobState, dict[str, JobState]] = {
     JobState.NEW: {"store_queued": JobState.QUEUED, "load_queued": JobState.QUEUED},
     JobState.QUEUED: {
@@ -76,7 +83,9 @@ JOB_TRANSITIONS: dict[JobState, dict[str, JobState]] = {
         "rank_succeeded": JobState.IN_FLIGHT,
         "job_completed": JobState.COMPLETED,
         "job_failed": JobState.FAILED,
-        "job_timed_out": JobState.TIMED_OUT,
+        "job_timed_out": JobState.TIMED_OUT,  # (traces from before fences)
+        "job_failed:fenced": JobState.FENCED,  # another rank may still be copying
+        "job_timed_out:fenced": JobState.FENCED,
         "reset": JobState.ABANDONED,
         "late_result_ignored": JobState.IN_FLIGHT,  # a rank repeated its success
     },
@@ -85,14 +94,26 @@ JOB_TRANSITIONS: dict[JobState, dict[str, JobState]] = {
         "rank_succeeded": JobState.ABANDONED,
         "job_completed": JobState.COMPLETED,
         "job_failed": JobState.FAILED,
-        "job_timed_out": JobState.TIMED_OUT,
+        "job_failed:fenced": JobState.FENCED,
+        "job_timed_out": JobState.TIMED_OUT,  # (traces from before fences)
         "late_result_ignored": JobState.ABANDONED,
+        "fence_lifted": JobState.LIFTED,  # the executor was closed
         "reset": JobState.ABANDONED,
+    },
+    JobState.FENCED: {
+        "late_result_ignored": JobState.FENCED,  # a rank's copy is over
+        "fence_lifted": JobState.LIFTED,
+        "reset": JobState.FENCED,  # already out of the tier's bookkeeping; stays fenced
     },
     JobState.COMPLETED: {"late_result_ignored": JobState.COMPLETED},
     JobState.FAILED: {"late_result_ignored": JobState.FAILED},
     JobState.TIMED_OUT: {"late_result_ignored": JobState.TIMED_OUT},
+    JobState.LIFTED: {"late_result_ignored": JobState.LIFTED},
 }
-TERMINAL_JOB_STATES = (JobState.COMPLETED, JobState.FAILED, JobState.TIMED_OUT)
+TERMINAL_JOB_STATES = (JobState.COMPLETED, JobState.FAILED, JobState.TIMED_OUT, JobState.LIFTED)
+# States an outcome event may leave a job in: gone, or fenced while its copy may still run.
+OUTCOME_JOB_STATES = (JobState.COMPLETED, JobState.FAILED, JobState.TIMED_OUT, JobState.FENCED)
+# Jobs whose memory is fenced: their outcome is known, their copy may still run (F15).
+FENCE_JOB_STATES = (JobState.ABANDONED, JobState.FENCED)
 # Jobs the state keeps (terminal jobs leave it; their events stay in the log).
-LIVE_JOB_STATES = (JobState.QUEUED, JobState.IN_FLIGHT, JobState.ABANDONED)
+LIVE_JOB_STATES = (JobState.QUEUED, JobState.IN_FLIGHT, JobState.ABANDONED, JobState.FENCED)

@@ -1,12 +1,16 @@
 """Hypothesis drives ``OffloadManager`` like a (misbehaving) engine would: lookups over a small
 hash pool (so hits happen), partial acceptance of hits, stores that reuse in-flight device
 blocks (F3), submission, results from any rank (ok or failed), time passing (timeouts), late
-results, finish/preempt, touches, explicit evictions and resets.
+results, finish/preempt, touches, explicit evictions and resets; copies that outlive their
+deadline and report late, one rank failing while another still copies, resets mid-copy, and
+the executor closing (F15).
 
 After every step: the structural invariants hold, folding the log into a fresh ``State`` gives
 the live digest, every issued job has at most one terminal event (exactly one once it left the
-state), no pin is negative, free + used + quarantined == capacity, and the vLLM-style KV
-events announce exactly the resident blocks.
+state), no pin is negative, free + used + quarantined == capacity, the vLLM-style KV
+events announce exactly the resident blocks, and (F15) no slot or device block is handed out
+while a copy that targets it may still run: the machine keeps its own record of which handed-out
+copies have not reported on every rank yet.
 
 A refused call (``Rejected``) must change nothing: neither the state nor the log.
 """
@@ -22,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvflow.config import Config
 from kvflow.errors import BlockHeld, Rejected
-from kvflow.events import TERMINAL_TYPES, BlocksEvicted, JobResult, LateResultIgnored
+from kvflow.events import TERMINAL_TYPES, BlocksEvicted, FenceLifted, JobResult, LateResultIgnored, TransferJob
 from kvflow.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 from kvflow.manager import OffloadManager
 from kvflow.state import RESIDENT, JobState, State, check_invariants, fold
@@ -40,7 +44,8 @@ SETTINGS = settings(
 )
 
 
-SUBMITTED = (JobState.IN_FLIGHT, JobState.ABANDONED)
+SUBMITTED = (JobState.IN_FLIGHT, JobState.ABANDONED)  # submitted, a result still decides something
+REPORTING = (*SUBMITTED, JobState.FENCED)  # a rank's result is still expected
 
 class OffloadMachine(RuleBasedStateMachine):
     WORLD_SIZE = 1
@@ -67,6 +72,8 @@ class OffloadMachine(RuleBasedStateMachine):
         self.next_request = 0
         self.live: list[str] = []  # requests the engine has not finished
         self.handed_out: set[int] = set()  # job ids returned by plan_step (F5)
+        # F15, the model: copies handed out whose ranks have not all reported (they may run)
+        self.copying: dict[int, tuple[TransferJob, set[int]]] = {}
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -99,6 +106,22 @@ class OffloadMachine(RuleBasedStateMachine):
         # submitted and not yet terminal: in flight, or abandoned by a reset and still copying
         return [j for j, job in self.m.state.jobs.items() if job.state in SUBMITTED]
 
+    def reporting(self) -> list[int]:
+        # jobs with a rank whose copy may still run: in flight, abandoned or fenced
+        return [j for j, job in self.m.state.jobs.items() if job.state in REPORTING]
+
+    def reported(self, job_id: int, rank: int) -> None:
+        """The executor said rank ``rank`` of ``job_id`` is over (the model's side)."""
+        copying = self.copying.get(job_id)
+        if copying is not None:
+            copying[1].discard(rank)
+            if not copying[1]:
+                del self.copying[job_id]
+
+    def report(self, job_id: int, rank: int, ok: bool, error: str | None = None) -> None:
+        self.m.job_result(job_id, rank=rank, ok=ok, error=error)
+        self.reported(job_id, rank)
+
     def terminal_job_ids(self) -> list[int]:
         return [j for j in range(1, self.m.state.last_job_id + 1) if j not in self.m.state.jobs]
 
@@ -128,6 +151,7 @@ class OffloadMachine(RuleBasedStateMachine):
         self.m.plan_step(self.now)
         for rank in range(self.WORLD_SIZE):
             self.m.job_result(job_id, rank=rank)
+        self.copying.clear()
         if "warm" in self.m.state.requests:
             self.m.finish_request("warm")
         assert all(self.m.state.is_resident(h) for h in hashes)
@@ -213,19 +237,27 @@ class OffloadMachine(RuleBasedStateMachine):
         self.handed_out.update(ids)
         for job in jobs:
             assert len(job.hashes) == len(job.device_blocks) == len(job.slots) > 0
+            self.copying[job.job_id] = (job, set(range(self.WORLD_SIZE)))
 
     @precondition(
-        lambda self: any(j.state in SUBMITTED for j in self.m.state.jobs.values())
+        lambda self: any(j.state in REPORTING for j in self.m.state.jobs.values())
     )
     @rule(data=st.data(), ok=st.integers(0, 3))
     def job_result(self, data: Any, ok: int) -> None:
-        job_id = data.draw(st.sampled_from(self.in_flight()), label="job")
+        """A rank reports: for a fenced job (timed out, or failed on another rank) that is
+        the late copy saying it is over; the last such report lifts the fence."""
+        job_id = data.draw(st.sampled_from(self.reporting()), label="job")
         job = self.m.state.jobs[job_id]
-        # a rank that has not reported yet (a repeated report is a known bug, see
-        # test_failure_rules.py::test_F2_repeated_rank_result_for_a_live_job_never_raises...)
-        ranks = [r for r in range(self.WORLD_SIZE) if not job.acks & (1 << r)]
+        fenced = job.state is JobState.FENCED
+        ranks = [r for r in range(self.WORLD_SIZE) if not job.reported & (1 << r)]
         rank = data.draw(st.sampled_from(ranks), label="rank")
-        self.m.job_result(job_id, rank=rank, ok=ok != 0, error=None if ok else "copy failed")
+        self.report(job_id, rank, ok != 0, None if ok else "copy failed")
+        if fenced:
+            events = self.m.log.events()
+            lifted = len(ranks) == 1
+            assert isinstance(events[-1 - lifted], LateResultIgnored)
+            assert isinstance(events[-1], FenceLifted) is lifted
+            assert (job_id in self.m.state.jobs) is not lifted
 
     @precondition(
         lambda self: any(j.state in SUBMITTED and j.direction == "load" for j in self.m.state.jobs.values())
@@ -236,11 +268,12 @@ class OffloadMachine(RuleBasedStateMachine):
         loads = [j for j in self.in_flight() if self.m.state.jobs[j].direction == "load"]
         job = self.m.state.jobs[data.draw(st.sampled_from(loads), label="load")]
         named = data.draw(st.lists(st.sampled_from(job.hashes), min_size=1, unique=True), label="corrupt")
-        rank = next(r for r in range(self.WORLD_SIZE) if not job.acks & (1 << r))
+        rank = next(r for r in range(self.WORLD_SIZE) if not job.reported & (1 << r))
         abandoned = job.abandoned
         corrupt = tuple(named + [h for h in foreign if h not in job.hashes])
         before = {h for h in foreign if self.m.state.is_resident(h)} - set(job.hashes)
         self.m.job_results([JobResult(job_id=job.job_id, rank=rank, ok=False, error="checksum", corrupt=corrupt)])
+        self.reported(job.job_id, rank)
         state = self.m.state
         if not abandoned:  # an abandoned job's entries already left the tier at the reset
             for h in named:  # gone, unless another request still pins it
@@ -255,17 +288,18 @@ class OffloadMachine(RuleBasedStateMachine):
         assert self.m.invalidate(hashes) == expected
         assert not any(state.is_resident(h) and h not in state.pin_count for h in hashes)
 
-    @precondition(lambda self: bool(self.m.state.queued) or bool(self.in_flight()))
+    @precondition(lambda self: bool(self.m.state.queued) or bool(self.reporting()))
     @rule(data=st.data(), batched=st.booleans())
     def executor_step(self, data: Any, batched: bool) -> None:
-        """A whole engine step: submit what is queued, then every in-flight job reports on
-        every rank that has not reported yet (mostly successes), one by one or as a batch."""
+        """A whole engine step: submit what is queued, then every submitted or fenced job
+        reports on every rank that has not reported yet (mostly successes), one by one or as
+        a batch: afterwards nothing is in flight and no fence is left."""
         self.plan_step()
         results = []
-        for job_id in self.in_flight():
+        for job_id in self.reporting():
             job = self.m.state.jobs[job_id]
             for rank in range(self.WORLD_SIZE):
-                if not job.acks & (1 << rank):
+                if not job.reported & (1 << rank):
                     ok = data.draw(st.integers(0, 5), label="ok") != 0
                     results.append(
                         JobResult(job_id=job_id, rank=rank, ok=ok, error=None if ok else "x")
@@ -275,7 +309,9 @@ class OffloadMachine(RuleBasedStateMachine):
         else:
             for result in results:
                 self.m.handle(result)
-        assert not self.in_flight()
+        for result in results:
+            self.reported(result.job_id, result.rank)
+        assert not self.reporting() and not self.m.state.jobs and not self.m.state.quarantine
 
     @precondition(lambda self: self.m.state.last_job_id > len(self.m.state.jobs))
     @rule(data=st.data(), ok=st.booleans())
@@ -283,7 +319,7 @@ class OffloadMachine(RuleBasedStateMachine):
         job_id = data.draw(st.sampled_from(self.terminal_job_ids()), label="terminal job")
         rank = data.draw(st.integers(0, self.WORLD_SIZE - 1), label="rank")
         before = self.m.state.canonical()
-        self.m.job_result(job_id, rank=rank, ok=ok, error=None if ok else "late")
+        self.report(job_id, rank, ok, None if ok else "late")
         after = self.m.state.canonical()
         assert after[0] == before[0] + 1 and after[1:] == before[1:]
         assert isinstance(self.m.log.events()[-1], LateResultIgnored)
@@ -294,10 +330,23 @@ class OffloadMachine(RuleBasedStateMachine):
         due = [
             j
             for j, job in self.m.state.jobs.items()
-            if job.state in SUBMITTED and job.deadline_ms <= self.now
+            if job.state is JobState.IN_FLIGHT and job.deadline_ms <= self.now
         ]
         assert self.m.tick(self.now) == len(due)
-        assert not set(due) & set(self.m.state.jobs)
+        # F15: timed out at once (the engine was told), but fenced while the copy may run
+        assert all(self.m.state.jobs[j].state is JobState.FENCED for j in due)
+
+    @precondition(lambda self: any(job.fenced for job in self.m.state.jobs.values()))
+    @rule(go=st.integers(0, 3))
+    def close_executor(self, go: int) -> None:
+        """The executor closes (its copies stop): every fence ends."""
+        if go:
+            return
+        fenced = [j for j, job in self.m.state.jobs.items() if job.fenced]
+        assert self.m.end_fences() == len(fenced)
+        for job_id in fenced:
+            self.copying.pop(job_id, None)
+        assert not any(job.fenced for job in self.m.state.jobs.values())
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data(), preempted=st.booleans())
@@ -320,8 +369,12 @@ class OffloadMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 4))
     def evict(self, n: int) -> None:
+        # (an entry whose slot a fenced load may still read would free nothing: not a victim)
+        quarantine = self.m.state.quarantine
         evictable = sum(
-            1 for h, e in self.m.state.entries.items() if e.state is RESIDENT and e.pins == 0
+            1
+            for h, e in self.m.state.entries.items()
+            if e.state is RESIDENT and e.pins == 0 and e.slot not in quarantine
         )
         if n > evictable:
             assert self.refused(lambda: self.m.evict(n))  # all or nothing (F8)
@@ -338,12 +391,17 @@ class OffloadMachine(RuleBasedStateMachine):
         if go:
             return  # rare on purpose: it wipes the tier
         in_flight = set(self.in_flight())
+        fenced = {j for j, job in self.m.state.jobs.items() if job.state is JobState.FENCED}
         unfinished = {rid for rid, r in self.m.state.requests.items() if not r.finished}
-        loads = {j for j in in_flight if self.m.state.jobs[j].direction == "load" and self.m.state.jobs[j].request_id}
+        loads = {
+            j
+            for j in in_flight - fenced
+            if self.m.state.jobs[j].direction == "load" and self.m.state.jobs[j].request_id and not self.m.state.jobs[j].abandoned
+        }
         self.m.take_notices()
         self.m.reset()
-        assert set(self.m.state.jobs) == in_flight
-        assert all(job.abandoned for job in self.m.state.jobs.values())
+        assert set(self.m.state.jobs) == in_flight | fenced
+        assert all(job.fenced for job in self.m.state.jobs.values())
         assert self.m.state.entries == {}
         # F18: live requests stay known, with nothing on the tier; abandoned loads are reported
         assert set(self.m.state.requests) == unfinished
@@ -365,10 +423,33 @@ class OffloadMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_job_ends_exactly_once(self) -> None:
-        terminal = Counter(e.job_id for e in self.m.log.events() if isinstance(e, TERMINAL_TYPES))
+        """One outcome per job (a fenced job has its outcome already); a job abandoned by a
+        reset whose copy never reported ends by its fence alone (the reset was its outcome)."""
+        events = self.m.log.events()
+        terminal = Counter(e.job_id for e in events if isinstance(e, TERMINAL_TYPES))
+        lifted = Counter(e.job_id for e in events if isinstance(e, FenceLifted))
+        jobs = self.m.state.jobs
         for job_id in range(1, self.m.state.last_job_id + 1):
-            assert terminal[job_id] == (0 if job_id in self.m.state.jobs else 1), job_id
+            assert lifted[job_id] <= 1 and not (lifted[job_id] and job_id in jobs), job_id
+            job = jobs.get(job_id)
+            if job is not None:
+                assert terminal[job_id] == (job.state is JobState.FENCED), job_id
+            else:
+                assert terminal[job_id] + (lifted[job_id] and not terminal[job_id]) == 1, job_id
         assert set(terminal) <= set(range(1, self.m.state.last_job_id + 1))
+
+    @invariant()
+    def no_memory_is_handed_out_while_a_copy_may_still_use_it(self) -> None:
+        """F15, against the machine's own record of the copies that may still run."""
+        state = self.m.state
+        free = set(state.free_slots)
+        owner = {slot: h for h, slot in state.slot_of.items()}
+        for job_id, (job, ranks) in self.copying.items():
+            assert ranks
+            for h, d, slot in zip(job.hashes, job.device_blocks, job.slots):
+                assert state.held.get(d) == job_id, f"device block {d} of running job {job_id} was released"
+                assert slot not in free, f"slot {slot} of running job {job_id} is free"
+                assert owner.get(slot, h) == h, f"slot {slot} of running job {job_id} holds block {owner.get(slot)}"
 
     @invariant()
     def kv_events_announce_exactly_the_resident_blocks(self) -> None:
@@ -393,9 +474,9 @@ class OffloadMachine(RuleBasedStateMachine):
     @invariant()
     def slots_add_up(self) -> None:
         s = self.m.state
-        assert (
-            len(s.free_slots) + len(s.entries) + len(s.quarantine) == s.capacity == self.CPU_BLOCKS
-        )
+        owned = set(s.slot_of.values())
+        only_quarantined = [q for q in s.quarantine if q not in owned]  # a fenced load's slot may be both
+        assert len(s.free_slots) + len(s.entries) + len(only_quarantined) == s.capacity == self.CPU_BLOCKS
 
 
 class OffloadMachineTwoRanks(OffloadMachine):

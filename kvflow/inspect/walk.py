@@ -13,6 +13,7 @@ from typing import Any
 
 from kvflow.errors import IllegalTransition
 from kvflow.events import (
+    FenceLifted,
     LOAD,
     STORE,
     JobCompleted,
@@ -46,7 +47,7 @@ class JobInfo:
     deadline_ms: float | None = None
     ranks_succeeded: list[int] = field(default_factory=list)
     abandoned_at_seq: int | None = None
-    ended: str | None = None  # "completed", "failed", "timed_out"
+    ended: str | None = None  # "completed", "failed", "timed_out"; "lifted" once a fence ends
 
 
 class _Walk:
@@ -125,6 +126,10 @@ class _Walk:
                 info = jobs.get(jid)
                 if info is not None:
                     info.abandoned_at_seq = event.seq
+        elif kind is FenceLifted:
+            info = jobs.get(event.job_id)
+            if info is not None:
+                info.ended = "lifted"
         elif kind is JobCompleted or kind is JobFailed or kind is JobTimedOut:
             info = jobs.get(event.job_id)
             if info is not None:

@@ -299,10 +299,16 @@ def decide_device_evicting(state: State, cmd: DeviceBlocksEvicting) -> Decision:
 
 
 def decide_touch(state: State, cmd: Touch) -> Decision:
+    """Recency for the blocks on the tier, in the given order. A block still being stored
+    keeps the touch until it lands (F14: a touch is never lost to completion order)."""
     slot_of, pending, hashes = state.slot_of, state.pending, cmd.block_hashes
-    if all(map(slot_of.__contains__, hashes)) and (not pending or pending.keys().isdisjoint(hashes)):
-        touched = hashes  # the common case: every block is RESIDENT
-    else:
+    if all(map(slot_of.__contains__, hashes)) and (
+        cmd.keep_pending or not pending or pending.keys().isdisjoint(hashes)
+    ):
+        touched = hashes  # the common case: every block is on the tier
+    elif cmd.keep_pending:
+        touched = tuple(filter(slot_of.__contains__, hashes))
+    else:  # (a version-1 trace's touch: blocks still being stored were skipped)
         touched = tuple(filterfalse(pending.__contains__, filter(slot_of.__contains__, hashes)))
     if touched:
         yield BlocksTouched(seq=state.next_seq, hashes=touched, reuse=cmd.reuse)

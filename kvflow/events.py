@@ -294,11 +294,14 @@ class DeviceBlocksEvicting(_Command, frozen=True, tag="device_blocks_evicting"):
 
 
 class Touch(_Command, frozen=True, tag="touch"):
-    """Recency for resident hashes, in order (put the head of a chain last, F14).
-    ``reuse=False``: ordering only, not a new use (see BlocksTouched)."""
+    """Recency for the hashes on the tier, in order (put the head of a chain last, F14).
+    ``reuse=False``: ordering only, not a new use (see BlocksTouched). ``keep_pending``: a
+    block still being stored keeps the touch until it lands (F14); traces of version 1,
+    recorded before, read False (such blocks were skipped)."""
 
     block_hashes: Hashes
     reuse: bool = True
+    keep_pending: bool = True
 
 
 class Evict(_Command, frozen=True, tag="evict"):

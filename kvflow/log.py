@@ -23,10 +23,10 @@ import msgspec
 from kvflow._version import __version__
 from kvflow.config import Config, config_from_dict
 from kvflow.errors import ConfigError, TraceError
-from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Command, Event
+from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Command, Event, Touch
 
 TRACE_FORMAT = "kvflow-trace"
-TRACE_VERSION = 1
+TRACE_VERSION = 2
 DEFAULT_CHECKPOINT_EVERY = 10_000
 
 
@@ -331,8 +331,16 @@ class TraceReader:
         self.close()
 
 
+def _upcast_v1(record: Any) -> Any:
+    """Version 1 (before F14 kept touches of blocks still being stored): its touches skipped
+    such blocks, so re-deciding one must too."""
+    if type(record) is Touch:
+        return msgspec.structs.replace(record, keep_pending=False)
+    return record
+
+
 # Version upgrades: version -> function mapping an old record to the current form.
-_UPCASTS: dict[int, Any] = {}
+_UPCASTS: dict[int, Any] = {1: _upcast_v1}
 
 
 def read_trace(path: str | os.PathLike[str]) -> tuple[TraceReader, list[tuple[int, Any]]]:

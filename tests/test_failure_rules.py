@@ -22,9 +22,9 @@ from kvflow.errors import (
     UnknownRequest,
 )
 from kvflow.events import (
-    FenceLifted,
     TERMINAL_TYPES,
     BlocksEvicted,
+    FenceLifted,
     JobCompleted,
     JobFailed,
     JobResult,

@@ -14,9 +14,9 @@ from core_helpers import BT, DEADLINE_MS, config, consistent, manager, store, to
 from kvflow.config import Config
 from kvflow.errors import BlockHeld, TraceError
 from kvflow.events import (
-    FenceLifted,
     BlocksEvicted,
     BlocksTouched,
+    FenceLifted,
     JobCompleted,
     JobFailed,
     LateResultIgnored,

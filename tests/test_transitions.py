@@ -643,10 +643,11 @@ def test_an_event_for_an_unknown_job_raises(make: Callable[[int], Event]) -> Non
 
 def test_the_message_names_the_state_and_the_event() -> None:
     m = block_in(BlockState.STORING)
-    error = assert_illegal_and_unchanged(m.state, BlocksTouched(seq=seq(m), hashes=(H,)))
+    event = PinsAcquired(seq=seq(m), request_id="rp", hashes=(H,), num_tokens=TOKENS)
+    error = assert_illegal_and_unchanged(m.state, event)
     assert error.state == "STORING"
-    assert error.event == f"blocks_touched#{seq(m)}"
-    assert "STORING" in str(error) and "blocks_touched" in str(error) and str(H) in str(error)
+    assert error.event == f"pins_acquired#{seq(m)}"
+    assert "STORING" in str(error) and "pins_acquired" in str(error) and str(H) in str(error)
 
     m, job_id = job_in(JobState.COMPLETED, "store")
     event = JobsSubmitted(seq=seq(m), job_ids=(job_id,), now_ms=0.0, deadline_ms=1.0)
@@ -660,9 +661,11 @@ def test_the_message_names_the_state_and_the_event() -> None:
 
 
 def test_a_multi_block_event_is_checked_whole_before_anything_changes() -> None:
-    """The second hash is illegal: the first one's recency must not have moved."""
+    """The second hash is illegal: the first one's pins and recency must not have moved."""
     m = block_in(BlockState.STORING)
-    event = BlocksTouched(seq=seq(m), hashes=(LOADABLE, H))
+    event = PinsAcquired(seq=seq(m), request_id="rp", hashes=(LOADABLE, H), num_tokens=TOKENS)
+    assert_illegal_and_unchanged(m.state, event)
+    event = BlocksTouched(seq=seq(m), hashes=(LOADABLE, MISS))
     assert_illegal_and_unchanged(m.state, event)
     event = BlocksEvicted(
         seq=seq(m),

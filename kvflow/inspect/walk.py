@@ -13,9 +13,9 @@ from typing import Any
 
 from kvflow.errors import IllegalTransition
 from kvflow.events import (
-    FenceLifted,
     LOAD,
     STORE,
+    FenceLifted,
     JobCompleted,
     JobFailed,
     JobsSubmitted,

@@ -71,11 +71,24 @@ def _admit(state: State, hashes: tuple[int, ...], job: Job) -> None:
 
 
 def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
-    """STORING -> RESIDENT: visible from now on, the most recent in the policy."""
+    """STORING -> RESIDENT: visible from now on, the most recent in the policy.
+
+    F14: a touch that named these entries while they were being stored is applied now, so
+    a chain's order is the engine's touch whatever order its stores land in."""
     pending = state.pending
     for h in hashes:
         del pending[h]
     state.policy.insert_many(hashes)
+    if state.deferred_touches:
+        deferred = state.deferred_touches.pop(job.job_id, None)
+        if deferred is not None:
+            touched, reuse = deferred
+            slot_of, pending = state.slot_of, state.pending
+            resident = tuple(h for h in touched if h in slot_of and h not in pending)
+            if reuse:
+                state.policy.touch_many(resident)
+            else:
+                state.policy.refresh_many(resident)
 
 
 def _free(state: State, hashes: tuple[int, ...]) -> None:
@@ -92,6 +105,8 @@ def _free(state: State, hashes: tuple[int, ...]) -> None:
 def _drop_pending(state: State, hashes: tuple[int, ...], job: Job) -> None:
     """STORE_QUEUED / STORING -> ABSENT: never visible; the slots are free again (or fenced,
     when the job's copy may still be writing them)."""
+    if state.deferred_touches:
+        state.deferred_touches.pop(job.job_id, None)
     pending = state.pending
     for h in hashes:
         del pending[h]
@@ -376,13 +391,23 @@ def _evicted(state: State, event: BlocksEvicted, check: bool) -> None:
 
 
 def _touched(state: State, event: BlocksTouched, check: bool) -> None:
-    if check:
-        lg.check_resident(state, event, "blocks_touched", event.hashes)
-    _move(state, RESIDENT, "blocks_touched", event.hashes, None)
+    hashes, pending = event.hashes, state.pending
+    if pending and not pending.keys().isdisjoint(hashes):
+        # F14: entries still being stored keep the touch on their job until they land
+        if check:
+            for h in hashes:
+                lg.check_block(state, event, "blocks_touched", h)
+        jobs = dict.fromkeys(pending[h] for h in hashes if h in pending)
+        for job_id in jobs:
+            state.deferred_touches[job_id] = (hashes, event.reuse)
+        hashes = tuple(h for h in hashes if h not in pending)
+    elif check:
+        lg.check_resident(state, event, "blocks_touched", hashes)
+    _move(state, RESIDENT, "blocks_touched", hashes, None)
     if event.reuse:
-        state.policy.touch_many(event.hashes)
+        state.policy.touch_many(hashes)
     else:
-        state.policy.refresh_many(event.hashes)
+        state.policy.refresh_many(hashes)
 
 
 def _rejected(state: State, event: StoreRejected, check: bool) -> None:
@@ -463,6 +488,7 @@ def _reset(state: State, event: Reset, check: bool) -> None:
     state.slot_of.clear()
     state.pending.clear()
     state.pin_count.clear()
+    state.deferred_touches.clear()
     if event.keeps_requests:  # F18: live requests stay known, with nothing on the tier
         for rid, req in list(state.requests.items()):
             if req.finished:

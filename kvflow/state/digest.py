@@ -84,6 +84,11 @@ def canonical(state: State) -> tuple[Any, ...]:
         sorted(state.held.items()),
         requests,
         state.policy.snapshot(),
+    ) + (
+        # (added only when present, so states without one digest as before F14)
+        (sorted((j, list(h), r) for j, (h, r) in state.deferred_touches.items()),)
+        if state.deferred_touches
+        else ()
     )
 
 

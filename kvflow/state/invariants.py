@@ -83,6 +83,10 @@ def check_invariants(state: State) -> list[str]:
             listed = req is not None and jid in req.jobs
             if listed == job.fenced:  # a request forgets its job when the job is fenced
                 problems.append(f"job {jid} ({job.state.name}) listed by request {job.request_id}: {listed}")
+    for jid in state.deferred_touches:  # F14: kept only on a live store job
+        job = jobs.get(jid)
+        if job is None or job.direction != STORE or job.state not in (JobState.QUEUED, JobState.IN_FLIGHT):
+            problems.append(f"a touch is deferred on job {jid}, which is not a live store")
     if expected_held != state.held:
         problems.append("device-block holds do not match the live jobs")
     for r in state.requests.values():

@@ -172,6 +172,7 @@ class State:
         "held",
         "requests",
         "policy",
+        "deferred_touches",
     )
 
     def __init__(self, config: Config) -> None:
@@ -195,6 +196,9 @@ class State:
         self.held: dict[int, int] = {}  # device block -> live job holding it
         self.requests: dict[str, Request] = {}
         self.policy: Policy = make_policy(config.policy, config.cpu_blocks)
+        # F14: a touch that named entries still being stored, kept on their store job (the
+        # latest one) and applied again when the job lands: (hashes in order, reuse)
+        self.deferred_touches: dict[int, tuple[tuple[int, ...], bool]] = {}
 
     # -- queries -------------------------------------------------------------------------
 
@@ -258,6 +262,7 @@ class State:
             nr.finished, nr.preempted = r.finished, r.preempted
             clone.requests[rid] = nr
         clone.policy = copy.deepcopy(self.policy)
+        clone.deferred_touches = dict(self.deferred_touches)
         return clone
 
     # -- determinism ---------------------------------------------------------------------

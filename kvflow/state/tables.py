@@ -50,8 +50,10 @@ BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
     STORE_QUEUED: {
         "jobs_submitted": STORING,
         "job_failed": ABSENT,  # cancelled before submission (reset)
+        "blocks_touched": STORE_QUEUED,  # remembered until it lands (F14)
     },
     STORING: {
+        "blocks_touched": STORING,  # remembered until it lands (F14)
         "job_completed": RESIDENT,
         "job_failed": ABSENT,
         "job_timed_out": ABSENT,

@@ -257,3 +257,76 @@ def test_rank_group_through_the_engine(group: RankGroup) -> None:
     assert len(engine.manager.state.free_slots) == 8 - 3
     assert engine.counters.jobs_failed == 1 and engine.counters.jobs_completed == 2
     engine.manager.close()
+
+
+class ManualClock:
+    """Engine time that moves only when the test says (the copies run on real time)."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+
+    def __call__(self) -> float:
+        return self.now_ms
+
+
+def test_f15_a_load_that_outlives_its_deadline_never_writes_into_blocks_the_engine_got_back(
+    device: str,
+) -> None:
+    """F15 with real copies. The load times out while its copy may still run (on CUDA a
+    1 GiB load takes ~20 ms; the engine's clock jumps past the deadline right after the
+    submission): the request learns at once (fenced failure), its device blocks stay held,
+    and they come back only once the executor reported the copy over. Then the copy has fully
+    landed, and a write the engine makes into them right away is never overwritten later."""
+    cuda = device == "cuda"
+    layers, blocks, width = (16, 1024, 1024) if cuda else (4, 64, 8)  # 1 GiB load vs 64 KiB
+    n = blocks // 2
+    gen = torch.Generator().manual_seed(7)
+    kv = [torch.randn((blocks, 2, 16, width), generator=gen).to(device) for _ in range(layers)]
+    clock = ManualClock()
+    ex = TorchExecutor(kv, n, device=device)
+    engine = SyncEngine(Config(cpu_blocks=n, block_tokens=B, job_deadline_ms=5.0), ex, clock=clock)
+    try:
+        hashes = tuple(range(1000, 1000 + n))
+        source = tuple(range(n))
+        engine.lookup("A", hashes, n * B + 1)
+        engine.blocks_computed("A", hashes, source)
+        while engine.has_live_jobs():  # the store lands (the clock stands still: no timeout)
+            engine.step()
+            time.sleep(0.001)
+        engine.finish_request("A")
+        expected = blocks_of(kv, source)
+
+        target = tuple(range(n, 2 * n))
+        assert engine.lookup("B", (*hashes, 9999), (n + 1) * B) == n
+        job = engine.accept_hits("B", target)
+        assert [j.job_id for j in engine.step().submitted] == [job]
+        clock.now_ms += 1000.0  # the deadline passes before any result is looked at
+        timed_out = engine.step(results=[])
+        assert [(f.job_id, f.fenced) for f in timed_out.loads_failed] == [(job, True)]
+        assert timed_out.released_device_blocks == []
+        assert sorted(engine.held_device_blocks()) == list(target)
+
+        released: list[int] = []
+        deadline = time.monotonic() + 60
+        while not released:
+            assert time.monotonic() < deadline, "the late copy never reported"
+            released = engine.step().released_device_blocks
+            time.sleep(0.0005)
+        assert sorted(released) == list(target) and engine.fences() == []
+        # the late copy had fully landed before its blocks came back (the fence held)...
+        landed = blocks_of(kv, target)
+        assert all(torch.equal(a, b) for a, b in zip(landed, expected, strict=True))
+        # ...and the engine reuses them at once, on its own stream
+        for t in kv:
+            t[list(target)] = 7.0
+        got = blocks_of(kv, target)  # (waits for the engine's write)
+        time.sleep(0.05)
+        if cuda:
+            torch.cuda.synchronize()  # every stream: a rogue copy would have landed by now
+        after = blocks_of(kv, target)
+        assert all(bool((g == 7.0).all()) for g in got), "the engine's write was lost"
+        assert all(bool((a == 7.0).all()) for a in after), "a late copy overwrote reused blocks"
+        assert engine.counters.fences_lifted == 1
+    finally:
+        engine.close()
+    assert_clean(engine)

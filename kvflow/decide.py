@@ -48,6 +48,7 @@ from kvflow.events import (
     RankSucceeded,
     RequestClosed,
     RequestFinished,
+    RequestResumed,
     Reset,
     ResetAll,
     StoreQueued,
@@ -83,9 +84,10 @@ def decide_lookup(state: State, cmd: Lookup) -> Decision:
     if not state.config.enabled:
         return 0
     req = state.requests.get(cmd.request_id)
-    if req is not None and req.finished:
-        raise Rejected(f"lookup of request {cmd.request_id}: the request is finished")
+    _check_not_finished(req, cmd.request_id, "lookup of request")
     cap = hit_cap_blocks(cmd.num_tokens, state.config.block_tokens)
+    if req is not None and req.finished:
+        yield RequestResumed(seq=state.next_seq, request_id=cmd.request_id)  # F18
     if req is not None and req.offered:
         # A repeated lookup (the scheduler could not place the request last step) replaces the
         # hits it offered before, so pins never pile up.
@@ -98,6 +100,13 @@ def decide_lookup(state: State, cmd: Lookup) -> Decision:
     n = visible.index(False) if False in visible else len(window)
     yield PinsAcquired(seq=state.next_seq, request_id=cmd.request_id, hashes=window[:n], num_tokens=cmd.num_tokens)
     return n
+
+
+def _check_not_finished(req: Any, request_id: str, what: str) -> None:
+    """A finished request takes no new work; a preempted one whose earlier jobs are still
+    live comes back under its id (F18: ``RequestResumed``)."""
+    if req is not None and req.finished and not req.preempted:
+        raise Rejected(f"{what} {request_id}: the request is finished")
 
 
 def decide_accept_hits(state: State, cmd: AcceptHits) -> Decision:
@@ -241,15 +250,15 @@ def _decide_store(
         raise Rejected(
             f"store: {len(block_hashes)} hashes but {len(device_blocks)} device blocks"
         )
-    if request_id is not None:
-        req = state.requests.get(request_id)
-        if req is not None and req.finished:
-            raise Rejected(f"store: request {request_id} is finished")
+    req = state.requests.get(request_id) if request_id is not None else None
+    _check_not_finished(req, request_id, "store: request")  # type: ignore[arg-type]
     held = state.held
     same = dict(zip(device_blocks, block_hashes)) if held and not held.keys().isdisjoint(device_blocks) else {}
     _check_device_blocks(state, device_blocks, same)
     if not state.config.enabled:
         return None
+    if req is not None and req.finished:
+        yield RequestResumed(seq=state.next_seq, request_id=req.request_id)  # F18
     entries = state.slot_of
     admit_hashes, admit_blocks, victims, rejected_hashes, rejected_blocks = _admission(
         state, block_hashes, device_blocks

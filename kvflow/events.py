@@ -208,6 +208,14 @@ class RequestFinished(_Event, frozen=True, tag="request_finished"):
     preempted: bool
 
 
+class RequestResumed(_Event, frozen=True, tag="request_resumed"):
+    """A request preempted while its jobs were in flight came back under the same id (F18):
+    it is live again; the jobs of its earlier run finish on their own (the engine tells them
+    apart by job id)."""
+
+    request_id: str
+
+
 class RequestClosed(_Event, frozen=True, tag="request_closed"):
     """A finished request has no live jobs and no pins left: it is forgotten."""
 
@@ -247,6 +255,7 @@ Event = Union[
     PinsAcquired,
     PinsReleased,
     RequestFinished,
+    RequestResumed,
     RequestClosed,
     Reset,
 ]

@@ -833,3 +833,56 @@ def test_F16_when_only_the_own_chain_could_go_the_rest_of_the_store_is_rejected(
     assert m.state.is_resident(100) and m.state.is_resident(101)
     assert m.take_notices().rejected_store_blocks == 2
     consistent(m)
+
+
+def test_F18_a_preempted_request_comes_back_under_its_id_while_its_jobs_run() -> None:
+    """Preempted with a load and a store in flight, the request is looked up and computes
+    again under the same id: it resumes (``request_resumed``); its earlier jobs finish on
+    their own and the engine tells them apart by job id."""
+    from kvflow.events import RequestClosed, RequestResumed
+
+    m = manager(cpu_blocks=8)
+    store(m, "w", [A, B], [1, 2])
+    m.finish_request("w")
+    m.take_notices()
+    assert m.lookup("r", [A, B, C], tokens(3)) == 2
+    old_load = m.accept_hits("r", [10, 11])
+    old_store = m.blocks_computed("r", [C], [12])
+    m.plan_step(1.0)
+    assert m.finish_request("r", preempted=True)
+    assert m.state.requests["r"].finished  # its jobs are live: it is not closed
+
+    before = len(m.log.events())
+    assert m.lookup("r", [A, B, C, D], tokens(4)) == 2  # C is still being stored: not a hit
+    kinds = [type(e) for e in m.log.events()[before:]]
+    assert kinds[0] is RequestResumed and not m.state.requests["r"].finished
+    new_load = m.accept_hits("r", [20, 21])
+    new_store = m.blocks_computed("r", [C, D], [22, 23])  # C is being stored already (F3)
+    assert m.state.jobs[new_store].hashes == (D,)
+    m.plan_step(2.0)
+
+    m.job_result(old_load)
+    m.job_result(old_store)
+    notices = m.take_notices()
+    assert notices.loads_finished == [("r", old_load)] and notices.stores_finished == [old_store]
+    assert "r" in m.state.requests  # live again: the old jobs' end does not close it
+    m.job_result(new_load)
+    m.job_result(new_store)
+    assert m.take_notices().loads_finished == [("r", new_load)]
+    m.finish_request("r")
+    assert isinstance(m.log.events()[-1], RequestClosed) and "r" not in m.state.requests
+    consistent(m)
+
+
+def test_F18_a_finished_request_does_not_come_back() -> None:
+    """Only a preempted request resumes; one that finished (its jobs still running) refuses
+    new work under its id, changing nothing."""
+    m = manager(cpu_blocks=8)
+    job = m.blocks_computed("r", [A], [1])
+    m.plan_step(0.0)
+    m.finish_request("r")
+    for call in (lambda: m.lookup("r", [A, B], tokens(2)), lambda: m.blocks_computed("r", [B], [2])):
+        unchanged_after(m, call, Rejected)
+    m.job_result(job)
+    assert "r" not in m.state.requests
+    assert m.lookup("r", [A, B], tokens(2)) == 1  # closed: the id is free again, a new request

@@ -369,6 +369,23 @@ class OffloadMachine(RuleBasedStateMachine):
             assert req is None or (req.finished and (req.jobs or req.pins))
             assert req is None or not req.offered
 
+    @precondition(lambda self: any(r.finished and r.preempted for r in self.m.state.requests.values()))
+    @rule(data=st.data(), hashes=PREFIX, store=st.booleans())
+    def resume(self, data: Any, hashes: list[int], store: bool) -> None:
+        """F18: a request preempted while its jobs run comes back under its id (a lookup, or
+        straight to computing); its earlier jobs finish on their own."""
+        preempted = sorted(r for r, req in self.m.state.requests.items() if req.finished and req.preempted)
+        rid = data.draw(st.sampled_from(preempted), label="preempted request")
+        jobs_before = dict(self.m.state.requests[rid].jobs)
+        if store:
+            self.refused(lambda: self.m.blocks_computed(rid, hashes, self.fresh_blocks(len(hashes))), BlockHeld)
+        else:
+            self.m.lookup(rid, hashes, len(hashes) * BT)
+        req = self.m.state.requests[rid]
+        assert not req.finished and not req.preempted
+        assert set(jobs_before) <= set(req.jobs) | set(range(1, self.m.state.last_job_id + 1))
+        self.live.append(rid)
+
     @rule(hashes=st.lists(HASH_POOL, max_size=5, unique=True), reuse=st.booleans())
     def touch(self, hashes: list[int], reuse: bool) -> None:
         # resident blocks, and those still being stored (F14: they keep the touch)

@@ -35,6 +35,7 @@ from kvflow.events import (
     RankSucceeded,
     RequestClosed,
     RequestFinished,
+    RequestResumed,
     Reset,
     StoreQueued,
     StoreRejected,
@@ -68,6 +69,7 @@ NON_BLOCK_TAGS = {
     "fence_lifted",  # a fenced job's memory: its entries were settled by its outcome
     "store_rejected",  # names hashes that were *not* admitted; changes nothing
     "request_finished",
+    "request_resumed",
     "request_closed",
 }
 BLOCK_TAGS = sorted(set(ALL_TAGS) - NON_BLOCK_TAGS)
@@ -79,6 +81,7 @@ NON_JOB_TAGS = {
     "pins_acquired",
     "pins_released",
     "request_finished",
+    "request_resumed",
     "request_closed",
 }
 # An outcome event with ``fenced`` set is its own row key in the job table (F15).
@@ -302,6 +305,10 @@ def neutral_event(tag: str, m: OffloadManager, target_job: int | None = None) ->
     if tag == "request_finished":
         m.lookup("rf", [MISS], TOKENS)
         return RequestFinished(seq=seq(m), request_id="rf", preempted=False)
+    if tag == "request_resumed":
+        m.lookup("rr", [MISS], TOKENS)
+        apply_directly(m, RequestFinished(seq=seq(m), request_id="rr", preempted=True))
+        return RequestResumed(seq=seq(m), request_id="rr")
     if tag == "request_closed":
         m.lookup("rc", [MISS], TOKENS)
         apply_directly(m, RequestFinished(seq=seq(m), request_id="rc", preempted=False))

@@ -35,6 +35,7 @@ from kvflow.events import (
     RankSucceeded,
     RequestClosed,
     RequestFinished,
+    RequestResumed,
     Reset,
     StoreQueued,
     StoreRejected,
@@ -455,6 +456,13 @@ def _finished(state: State, event: RequestFinished, check: bool) -> None:
     req.preempted = event.preempted
 
 
+def _resumed(state: State, event: RequestResumed, check: bool) -> None:
+    req = state.requests.get(event.request_id)
+    if req is None or not req.finished or not req.preempted:
+        raise lg.illegal(state, event, "LIVE", f"request {event.request_id} is not a preempted one")
+    req.finished = req.preempted = False
+
+
 def _closed(state: State, event: RequestClosed, check: bool) -> None:
     req = state.requests.get(event.request_id)
     if req is None or not req.finished or req.jobs or req.holds_pins():
@@ -516,6 +524,7 @@ _EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {
     PinsAcquired: _pins_acquired,  # type: ignore[dict-item]
     PinsReleased: _pins_released,  # type: ignore[dict-item]
     RequestFinished: _finished,  # type: ignore[dict-item]
+    RequestResumed: _resumed,  # type: ignore[dict-item]
     RequestClosed: _closed,  # type: ignore[dict-item]
     Reset: _reset,  # type: ignore[dict-item]
 }

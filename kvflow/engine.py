@@ -16,8 +16,9 @@ Guarantees to the embedding engine:
 * logging goes through structlog with stable dotted event names (``kvflow.job_failed``)
   and bound ``job`` / ``request`` ids; the library never configures logging. When the
   application has not configured structlog (``structlog.is_configured()`` is false), only
-  executor errors are emitted, so an unconfigured embedding is not flooded; failed jobs are
-  always visible in the counters, the step reports and the trace.
+  executor errors and memory kept too long (``kvflow.fence_held``, ``kvflow.pins_held``) are
+  emitted, so an unconfigured embedding is not flooded; failed jobs are always visible in the
+  counters, the step reports and the trace.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Counters:
     jobs_fenced: int = 0  # outcome known while a copy may still run (F15)
     fences_lifted: int = 0  # of those, the copies reported over (or the executor closed)
     fences_overdue: int = 0  # fences held past ``fence_warn_ms`` (each warned about once)
+    pins_overdue: int = 0  # requests holding lookup hits past ``pin_warn_ms`` (F18)
     unknown_results: int = 0
     executor_errors: int = 0
     blocks_stored: int = 0
@@ -173,12 +175,16 @@ class SyncEngine:
         checkpoint_every: int = 10_000,
         keep_log: bool = False,
         fence_warn_ms: float | None = None,
+        pin_warn_ms: float | None = None,
         _auto_flush: bool = True,
     ) -> None:
         """``trace_path`` records a trace file while running; without it the engine keeps no
         log (``keep_log=True`` keeps one in memory, for tests and short runs: it grows with
         every event). A fence held longer than ``fence_warn_ms`` (default: the job deadline)
-        is counted in ``fences_overdue`` and logged once as ``kvflow.fence_held``."""
+        is counted in ``fences_overdue`` and logged once as ``kvflow.fence_held``; a request
+        that holds the hits of its lookups longer than ``pin_warn_ms`` (default: the job
+        deadline) without accepting or releasing them is counted in ``pins_overdue`` and
+        logged once as ``kvflow.pins_held`` (those pinned blocks cannot be evicted)."""
         self.config = config
         self.executor = executor
         self.clock = clock
@@ -212,6 +218,10 @@ class SyncEngine:
         self._fenced_at: dict[int, float] = {}
         self._overdue: set[int] = set()
         self.fence_warn_ms = config.job_deadline_ms if fence_warn_ms is None else float(fence_warn_ms)
+        # request -> when its lookups started holding hits it has not accepted or released
+        self._pinned_since: dict[str, float] = {}
+        self._pins_warned: set[str] = set()
+        self.pin_warn_ms = config.job_deadline_ms if pin_warn_ms is None else float(pin_warn_ms)
         self._log = logger if logger is not None else structlog.get_logger("kvflow")
         self._debug = logger is not None or structlog.is_configured()
         self._subscribe()
@@ -322,6 +332,8 @@ class SyncEngine:
             self._submit(jobs, compute_done, now)
         if self._fenced_at:
             self._watch_fences(now)
+        if self._pinned_since:
+            self._watch_pins(now)
         if not self.manager.has_notices():
             return StepReport(now_ms=now, submitted=jobs, timed_out=timed_out)
         notices = self.manager.take_notices()
@@ -361,6 +373,27 @@ class SyncEngine:
                     ranks_pending=list(fence.ranks_pending),
                 )
 
+    def _watch_pins(self, now: float) -> None:
+        """Hits a lookup pinned stay pinned until ``accept_hits`` (an empty list releases
+        them) or the request's finish; a request that keeps them past ``pin_warn_ms`` is
+        counted and warned about once, with how many blocks it keeps from eviction."""
+        requests = self.manager.state.requests
+        for rid, since in list(self._pinned_since.items()):
+            req = requests.get(rid)
+            if req is None or not req.offered:
+                del self._pinned_since[rid]
+                self._pins_warned.discard(rid)
+            elif now - since > self.pin_warn_ms and rid not in self._pins_warned:
+                self._pins_warned.add(rid)
+                self.counters.pins_overdue += 1
+                self._log.warning(
+                    "kvflow.pins_held",
+                    request=rid,
+                    blocks=len(req.offered),
+                    held_ms=now - since,
+                    hint="release with accept_hits(request_id, []) when the request is not scheduled",
+                )
+
     def _poll(self) -> list[JobResult]:
         try:
             return self.executor.poll()
@@ -393,11 +426,16 @@ class SyncEngine:
         on(self._on_rejected, (StoreRejected,))
         on(self._on_late, (LateResultIgnored,))
         on(self._on_fence_event, (FenceLifted, Reset))
+        on(self._on_pins, (PinsAcquired,))
         if self._debug:
             on(self._log_event)
 
     def _on_submitted(self, event: JobsSubmitted) -> None:
         self.counters.jobs_submitted += len(event.job_ids)
+
+    def _on_pins(self, event: PinsAcquired) -> None:
+        if event.hashes and event.request_id not in self._pinned_since:
+            self._pinned_since[event.request_id] = self.clock()
 
     def _fence(self, job_id: int) -> None:
         if job_id not in self._fenced_at:

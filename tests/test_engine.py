@@ -739,3 +739,53 @@ def test_latency_samples_stay_bounded() -> None:
     assert 10 <= len(lat.load_ms) <= 20
     assert lat.load_ms[-1] == 99.0  # the most recent samples are kept
     assert lat.summary()["load_p50_ms"] is not None and lat.store_ms == []
+
+
+def test_f18_a_request_that_keeps_its_lookup_pins_is_made_visible() -> None:
+    """A request looked up again every step but never scheduled keeps its hits pinned (they
+    cannot be evicted): past ``pin_warn_ms`` it is counted and warned about once; releasing
+    them with ``accept_hits(request, [])`` ends it."""
+    engine, ex, clock = make()
+    store_a(engine, ex, clock)
+    with capture_logs() as logs:
+        for _ in range(5):  # the scheduler cannot place B: it asks again each step
+            assert engine.lookup("B", A_HASHES + (104,), 3 * B + 5) == 3
+            engine.step()
+            clock.advance_to(clock.now_ms + DEADLINE_MS / 2)
+    assert engine.counters.pins_overdue == 1
+    (warning,) = [e for e in logs if e["event"] == "kvflow.pins_held"]
+    assert warning["request"] == "B" and warning["blocks"] == 3
+    assert engine.accept_hits("B", []) is None  # released: nothing stays pinned
+    assert engine.manager.state.pin_count == {}
+    engine.step()
+    engine.finish_request("B")
+    assert_clean(engine)
+
+
+def test_f15_a_fence_the_executor_never_answers_is_counted_and_warned_about_once() -> None:
+    engine, ex, clock = make(hang_jobs=[1])
+    engine.lookup("A", A_HASHES, 3 * B + 1)
+    job = engine.blocks_computed("A", A_HASHES, (0, 1, 2))
+    engine.step()
+    with capture_logs() as logs:
+        for _ in range(6):
+            clock.advance_to(clock.now_ms + DEADLINE_MS)
+            engine.step()
+    assert engine.counters.jobs_fenced == 1 and engine.counters.fences_overdue == 1
+    (warning,) = [e for e in logs if e["event"] == "kvflow.fence_held"]
+    assert warning["job"] == job and warning["device_blocks"] == 3 and warning["ranks_pending"] == [0]
+    engine.close()  # the executor stops its copies: the fence ends
+    assert engine.counters.fences_lifted == 1 and engine.held_device_blocks() == []
+
+
+def test_every_public_engine_method_says_what_it_does() -> None:
+    """Item 8 of the engine-contract issue: the embedding API documents itself."""
+    import inspect
+
+    for cls in (SyncEngine, Engine):
+        missing = [
+            name
+            for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if not name.startswith("_") and len((fn.__doc__ or "").strip()) < 20
+        ]
+        assert missing == [], f"{cls.__name__}: {missing}"

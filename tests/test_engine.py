@@ -741,7 +741,7 @@ def test_latency_samples_stay_bounded() -> None:
     assert lat.summary()["load_p50_ms"] is not None and lat.store_ms == []
 
 
-def test_f18_a_request_that_keeps_its_lookup_pins_is_made_visible() -> None:
+def test_f18_a_request_that_keeps_its_lookup_pins_is_made_visible(restore_structlog: None) -> None:
     """A request looked up again every step but never scheduled keeps its hits pinned (they
     cannot be evicted): past ``pin_warn_ms`` it is counted and warned about once; releasing
     them with ``accept_hits(request, [])`` ends it."""
@@ -762,7 +762,9 @@ def test_f18_a_request_that_keeps_its_lookup_pins_is_made_visible() -> None:
     assert_clean(engine)
 
 
-def test_f15_a_fence_the_executor_never_answers_is_counted_and_warned_about_once() -> None:
+def test_f15_a_fence_the_executor_never_answers_is_counted_and_warned_about_once(
+    restore_structlog: None,
+) -> None:
     engine, ex, clock = make(hang_jobs=[1])
     engine.lookup("A", A_HASHES, 3 * B + 1)
     job = engine.blocks_computed("A", A_HASHES, (0, 1, 2))

@@ -48,6 +48,7 @@ from kvflow.events import (
     RankSucceeded,
     RequestClosed,
     RequestFinished,
+    RequestOpened,
     RequestResumed,
     Reset,
     ResetAll,
@@ -283,6 +284,8 @@ def _decide_store(
             device_blocks=tuple(admit_blocks),
             slots=tuple(free[len(free) - admitted :][::-1]),
         )
+    elif request_id is not None and req is None and not rejected_hashes:
+        yield RequestOpened(seq=state.next_seq, request_id=request_id)  # F18: known from now on
     if rejected_hashes:
         yield StoreRejected(
             seq=state.next_seq,

@@ -208,6 +208,13 @@ class RequestFinished(_Event, frozen=True, tag="request_finished"):
     preempted: bool
 
 
+class RequestOpened(_Event, frozen=True, tag="request_opened"):
+    """kvflow first heard of a request through a call that decided nothing else (F18: a
+    store whose blocks were all on the tier already): it is known from its first call."""
+
+    request_id: str
+
+
 class RequestResumed(_Event, frozen=True, tag="request_resumed"):
     """A request preempted while its jobs were in flight came back under the same id (F18):
     it is live again; the jobs of its earlier run finish on their own (the engine tells them
@@ -255,6 +262,7 @@ Event = Union[
     PinsAcquired,
     PinsReleased,
     RequestFinished,
+    RequestOpened,
     RequestResumed,
     RequestClosed,
     Reset,

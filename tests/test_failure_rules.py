@@ -301,10 +301,13 @@ def test_F3_in_flight_store_is_deduplicated_across_steps_and_visible_only_when_c
     assert m.blocks_computed("r2", [A, B, C], [1, 2, 3]) is not None  # only C is new
     new_stores = [e for e in m.log.events()[records:] if isinstance(e, StoreQueued)]
     assert [(e.hashes, e.device_blocks) for e in new_stores] == [((C,), (3,))]
-    # and once more with only the shared blocks: nothing at all
+    # and once more with only the shared blocks: nothing is stored (a new request is known
+    # from its first call, F18; a known one records nothing at all)
     records = len(m.log.events())
     assert m.blocks_computed("r3", [A, B], [1, 2]) is None
-    assert m.log.events()[records:] == []
+    assert [type(e).__name__ for e in m.log.events()[records:]] == ["RequestOpened"]
+    assert m.blocks_computed("r2", [A, B], [1, 2]) is None
+    assert len(m.log.events()) == records + 1
     assert m.state.held[1] == first and m.state.held[2] == first
     m.job_result(first)
     assert m.lookup("r4", [A, B, C], tokens(3)) == 2  # A, B now visible; C still in flight
@@ -886,3 +889,19 @@ def test_F18_a_finished_request_does_not_come_back() -> None:
     m.job_result(job)
     assert "r" not in m.state.requests
     assert m.lookup("r", [A, B], tokens(2)) == 1  # closed: the id is free again, a new request
+
+
+def test_F18_a_request_is_known_from_its_first_call_even_when_no_job_was_queued() -> None:
+    """Its blocks were all on the tier already (nothing to store): kvflow still knows it, so
+    finishing it is a real finish (True), not the no-op for a request never seen."""
+    from kvflow.events import RequestOpened
+
+    m = manager(cpu_blocks=4)
+    store(m, "w", [A], [1])
+    m.finish_request("w")
+    assert m.blocks_computed("x", [A], [2]) is None
+    assert isinstance(m.log.events()[-1], RequestOpened) and "x" in m.state.requests
+    assert m.blocks_computed("x", [A], [2]) is None  # known now: nothing more is recorded
+    assert not isinstance(m.log.events()[-2], RequestOpened)
+    assert m.finish_request("x") is True and "x" not in m.state.requests
+    consistent(m)

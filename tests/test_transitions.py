@@ -35,6 +35,7 @@ from kvflow.events import (
     RankSucceeded,
     RequestClosed,
     RequestFinished,
+    RequestOpened,
     RequestResumed,
     Reset,
     StoreQueued,
@@ -69,6 +70,7 @@ NON_BLOCK_TAGS = {
     "fence_lifted",  # a fenced job's memory: its entries were settled by its outcome
     "store_rejected",  # names hashes that were *not* admitted; changes nothing
     "request_finished",
+    "request_opened",
     "request_resumed",
     "request_closed",
 }
@@ -81,6 +83,7 @@ NON_JOB_TAGS = {
     "pins_acquired",
     "pins_released",
     "request_finished",
+    "request_opened",
     "request_resumed",
     "request_closed",
 }
@@ -305,6 +308,8 @@ def neutral_event(tag: str, m: OffloadManager, target_job: int | None = None) ->
     if tag == "request_finished":
         m.lookup("rf", [MISS], TOKENS)
         return RequestFinished(seq=seq(m), request_id="rf", preempted=False)
+    if tag == "request_opened":
+        return RequestOpened(seq=seq(m), request_id="ro")
     if tag == "request_resumed":
         m.lookup("rr", [MISS], TOKENS)
         apply_directly(m, RequestFinished(seq=seq(m), request_id="rr", preempted=True))

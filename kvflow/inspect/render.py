@@ -32,6 +32,7 @@ from kvflow.events import (
     RankSucceeded,
     RequestClosed,
     RequestFinished,
+    RequestOpened,
     RequestResumed,
     Reset,
     ResetAll,
@@ -122,6 +123,8 @@ def describe(record: Any) -> str:
         return f"request {r.request_id} released its offered pins on {_blocks(len(r.hashes))} {few(r.hashes)}"
     if kind is RequestFinished:
         return f"request {r.request_id} {'preempted' if r.preempted else 'finished'}"
+    if kind is RequestOpened:
+        return f"request {r.request_id} first seen (its blocks were all on the tier already)"
     if kind is RequestResumed:
         return f"request {r.request_id} came back after its preemption (its earlier jobs finish on their own)"
     if kind is RequestClosed:

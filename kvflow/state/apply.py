@@ -35,6 +35,7 @@ from kvflow.events import (
     RankSucceeded,
     RequestClosed,
     RequestFinished,
+    RequestOpened,
     RequestResumed,
     Reset,
     StoreQueued,
@@ -456,6 +457,12 @@ def _finished(state: State, event: RequestFinished, check: bool) -> None:
     req.preempted = event.preempted
 
 
+def _opened(state: State, event: RequestOpened, check: bool) -> None:
+    if event.request_id in state.requests:
+        raise lg.illegal(state, event, "LIVE", f"request {event.request_id} is known already")
+    _request(state, event.request_id)
+
+
 def _resumed(state: State, event: RequestResumed, check: bool) -> None:
     req = state.requests.get(event.request_id)
     if req is None or not req.finished or not req.preempted:
@@ -524,6 +531,7 @@ _EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {
     PinsAcquired: _pins_acquired,  # type: ignore[dict-item]
     PinsReleased: _pins_released,  # type: ignore[dict-item]
     RequestFinished: _finished,  # type: ignore[dict-item]
+    RequestOpened: _opened,  # type: ignore[dict-item]
     RequestResumed: _resumed,  # type: ignore[dict-item]
     RequestClosed: _closed,  # type: ignore[dict-item]
     Reset: _reset,  # type: ignore[dict-item]

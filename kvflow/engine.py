@@ -128,8 +128,12 @@ class Latencies:
     load_ms: list[float] = field(default_factory=list)
     store_ms: list[float] = field(default_factory=list)
     window: int = 100_000
+    # called with (direction, latency_ms) for every sample (e.g. a Prometheus histogram)
+    listeners: list[Callable[[str, float], None]] = field(default_factory=list)
 
     def add(self, direction: str, latency_ms: float) -> None:
+        for listener in self.listeners:
+            listener(direction, latency_ms)
         values = self.load_ms if direction == LOAD else self.store_ms
         values.append(latency_ms)
         if len(values) > 2 * self.window:

@@ -15,7 +15,7 @@ block that is not readable. Pure: a function of the events.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -24,27 +24,55 @@ from kvflow.events import STORE, BlocksEvicted, Event, JobCompleted, Reset
 MEDIUM_CPU = "CPU"
 
 
-class BlockStored(msgspec.Struct, frozen=True, tag="BlockStored"):
-    """Blocks now readable in ``medium`` (vLLM's field names)."""
+# The structs follow vLLM's KV event schema (vllm/distributed/kv_events.py): the same tags
+# (the class name, in a ``type`` field), field names, order, required fields and None
+# defaults, omitted when default, so vLLM's own decoder and consumers (routers, cache
+# indexes) read them. ``seq`` is kvflow's alone (the event that caused it, for debugging);
+# left at 0 it is omitted, which is how they go on the wire (kvflow.kvevents_zmq).
+class BlockStored(msgspec.Struct, frozen=True, tag="BlockStored", omit_defaults=True):
+    """Blocks now readable in ``medium``."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
-    medium: str = MEDIUM_CPU
-    seq: int = 0  # the kvflow event that caused it
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+    seq: int = 0  # kvflow's: the event that caused it
 
 
-class BlockRemoved(msgspec.Struct, frozen=True, tag="BlockRemoved"):
+class BlockRemoved(msgspec.Struct, frozen=True, tag="BlockRemoved", omit_defaults=True):
+    """Blocks no longer readable in ``medium``."""
+
     block_hashes: list[int]
-    medium: str = MEDIUM_CPU
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
     seq: int = 0
 
 
-class AllBlocksCleared(msgspec.Struct, frozen=True, tag="AllBlocksCleared"):
-    medium: str = MEDIUM_CPU
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag="AllBlocksCleared", omit_defaults=True):
+    """Every block of the publisher is gone (vLLM's has no fields: the medium is implied)."""
+
     seq: int = 0
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    """vLLM's batch on the wire: ``[ts, events, data_parallel_rank]`` (msgpack)."""
+
+    ts: float
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    data_parallel_rank: int | None = None
 
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
@@ -62,10 +90,12 @@ def kv_event(event: Event, block_tokens: int) -> KVEvent | None:
             token_ids=[],
             block_size=block_tokens,
             lora_id=None,
+            medium=MEDIUM_CPU,
+            lora_name=None,
             seq=event.seq,
         )
     if kind is BlocksEvicted:
-        return BlockRemoved(block_hashes=list(event.hashes), seq=event.seq)  # type: ignore[union-attr]
+        return BlockRemoved(block_hashes=list(event.hashes), medium=MEDIUM_CPU, seq=event.seq)  # type: ignore[union-attr]
     if kind is Reset:
         return AllBlocksCleared(seq=event.seq)
     return None

@@ -1,0 +1,1 @@
+"""Adapters that run kvflow inside serving engines (``kvflow.integrations.vllm``)."""

@@ -10,6 +10,8 @@ library at load time (rich is imported when something is printed through it).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,13 +63,31 @@ def print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2))
 
 
+PIPE_WIDTH = 140  # a pipe or file has no width of its own: wide enough for every table
+
+
+def output_width() -> int:
+    """The columns stdout's output should fit: the terminal's width on a terminal (``COLUMNS``
+    overrides it, as rich reads it), else ``COLUMNS`` when it is set, else ``PIPE_WIDTH``.
+
+    ``COLUMNS`` counts in a pipe too, so ``COLUMNS=80 kvflow incidents T | less`` and the
+    tests can ask for the narrow layout.
+    """
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size((PIPE_WIDTH, 24)).columns
+    return PIPE_WIDTH
+
+
 def _console() -> Any:
-    """A rich console: the terminal's width, or a fixed 140 columns in a pipe or file."""
+    """A rich console as wide as :func:`output_width`; no colour in a pipe or file."""
     from rich.console import Console
 
     if sys.stdout.isatty():
-        return Console(highlight=False)
-    return Console(width=140, highlight=False, no_color=True)
+        return Console(width=output_width(), highlight=False)
+    return Console(width=output_width(), highlight=False, no_color=True)
 
 
 def print_rich(renderable: Any) -> None:

@@ -10,7 +10,15 @@ from typing import Any
 
 import click
 
-from kvflow.cli_common import fail, parse_int, print_json, print_rich, user_errors, warn
+from kvflow.cli_common import (
+    fail,
+    output_width,
+    parse_int,
+    print_json,
+    print_rich,
+    user_errors,
+    warn,
+)
 
 
 @click.command()
@@ -30,11 +38,12 @@ def incidents(trace: str, as_json: bool) -> None:
     _print_incidents(report)
 
 
+# Below this many columns the table squeezes its text columns to a few characters a line
+# (rich wraps every cell to fit): print one block of lines per incident instead.
+TABLE_MIN_WIDTH = 130
+
+
 def _print_incidents(report: Any) -> None:
-    from rich.table import Table
-
-    from kvflow.inspect import few, recovery_summary
-
     found = report.incidents
     if not found:
         click.echo(
@@ -45,11 +54,45 @@ def _print_incidents(report: Any) -> None:
     for incident in found:
         counts[incident.outcome] = counts.get(incident.outcome, 0) + 1
     tally = ", ".join(f"{n} {outcome.replace('_', ' ')}" for outcome, n in sorted(counts.items()))
-    table = Table(
-        title=f"{report.path}: {len(found)} incidents of {report.jobs} jobs ({tally})",
-        title_justify="left",
-        show_lines=True,
+    title = f"{report.path}: {len(found)} incidents of {report.jobs} jobs ({tally})"
+    width = output_width()
+    if width < TABLE_MIN_WIDTH:
+        _print_incident_blocks(title, [_incident_cells(i) for i in found], width)
+    else:
+        _print_incident_table(title, [_incident_cells(i) for i in found])
+
+
+def _incident_cells(incident: Any) -> dict[str, str]:
+    """One incident's texts, shared by the table and the narrow layout."""
+    from kvflow.inspect import few, recovery_summary
+
+    what = f"{incident.direction} {incident.outcome.replace('_', ' ')}"
+    if incident.rank is not None and incident.outcome == "failed":
+        what += f" (rank {incident.rank})"
+    late = ", ".join(
+        f"seq {r.seq}: rank {r.rank} {'ok' if r.ok else 'error'}" for r in incident.late_results
     )
+    t = incident.time_ms
+    ms = "-" if t is None else f"{t:,.1f}" if t >= 1000 else f"{t:.3f}".rstrip("0").rstrip(".")
+    return {
+        "seq": str(incident.seq),
+        "step": str(incident.step),
+        "ms": ms,
+        "job": str(incident.job_id),
+        "what": what,
+        "request": ", ".join(incident.requests) or "-",
+        "blocks": f"{len(incident.hashes)}: {few(incident.hashes, 2)[1:-1]}".replace(", +", " +"),
+        "error": incident.error,
+        "recovery": recovery_summary(incident),
+        "late results": late or "-",
+    }
+
+
+def _print_incident_table(title: str, rows: list[dict[str, str]]) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_lines=True)
+    names: list[str] = []
     for name, kwargs in (
         ("seq", {"justify": "right"}),
         ("step", {"justify": "right"}),
@@ -62,30 +105,41 @@ def _print_incidents(report: Any) -> None:
         ("recovery", {"ratio": 3, "overflow": "fold"}),
         ("late results", {"ratio": 1, "overflow": "fold"}),
     ):
-        if name == "late results" and not any(i.late_results for i in found):
+        if name == "late results" and all(row[name] == "-" for row in rows):
             continue
         table.add_column(name, **kwargs)
-    for incident in found:
-        what = f"{incident.direction} {incident.outcome.replace('_', ' ')}"
-        if incident.rank is not None and incident.outcome == "failed":
-            what += f" (rank {incident.rank})"
-        late = ", ".join(
-            f"seq {r.seq}: rank {r.rank} {'ok' if r.ok else 'error'}" for r in incident.late_results
-        )
-        cells = [
-            str(incident.seq),
-            str(incident.step),
-            "-" if incident.time_ms is None else f"{incident.time_ms:,.1f}" if incident.time_ms >= 1000 else f"{incident.time_ms:.3f}".rstrip("0").rstrip("."),
-            str(incident.job_id),
-            what,
-            ", ".join(incident.requests) or "-",
-            f"{len(incident.hashes)}: {few(incident.hashes, 2)[1:-1]}".replace(", +", " +"),
-            incident.error,
-            recovery_summary(incident),
-            late or "-",
-        ]
-        table.add_row(*cells[: len(table.columns)])
+        names.append(name)
+    for row in rows:
+        table.add_row(*(row[name] for name in names))
     print_rich(table)
+
+
+def _print_incident_blocks(title: str, rows: list[dict[str, str]], width: int) -> None:
+    """One incident per block of lines: a heading naming the job, then one labelled field a
+    line, long values wrapped under their label. Numbers and ids are never split."""
+    import textwrap
+
+    labels = ("blocks", "error", "recovery", "late results")
+    indent = 2 + max(len(label) for label in labels) + 2
+    fill = max(20, width - indent)  # a tiny COLUMNS still gets readable lines
+
+    def wrap(text: str, size: int) -> list[str]:
+        return textwrap.wrap(text, size, break_on_hyphens=False) or [""]
+
+    for text in wrap(title, width):
+        click.echo(text)
+    for row in rows:
+        click.echo("")
+        request = "no request" if row["request"] == "-" else f"request {row['request']}"
+        heading = f"job {row['job']}: {row['what']}, {request}"
+        for text in wrap(heading, width):
+            click.echo(text)
+        when = f"seq {row['seq']}, step {row['step']}, {row['ms']} ms"
+        for label, value in (("when", when), *((label, row[label]) for label in labels)):
+            if label == "late results" and value == "-":
+                continue
+            for n, text in enumerate(wrap(value, fill)):
+                click.echo(f"  {label if n == 0 else '':<{indent - 4}}  {text}")
 
 
 @click.command()
@@ -123,6 +177,8 @@ def inspect(
         result = inspect_trace(trace, selector, at=at_seq)
     for warning in result.warnings:
         warn(warning)
+    if given and not result.history:
+        _refuse_unknown(trace, result)
     if as_json:
         print_json(result.to_dict())
         return
@@ -132,6 +188,24 @@ def inspect(
         _print_focus(result)
     if result.state is not None:
         _print_state(result.path, result.state)
+
+
+def _refuse_unknown(trace: str, result: Any) -> None:
+    """No record names the followed thing. A job id, request id or block hash that never
+    appears is a typo or the wrong trace: exit 2 rather than print an empty history. A slot
+    is different: one inside the tier that no job ever used is a fair question (it stayed
+    free); only one beyond the tier's capacity is refused."""
+    selector = result.selector
+    if selector.slot is None:
+        fail(f"{selector} never appears in {result.path} (last seq {result.last_seq})")
+    from kvflow.log import TraceReader
+
+    with user_errors():
+        reader = TraceReader(trace)
+        reader.close()
+    slots = reader.config.cpu_blocks
+    if selector.slot >= slots:
+        fail(f"{selector} is not in {result.path}: its CPU tier has {slots} slots (0..{slots - 1})")
 
 
 def _print_history(result: Any) -> None:

@@ -5,7 +5,7 @@ Sequential mode (the default) follows §7's rules one request at a time, so that
 implementation of those rules gets the same numbers (``tests/reference_sim.py`` is one).
 Timed mode keeps every decision rule but lets requests arrive at their ``timestamp``, run
 concurrently (prefill time from a token rate) and overlap their transfers; it reports load
-latency percentiles.
+and store latency percentiles.
 """
 
 from __future__ import annotations
@@ -34,6 +34,29 @@ SUMMARY_KEYS = (
     "evicted_blocks",
     "failed_jobs",
 )
+
+GB = 10**9  # decimal, like the GB of the summary and of --bandwidth-gbps
+
+
+def blocks_for_gb(gb: float, bytes_per_block: int) -> int:
+    """A CPU tier of ``gb`` GB as whole blocks of ``bytes_per_block`` bytes (the bytes per block
+    the simulated transfers move), rounded down: a partial block holds nothing, and rounding
+    down never gives the tier more memory than asked. ``0`` disables offload, like
+    ``--cpu-blocks 0``; a positive size below one block is refused rather than silently
+    disabling offload."""
+    if not isinstance(bytes_per_block, int) or isinstance(bytes_per_block, bool) or bytes_per_block <= 0:
+        raise ConfigError(f"--bytes-per-block must be a whole number > 0, got {bytes_per_block!r}")
+    if not math.isfinite(gb) or gb < 0:
+        raise ConfigError(f"--cpu-gb must be a finite number >= 0, got {gb}")
+    # to the nearest byte first, so that float noise (0.3 * 1e9 = 299999999.99...) cannot
+    # cost a whole block when GB is an exact multiple of the block size
+    blocks = round(gb * GB) // bytes_per_block
+    if blocks == 0 and gb > 0:
+        raise ConfigError(
+            f"--cpu-gb {gb:g} is less than one block of {bytes_per_block:,} bytes "
+            "(rounds down to 0 blocks; use 0 to disable offload)"
+        )
+    return blocks
 
 
 @dataclass

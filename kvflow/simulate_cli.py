@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
 import click
 
+from kvflow.cli_common import fail, warn
 from kvflow.errors import KvflowError
 
-
-def _fail(message: str) -> None:
-    click.echo(f"kvflow: error: {message}", err=True)
-    sys.exit(2)
+DEFAULT_CPU_BLOCKS = 2000
 
 
 def _count_lines(path: str) -> int | None:
@@ -31,6 +30,7 @@ def _run(path: str, options: Any, show_progress: bool) -> dict[str, Any]:
 
     if not show_progress:
         return simulate(path, options)
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -46,7 +46,8 @@ def _run(path: str, options: Any, show_progress: bool) -> dict[str, Any]:
         MofNCompleteColumn(),
         TimeRemainingColumn(),
         transient=True,
-        console=None,
+        # on stderr, so stdout (the table, --json) stays clean when only stdout is redirected
+        console=Console(stderr=True),
     ) as progress:
         task = progress.add_task("requests", total=total)
         return simulate(path, options, progress=lambda: progress.advance(task))
@@ -82,8 +83,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         ("bytes stored / loaded", f"{summary['bytes_stored'] / 1e9:,.1f} GB / {summary['bytes_loaded'] / 1e9:,.1f} GB"),
         ("simulated time", f"{summary['sim_time_ms'] / 1000:,.1f} s"),
     ]
-    for key in ("load_p50_ms", "load_p90_ms", "load_p99_ms"):
-        if summary.get(key) is not None:
+    for key in (f"{d}_p{q}_ms" for d in ("load", "store") for q in (50, 90, 99)):
+        if summary.get(key) is not None:  # timed mode, and only directions that had jobs
             rows.append((key.replace("_", " "), f"{summary[key]:.3f} ms"))
     for name, value in rows:
         table.add_row(name, value)
@@ -108,18 +109,71 @@ def _parse_caps(text: str) -> list[int]:
     return caps
 
 
-def _sweep(path: str, base: Any, caps: list[int], plot: str, as_json: bool) -> None:
-    import dataclasses
-
-    from kvflow.simulate import simulate
-
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or None when matplotlib (an optional
+    extra) is not installed: the sweep's numbers need no plot."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise KvflowError("--sweep writes a PNG with matplotlib: pip install 'kvflow[plot]'") from None
+        return None
+    return plt
+
+
+def _check_writable(path: str) -> None:
+    """Fail now, not after a sweep of many simulations, if the plot cannot be written there.
+    Opening for append changes no existing file; a file it had to create is removed again."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise KvflowError(f"cannot write plot {path}: {exc.strerror or exc}") from None
+    if not existed:
+        os.remove(path)
+
+
+def _plot(plt: Any, base: Any, caps: list[int], results: dict[str, list[dict[str, Any]]], path: str) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy, rows in results.items():
+        ax.plot(caps, [r["hit_rate"] * 100 for r in rows], marker="o", label=policy.upper())
+    # capacities usually span orders of magnitude (500 .. 16,000): a log axis spaces them
+    # evenly. Capacity 0 (offload off) has no place on a log axis, so then the axis is linear
+    # up to the smallest positive capacity (symlog).
+    positive = [c for c in caps if c > 0]
+    if len(positive) == len(caps):
+        ax.set_xscale("log")
+    else:
+        ax.set_xscale("symlog", linthresh=min(positive, default=1))
+    ax.minorticks_off()
+    ax.set_xticks(caps, [f"{c:,}" for c in caps])  # the capacities run, not powers of ten
+    ax.set_xlabel("CPU tier capacity (blocks, log scale)")
+    ax.set_ylabel("prefix hit rate (% of prompt tokens)")
+    ax.set_title(f"kvflow simulate --sweep · device {base.device_blocks} blocks · {base.store}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise KvflowError(f"cannot write plot {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+
+
+def _sweep(path: str, base: Any, caps: list[int], plot: str, as_json: bool) -> None:
+    import dataclasses
+
+    from kvflow.simulate import simulate
+
+    plt = _pyplot()
+    if plt is None:
+        warn(f"matplotlib is not installed: no plot written to {plot}, numbers only "
+             "(pip install 'kvflow[plot]')")
+    else:
+        _check_writable(plot)
     results: dict[str, list[dict[str, Any]]] = {}
     for policy in ("lru", "arc"):
         for cap in caps:
@@ -131,28 +185,34 @@ def _sweep(path: str, base: Any, caps: list[int], plot: str, as_json: bool) -> N
                     f"{policy:>4} cpu_blocks={cap:>8,}  hit rate {summary['hit_rate']:.2%}  "
                     f"(cpu {summary['cpu_hit_tokens'] / max(1, summary['prompt_tokens']):.2%})"
                 )
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for policy, rows in results.items():
-        ax.plot(caps, [r["hit_rate"] * 100 for r in rows], marker="o", label=policy.upper())
-    ax.set_xlabel("CPU tier capacity (blocks)")
-    ax.set_ylabel("prefix hit rate (% of prompt tokens)")
-    ax.set_title(f"kvflow simulate --sweep · device {base.device_blocks} blocks · {base.store}")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    try:
-        fig.savefig(plot, dpi=120)
-    except OSError as exc:
-        raise KvflowError(f"cannot write plot {plot}: {exc.strerror or exc}") from None
+    written = None
+    if plt is not None:
+        _plot(plt, base, caps, results, plot)
+        written = plot
     if as_json:
-        click.echo(json.dumps({"plot": plot, "capacities": caps, "results": results}))
-    else:
-        click.echo(f"plot written to {plot}")
+        click.echo(json.dumps({"plot": written, "capacities": caps, "results": results}))
+    elif written is not None:
+        click.echo(f"plot written to {written}")
+
+
+def _cpu_blocks(cpu_blocks: int | None, cpu_gb: float | None, bytes_per_block: int) -> int:
+    """The CPU capacity in blocks from whichever of --cpu-blocks / --cpu-gb was given."""
+    from kvflow.simulate import blocks_for_gb
+
+    if cpu_gb is None:
+        return DEFAULT_CPU_BLOCKS if cpu_blocks is None else cpu_blocks
+    if cpu_blocks is not None:
+        raise KvflowError("give the CPU capacity once: --cpu-blocks or --cpu-gb, not both")
+    return blocks_for_gb(cpu_gb, bytes_per_block)
 
 
 @click.command()
 @click.argument("workload", type=click.Path(dir_okay=False))
-@click.option("--cpu-blocks", type=int, default=2000, show_default=True, help="CPU tier capacity in blocks (0 disables offload).")
+@click.option("--cpu-blocks", type=int, default=None,
+              help=f"CPU tier capacity in blocks (0 disables offload).  [default: {DEFAULT_CPU_BLOCKS}]")
+@click.option("--cpu-gb", type=float, default=None, metavar="GB",
+              help="CPU tier capacity in GB (10^9 bytes) instead of --cpu-blocks: rounded down to whole "
+                   "blocks of --bytes-per-block (0 disables offload; less than one block is an error).")
 @click.option("--device-blocks", type=int, default=0, show_default=True, help="Device prefix-cache capacity in blocks (0 allowed).")
 @click.option("--policy", default="lru", show_default=True, help="Eviction policy (lru, arc).")
 @click.option("--store", "store", default="eager", show_default=True, help="Store mode: eager or lazy.")
@@ -169,10 +229,12 @@ def _sweep(path: str, base: Any, caps: list[int], plot: str, as_json: bool) -> N
 @click.option("--sweep", default=None, metavar="CAPS", help="Comma-separated CPU capacities: run both policies at each, plot hit rate.")
 @click.option("--plot", default="sweep.png", show_default=True, help="PNG written by --sweep.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal, not with --json).")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar on stderr, drawn only when stderr is a terminal (default: not with --json).")
 def simulate(
     workload: str,
-    cpu_blocks: int,
+    cpu_blocks: int | None,
+    cpu_gb: float | None,
     device_blocks: int,
     policy: str,
     store: str,
@@ -195,7 +257,7 @@ def simulate(
 
     try:
         options = SimOptions(
-            cpu_blocks=cpu_blocks,
+            cpu_blocks=_cpu_blocks(cpu_blocks, cpu_gb, bytes_per_block),
             device_blocks=device_blocks,
             policy=policy,
             store=store,
@@ -214,14 +276,13 @@ def simulate(
         if sweep is not None:
             _sweep(workload, options, _parse_caps(sweep), plot, as_json)
             return
-        show = progress if progress is not None else (not as_json and sys.stderr.isatty())
-        summary = _run(workload, options, bool(show))
+        # a bar redraws itself with cursor controls: junk in a captured or redirected stderr
+        wanted = progress if progress is not None else not as_json
+        summary = _run(workload, options, wanted and sys.stderr.isatty())
     except KvflowError as exc:
-        _fail(str(exc))
-        return
+        fail(str(exc))
     except OSError as exc:
-        _fail(f"{getattr(exc, 'filename', None) or workload}: {exc.strerror or exc}")
-        return
+        fail(f"{getattr(exc, 'filename', None) or workload}: {exc.strerror or exc}")
     if as_json:
         click.echo(json.dumps(summary))
     else:

@@ -329,6 +329,40 @@ def test_incidents_table_and_empty_trace() -> None:
     assert json.loads(kvflow("incidents", TRACES / "clean.jsonl", "--json").stdout) == []
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["load_failures.jsonl", "timeouts.jsonl", "two_ranks.jsonl", "reset_inflight.jsonl", "store_failures.jsonl"],
+)
+def test_incidents_fit_an_80_column_terminal(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """At 80 columns the table would squeeze its text to a few characters a line: every
+    incident is a block of lines instead, and ids, outcome and error stay whole."""
+    found = json.loads(kvflow("incidents", TRACES / name, "--json").stdout)
+    assert found
+    monkeypatch.setenv("COLUMNS", "80")
+    result = kvflow("incidents", TRACES / name)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(len(text) for text in lines) <= 80, max(lines, key=len)
+    assert f"{len(found)} incidents" in lines[0]
+    for incident in found:
+        outcome = incident["outcome"].replace("_", " ")
+        heading = next(
+            (t for t in lines if t.startswith(f"job {incident['job_id']}: {incident['direction']} {outcome}")),
+            None,
+        )
+        assert heading is not None, (incident["job_id"], outcome)
+        assert all(r in heading for r in incident["requests"])
+        assert any(f"seq {incident['seq']}, step {incident['step']}" in t for t in lines)
+        start = " ".join(incident["error"].split()[:4])  # the start of the error, unbroken
+        assert any(t.split(maxsplit=1)[-1].startswith(start) for t in lines if t.startswith("  error ")), start
+    if any(i["late_results"] for i in found):
+        assert any(t.startswith("  late results  seq ") for t in lines)
+    # wide enough, it is still the table (what the docs show at 140 columns)
+    monkeypatch.setenv("COLUMNS", "140")
+    wide = kvflow("incidents", TRACES / name).stdout
+    assert "┃ seq ┃" in wide and max(len(t) for t in wide.splitlines()) <= 140
+
+
 # --- inspect -------------------------------------------------------------------------------
 
 
@@ -452,8 +486,38 @@ def test_inspect_bad_input() -> None:
     err = one_line_error(kvflow("inspect", path, "--at", "999999"))
     assert "beyond the last event" in err and "999999" in err
     assert "whole number" in one_line_error(kvflow("inspect", path, "--block", "xyz"))
-    nothing = kvflow("inspect", path, "--job", "99999")
-    assert nothing.exit_code == 0 and "no record names job 99999" in nothing.output
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--job", "99999"), ("--request", "req-nope"), ("--block", "12345")]
+)
+@pytest.mark.parametrize("as_json", [False, True])
+def test_inspect_something_the_trace_never_names(option: str, value: str, as_json: bool) -> None:
+    """A job, request or block that never appears is a typo or the wrong trace: exit 2 with
+    one line naming it and the trace, not an empty history and exit 0."""
+    path = TRACES / "clean.jsonl"
+
+
+    def names(r: dict[str, Any]) -> bool:  # positive control: the trace really lacks it
+        if option == "--job":
+            return r.get("job_id") == int(value) or int(value) in r.get("job_ids", [])
+        if option == "--request":
+            return r.get("request_id") == value
+        return int(value) in r.get("hashes", []) + r.get("block_hashes", [])
+
+    assert not any(names(r) for _, r in records(path))
+    result = kvflow("inspect", path, option, value, *(["--json"] if as_json else []))
+    err = one_line_error(result)
+    assert f"{option[2:]} {value}" in err and str(path) in err
+    assert result.stdout == ""
+
+
+def test_inspect_a_slot_beyond_the_tier() -> None:
+    path = TRACES / "clean.jsonl"
+    capacity = json.loads(path.read_text().splitlines()[0])["config"]["cpu_blocks"]
+    err = one_line_error(kvflow("inspect", path, "--slot", str(capacity)))
+    assert f"slot {capacity}" in err and f"{capacity} slots" in err
+    assert kvflow("inspect", path, "--slot", str(capacity - 1)).exit_code == 0
 
 
 # --- diagram -------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -133,6 +134,111 @@ def test_progress_bar_on_a_terminal_but_not_with_json() -> None:
     assert json.loads(as_json.decode())["requests"] == 200
 
 
+def test_progress_is_never_drawn_into_captured_stderr() -> None:
+    for args in ([], ["--progress"], ["--json", "--progress"]):
+        result = kvflow("simulate", EXAMPLE, "--cpu-blocks", 64, *args)
+        assert result.exit_code == 0, result.output
+        assert result.stderr == "", args  # CliRunner's stderr is no terminal, even with --progress
+        assert "\x1b" not in result.stdout  # and the bar did not land on stdout instead
+
+
+def _split_terminal(*args: str, terminal: str) -> tuple[bytes, bytes]:
+    """Run with one of stdout / stderr on a terminal and the other a pipe: (terminal, pipe)."""
+    master, slave = pty.openpty()
+    on_stdout = terminal == "stdout"
+    proc = subprocess.Popen(
+        [*KVFLOW, *args],
+        stdin=subprocess.DEVNULL,
+        stdout=slave if on_stdout else subprocess.PIPE,
+        stderr=subprocess.PIPE if on_stdout else slave,
+        close_fds=True,
+    )
+    os.close(slave)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    pipe = proc.stderr if on_stdout else proc.stdout
+    assert pipe is not None
+    piped = pipe.read()
+    assert proc.wait(timeout=60) == 0, (shown[-500:], piped[-500:])
+    return shown, piped
+
+
+def test_progress_goes_to_stderr_only_when_it_is_a_terminal() -> None:
+    # stderr redirected (2>log), stdout on the terminal: no bar anywhere
+    shown, log = _split_terminal("simulate", str(EXAMPLE), "--cpu-blocks", "64", terminal="stdout")
+    assert log == b"" and HIDE_CURSOR not in shown and b"requests" in shown
+    # stdout redirected (>out), stderr on the terminal: the bar there, stdout clean
+    shown, out = _split_terminal("simulate", str(EXAMPLE), "--cpu-blocks", "64", terminal="stderr")
+    assert HIDE_CURSOR in shown and b"simulate" in shown
+    assert b"\x1b" not in out and b"requests" in out
+
+
+def test_timed_mode_shows_load_and_store_percentiles() -> None:
+    data = json.loads(kvflow("simulate", EXAMPLE, "--cpu-blocks", 64, "--mode", "timed", "--json").stdout)
+    table = kvflow("simulate", EXAMPLE, "--cpu-blocks", 64, "--mode", "timed")
+    assert table.exit_code == 0, table.output
+    rows = {}
+    for text in table.stdout.splitlines():
+        cells = [c.strip() for c in re.split(r"[│|┃]", text) if c.strip()]
+        if len(cells) == 2:
+            rows[cells[0]] = cells[1]
+    for direction in ("load", "store"):
+        for q in (50, 90, 99):
+            value = data[f"{direction}_p{q}_ms"]
+            assert isinstance(value, float) and value > 0, (direction, q)
+            assert rows.get(f"{direction} p{q} ms") == f"{value:.3f} ms"
+    sequential = kvflow("simulate", EXAMPLE, "--cpu-blocks", 64).stdout
+    assert "p50" not in sequential  # percentiles are a timed-mode result
+
+
+# --- capacity in GB ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("gb", "bytes_per_block"), [("0.5", 2 * 1024 * 1024), ("1.25", 10**6), ("0.3", 10**8)])
+def test_cpu_gb_is_whole_blocks_rounded_down(gb: str, bytes_per_block: int) -> None:
+    from fractions import Fraction
+
+    blocks = int(Fraction(gb) * 10**9 // bytes_per_block)  # exact arithmetic, rounded down
+    by_gb = kvflow("simulate", EXAMPLE, "--cpu-gb", gb, "--bytes-per-block", bytes_per_block, "--json")
+    assert by_gb.exit_code == 0, by_gb.output
+    by_blocks = kvflow("simulate", EXAMPLE, "--cpu-blocks", blocks, "--bytes-per-block", bytes_per_block, "--json")
+    summary = json.loads(by_gb.stdout)
+    assert summary["config"]["cpu_blocks"] == blocks
+    assert summary == json.loads(by_blocks.stdout)
+
+
+def test_cpu_gb_zero_disables_offload_like_zero_blocks() -> None:
+    summary = json.loads(kvflow("simulate", EXAMPLE, "--cpu-gb", "0", "--json").stdout)
+    assert summary["config"]["cpu_blocks"] == 0 and summary["cpu_hit_tokens"] == 0
+
+
+def test_default_capacity_without_either_option() -> None:
+    summary = json.loads(kvflow("simulate", EXAMPLE, "--json").stdout)
+    assert summary["config"]["cpu_blocks"] == 2000  # the documented default
+
+
+def test_cpu_gb_and_cpu_blocks_together() -> None:
+    assert_one_line_error(kvflow("simulate", EXAMPLE, "--cpu-gb", "1", "--cpu-blocks", 100), "--cpu-gb", "--cpu-blocks")
+
+
+@pytest.mark.parametrize("gb", ["-1", "nan", "inf", "0.001", "-0.5"])
+def test_bad_cpu_gb(gb: str) -> None:
+    assert_one_line_error(kvflow("simulate", EXAMPLE, "--cpu-gb", gb), "--cpu-gb")
+
+
+def test_cpu_gb_below_one_block_says_so() -> None:
+    err = assert_one_line_error(kvflow("simulate", EXAMPLE, "--cpu-gb", "0.002", "--bytes-per-block", 3 * 10**6))
+    assert "less than one block" in err and "3,000,000 bytes" in err
+
+
 # --- bad input: exit 2, one line, file:line and field, no traceback ----------------------
 
 
@@ -229,6 +335,75 @@ def test_sweep_writes_a_png_and_prints_both_policies(tmp_path: Path) -> None:
 
 def test_sweep_with_a_bad_capacity() -> None:
     assert_one_line_error(kvflow("simulate", EXAMPLE, "--sweep", "32,x"), "sweep")
+
+
+def test_sweep_without_matplotlib_still_prints_its_numbers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` raises ImportError
+    png = tmp_path / "sweep.png"
+    result = kvflow("simulate", EXAMPLE, "--sweep", "32,256", "--plot", png)
+    assert result.exit_code == 0, result.output
+    lru256 = json.loads(kvflow("simulate", EXAMPLE, "--cpu-blocks", 256, "--json").stdout)
+    lines = result.stdout.splitlines()
+    assert len([x for x in lines if "cpu_blocks=" in x]) == 4
+    assert any("lru" in x and f"{lru256['hit_rate']:.2%}" in x for x in lines)
+    assert "plot written" not in result.stdout and not png.exists()
+    assert result.stderr.startswith("kvflow: warning: ") and result.stderr.count("\n") == 1
+    assert "matplotlib" in result.stderr and str(png) in result.stderr
+    as_json = kvflow("simulate", EXAMPLE, "--sweep", "32,256", "--plot", png, "--json")
+    data = json.loads(as_json.stdout)
+    assert data["plot"] is None and data["capacities"] == [32, 256]
+    assert data["results"]["lru"][1]["hit_rate"] == lru256["hit_rate"]
+
+
+@pytest.mark.parametrize("where", ["missing directory", "a directory"])
+def test_sweep_checks_the_plot_path_before_running(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str) -> None:
+    pytest.importorskip("matplotlib")
+    import kvflow.simulate as sim
+
+    runs: list[object] = []
+    real = sim.simulate
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        runs.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sim, "simulate", spy)
+    png = tmp_path / "no" / "such" / "dir" / "sweep.png" if where == "missing directory" else tmp_path
+    err = assert_one_line_error(kvflow("simulate", EXAMPLE, "--sweep", "32,256", "--plot", png), str(png), "plot")
+    assert runs == []  # refused before the first simulation
+    assert ("No such file or directory" if where == "missing directory" else "Is a directory") in err
+    ok = kvflow("simulate", EXAMPLE, "--sweep", "32,256", "--plot", tmp_path / "ok.png")
+    assert ok.exit_code == 0 and len(runs) == 4  # positive control: the spy sees a sweep's runs
+
+
+def test_the_plot_check_leaves_nothing_behind(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    result = kvflow("simulate", tmp_path / "missing.jsonl", "--sweep", "32", "--plot", png)
+    assert result.exit_code == 2 and not png.exists()  # the check passed, the run failed
+    png.write_bytes(b"keep me")
+    result = kvflow("simulate", tmp_path / "missing.jsonl", "--sweep", "32", "--plot", png)
+    assert result.exit_code == 2 and png.read_bytes() == b"keep me"
+
+
+def test_sweep_plots_capacity_on_a_log_axis(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    saved: list[tuple[str, list[str]]] = []
+    real_savefig = Figure.savefig
+
+    def savefig(fig: Figure, *args: Any, **kwargs: Any) -> None:
+        ax = fig.axes[0]
+        saved.append((ax.get_xscale(), [t.get_text() for t in ax.get_xticklabels()]))
+        real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    assert kvflow("simulate", EXAMPLE, "--sweep", "32,256,1000", "--plot", tmp_path / "a.png").exit_code == 0
+    assert kvflow("simulate", EXAMPLE, "--sweep", "0,32,256", "--plot", tmp_path / "b.png").exit_code == 0
+    # capacity 0 (offload off) cannot sit on a log axis: linear up to the first capacity
+    assert saved == [("log", ["32", "256", "1,000"]), ("symlog", ["0", "32", "256"])]
 
 
 # --- record, then kv-events ------------------------------------------------------------------

@@ -100,7 +100,7 @@ if KVConnectorBase_V1 is not None:
         def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
             assert self._scheduler is not None
             block_ids = blocks.get_block_ids()[0] if blocks is not None else []
-            self._scheduler.allocated(request.request_id, block_ids, request.num_computed_tokens, num_external_tokens)
+            self._scheduler.allocated(request.request_id, block_ids, num_external_tokens)
 
         def build_connector_meta(self, scheduler_output: Any) -> KVFlowConnectorMetadata:
             assert self._scheduler is not None

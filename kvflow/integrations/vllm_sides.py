@@ -117,6 +117,7 @@ class _Tracked:
     hashes: list[int] = field(default_factory=list)  # kvflow hashes of its full blocks
     block_ids: list[int] = field(default_factory=list)  # its device blocks, in order
     next_store: int = 0  # blocks before this are stored, deduplicated or being loaded
+    device_hit: int = 0  # blocks vLLM's own prefix cache had at the lookup
     load_job: int | None = None
     load_range: tuple[int, int] = (0, 0)  # [first, end) blocks the load brings
 
@@ -139,6 +140,7 @@ class SchedulerSide:
         self._waiting_free: set[str] = set()
         self.loads_landed = 0
         self.loads_failed = 0
+        self._closed = False
 
     # -- lookup and allocation -------------------------------------------------------------
 
@@ -146,12 +148,14 @@ class SchedulerSide:
         """How many tokens after the ``num_computed_tokens`` vLLM has can come from the tier."""
         tracked = self.requests.setdefault(request_id, _Tracked())
         tracked.hashes = [kvflow_hash(h) for h in block_hashes]
-        device_hit = num_computed_tokens // self.block_tokens
-        hits = self.manager.lookup(request_id, tracked.hashes, num_tokens, device_hit)
+        tracked.device_hit = num_computed_tokens // self.block_tokens
+        hits = self.manager.lookup(request_id, tracked.hashes, num_tokens, tracked.device_hit)
         return hits * self.block_tokens
 
-    def allocated(self, request_id: str, block_ids: Sequence[int], num_computed_tokens: int, num_external_tokens: int) -> None:
-        """vLLM allocated the request's blocks: load the hits it took (or release them)."""
+    def allocated(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks: load the hits it took into the blocks after
+        its own prefix hits (as counted at the lookup: the request's ``num_computed_tokens``
+        is not updated yet here), or release them."""
         tracked = self.requests.setdefault(request_id, _Tracked())
         tracked.block_ids = list(block_ids)
         n = num_external_tokens // self.block_tokens
@@ -161,7 +165,7 @@ class SchedulerSide:
             if self.manager.state.requests[request_id].offered:
                 self.manager.accept_hits(request_id, [])
             return
-        first = num_computed_tokens // self.block_tokens
+        first = tracked.device_hit
         job = self.manager.accept_hits(request_id, tracked.block_ids[first : first + n])
         tracked.load_job = job
         tracked.load_range = (first, first + n)
@@ -229,7 +233,10 @@ class SchedulerSide:
         return storing
 
     def close(self) -> None:
-        self.manager.close()
+        """End the trace (its last checkpoint). Idempotent: vLLM may shut down twice."""
+        if not self._closed:
+            self._closed = True
+            self.manager.close()
 
 
 class WorkerSide:

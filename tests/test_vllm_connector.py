@@ -1,0 +1,171 @@
+"""kvflow inside the real vLLM engine (its CPU build) with a real pretrained model.
+
+The model is glassllm's (a 4-layer Llama-style model shipped inside the package, converted by
+``tools/glassllm_model.py``; nothing is downloaded). vLLM runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), its KV cache made too small to keep the conversations'
+prefixes, so the second turn of each conversation finds its prefix only in kvflow's tier.
+Every comparison is against the same vLLM run without kvflow (prefix caching on in both).
+
+Skips without vLLM and glassllm: ``.ci/run`` installs both in a venv of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # scheduler and worker in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+vllm = pytest.importorskip("vllm")
+pytest.importorskip("glassllm")
+
+from click.testing import CliRunner  # noqa: E402
+
+from kvflow.cli import main as kvflow_cli  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import glassllm_model  # noqa: E402
+
+BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
+CONVERSATIONS = 6
+PREFIX = 2 * BLOCK  # each conversation's own system prompt: two full blocks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return glassllm_model.write_model(tmp_path_factory.mktemp("glass") / "glass-llama")
+
+
+def conversations(user_tokens: int = 20) -> list[list[int]]:
+    """Six conversations, each with its own 64-token system prompt and a user turn."""
+    return [[(37 * i + k) % 1000 + 10 for k in range(PREFIX)] + [200 + i] * user_tokens for i in range(CONVERSATIONS)]
+
+
+def run(
+    model_dir: Path,
+    extra: dict[str, Any] | None,
+    *,
+    gpu_blocks: int = 8,
+    max_seqs: int = 2,
+    rounds: int = 2,
+    batch: bool = False,
+    user_tokens: int = 20,
+    max_tokens: int = 8,
+) -> tuple[list[list[int]], list[int], Any]:
+    """Greedy outputs and vLLM's cached-token counts, turn by turn, and the connector."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=128,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=gpu_blocks,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=128,
+        seed=0,
+        enforce_eager=True,
+    )
+    if extra is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVFlowConnector",
+            "kv_connector_module_path": "kvflow.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs, cached = [], []
+    for _ in range(rounds):
+        prompts = [TokensPrompt(prompt_token_ids=c) for c in conversations(user_tokens)]
+        if batch:
+            results = llm.generate(prompts, params, use_tqdm=False)
+        else:
+            results = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        for r in results:
+            outputs.append(list(r.outputs[0].token_ids))
+            cached.append(int(r.num_cached_tokens or 0))
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    if connector is not None:
+        connector.shutdown()  # the trace gets its last checkpoint
+    del llm
+    return outputs, cached, connector
+
+
+@pytest.fixture(scope="module")
+def without_kvflow(model_dir: Path) -> tuple[list[list[int]], list[int]]:
+    outputs, cached, _ = run(model_dir, None)
+    assert cached == [0] * (2 * CONVERSATIONS), "vLLM's own cache must be too small to keep them"
+    return outputs, cached
+
+
+def test_the_model_is_glassllm_exactly(model_dir: Path) -> None:
+    assert glassllm_model.max_logit_difference(model_dir) < 1e-3
+
+
+def test_prefixes_come_back_from_kvflows_tier_with_identical_outputs(
+    model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]], tmp_path: Path
+) -> None:
+    trace = tmp_path / "vllm.jsonl"
+    outputs, cached, connector = run(model_dir, {"cpu_blocks": 64, "trace_path": str(trace)})
+    assert outputs == without_kvflow[0]  # greedy, token for token
+    # (b) vLLM counts the second turns' prefixes as cached, and kvflow loaded exactly those
+    assert cached == [0] * CONVERSATIONS + [PREFIX] * CONVERSATIONS
+    side = connector._scheduler
+    assert side.loads_landed == CONVERSATIONS and side.loads_failed == 0
+    # (e) the trace of the run replays and re-decides clean
+    result = CliRunner().invoke(kvflow_cli, ["replay", str(trace), "--redecide"])
+    assert result.exit_code == 0, result.output
+    assert "consistent" in result.output
+
+
+def test_injected_store_and_load_failures_change_no_output(
+    model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]], tmp_path: Path
+) -> None:
+    """Conversation 1's store fails (its second turn misses); a load fails (vLLM recomputes
+    exactly its blocks): outputs stay identical and ``kvflow incidents`` lists both."""
+    trace = tmp_path / "faults.jsonl"
+    # jobs 1..6: the first turns' stores; 7: turn 2 of conversation 0 loads; 8: conversation 1
+    # stores again (its first store failed); 9: conversation 2's load
+    outputs, cached, connector = run(model_dir, {"cpu_blocks": 64, "trace_path": str(trace), "fail_job_ids": [2, 9]})
+    assert outputs == without_kvflow[0]
+    side = connector._scheduler
+    assert cached[CONVERSATIONS + 1] == 0  # its prefix never reached the tier
+    # the failed load's blocks were named to vLLM, which rescheduled the request; its next
+    # lookup found the (intact) entries again and that load landed: 5 of 6 second turns
+    assert side.loads_failed == 1 and side.loads_landed == CONVERSATIONS - 1
+    result = CliRunner().invoke(kvflow_cli, ["incidents", str(trace), "--json"])
+    assert result.exit_code == 0, result.output
+    import json
+
+    incidents = json.loads(result.stdout)
+    assert sorted((i["job_id"], i["direction"]) for i in incidents) == [(2, "store"), (9, "load")]
+    replayed = CliRunner().invoke(kvflow_cli, ["replay", str(trace), "--redecide"])
+    assert replayed.exit_code == 0, replayed.output
+
+
+def test_preemption_under_memory_pressure_keeps_outputs_identical(model_dir: Path, tmp_path: Path) -> None:
+    """Conversations of 90 prompt tokens decoding 16 more, all at once, in 7 blocks: two run,
+    and when both grow into a fourth block one is preempted with its copies in flight. kvflow
+    waits for a preempted request's copies and takes it back under its id (F18)."""
+    shape = dict(gpu_blocks=7, max_seqs=4, batch=True, user_tokens=26, max_tokens=16)
+    base, _, _ = run(model_dir, None, **shape)  # type: ignore[arg-type]
+    trace = tmp_path / "preempted.jsonl"
+    outputs, _, connector = run(model_dir, {"cpu_blocks": 64, "trace_path": str(trace)}, **shape)  # type: ignore[arg-type]
+    assert outputs == base
+    text = trace.read_text()
+    assert '"preempted":true' in text, "the workload must make vLLM preempt"
+    state = connector._scheduler.manager.state
+    assert not state.jobs and not state.quarantine  # every copy ended, nothing fenced
+    replayed = CliRunner().invoke(kvflow_cli, ["replay", str(trace), "--redecide"])
+    assert replayed.exit_code == 0, replayed.output

@@ -35,6 +35,7 @@ from kvflow.integrations.vllm_sides import (
     WorkerSide,
     kvflow_hash,
 )
+from kvflow.kvevents import BlockRemoved, BlockStored
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found,unused-ignore]
@@ -126,6 +127,32 @@ if KVConnectorBase_V1 is not None:
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
             assert self._scheduler is not None
             return self._scheduler.finished(request.request_id, request.block_hashes), None
+
+        def take_events(self) -> list[Any]:
+            """The CPU tier's KV events as vLLM's own (medium ``CPU``), for vLLM's publisher."""
+            if self._scheduler is None:
+                return []
+            from vllm.distributed import kv_events as vk  # type: ignore[import-not-found,unused-ignore]
+
+            out: list[Any] = []
+            for event in self._scheduler.take_kv_events():
+                if isinstance(event, BlockStored):
+                    out.append(
+                        vk.BlockStored(
+                            block_hashes=list(event.block_hashes),
+                            parent_block_hash=None,
+                            token_ids=[],
+                            block_size=event.block_size,
+                            lora_id=None,
+                            medium=vk.MEDIUM_CPU,
+                            lora_name=None,
+                        )
+                    )
+                elif isinstance(event, BlockRemoved):
+                    out.append(vk.BlockRemoved(block_hashes=list(event.block_hashes), medium=vk.MEDIUM_CPU))
+                else:
+                    out.append(vk.AllBlocksCleared())
+            return out
 
         def reset_cache(self) -> bool:
             if self._scheduler is not None:

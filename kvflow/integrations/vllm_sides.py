@@ -25,6 +25,7 @@ import msgspec
 from kvflow.config import Config
 from kvflow.errors import ConfigError
 from kvflow.events import LOAD, STORE, JobResult, TransferJob
+from kvflow.kvevents import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
 from kvflow.log import NullLog, TraceWriter
 from kvflow.manager import OffloadManager
 
@@ -135,6 +136,10 @@ class SchedulerSide:
         if config.trace_path:
             log = TraceWriter(config.trace_path, self.config, meta={"engine": "vllm"})
         self.manager = OffloadManager(self.config, log=log)
+        self._kv_events = KVEventPublisher(block_tokens)
+        self.manager.subscribe(self._kv_events)
+        # kvflow hash -> vLLM's own hash of the block, so KV events name blocks as vLLM does
+        self._vllm_hash: dict[int, bytes | int] = {}
         self.requests: dict[str, _Tracked] = {}
         self._delayed: list[str] = []
         self._waiting_free: set[str] = set()
@@ -148,6 +153,7 @@ class SchedulerSide:
         """How many tokens after the ``num_computed_tokens`` vLLM has can come from the tier."""
         tracked = self.requests.setdefault(request_id, _Tracked())
         tracked.hashes = [kvflow_hash(h) for h in block_hashes]
+        self._vllm_hash.update(zip(tracked.hashes, block_hashes))
         tracked.device_hit = num_computed_tokens // self.block_tokens
         hits = self.manager.lookup(request_id, tracked.hashes, num_tokens, tracked.device_hit)
         return hits * self.block_tokens
@@ -231,6 +237,26 @@ class SchedulerSide:
         if storing:
             self._delayed.append(request_id)
         return storing
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The tier's KV events since the last call, naming blocks by vLLM's own hashes."""
+        events = self._kv_events.take()
+        if not events:
+            return []
+        original = self._vllm_hash
+        out: list[KVEvent] = []
+        for event in events:
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                named = [original.get(h, h) for h in event.block_hashes]
+                out.append(msgspec.structs.replace(event, block_hashes=named, seq=0))  # type: ignore[arg-type]
+            else:
+                out.append(msgspec.structs.replace(event, seq=0))
+        if len(original) > 4 * self.config.cpu_blocks:  # forget blocks neither stored nor asked for
+            keep = set(self.manager.state.slot_of)
+            for tracked in self.requests.values():
+                keep.update(tracked.hashes)
+            self._vllm_hash = {h: v for h, v in original.items() if h in keep}
+        return out
 
     def close(self) -> None:
         """End the trace (its last checkpoint). Idempotent: vLLM may shut down twice."""

@@ -195,3 +195,37 @@ def test_kv_events_reach_vllm_as_its_own_with_vllms_block_hashes(model_dir: Path
     stored = [e for e in taken if isinstance(e, vk.BlockStored)]
     assert sum(len(e.block_hashes) for e in stored) == 2 * CONVERSATIONS
     assert all(e.medium == "CPU" and isinstance(h, bytes) and len(h) > 8 for e in stored for h in e.block_hashes)
+
+
+def test_transfer_stats_reach_vllms_logging_and_prometheus(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers' transfers go to vLLM as connector stats each step (it aggregates them for
+    its log line and its Prometheus metrics, ``kvflow_*_total`` in vLLM's registry)."""
+    from prometheus_client import REGISTRY
+
+    from kvflow.integrations.vllm import KVFlowConnector
+
+    seen: list[dict[str, Any]] = []
+    original = KVFlowConnector.get_kv_connector_stats
+
+    def recording(self: Any) -> Any:
+        stats = original(self)
+        if stats is not None:
+            seen.append(dict(stats.data))
+        return stats
+
+    monkeypatch.setattr(KVFlowConnector, "get_kv_connector_stats", recording)
+    run(model_dir, {"cpu_blocks": 64})
+    total = KVFlowConnector.build_kv_connector_stats({})
+    for data in seen:
+        total = total.aggregate(KVFlowConnector.build_kv_connector_stats(data))
+    reduced = total.reduce()
+    assert reduced["store_ok_blocks"] == 2 * CONVERSATIONS and reduced["load_ok_blocks"] == 2 * CONVERSATIONS
+    assert reduced["store_bytes"] == reduced["load_bytes"] > 0
+    # vLLM's metrics pipeline builds kvflow's counters from the connector class
+    import prometheus_client as prom
+
+    kinds = {prom.Gauge: prom.Gauge, prom.Counter: prom.Counter, prom.Histogram: prom.Histogram}
+    no_transfer = type("VllmConfig", (), {"kv_transfer_config": None})()
+    metrics = KVFlowConnector.build_prom_metrics(no_transfer, kinds, ["engine"], {0: ["0"]})
+    metrics.observe(reduced, 0)
+    assert REGISTRY.get_sample_value("kvflow_loaded_blocks_total", {"engine": "0"}) == 2 * CONVERSATIONS

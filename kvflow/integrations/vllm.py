@@ -44,6 +44,10 @@ try:
         KVConnectorRole,
         KVConnectorWorkerMetadata,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-not-found,unused-ignore]
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
 except ImportError:  # vLLM is optional: the sides above work (and are tested) without it
     KVConnectorBase_V1 = None  # type: ignore[assignment,misc]
 
@@ -69,6 +73,54 @@ if KVConnectorBase_V1 is not None:
 
         def aggregate(self, other: Any) -> KVFlowWorkerMetadata:
             return KVFlowWorkerMetadata(results=[*self.results, *getattr(other, "results", [])])
+
+    @dataclass
+    class KVFlowStats(KVConnectorStats):  # type: ignore[misc,valid-type]
+        """The workers' transfers since vLLM last logged: jobs, blocks and bytes by direction
+        and outcome (sums: ``aggregate`` adds workers and steps up)."""
+
+        def reset(self) -> None:
+            self.data: dict[str, Any] = {}
+
+        def aggregate(self, other: Any) -> KVFlowStats:
+            merged = dict(self.data)
+            for key, value in (other.data or {}).items():
+                merged[key] = merged.get(key, 0) + value
+            return KVFlowStats(data=merged)
+
+        def reduce(self) -> dict[str, int | float]:
+            return dict(sorted(self.data.items()))
+
+        def is_empty(self) -> bool:
+            return not self.data
+
+    class KVFlowPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type]
+        """kvflow's transfers in vLLM's own Prometheus registry (per engine)."""
+
+        _COUNTERS = (
+            ("store_ok_blocks", "kvflow_stored_blocks", "Blocks kvflow stored to its CPU tier"),
+            ("load_ok_blocks", "kvflow_loaded_blocks", "Blocks kvflow loaded from its CPU tier"),
+            ("store_bytes", "kvflow_stored_bytes", "Bytes kvflow stored to its CPU tier"),
+            ("load_bytes", "kvflow_loaded_bytes", "Bytes kvflow loaded from its CPU tier"),
+            ("store_failed_jobs", "kvflow_failed_store_jobs", "kvflow store jobs that failed"),
+            ("load_failed_jobs", "kvflow_failed_load_jobs", "kvflow load jobs that failed"),
+        )
+
+        def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters = {
+                key: {
+                    engine: self._counter_cls(name=name, documentation=doc, labelnames=labelnames).labels(*values)
+                    for engine, values in per_engine_labelvalues.items()
+                }
+                for key, name, doc in self._COUNTERS
+            }
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            for key, per_engine in self._counters.items():
+                value = transfer_stats_data.get(key, 0)
+                if value:
+                    per_engine[engine_idx].inc(value)
 
     class KVFlowConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         """kvflow's CPU tier as a vLLM v1 KV connector (see the module docstring)."""
@@ -192,6 +244,22 @@ if KVConnectorBase_V1 is not None:
             sending, recving = self._worker.finished()
             return (sending or None), (recving or None)
 
+        def get_kv_connector_stats(self) -> KVFlowStats | None:
+            if self._worker is None:
+                return None
+            stats = self._worker.take_stats()
+            return KVFlowStats(data=stats) if stats else None
+
+        @classmethod
+        def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVFlowStats:
+            return KVFlowStats(data=dict(data or {}))
+
+        @classmethod
+        def build_prom_metrics(
+            cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any
+        ) -> KVFlowPromMetrics:
+            return KVFlowPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
         def get_block_ids_with_load_errors(self) -> set[int]:
             return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -207,4 +275,4 @@ if KVConnectorBase_V1 is not None:
             if self._scheduler is not None:
                 self._scheduler.close()
 
-    __all__ += ["KVFlowConnector", "KVFlowConnectorMetadata", "KVFlowWorkerMetadata"]
+    __all__ += ["KVFlowConnector", "KVFlowConnectorMetadata", "KVFlowWorkerMetadata", "KVFlowStats", "KVFlowPromMetrics"]

@@ -278,6 +278,8 @@ class WorkerSide:
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._delayed: set[str] = set()
+        self._stats: dict[str, int] = {}  # since the last take_stats (vLLM's connector stats)
+        self.block_bytes = 0
 
     def register(self, kv_caches: Mapping[str, Any]) -> int:
         """Build the executor over vLLM's KV tensors (block dimension first, as vLLM lays them
@@ -286,6 +288,7 @@ class WorkerSide:
         from kvflow.executors.torch_executor import TorchExecutor
 
         layout = KVLayout.from_caches(dict(kv_caches), block_dim=0)
+        self.block_bytes = int(layout.block_bytes)
         cpu_blocks = self.config.blocks(layout.block_bytes)
         self.executor = TorchExecutor(
             dict(kv_caches), cpu_blocks, block_dim=0, checksums=self.config.checksums, fail_job_ids=self.config.fail_job_ids
@@ -328,6 +331,14 @@ class WorkerSide:
     def _accept(self, result: JobResult) -> None:
         self._results.append(result)
         job = self._jobs.pop(result.job_id, None)
+        if job is not None:
+            kind = f"{job.direction}_{'ok' if result.ok else 'failed'}"
+            stats = self._stats
+            stats[f"{kind}_jobs"] = stats.get(f"{kind}_jobs", 0) + 1
+            stats[f"{kind}_blocks"] = stats.get(f"{kind}_blocks", 0) + len(job.device_blocks)
+            if result.ok:
+                moved = len(job.device_blocks) * self.block_bytes
+                stats[f"{job.direction}_bytes"] = stats.get(f"{job.direction}_bytes", 0) + moved
         if job is None or job.direction != LOAD or job.request_id is None:
             return
         self._recving.add(job.request_id)
@@ -352,6 +363,11 @@ class WorkerSide:
 
     def take_results(self) -> list[JobResult]:
         out, self._results = self._results, []
+        return out
+
+    def take_stats(self) -> dict[str, int]:
+        """Jobs, blocks and bytes by direction and outcome since the last call."""
+        out, self._stats = self._stats, {}
         return out
 
     def take_load_errors(self) -> set[int]:

@@ -229,3 +229,55 @@ def test_transfer_stats_reach_vllms_logging_and_prometheus(model_dir: Path, monk
     metrics = KVFlowConnector.build_prom_metrics(no_transfer, kinds, ["engine"], {0: ["0"]})
     metrics.observe(reduced, 0)
     assert REGISTRY.get_sample_value("kvflow_loaded_blocks_total", {"engine": "0"}) == 2 * CONVERSATIONS
+
+
+MULTIPROCESS_SCRIPT = """
+import json, os, sys
+os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: engine core in a subprocess
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+def main():
+    model, trace, convs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=128, block_size=32,
+              enable_prefix_caching=True, num_gpu_blocks_override=8, max_num_seqs=2, max_num_batched_tokens=128,
+              seed=0, enforce_eager=True, kv_transfer_config={
+                  "kv_connector": "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm",
+                  "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_blocks": 64, "trace_path": trace}})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = []
+    for _ in range(2):
+        for c in convs:
+            r = llm.generate([TokensPrompt(prompt_token_ids=c)], params, use_tqdm=False)[0]
+            out.append([list(r.outputs[0].token_ids), int(r.num_cached_tokens or 0)])
+    llm.llm_engine.engine_core.shutdown()
+    print("RESULT " + json.dumps(out))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_scheduler_and_worker_in_vllms_engine_process(
+    model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]], tmp_path: Path
+) -> None:
+    """vLLM's default: the engine core (scheduler and worker) runs in a process of its own;
+    the step metadata and the workers' results cross as vLLM pickles them, the trace is
+    written there and replays clean."""
+    import json
+    import subprocess
+
+    script, trace = tmp_path / "serve.py", tmp_path / "mp.jsonl"
+    script.write_text(MULTIPROCESS_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(script), str(model_dir), str(trace), json.dumps(conversations())],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert [o for o, _ in result] == without_kvflow[0]
+    assert [c for _, c in result] == [0] * CONVERSATIONS + [PREFIX] * CONVERSATIONS
+    replayed = CliRunner().invoke(kvflow_cli, ["replay", str(trace), "--redecide"])
+    assert replayed.exit_code == 0, replayed.output

@@ -27,6 +27,7 @@ def test_capacity_in_blocks_bytes_or_gb() -> None:
         ({"cpu_blocks": 0}, "cpu_blocks must be a whole number > 0"),
         ({"cpu_gb": float("nan")}, "cpu_gb must be a number > 0"),
         ({"cpu_blocks": 4, "polcy": "lru"}, "unknown key 'polcy'"),
+        ({"cpu_blocks": 4, "store_mode": "lazy"}, "stores eagerly"),
     ],
 )
 def test_bad_extra_config_is_one_clear_error(extra: dict, message: str) -> None:

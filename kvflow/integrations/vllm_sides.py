@@ -58,13 +58,30 @@ class ConnectorConfig:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
-        known = {"cpu_blocks", "cpu_bytes", "cpu_gb", "policy", "job_deadline_ms", "trace_path", "checksums", "fail_job_ids"}
+        known = {
+            "cpu_blocks",
+            "cpu_bytes",
+            "cpu_gb",
+            "policy",
+            "store_mode",
+            "job_deadline_ms",
+            "trace_path",
+            "checksums",
+            "fail_job_ids",
+        }
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
         sizes = [k for k in ("cpu_blocks", "cpu_bytes", "cpu_gb") if k in extra]
         if len(sizes) != 1:
             raise ConfigError("kv_connector_extra_config: give exactly one of cpu_blocks, cpu_bytes, cpu_gb")
+        if extra.get("store_mode", "eager") != "eager":
+            # kvflow's lazy mode stores what the device cache is about to drop; vLLM tells a
+            # connector of no such moment (its eviction reuses the block at once)
+            raise ConfigError(
+                f"kv_connector_extra_config: store_mode {extra['store_mode']!r}: inside vLLM kvflow stores "
+                "eagerly (vLLM offers connectors no hook before it reuses an evicted block)"
+            )
         cpu_blocks = cpu_bytes = None
         if "cpu_blocks" in extra:
             cpu_blocks = _whole(extra["cpu_blocks"], "cpu_blocks")
@@ -303,21 +320,33 @@ class WorkerSide:
             self._wait_for(set(plan.preempted))
 
     def start_loads(self) -> None:
-        self._submit(self._pending_loads)
+        """Before the forward pass. (A loading request is not scheduled until its load is
+        reported over, so nothing of this step reads the blocks being loaded.)"""
+        self._submit(self._pending_loads, None)
         self._pending_loads = []
 
     def start_stores(self) -> None:
-        """After the forward pass: the blocks this step computed are in the KV tensors."""
-        self._submit(self._pending_stores)
+        """After the forward pass was enqueued: the copies wait for an event recorded on the
+        compute stream now (F9), so they read the blocks this step computed. (On the CPU the
+        forward pass is over already: no event is needed.)"""
+        if not self._pending_stores:
+            return
+        compute_done = None
+        if self.executor is not None and self.executor.device.type != "cpu":
+            import torch
+
+            compute_done = torch.Event(device=self.executor.device)
+            compute_done.record()  # on the current (compute) stream
+        self._submit(self._pending_stores, compute_done)
         self._pending_stores = []
 
-    def _submit(self, jobs: list[TransferJob]) -> None:
+    def _submit(self, jobs: list[TransferJob], compute_done: Any) -> None:
         if not jobs or self.executor is None:
             return
         for job in jobs:
             self._jobs[job.job_id] = job
         try:
-            self.executor.submit(jobs)
+            self.executor.submit(jobs, compute_done)
         except Exception as exc:  # F2: a failed submission fails its jobs, never the engine
             for job in jobs:
                 self._accept(JobResult(job_id=job.job_id, ok=False, error=f"submit failed: {exc!r}"))

@@ -42,6 +42,15 @@ class BlockHeld(Rejected):
     """A device block named by the engine is still held by a live transfer job."""
 
 
+class EngineClosed(Rejected):
+    """A call after ``close()``: the log is closed, so nothing could be recorded."""
+
+
+class ConcurrentCall(Rejected):
+    """A call while another is being decided (a second thread): kvflow's decisions run on one
+    thread at a time; the call is refused rather than interleaved into the state and trace."""
+
+
 class TraceError(KvflowError):
     """A trace or workload file cannot be read; the message names file, line and field."""
 

@@ -12,6 +12,7 @@ This module is pure apart from the log it is handed (the log decides whether to 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from kvflow import boundary as bd
 from kvflow.config import Config
 from kvflow.decide import DECIDERS, expired_jobs
+from kvflow.errors import ConcurrentCall, EngineClosed
 from kvflow.events import (
     EVENT_TYPES,
     LOAD,
@@ -160,6 +162,9 @@ class OffloadManager:
         self._dispatch: dict[type, tuple[Callable[[Any], None], ...]] = {}
         self._no_deadline_before_ms = math.inf  # no submitted job is due before this
         self._rebuild_dispatch()
+        # one call at a time: a second thread (or a callback calling back in) is refused
+        self._deciding = threading.Lock()
+        self.closed = False
 
     # -- the core loop -------------------------------------------------------------------
 
@@ -174,7 +179,21 @@ class OffloadManager:
         self._recording = not isinstance(log, NullLog)  # a NullLog's calls are skipped
 
     def handle(self, command: Command) -> tuple[Any, list[Event]]:
-        """Decide and apply one command; returns (answer, events appended)."""
+        """Decide and apply one command; returns (answer, events appended). Refused, changing
+        nothing, after ``close()`` (``EngineClosed``) or while another call is being decided
+        (``ConcurrentCall``: kvflow is called from one thread)."""
+        if self.closed:
+            raise EngineClosed(f"{type(command).__name__}: the engine is closed")
+        if not self._deciding.acquire(blocking=False):
+            raise ConcurrentCall(
+                f"{type(command).__name__} while another call is being decided: call kvflow from one thread"
+            )
+        try:
+            return self._handle(command)
+        finally:
+            self._deciding.release()
+
+    def _handle(self, command: Command) -> tuple[Any, list[Event]]:
         state = self.state
         gen = DECIDERS[type(command)](state, command)
         try:
@@ -382,8 +401,13 @@ class OffloadManager:
         return int(answer)
 
     def close(self) -> None:
-        """Close the log (a trace file gets its last checkpoint)."""
-        self.log.close(self.state)
+        """Close the log (a trace file gets its last checkpoint); later calls are refused.
+        Idempotent."""
+        if self.closed:
+            return
+        with self._deciding:  # (waits for a call in progress)
+            self.closed = True
+            self.log.close(self.state)
 
     # -- views ---------------------------------------------------------------------------
 

@@ -791,3 +791,51 @@ def test_every_public_engine_method_says_what_it_does() -> None:
             if not name.startswith("_") and len((fn.__doc__ or "").strip()) < 20
         ]
         assert missing == [], f"{cls.__name__}: {missing}"
+
+
+def test_calls_after_close_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    from kvflow.errors import EngineClosed
+
+    trace = tmp_path / "closed.jsonl"
+    engine, ex, clock = make(trace=trace)
+    store_a(engine, ex, clock)
+    engine.close()
+    size, digest = trace.stat().st_size, engine.manager.state.digest()
+    for call in (
+        lambda: engine.lookup("B", A_HASHES, 3 * B + 1),
+        lambda: engine.blocks_computed("B", (7,), (9,)),
+        lambda: engine.finish_request("A"),
+        lambda: engine.reset(),
+    ):
+        with pytest.raises(EngineClosed):
+            call()
+    assert trace.stat().st_size == size and engine.manager.state.digest() == digest
+    assert replay(str(trace)).ok
+
+
+def test_a_call_from_a_second_thread_while_one_is_decided_is_refused() -> None:
+    """Thread A is inside a decision (held there by a subscriber); thread B's call is refused
+    with ConcurrentCall instead of interleaving its events into A's."""
+    import threading
+
+    from kvflow.errors import ConcurrentCall
+    from kvflow.events import PinsAcquired
+
+    engine, ex, clock = make()
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(event: object) -> None:
+        inside.set()
+        release.wait(10)
+
+    engine.manager.subscribe(hold, (PinsAcquired,))
+    first = threading.Thread(target=lambda: engine.lookup("A", A_HASHES, 3 * B + 1))
+    first.start()
+    assert inside.wait(10)
+    events = len(engine.manager.state.requests)
+    with pytest.raises(ConcurrentCall):
+        engine.lookup("B", A_HASHES, 3 * B + 1)
+    release.set()
+    first.join(10)
+    assert len(engine.manager.state.requests) == events == 1  # only A's call happened
+    assert engine.lookup("B", A_HASHES, 3 * B + 1) == 0  # and B can call once A is done

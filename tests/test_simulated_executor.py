@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvflow.errors import ConfigError, KvflowError, UnknownJob
 from kvflow.events import LOAD, STORE, JobResult, TransferJob
@@ -343,3 +345,26 @@ def test_deterministic_for_a_seed() -> None:
     a, b = _scripted_run(7), _scripted_run(7)
     assert a == b
     assert _scripted_run(8) != a  # the seed matters
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 60), max_size=80), st.lists(st.integers(0, 70), max_size=20))
+def test_the_submitted_ids_are_remembered_exactly_in_ranges(added: list[int], probes: list[int]) -> None:
+    from kvflow.executors.simulated import _IdSet
+
+    ids, model = _IdSet(), set()
+    for job_id in added:
+        ids.add(job_id)
+        model.add(job_id)
+    assert all((p in ids) == (p in model) for p in [*probes, *added])
+    runs = sum(1 for j in model if j - 1 not in model)
+    assert ids.ranges() == runs  # merged: as many ranges as runs of consecutive ids
+
+
+def test_a_million_submissions_in_order_take_one_range() -> None:
+    from kvflow.executors.simulated import _IdSet
+
+    ids = _IdSet()
+    for job_id in range(1, 1_000_001):
+        ids.add(job_id)
+    assert ids.ranges() == 1 and 1 in ids and 1_000_000 in ids and 1_000_001 not in ids

@@ -18,6 +18,7 @@ Deterministic for a seed. Reads time only from the clock it is given.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -68,6 +69,45 @@ class TransferModel:
     def duration_ms(self, num_blocks: int) -> float:
         seconds = num_blocks * self.bytes_per_block / (self.bandwidth_gbps * 1e9)
         return self.latency_us / 1000.0 + seconds * 1000.0
+
+
+class _IdSet:
+    """The job ids ever submitted, as sorted disjoint ranges: kvflow issues ids in order, so a
+    million submissions take a range or two, not a million set entries."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []  # inclusive
+
+    def __contains__(self, job_id: object) -> bool:
+        if not isinstance(job_id, int):
+            return False
+        i = bisect.bisect_right(self._starts, job_id) - 1
+        return i >= 0 and job_id <= self._ends[i]
+
+    def isdisjoint(self, ids: Iterable[int]) -> bool:
+        return not any(j in self for j in ids)
+
+    def add(self, job_id: int) -> None:
+        starts, ends = self._starts, self._ends
+        if starts and ends[-1] + 1 == job_id:  # the common case: the next id
+            ends[-1] = job_id
+            return
+        if job_id in self:
+            return
+        i = bisect.bisect_right(starts, job_id)
+        starts.insert(i, job_id)
+        ends.insert(i, job_id)
+        # merge with the neighbours it touches
+        if i + 1 < len(starts) and ends[i] + 1 == starts[i + 1]:
+            ends[i] = ends.pop(i + 1)
+            starts.pop(i + 1)
+        if i > 0 and ends[i - 1] + 1 == starts[i]:
+            ends[i - 1] = ends.pop(i)
+            starts.pop(i)
+
+    def ranges(self) -> int:
+        return len(self._starts)
 
 
 @dataclass
@@ -130,7 +170,7 @@ class SimulatedExecutor:
         self._stream_free_ms = {"store": 0.0, "load": 0.0}
         self._heap: list[tuple[float, int, int]] = []  # (done_ms, ordinal, job_id)
         self._pending: dict[int, _Pending] = {}
-        self._known: set[int] = set()
+        self._known = _IdSet()  # every id ever submitted (F5), in bounded memory
         self._ready: list[JobResult] = []
 
     def submit(self, jobs: Sequence[TransferJob], compute_done: Any = None) -> None:

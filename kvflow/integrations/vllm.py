@@ -181,17 +181,25 @@ if KVConnectorBase_V1 is not None:
             return self._scheduler.finished(request.request_id, request.block_hashes), None
 
         def take_events(self) -> list[Any]:
-            """The CPU tier's KV events as vLLM's own (medium ``CPU``), for vLLM's publisher."""
+            """The CPU tier's KV events as vLLM's own (medium ``CPU``), for vLLM's publisher,
+            naming blocks as vLLM's own events do (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
             if self._scheduler is None:
                 return []
             from vllm.distributed import kv_events as vk  # type: ignore[import-not-found,unused-ignore]
+            from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found,unused-ignore]
+                maybe_convert_block_hash,
+            )
+
+            def vllm_form(hashes: list[Any]) -> list[Any]:
+                # as vLLM names blocks in its own events (bytes, or their last 8 bytes as an int)
+                return [maybe_convert_block_hash(h) if isinstance(h, bytes) else h for h in hashes]
 
             out: list[Any] = []
             for event in self._scheduler.take_kv_events():
                 if isinstance(event, BlockStored):
                     out.append(
                         vk.BlockStored(
-                            block_hashes=list(event.block_hashes),
+                            block_hashes=vllm_form(event.block_hashes),
                             parent_block_hash=None,
                             token_ids=[],
                             block_size=event.block_size,
@@ -201,7 +209,7 @@ if KVConnectorBase_V1 is not None:
                         )
                     )
                 elif isinstance(event, BlockRemoved):
-                    out.append(vk.BlockRemoved(block_hashes=list(event.block_hashes), medium=vk.MEDIUM_CPU))
+                    out.append(vk.BlockRemoved(block_hashes=vllm_form(event.block_hashes), medium=vk.MEDIUM_CPU))
                 else:
                     out.append(vk.AllBlocksCleared())
             return out

@@ -178,8 +178,10 @@ def forward(model: Llama, kv: PagedKV, tokens: list[int], start: int, table: lis
     offset = positions % B
     blocks = torch.tensor(table[: (total + B - 1) // B], device=dev)
     mask = None
-    if start:
-        mask = torch.arange(total, device=dev)[None, :] <= positions[:, None]
+    if start:  # the new positions attend to the whole prefix: causal, aligned bottom-right
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(n, total)
     x = model.embed[ids]
     for layer, k_cache, v_cache in zip(model.layers, kv.k, kv.v):
         h = _rms(x, layer["attn_norm"], dims.eps)
@@ -190,14 +192,16 @@ def forward(model: Llama, kv: PagedKV, tokens: list[int], start: int, table: lis
         v_cache[page, offset] = v
         keys = k_cache[blocks].reshape(-1, dims.kv_heads, dims.head_dim)[:total]
         values = v_cache[blocks].reshape(-1, dims.kv_heads, dims.head_dim)[:total]
+        # 4-D [batch, heads, positions, head_dim] with grouped KV heads: what the fused
+        # kernels take (a 16k prefill never materialises heads x n x n scores)
         attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
+            q.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=mask is None,
             enable_gqa=True,
-        )
+        )[0]
         x = x + attn.transpose(0, 1).reshape(n, -1) @ layer["wo"]
         h = _rms(x, layer["mlp_norm"], dims.eps)
         x = x + (F.silu(h @ layer["w1"]) * (h @ layer["w3"])) @ layer["w2"]
@@ -222,6 +226,7 @@ class TurnStats:
     load_failed: bool = False
     ttft_s: float = 0.0
     load_s: float = 0.0
+    prefill_s: float = 0.0  # the forward pass over what was neither cached nor loaded
 
 
 class RefEngine:
@@ -274,7 +279,7 @@ class RefEngine:
 
     def _step(self) -> Any:
         compute_done = None
-        if self.model.device.type == "cuda":
+        if self.model.device.type == "cuda" and self.kvflow.manager.state.queued:  # (stores wait on it)
             compute_done = torch.cuda.Event()
             compute_done.record()
         return self.kvflow.step(compute_done=compute_done)
@@ -332,8 +337,10 @@ class RefEngine:
                         table[d : d + hits] = fresh
         stats.loaded_blocks = loaded
         done = d + loaded
+        t_prefill = time.perf_counter()
         logits = forward(self.model, self.kv, prompt[done * B :], done * B, table)
         out = [int(logits.argmax())]
+        stats.prefill_s = time.perf_counter() - t_prefill
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         stats.ttft_s = time.perf_counter() - start_time

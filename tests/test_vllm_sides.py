@@ -80,3 +80,21 @@ def test_a_finished_request_keeps_its_blocks_while_its_store_runs() -> None:
     assert nxt.delayed_free == ["r"] and nxt.jobs == []
     side.results([JobResult(job_id=plan.jobs[0].job_id)])
     assert side.manager.state.jobs == {}
+
+
+def test_a_request_whose_load_failed_is_offered_nothing_again() -> None:
+    """vLLM recomputes the failed blocks and asks again: kvflow answers 0 for that request, so
+    a load that keeps failing cannot loop; other requests still hit."""
+    side = SchedulerSide(ConnectorConfig(cpu_blocks=8), B, 4096)
+    side.matched_tokens("w", hashes(1, 2), 2 * B + 1, 0)
+    side.allocated("w", [1, 2, 3], 0)
+    plan = side.step([("w", 2 * B + 1, None, False)], [])
+    side.results([JobResult(job_id=plan.jobs[0].job_id)])
+    side.finished("w", hashes(1, 2))
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == 2 * B
+    side.allocated("r", [5, 6, 7], 2 * B)
+    load = side.step([], []).jobs[0]
+    side.results([JobResult(job_id=load.job_id, ok=False, error="copy failed")])
+    assert side.loads_failed == 1
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == 0  # recompute
+    assert side.matched_tokens("s", hashes(1, 2), 2 * B + 1, 0) == 2 * B  # the entries are fine

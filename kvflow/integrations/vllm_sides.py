@@ -158,6 +158,7 @@ class SchedulerSide:
         # kvflow hash -> vLLM's own hash of the block, so KV events name blocks as vLLM does
         self._vllm_hash: dict[int, bytes | int] = {}
         self.requests: dict[str, _Tracked] = {}
+        self._load_failed: set[str] = set()  # live requests whose load failed: no more hits
         self._delayed: list[str] = []
         self._waiting_free: set[str] = set()
         self.loads_landed = 0
@@ -167,7 +168,11 @@ class SchedulerSide:
     # -- lookup and allocation -------------------------------------------------------------
 
     def matched_tokens(self, request_id: str, block_hashes: Sequence[bytes | int], num_tokens: int, num_computed_tokens: int) -> int:
-        """How many tokens after the ``num_computed_tokens`` vLLM has can come from the tier."""
+        """How many tokens after the ``num_computed_tokens`` vLLM has can come from the tier.
+        A request whose load failed is offered nothing again: vLLM recomputes its blocks
+        (a load that keeps failing must not loop lookup -> load -> fail)."""
+        if request_id in self._load_failed:
+            return 0
         tracked = self.requests.setdefault(request_id, _Tracked())
         tracked.hashes = [kvflow_hash(h) for h in block_hashes]
         self._vllm_hash.update(zip(tracked.hashes, block_hashes))
@@ -238,12 +243,14 @@ class SchedulerSide:
         notices = self.manager.take_notices()
         self.loads_landed += len(notices.loads_finished)
         self.loads_failed += len(notices.loads_failed)
+        self._load_failed.update(f.request_id for f in notices.loads_failed)
 
     def finished(self, request_id: str, block_hashes: Sequence[bytes | int]) -> bool:
         """The request ended: its chain is touched deepest first (F14), its pins released.
         True when a store of it still reads its blocks: vLLM must keep them until the worker
         reports the request's saves over."""
         tracked = self.requests.pop(request_id, None)
+        self._load_failed.discard(request_id)
         hashes = tracked.hashes if tracked is not None else [kvflow_hash(h) for h in block_hashes]
         if hashes:
             self.manager.touch(hashes[::-1], reuse=False)

@@ -458,8 +458,15 @@ def _apply_result(state: State, cmd: JobResult) -> Decision:
     every_rank = (1 << state.config.world_size) - 1
     if job is None or job.acks & bit or job.state is JobState.FENCED:
         yield LateResultIgnored(seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error)
-        if job is not None and job.state is JobState.FENCED and job.reported == every_rank:
-            yield _fence_lifted(state, job, "copy over")
+        if job is not None and job.state is JobState.FENCED:
+            if cmd.corrupt and job.direction == LOAD and not cmd.ok:
+                # F17 also when the report comes after the outcome (a timeout, another rank's
+                # failure): the host copies it found bad leave the tier
+                eviction = _evict_resident(state, [h for h in job.hashes if h in set(cmd.corrupt)], "corrupt")
+                if eviction is not None:
+                    yield eviction
+            if job.reported == every_rank:
+                yield _fence_lifted(state, job, "copy over")
         return
     request_id = None if job.state is JobState.ABANDONED else job.request_id
     if not cmd.ok:

@@ -157,6 +157,7 @@ class OffloadManager:
         self.state = State(config)
         self.log = log if log is not None else MemoryLog(config)
         self._notices = Notices()
+        self._told_abandoned: set[int] = set()  # abandoned loads already reported failed
         # callables receiving the applied events, by event type (see subscribe)
         self._subscribers: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
         self._dispatch: dict[type, tuple[Callable[[Any], None], ...]] = {}
@@ -250,16 +251,21 @@ class OffloadManager:
 
     def _observe_notice(self, event: Event) -> None:
         self._notices.observe(event)
-        if type(event) is Reset and event.keeps_requests:  # type: ignore[union-attr]
+        kind = type(event)
+        if kind is Reset and event.keeps_requests:  # type: ignore[union-attr]
             # F18: a load the reset abandoned never lands: its request recomputes those
-            # device blocks (which stay held until the abandoned copy reports)
-            jobs = self.state.jobs
+            # device blocks (which stay held until the abandoned copy reports); told once,
+            # though a later reset abandons the job again
+            jobs, told = self.state.jobs, self._told_abandoned
             for jid in event.abandoned_job_ids:  # type: ignore[union-attr]
                 job = jobs.get(jid)
-                if job is not None and job.direction == LOAD and job.request_id is not None:
+                if job is not None and job.direction == LOAD and job.request_id is not None and jid not in told:
+                    told.add(jid)
                     self._notices.loads_failed.append(
                         LoadFailure(job.request_id, jid, job.device_blocks, ABANDONED_BY_RESET, fenced=True)
                     )
+        elif self._told_abandoned and kind is not Reset and kind is not StoreRejected:
+            self._told_abandoned.discard(event.job_id)  # type: ignore[union-attr]  # (the job ended)
 
     def take_notices(self) -> Notices:
         """What happened since the last call (F4: kept until taken)."""

@@ -253,6 +253,8 @@ class _Redecider:
         self.produced: list[Event] = []
         self.matched = 0
         self.digest_before: str | None = None
+        self._pending: Event | None = None  # the event today's code decided next
+        self._refused: str | None = None
 
     def start(self, line: int, command: Any) -> bool:
         if not self.finish():
@@ -262,7 +264,7 @@ class _Redecider:
         self.digest_before = None
         self.matched = 0
         self.produced = []
-        self._refused: str | None = None
+        self._refused = None
         # Run the decision against a scratch copy lazily: decisions read the state as each
         # event is applied, so we drive the generator against the live state one event at a
         # time, in step with the recorded events (see ``event``).
@@ -281,12 +283,12 @@ class _Redecider:
 
     def event(self, line: int, recorded: Event) -> bool:
         result = self.result
-        produced = self._pending
         if self.command is None:
             result.divergence = Divergence(
                 "redecide", recorded.seq, line, "an event appears before any command", recorded=recorded
             )
             return False
+        produced = self._pending
         if produced != recorded:
             self._diverge(line, recorded, produced)
             return False
@@ -318,7 +320,7 @@ class _Redecider:
     def _diverge(self, line: int | None, recorded: Event | None, produced: Event | None) -> None:
         state = self.result.state
         seq = recorded.seq if recorded is not None else (produced.seq if produced is not None else state.next_seq)
-        refused = getattr(self, "_refused", None)
+        refused = self._refused
         if recorded is not None and produced is None:
             what = "today's code produced no event here" + (f" (it refused the command: {refused})" if refused else "")
         elif recorded is None:

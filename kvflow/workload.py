@@ -22,6 +22,7 @@ from __future__ import annotations
 import gzip
 import os
 import re
+import zlib
 from collections.abc import Iterator
 from typing import IO, Annotated, cast
 
@@ -33,6 +34,13 @@ __all__ = ["MOONCAKE_BLOCK_TOKENS", "WorkloadRequest", "read_workload"]
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per hash id in Mooncake's released traces."""
+
+MAX_LINE_BYTES = 64 << 20
+"""The longest line the reader accepts (64 MiB, a prompt of millions of blocks): a longer one,
+or a file that never ends a line (``/dev/zero``), is refused rather than read into memory."""
+
+HASH_ID_LIMIT = 2**64
+"""Hash ids become kvflow's 64-bit block hashes: every id is below this."""
 
 
 class WorkloadRequest(msgspec.Struct, frozen=True):
@@ -101,12 +109,18 @@ def _read_requests(path: str, block_tokens: int) -> Iterator[WorkloadRequest]:
             # Read errors (bad gzip header, gzip stream cut short) are reported at the line the
             # reader was trying to get, rather than escaping as a bare OSError/EOFError.
             try:
-                raw = stream.readline()
-            except (OSError, EOFError) as exc:
-                raise TraceError(path, line_number + 1, f"cannot read: {exc}") from exc
+                raw = stream.readline(MAX_LINE_BYTES + 1)
+            except OSError as exc:
+                raise TraceError(path, line_number + 1, f"cannot read: {exc.strerror or exc}") from None
+            except EOFError as exc:  # a gzip stream cut short
+                raise TraceError(path, line_number + 1, f"cannot read: {exc}") from None
+            except zlib.error as exc:
+                raise TraceError(path, line_number + 1, f"cannot read: corrupt compressed data ({exc})") from None
             if not raw:
                 break
             line_number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(path, line_number, f"line longer than {MAX_LINE_BYTES:,} bytes")
             if raw.isspace():
                 continue
             request = _parse_line(path, line_number, raw, block_tokens)
@@ -130,6 +144,22 @@ def _parse_line(path: str, line_number: int, raw: bytes, block_tokens: int) -> W
         parsed = _LINE_DECODER.decode(raw)
     except msgspec.DecodeError as exc:  # ValidationError is a subclass
         raise TraceError(path, line_number, _explain_bad_line(raw, exc)) from None
+    except UnicodeDecodeError:  # bytes that are not UTF-8 inside a string
+        from kvflow.log import utf8_problem  # (the error path only)
+
+        raise TraceError(path, line_number, utf8_problem(raw)) from None
+    except RecursionError:  # a value (of an ignored key, too) nested deeper than the decoder goes
+        from kvflow.log import nesting_problem
+
+        raise TraceError(path, line_number, nesting_problem(raw)) from None
+
+    if parsed.hash_ids and max(parsed.hash_ids) >= HASH_ID_LIMIT:
+        index, value = next((i, h) for i, h in enumerate(parsed.hash_ids) if h >= HASH_ID_LIMIT)
+        raise TraceError(
+            path,
+            line_number,
+            f"field 'hash_ids': item {index}: {value} does not fit in 64 bits (ids are 0..2**64-1)",
+        )
 
     expected_ids = -(-parsed.input_length // block_tokens)
     if len(parsed.hash_ids) != expected_ids:
@@ -165,11 +195,19 @@ def _explain_bad_line(raw: bytes, error: msgspec.DecodeError) -> str:
     """
     try:
         document: object = msgspec.json.decode(raw)
-    except msgspec.ValidationError:  # valid JSON that msgspec cannot hold, e.g. 1e400
+    except (msgspec.ValidationError, RecursionError):  # valid JSON msgspec cannot hold: 1e400
         document = _NOT_DECODED
+    except UnicodeDecodeError:
+        from kvflow.log import utf8_problem  # (the error path only)
+
+        return utf8_problem(raw)
     except msgspec.DecodeError as json_error:
+        from kvflow.log import syntax_error_field
+
         torn = "" if raw.endswith(b"\n") else " (last line has no newline: a torn write?)"
-        return f"not valid JSON: {json_error}{torn}"
+        field = syntax_error_field(str(json_error), raw)
+        where = "" if field is None else f"field {field!r}: "
+        return f"{where}not valid JSON: {json_error}{torn}"
 
     message = str(error)
     missing = _MISSING_FIELD.match(message)

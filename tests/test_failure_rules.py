@@ -905,3 +905,38 @@ def test_F18_a_request_is_known_from_its_first_call_even_when_no_job_was_queued(
     assert not isinstance(m.log.events()[-2], RequestOpened)
     assert m.finish_request("x") is True and "x" not in m.state.requests
     consistent(m)
+
+
+def test_F18_a_load_abandoned_by_two_resets_is_reported_failed_once() -> None:
+    """(Found by the swarm, seed 151.) The second reset abandons the job again; its request
+    was told at the first one and is not told twice."""
+    m = manager(cpu_blocks=4)
+    store(m, "w", [A, B], [1, 2])
+    m.finish_request("w")
+    assert m.lookup("r", [A, B, C], tokens(3)) == 2
+    job = m.accept_hits("r", [10, 11])
+    m.plan_step(1.0)
+    m.take_notices()
+    m.reset()
+    assert [f.job_id for f in m.take_notices().loads_failed] == [job]
+    m.reset()
+    assert m.take_notices().loads_failed == []
+    m.job_result(job, ok=False, error="stream destroyed")  # the copy ends
+    consistent(m)
+
+
+def test_F17_a_corrupt_report_after_the_timeout_still_evicts_the_bad_block() -> None:
+    """(Found by the swarm, seed 16.) The load timed out (fenced); its late result names a
+    corrupt block: that block leaves the tier all the same, the others stay."""
+    m = manager(cpu_blocks=4)
+    store(m, "w", [A, B], [1, 2])
+    m.finish_request("w")
+    assert m.lookup("r", [A, B, C], tokens(3)) == 2
+    job = m.accept_hits("r", [10, 11])
+    m.plan_step(1.0)
+    assert m.tick(1.0 + DEADLINE_MS) == 1
+    m.job_results([JobResult(job_id=job, ok=False, error="checksum mismatch", corrupt=(B,))])
+    assert m.state.is_resident(A) and not m.state.is_resident(B)
+    evicted = [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
+    assert [(e.hashes, e.reason) for e in evicted] == [((B,), "corrupt")]
+    consistent(m)

@@ -136,6 +136,7 @@ class TraceWriter:
             meta=dict(meta or {}),
         )
         self._file.write(self._encoder.encode(header) + b"\n")
+        self._file.flush()  # on disk at once: a writer killed before its first flush leaves a readable trace
 
     def record_command(self, command: Command) -> None:
         self._buffer.append(self._encoder.encode(command))

@@ -240,6 +240,9 @@ class SchedulerSide:
         """The workers' outcomes for this step, applied (each is recorded in the trace)."""
         if results:
             self.manager.job_results(results)
+        flush = getattr(self.manager.log, "flush", None)
+        if flush is not None and not self._closed:
+            flush()  # each step on disk: vLLM may end its engine process without shutdown()
         notices = self.manager.take_notices()
         self.loads_landed += len(notices.loads_finished)
         self.loads_failed += len(notices.loads_failed)

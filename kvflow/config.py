@@ -44,6 +44,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.structs.asdict(self)
 
 
+# The largest tier a state can be built for (the slot list costs ~80 bytes a slot: 1.3 GB here);
+# trace readers refuse a header above it (kvflow.log).
+MAX_CPU_BLOCKS = 1 << 24
+
+
 def validate_config(config: Config) -> None:
     """Raise ConfigError with a one-line message for the first bad field."""
     from kvflow.policies import POLICIES  # late: policies import nothing heavy
@@ -52,6 +57,8 @@ def validate_config(config: Config) -> None:
         raise ConfigError(
             f"cpu_blocks must be a whole number >= 0 (0 disables offload), got {config.cpu_blocks!r}"
         )
+    if config.cpu_blocks > MAX_CPU_BLOCKS:  # (what a trace reader accepts: the same bound)
+        raise ConfigError(f"cpu_blocks must be at most {MAX_CPU_BLOCKS:,}, got {config.cpu_blocks:,}")
     if not _is_int(config.block_tokens) or config.block_tokens <= 0:
         raise ConfigError(f"block_tokens must be a whole number > 0, got {config.block_tokens!r}")
     if not isinstance(config.policy, str) or config.policy not in POLICIES:

@@ -198,7 +198,8 @@ MAX_LINE_BYTES = 64 << 20
 A longer one, or a file that never ends a line (``/dev/zero``), is refused rather than read
 into memory without bound."""
 
-MAX_CPU_BLOCKS = 1 << 24
+from kvflow.config import MAX_CPU_BLOCKS  # noqa: E402  (one bound for configs and readers)
+
 """The largest CPU tier (``config.cpu_blocks``) a trace header may declare: replaying one
 allocates the tier's bookkeeping up front (about 80 bytes a slot, 1.3 GB at this maximum), so a
 corrupted header must not be able to ask for more."""

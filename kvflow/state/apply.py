@@ -339,9 +339,11 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
 
 def _rank_succeeded(state: State, event: RankSucceeded, check: bool) -> None:
     job = lg.check_job(state, event, "rank_succeeded", event.job_id)
-    bit = 1 << event.rank
     world = state.config.world_size
-    if not 0 <= event.rank < world or job.acks & bit:
+    if not 0 <= event.rank < world:  # (before the shift: a negative rank cannot shift)
+        raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+    bit = 1 << event.rank
+    if job.acks & bit:
         raise lg.illegal(state, event, job.state.name, f"rank {event.rank} cannot report again")
     if job.acks | bit == (1 << world) - 1:
         raise lg.illegal(state, event, job.state.name, "the last rank's success is JobCompleted")

@@ -1,8 +1,10 @@
 """The seeded swarm (``tools/swarm.py``): a fixed set of seeds passes every check, the checks
-catch a planted bug, a failing seed prints the command that reproduces it, and the two kvflow
-bugs the swarm found (fixed since) keep their seeds as tests: a load abandoned by two resets
-was reported failed twice; a corrupt report arriving after the job's outcome left the bad
-block on the tier."""
+catch a planted bug, a failing seed prints the command that reproduces it, and the kvflow bugs
+the swarm found keep their seeds as tests: a load abandoned by two resets was reported failed
+twice (fixed); a corrupt report arriving after the job's outcome left the bad block on the tier
+(fixed); a block reported corrupt while another load pinned it stays on the tier when that load
+ends without failing its checksum on it (open: strict xfail, so the fix turns it red and the
+seed moves into ``SEEDS``)."""
 
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ def _load_swarm() -> ModuleType:
 
 swarm = _load_swarm()
 
-# Every seed of 0..59 that passes today (about 5 s together, re-runs included); 0, 9, 16 and 55
-# find the F17 gap below.
-SEEDS = tuple(s for s in range(60) if s not in (0, 9, 16, 55))
+# Every seed of 0..59 that passes today (about 5 s together, re-runs included); 0, 16 and 19
+# find the open F17 gap below.
+SEEDS = tuple(s for s in range(60) if s not in (0, 16, 19))
 
 # What the fixed seeds must exercise between them.
 KINDS = (
@@ -139,6 +141,20 @@ def test_seed_151_a_load_abandoned_by_two_resets_is_reported_once(tmp_path: Path
     assert result.failure is None, result.failure
 
 
-def test_seed_16_a_late_corrupt_report_still_evicts_the_bad_block(tmp_path: Path) -> None:
+def test_seed_153_a_late_corrupt_report_still_evicts_the_bad_block(tmp_path: Path) -> None:
+    result = swarm.check_seed(153, FAULT_MAX, tmp_path, subprocess_check=False)
+    assert result.failure is None, result.failure
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "kvflow gap (F17): a corrupt report for a block another request pins is not acted on "
+        "(decide._evict_resident skips pinned blocks, relying on that load failing on it too); "
+        "when the pins go otherwise (the load times out, fails for another reason or completes, "
+        "or the pin was a lookup's), the bad copy stays on the tier and is offered again"
+    ),
+)
+def test_seed_16_a_block_reported_corrupt_while_pinned_leaves_the_tier_with_its_pins(tmp_path: Path) -> None:
     result = swarm.check_seed(16, FAULT_MAX, tmp_path, subprocess_check=False)
     assert result.failure is None, result.failure

@@ -27,7 +27,7 @@ drains and closes. Then it checks:
   its targets when it completes, late or not; a failed one writes garbage), so a load that
   finishes must have brought its blocks' contents, and a request's blocks must still hold
   them when it finishes (no late copy wrote a block or slot that kvflow had given back);
-* F17: a report of bad host bytes is never lost while those bytes stay on offer; F16: a
+* F17: a block reported corrupt never stays on offer once no load holds it; F16: a
   store never evicts its own chain; F13: hits stay under the token cap;
 * every job has exactly one terminal event (a job abandoned by a reset whose copy never
   reported ends by its ``fence_lifted`` instead), every fenced outcome is lifted exactly once,
@@ -343,7 +343,8 @@ class FaultyExecutor:
         self.never: dict[int, tuple[int, ...]] = {}  # job -> ranks whose result never comes
         self.delayed: list[tuple[float, int, JobResult]] = []
         self.delivered: set[tuple[int, int]] = set()
-        self.corrupt_reports: dict[tuple[int, int], tuple[int, ...]] = {}
+        # (block, slot) a delivered result reported bad -> (job, rank) that reported it
+        self.reported_bad: dict[tuple[int, int], tuple[int, int]] = {}
         self.corrupted = 0
         self.checksum_failures = 0
         self.closed = False
@@ -397,7 +398,8 @@ class FaultyExecutor:
             self.slot_data[s] = INJECTED
         for d in job.device_blocks:
             self.device_data[d] = GARBAGE
-        bad = [h for h, _ in named]
+        # (its checksums also see the slots broken earlier, as _copy's do)
+        bad = [h for h, s in zip(job.hashes, job.slots) if self.slot_data.get(s) == INJECTED]
         if rng.random() < 0.2:
             bad.append(rng.getrandbits(64))  # a hash the job does not name
         self.corrupted += 1
@@ -415,7 +417,8 @@ class FaultyExecutor:
         by_job: dict[int, list[JobResult]] = {}
         for result in self.inner.poll():  # (every rank of a job comes in one poll)
             by_job.setdefault(result.job_id, []).append(result)
-        copied = [r for jid, rs in by_job.items() for r in self._copy(self.jobs[jid], rs)]
+        # job by job: a copy sees the slots an earlier one in this poll found broken
+        copied = (r for jid, rs in by_job.items() for r in self._copy(self.jobs[jid], rs))
         for result in copied:
             job = self.jobs[result.job_id]
             if result.rank in self.never.get(result.job_id, ()):
@@ -438,7 +441,10 @@ class FaultyExecutor:
         self.delivered.update((r.job_id, r.rank) for r in out)
         for r in out:
             if r.corrupt:
-                self.corrupt_reports[r.job_id, r.rank] = r.corrupt
+                job = self.jobs[r.job_id]
+                for h, s in zip(job.hashes, job.slots):
+                    if h in r.corrupt:
+                        self.reported_bad.setdefault((h, s), (r.job_id, r.rank))
         return out
 
     def next_event_ms(self) -> float | None:
@@ -555,8 +561,7 @@ class Driver:
         self.log = QuietLog()
         self.engine._log = self.log  # (warnings such as kvflow.fence_held are expected here)
         self.data = self.executor.device_data
-        self.lost_reports: list[str] = []  # F17 reports of bad bytes that changed nothing
-        self.engine.manager.subscribe(self._on_late, (LateResultIgnored,))
+        self.lost_reports: list[str] = []  # F17: bad bytes reported, still on offer
         self.state = self.engine.manager.state
         self.prompts = make_workload(scn)
         self.stats = Stats()
@@ -835,32 +840,26 @@ class Driver:
             self._check_step()
         return report
 
-    def _on_late(self, event: LateResultIgnored) -> None:
-        """F17: a result naming bad host bytes that arrives after the job's outcome (the job
-        timed out, or another rank failed first) is ignored; if a block it names is still
-        offered from the slot that job read, unpinned (so no load in flight will fail on it
-        and evict it), the bad bytes stay on offer and the engine's recompute of them is
-        deduplicated against them."""
-        named = self.executor.corrupt_reports.get((event.job_id, event.rank))
-        if not named:
-            return
-        state, job = self.state, self.executor.jobs[event.job_id]
-        for h, slot in zip(job.hashes, job.slots):
-            if (
-                h in named
-                and state.slot_of.get(h) == slot
-                and h not in state.pending
-                and h not in state.pin_count
-                and self.executor.slot_data.get(slot) == INJECTED
-            ):
+    def _check_bad_offers(self) -> None:
+        """F17: once kvflow was told a block's host copy is bad, that copy must not stay on
+        offer once no load holds it (a load that pinned it when the report came may end
+        without failing its checksum on it: it timed out, failed for another reason, read the
+        slot before the bytes went bad; or the pin was only a lookup's). Each such block is
+        reported once, and the run goes on (the next load of it fails its checksum)."""
+        bad, state, slots = self.executor.reported_bad, self.state, self.executor.slot_data
+        for (h, slot), (job, rank) in list(bad.items()):
+            if slots.get(slot) != INJECTED or state.slot_of.get(h) != slot:
+                del bad[h, slot]  # rewritten, or the block left the tier (or that slot)
+            elif h not in state.pending and h not in state.pin_count:
+                del bad[h, slot]
                 self.lost_reports.append(
-                    f"F17: corrupt report of load {event.job_id} rank {event.rank} came after its "
-                    f"outcome and was ignored; block {h} stays offered from bad slot {slot}"
+                    f"F17: block {h} was reported corrupt (load {job} rank {rank}) but stays on "
+                    f"offer from its bad slot {slot}, unpinned, after step {self.step_no}"
                 )
-                return
 
     def _check_step(self) -> None:
         state = self.state
+        self._check_bad_offers()
         if self.held != state.held:
             mine = sorted(set(self.held.items()) ^ set(state.held.items()))[:6]
             raise SwarmFailure(f"held device blocks disagree after step {self.step_no}: {mine}")

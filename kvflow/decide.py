@@ -23,6 +23,7 @@ from kvflow.events import (
     STORE,
     AcceptHits,
     BlocksComputed,
+    BlocksCorrupt,
     BlocksEvicted,
     BlocksTouched,
     Command,
@@ -370,6 +371,37 @@ def _evict_resident(state: State, hashes: Sequence[int], reason: str) -> BlocksE
     )
 
 
+def _drop_corrupt(state: State, hashes: Sequence[int]) -> Decision:
+    """F17: the resident, unpinned ones of ``hashes`` are evicted now; the ones another
+    request still pins are remembered and evicted when their last pin goes."""
+    eviction = _evict_resident(state, hashes, "corrupt")
+    if eviction is not None:
+        yield eviction
+    pinned = [h for h in dict.fromkeys(hashes) if h in state.pin_count and h not in state.bad and state.is_resident(h)]
+    if pinned:
+        yield BlocksCorrupt(seq=state.next_seq, hashes=tuple(pinned))
+
+
+def _evict_unpinned_bad(state: State) -> Decision:
+    """After any decision: remembered bad blocks whose last pin went are evicted (F17)."""
+    gone = [h for h in state.bad if h not in state.pin_count]
+    if gone:
+        eviction = _evict_resident(state, gone, "corrupt")
+        if eviction is not None:
+            yield eviction
+
+
+def _then_evict_bad(decider: Callable[[State, Any], Decision]) -> Callable[[State, Any], Decision]:
+    def decide_then_evict(state: State, cmd: Any) -> Decision:
+        answer = yield from decider(state, cmd)
+        if state.bad:
+            yield from _evict_unpinned_bad(state)
+        return answer
+
+    decide_then_evict.__name__ = decider.__name__
+    return decide_then_evict
+
+
 def decide_invalidate(state: State, cmd: Invalidate) -> Decision:
     eviction = _evict_resident(state, cmd.block_hashes, "invalidated")
     if eviction is None:
@@ -462,9 +494,7 @@ def _apply_result(state: State, cmd: JobResult) -> Decision:
             if cmd.corrupt and job.direction == LOAD and not cmd.ok:
                 # F17 also when the report comes after the outcome (a timeout, another rank's
                 # failure): the host copies it found bad leave the tier
-                eviction = _evict_resident(state, [h for h in job.hashes if h in set(cmd.corrupt)], "corrupt")
-                if eviction is not None:
-                    yield eviction
+                yield from _drop_corrupt(state, [h for h in job.hashes if h in set(cmd.corrupt)])
             if job.reported == every_rank:
                 yield _fence_lifted(state, job, "copy over")
         return
@@ -481,9 +511,7 @@ def _apply_result(state: State, cmd: JobResult) -> Decision:
             # pins go when that load fails on them too)
             named = set(cmd.corrupt)
             bad = [h for h in job.hashes if h in named]
-            eviction = _evict_resident(state, bad, "corrupt")
-            if eviction is not None:
-                yield eviction
+            yield from _drop_corrupt(state, bad)
     elif job.acks | bit == (1 << state.config.world_size) - 1:
         yield _terminal_event(JobCompleted, state, job, rank=cmd.rank)
     else:
@@ -581,6 +609,10 @@ DECIDERS: dict[type, Callable[[State, Any], Decision]] = {
     Invalidate: decide_invalidate,
     EndFences: decide_end_fences,
 }
+
+
+# every decision is followed by the eviction of bad blocks it unpinned (F17)
+DECIDERS = {kind: _then_evict_bad(decider) for kind, decider in DECIDERS.items()}
 
 
 def decide(state: State, command: Command) -> Decision:

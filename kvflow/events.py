@@ -164,6 +164,14 @@ class BlocksEvicted(_Event, frozen=True, tag="blocks_evicted"):
     reason: EvictReason
 
 
+class BlocksCorrupt(_Event, frozen=True, tag="blocks_corrupt"):
+    """A load found these resident blocks' host copies bad while another request still pins
+    them (F17): they stay until their last pin goes, then they are evicted (reason
+    ``corrupt``), whatever way the pin goes."""
+
+    hashes: Hashes
+
+
 class BlocksTouched(_Event, frozen=True, tag="blocks_touched"):
     """Recency: the resident hashes were used, in this order (the last is the most recent).
 
@@ -257,6 +265,7 @@ Event = Union[
     LateResultIgnored,
     FenceLifted,
     BlocksEvicted,
+    BlocksCorrupt,
     BlocksTouched,
     StoreRejected,
     PinsAcquired,

@@ -940,3 +940,28 @@ def test_F17_a_corrupt_report_after_the_timeout_still_evicts_the_bad_block() -> 
     evicted = [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
     assert [(e.hashes, e.reason) for e in evicted] == [((B,), "corrupt")]
     consistent(m)
+
+
+@pytest.mark.parametrize("how", ["times_out", "fails_otherwise", "hits_released"])
+def test_F17_a_block_reported_corrupt_while_pinned_leaves_with_its_last_pin(how: str) -> None:
+    """(Found by the swarm, seed 16.) b's load finds block A corrupt while c still pins it:
+    A is remembered, and when c's pin goes, whatever way, A leaves the tier (reason corrupt)."""
+    m = manager(cpu_blocks=4)
+    store(m, "w", [A, B], [1, 2])
+    m.finish_request("w")
+    assert m.lookup("b", [A, C], tokens(2)) == 1
+    bad_load = m.accept_hits("b", [10])
+    assert m.lookup("c", [A, C], tokens(2)) == 1
+    other = m.accept_hits("c", [20]) if how != "hits_released" else None
+    m.plan_step(1.0)
+    m.job_results([JobResult(job_id=bad_load, ok=False, error="checksum mismatch", corrupt=(A,))])
+    assert m.state.is_resident(A) and A in m.state.bad  # still pinned by c: kept for now
+    if how == "times_out":
+        m.tick(1.0 + DEADLINE_MS)
+    elif how == "fails_otherwise":
+        m.job_result(other, ok=False, error="CUDA error")
+    else:
+        m.accept_hits("c", [])
+    assert not m.state.is_resident(A) and not m.state.bad
+    assert m.lookup("d", [A, C], tokens(2)) == 0  # never offered again
+    consistent(m)

@@ -2,9 +2,9 @@
 catch a planted bug, a failing seed prints the command that reproduces it, and the kvflow bugs
 the swarm found keep their seeds as tests: a load abandoned by two resets was reported failed
 twice (fixed); a corrupt report arriving after the job's outcome left the bad block on the tier
-(fixed); a block reported corrupt while another load pinned it stays on the tier when that load
-ends without failing its checksum on it (open: strict xfail, so the fix turns it red and the
-seed moves into ``SEEDS``)."""
+(fixed); a block reported corrupt while another load pinned it stayed on the tier when that
+load ended without failing its checksum on it (fixed: it is remembered and evicted with its
+last pin)."""
 
 from __future__ import annotations
 
@@ -146,15 +146,6 @@ def test_seed_153_a_late_corrupt_report_still_evicts_the_bad_block(tmp_path: Pat
     assert result.failure is None, result.failure
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "kvflow gap (F17): a corrupt report for a block another request pins is not acted on "
-        "(decide._evict_resident skips pinned blocks, relying on that load failing on it too); "
-        "when the pins go otherwise (the load times out, fails for another reason or completes, "
-        "or the pin was a lookup's), the bad copy stays on the tier and is offered again"
-    ),
-)
 def test_seed_16_a_block_reported_corrupt_while_pinned_leaves_the_tier_with_its_pins(tmp_path: Path) -> None:
     result = swarm.check_seed(16, FAULT_MAX, tmp_path, subprocess_check=False)
     assert result.failure is None, result.failure

@@ -20,6 +20,7 @@ from kvflow.config import Config
 from kvflow.errors import IllegalTransition
 from kvflow.events import (
     EVENT_TYPES,
+    BlocksCorrupt,
     BlocksEvicted,
     BlocksTouched,
     Event,
@@ -77,6 +78,7 @@ NON_BLOCK_TAGS = {
 BLOCK_TAGS = sorted(set(ALL_TAGS) - NON_BLOCK_TAGS)
 # Tags whose event never names a transfer job.
 NON_JOB_TAGS = {
+    "blocks_corrupt",
     "blocks_evicted",
     "blocks_touched",
     "store_rejected",
@@ -252,6 +254,8 @@ def block_event(tag: str, m: OffloadManager) -> Event:
         return BlocksEvicted(seq=seq(m), hashes=(H,), slots=(slot,), reason="explicit")
     if tag == "blocks_touched":
         return BlocksTouched(seq=seq(m), hashes=(H,))
+    if tag == "blocks_corrupt":
+        return BlocksCorrupt(seq=seq(m), hashes=(H,))
     if tag == "pins_acquired":
         return PinsAcquired(seq=seq(m), request_id="rp", hashes=(H,), num_tokens=TOKENS)
     if tag == "pins_released":
@@ -324,6 +328,8 @@ def neutral_event(tag: str, m: OffloadManager, target_job: int | None = None) ->
         )
     if tag == "blocks_touched":
         return BlocksTouched(seq=seq(m), hashes=(SPARE,))
+    if tag == "blocks_corrupt":
+        return BlocksCorrupt(seq=seq(m), hashes=(SPARE,))
     if tag == "pins_acquired":
         return PinsAcquired(seq=seq(m), request_id="rp", hashes=(SPARE,), num_tokens=TOKENS)
     if tag == "pins_released":

@@ -20,6 +20,7 @@ from kvflow.errors import IllegalTransition
 from kvflow.events import (
     LOAD,
     STORE,
+    BlocksCorrupt,
     BlocksEvicted,
     BlocksTouched,
     Event,
@@ -119,6 +120,9 @@ def _evict(state: State, hashes: tuple[int, ...], job: Job | None) -> None:
     """RESIDENT -> ABSENT: the slots are free again; the policy forgets (or ghosts) them."""
     _free(state, hashes)
     state.policy.remove_many(hashes)
+    if state.bad:
+        for h in hashes:
+            state.bad.pop(h, None)
 
 
 _ENTRY_MOVES: dict[tuple[BlockState, BlockState], Callable[..., None] | None] = {
@@ -414,6 +418,15 @@ def _touched(state: State, event: BlocksTouched, check: bool) -> None:
         state.policy.refresh_many(hashes)
 
 
+def _corrupt(state: State, event: BlocksCorrupt, check: bool) -> None:
+    if not event.hashes:
+        raise lg.illegal(state, event, "RESIDENT", "names no block")
+    lg.check_resident(state, event, "blocks_corrupt", event.hashes)
+    _move(state, RESIDENT, "blocks_corrupt", event.hashes, None)
+    for h in event.hashes:
+        state.bad[h] = None
+
+
 def _rejected(state: State, event: StoreRejected, check: bool) -> None:
     if not event.hashes:
         raise lg.illegal(state, event, "RESIDENT", "a rejection names at least one block")
@@ -506,6 +519,7 @@ def _reset(state: State, event: Reset, check: bool) -> None:
     state.pending.clear()
     state.pin_count.clear()
     state.deferred_touches.clear()
+    state.bad.clear()
     if event.keeps_requests:  # F18: live requests stay known, with nothing on the tier
         for rid, req in list(state.requests.items()):
             if req.finished:
@@ -529,6 +543,7 @@ _EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {
     FenceLifted: _fence_lifted,  # type: ignore[dict-item]
     BlocksEvicted: _evicted,  # type: ignore[dict-item]
     BlocksTouched: _touched,  # type: ignore[dict-item]
+    BlocksCorrupt: _corrupt,  # type: ignore[dict-item]
     StoreRejected: _rejected,  # type: ignore[dict-item]
     PinsAcquired: _pins_acquired,  # type: ignore[dict-item]
     PinsReleased: _pins_released,  # type: ignore[dict-item]

@@ -89,7 +89,7 @@ def canonical(state: State) -> tuple[Any, ...]:
         (sorted((j, list(h), r) for j, (h, r) in state.deferred_touches.items()),)
         if state.deferred_touches
         else ()
-    )
+    ) + ((sorted(state.bad),) if state.bad else ())
 
 
 def digest(state: State) -> str:

@@ -173,6 +173,7 @@ class State:
         "requests",
         "policy",
         "deferred_touches",
+        "bad",
     )
 
     def __init__(self, config: Config) -> None:
@@ -199,6 +200,8 @@ class State:
         # F14: a touch that named entries still being stored, kept on their store job (the
         # latest one) and applied again when the job lands: (hashes in order, reuse)
         self.deferred_touches: dict[int, tuple[tuple[int, ...], bool]] = {}
+        # F17: resident blocks reported corrupt while pinned, evicted once unpinned
+        self.bad: dict[int, None] = {}
 
     # -- queries -------------------------------------------------------------------------
 
@@ -263,6 +266,7 @@ class State:
             clone.requests[rid] = nr
         clone.policy = copy.deepcopy(self.policy)
         clone.deferred_touches = dict(self.deferred_touches)
+        clone.bad = dict(self.bad)
         return clone
 
     # -- determinism ---------------------------------------------------------------------

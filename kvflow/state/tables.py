@@ -68,6 +68,7 @@ BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
         "pins_acquired": RESIDENT,
         "pins_released": RESIDENT,
         "blocks_touched": RESIDENT,
+        "blocks_corrupt": RESIDENT,  # remembered: evicted when its last pin goes (F17)
         "blocks_evicted": ABSENT,  # only when unpinned
         "reset": ABSENT,
     },

@@ -611,8 +611,10 @@ DECIDERS: dict[type, Callable[[State, Any], Decision]] = {
 }
 
 
-# every decision is followed by the eviction of bad blocks it unpinned (F17)
-DECIDERS = {kind: _then_evict_bad(decider) for kind, decider in DECIDERS.items()}
+# a decision that can release pins is followed by the eviction of bad blocks it unpinned
+# (F17); the others (stores, touches, planning: the hot path) are left as they are
+_UNPINNING = (Lookup, AcceptHits, JobResult, JobResults, Tick, FinishRequest)
+DECIDERS.update({kind: _then_evict_bad(DECIDERS[kind]) for kind in _UNPINNING})
 
 
 def decide(state: State, command: Command) -> Decision:

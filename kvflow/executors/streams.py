@@ -70,6 +70,16 @@ def record_event(stream: Any | None, device: torch.device) -> Any | None:
     return event
 
 
+def compute_done_event(device: torch.device) -> Any | None:
+    """An event marking everything enqueued so far on ``device``'s current (compute) stream,
+    for copies that must read what it computed (None on the CPU: the work is done already)."""
+    if device.type == "cpu":
+        return None
+    event = torch.Event(device=device)
+    event.record()
+    return event
+
+
 def wait_event(event: Any | None, traits: DeviceTraits) -> None:
     """Block the calling (completion) thread until ``event`` has happened, the device's way."""
     if event is None:

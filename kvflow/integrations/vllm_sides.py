@@ -342,11 +342,10 @@ class WorkerSide:
         if not self._pending_stores:
             return
         compute_done = None
-        if self.executor is not None and self.executor.device.type != "cpu":
-            import torch
+        if self.executor is not None:
+            from kvflow.executors.streams import compute_done_event  # (torch lives there)
 
-            compute_done = torch.Event(device=self.executor.device)
-            compute_done.record()  # on the current (compute) stream
+            compute_done = compute_done_event(self.executor.device)
         self._submit(self._pending_stores, compute_done)
         self._pending_stores = []
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.decide_checks import Decision, whole
+from kvflow.decide_remote import write_through
 from kvflow.decide_store import drop_corrupt
 from kvflow.errors import Rejected, UnknownJob
 from kvflow.events import (
     LOAD,
+    STORE,
     EndFences,
     FenceLifted,
     FinishRequest,
@@ -136,7 +138,10 @@ def _apply_result(state: State, cmd: JobResult) -> Decision:
             bad = [h for h in job.hashes if h in named]
             yield from drop_corrupt(state, bad)
     elif job.acks | bit == (1 << state.config.world_size) - 1:
+        landed = job.direction == STORE and job.state is not JobState.ABANDONED
         yield _terminal_event(JobCompleted, state, job, rank=cmd.rank)
+        if landed and state.config.remote:
+            yield from write_through(state, job.hashes)
     else:
         yield RankSucceeded(seq=state.next_seq, job_id=job.job_id, rank=cmd.rank)
         return

@@ -169,3 +169,46 @@ class RedisBlockStore:
 def _error_text(reply: object) -> str:
     text = str(reply).splitlines()[0] if str(reply) else type(reply).__name__
     return f"{type(reply).__name__}: {text}" if isinstance(reply, Exception) else text
+
+
+def redis_tier(
+    executor: Any,
+    config: Any,
+    url: str,
+    *,
+    model: str,
+    cluster: bool = False,
+    timeout_s: float | None = None,
+    prefix: bytes = DEFAULT_PREFIX,
+    ttl_s: int | None = None,
+    **redis_kwargs: Any,
+) -> Any:
+    """``executor`` (with its host pool) behind a Redis remote tier: the executor to hand to
+    ``SyncEngine`` with ``config`` (whose ``remote_blocks`` must be > 0). ``model`` names the
+    KV's model: with the pool's page sizes and ``config.block_tokens`` it is the layout identity
+    entries are keyed and checked by. ``timeout_s`` (socket timeout, one attempt) defaults to a
+    quarter of the job deadline, at most 1 s."""
+    from kvflow.tiers.remote_executor import RemoteTierExecutor, SlotPages
+
+    if not config.remote:
+        raise ConfigError("the remote tier needs config.remote_blocks > 0")
+    pool = getattr(executor, "pool", None)
+    if pool is None or not pool.enabled:
+        raise ConfigError("the remote tier needs an executor with a host pool (cpu_blocks > 0)")
+    deadline_s = config.job_deadline_ms / 1000.0
+    timeout = min(1.0, deadline_s / 4) if timeout_s is None else float(timeout_s)
+    if not 0 < timeout <= deadline_s:
+        raise ConfigError(f"remote timeout_s must be within (0, job deadline {deadline_s} s], got {timeout_s!r}")
+    layout = Layout(model=model, page_bytes=tuple(pool.page_bytes), block_tokens=config.block_tokens)
+
+    def open_store() -> RedisBlockStore:
+        client = connect(url, cluster=cluster, timeout_s=timeout, **redis_kwargs)
+        return RedisBlockStore(client, layout, prefix=prefix, timeout_s=timeout, ttl_s=ttl_s)
+
+    return RemoteTierExecutor(
+        executor,
+        open_store,
+        SlotPages.of_pool(pool),
+        job_deadline_ms=config.job_deadline_ms,
+        world_size=config.world_size,
+    )

@@ -76,6 +76,7 @@ class SimOptions:
     job_deadline_ms: float = 30_000.0
     hang_jobs: tuple[int, ...] = ()
     record: str | None = None
+    remote_blocks: int = 0  # the remote index's capacity (kvflow.simulate_fleet sets it)
 
     def validate(self) -> None:
         def whole(v: object) -> bool:
@@ -97,6 +98,7 @@ class SimOptions:
             policy=self.policy,
             store_mode=self.store,
             job_deadline_ms=self.job_deadline_ms,
+            remote_blocks=self.remote_blocks,
         )
 
 
@@ -137,6 +139,7 @@ class _Totals:
     hit_tokens: int = 0
     cpu_hit_tokens: int = 0
     device_hit_tokens: int = 0
+    remote_hit_tokens: int = 0  # of the cpu hits, those the remote tier brought
 
 
 class _Ids:
@@ -152,18 +155,24 @@ class _Ids:
 
 
 class Simulation:
-    def __init__(self, options: SimOptions) -> None:
+    def __init__(self, options: SimOptions, remote: Any = None) -> None:
+        """``remote``: a shared ``SimulatedRemoteStore`` (kvflow.tiers.simulated_remote) this
+        instance reaches through its remote tier (needs ``options.remote_blocks > 0``)."""
         options.validate()
         self.options = options
         self.config = options.config()
         self.clock = VirtualClock()
-        self.executor = SimulatedExecutor(
+        self.executor: Any = SimulatedExecutor(
             self.clock,
             TransferModel(options.bytes_per_block, options.bandwidth_gbps, options.latency_us),
             fault_rate=options.fault_rate,
             seed=options.seed,
             hang_jobs=options.hang_jobs,
         )
+        if remote is not None:
+            from kvflow.tiers.simulated_remote import SimulatedRemoteExecutor
+
+            self.executor = SimulatedRemoteExecutor(self.executor, remote, self.clock)
         meta = {
             "tool": "kvflow simulate",
             "mode": options.mode,
@@ -210,13 +219,15 @@ class Simulation:
         cap = max(0, (L - 1) // B)
         rid = f"r{req.line}"
         d = self.device.prefix_hits(full, cap)
+        r = self._from_remote(rid, full, L, d) if self.config.remote else 0
         c = engine.lookup(rid, full, L, d)
         if c:
             engine.accept_hits(rid, self.ids.take(c))
             engine.touch(tuple(reversed(full[d : d + c])))
             report = self._run_until_idle()
             if report.loads_failed:
-                c = 0  # a failed load's blocks are computed, not hit
+                c = r = 0  # a failed load's blocks are computed, not hit
+        self.totals.remote_hit_tokens += min(r, c) * B
         if not self.lazy and self.config.enabled and full:
             engine.blocks_computed(rid, full, self.ids.take(len(full)))
             self._run_until_idle()
@@ -227,6 +238,21 @@ class Simulation:
             self._run_until_idle()
         engine.finish_request(rid)
         self._count(L, d, c)
+
+    def _from_remote(self, rid: str, full: tuple[int, ...], L: int, d: int) -> int:
+        """Before the lookup that counts: a first lookup probes the remote tier for what the
+        CPU tier lacks, a second queues the remote load of what it found; both run to their
+        end. Returns how many more blocks the CPU tier offers now than before."""
+        engine = self.engine
+        before = engine.lookup(rid, full, L, d)
+        engine.accept_hits(rid, [])
+        engine.step()  # the probe's answer is recorded
+        engine.lookup(rid, full, L, d)
+        engine.accept_hits(rid, [])
+        self._run_until_idle()
+        after = engine.lookup(rid, full, L, d)
+        engine.accept_hits(rid, [])
+        return after - before
 
     def _count(self, L: int, d: int, c: int) -> None:
         B = self.config.block_tokens

@@ -68,6 +68,83 @@ def measure(store, payload: int, blocks: int, pipeline: int) -> dict[str, float]
     }
 
 
+def engine_thread_cost(url: str, payload: int, requests: int, blocks: int) -> dict[str, float]:
+    """CPU time of the engine's own thread (``time.thread_time``: the remote tier's I/O thread
+    is not counted) per block, for the same stores and lookups with and without the remote
+    tier: the difference is what each remote block costs the engine."""
+    import numpy as np
+
+    from kvflow.config import Config
+    from kvflow.engine import SyncEngine
+    from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
+    from kvflow.tiers.entry import Layout
+    from kvflow.tiers.redis_store import RedisBlockStore, connect
+    from kvflow.tiers.remote_executor import RemoteTierExecutor, SlotPages
+
+    cpu_blocks = requests * blocks
+    slots = SlotPages([np.zeros((cpu_blocks, payload), np.uint8)])
+    layout = Layout(model="bench-engine", page_bytes=(payload,), block_tokens=16)
+
+    def build(remote: bool) -> tuple[SyncEngine, VirtualClock]:
+        clock = VirtualClock()
+        executor: object = SimulatedExecutor(clock, TransferModel(payload, 50.0, 5.0))
+        if remote:
+            executor = RemoteTierExecutor(
+                executor,
+                lambda: RedisBlockStore(connect(url, timeout_s=10.0), layout, timeout_s=10.0),
+                slots,
+                job_deadline_ms=60_000.0,
+            )
+        config = Config(cpu_blocks=cpu_blocks, block_tokens=16, remote_blocks=cpu_blocks if remote else 0,
+                        job_deadline_ms=60_000.0)  # fmt: skip
+        return SyncEngine(config, executor, clock=clock, bytes_per_block=payload), clock
+
+    def settle(engine: SyncEngine, clock: VirtualClock) -> None:
+        probing = getattr(engine.executor, "probing", lambda: False)
+        while probing():
+            time.sleep(0.0005)
+        engine.step()
+        while engine.has_live_jobs():
+            due = getattr(engine.executor, "inner", engine.executor).next_completion_ms()
+            if due is not None:
+                clock.advance_to(due)
+            else:  # a remote job: its thread works while this one waits (no CPU, no idle steps)
+                engine.executor.wait_results(10.0)  # type: ignore[attr-defined]
+            engine.step()
+
+    def chain(r: int) -> list[int]:
+        return [r * blocks + i + 1 for i in range(blocks)]
+
+    tokens = blocks * 16 + 1
+    out: dict[str, float] = {}
+    for remote in (False, True):
+        writer, clock = build(remote)
+        store_connection = RedisBlockStore(connect(url), layout)
+        store_connection.client.flushall()  # the reader must find only what this writer stored
+        store_connection.close()
+        cpu = time.thread_time()
+        for r in range(requests):
+            writer.lookup(f"w{r}", chain(r), tokens)
+            writer.blocks_computed(f"w{r}", chain(r), list(range(r * blocks, (r + 1) * blocks)))
+            settle(writer, clock)
+            writer.finish_request(f"w{r}")
+        out["store_remote" if remote else "store_local"] = (time.thread_time() - cpu) / cpu_blocks * 1e6
+        reader, rclock = build(remote)  # a second instance: its CPU tier is empty
+        cpu = time.thread_time()
+        for r in range(requests):
+            for _ in range(4):  # probe, remote load, then the hit (without a remote tier: misses)
+                reader.lookup(f"r{r}", chain(r), tokens)
+                reader.accept_hits(f"r{r}", [])
+                settle(reader, rclock)
+            reader.finish_request(f"r{r}")
+        out["load_remote" if remote else "load_local"] = (time.thread_time() - cpu) / cpu_blocks * 1e6
+        if remote:
+            out["remote_loaded"] = reader.counters.remote_blocks_loaded
+        writer.close()
+        reader.close()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="a running server; default: start one")
@@ -75,6 +152,8 @@ def main() -> int:
     parser.add_argument("--total-mib", type=int, default=256)
     parser.add_argument("--pipeline", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--engine-requests", type=int, default=64,
+                        help="requests (of 32 blocks of 64 KiB) for the engine-thread cost")  # fmt: skip
     args = parser.parse_args()
 
     from kvflow.tiers.entry import HEADER_BYTES, Layout
@@ -119,6 +198,18 @@ def main() -> int:
                 f"{best['store_gbs'] / best['set_gbs']:>5.2f} {best['store_cpu_us']:>6.0f} | "
                 f"{best['get_gbs']:>8.2f} {best['load_gbs']:>6.2f} "
                 f"{best['load_gbs'] / best['get_gbs']:>5.2f} {best['load_cpu_us']:>6.0f}"
+            )
+        if args.engine_requests:
+            engine_thread_cost(url, 64 * 1024, 4, 32)  # warm-up: imports, first connections
+            runs = [engine_thread_cost(url, 64 * 1024, args.engine_requests, 32) for _ in range(args.repeat)]
+            cost = {key: min(run[key] for run in runs) for key in runs[0]}
+            assert cost["remote_loaded"] == args.engine_requests * 32, cost
+            print(
+                "engine thread CPU per block (us), 64 KiB blocks: "
+                f"store {cost['store_local']:.1f} without the remote tier, {cost['store_remote']:.1f} with it "
+                f"(+{cost['store_remote'] - cost['store_local']:.1f} per write-through block); "
+                f"lookups of another instance {cost['load_local']:.1f} without, {cost['load_remote']:.1f} with "
+                f"(probe + remote load + hit: +{cost['load_remote'] - cost['load_local']:.1f} per remote block)"
             )
     finally:
         if server is not None:

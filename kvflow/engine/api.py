@@ -62,6 +62,11 @@ class Counters:
     blocks_rejected: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
+    # the remote tier (kvflow.tiers): blocks and bytes its completed jobs moved
+    remote_blocks_stored: int = 0
+    remote_blocks_loaded: int = 0
+    remote_bytes_stored: int = 0
+    remote_bytes_loaded: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

@@ -83,6 +83,7 @@ class RemoteTierExecutor:
         self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._found: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        self._results_ready = threading.Event()
         self._probing: dict[int, None] = {}  # hashes with a probe in flight (asked once)
         self._store: Any = None
         self.stats = {"remote_stored_blocks": 0, "remote_loaded_blocks": 0, "remote_failed_jobs": 0}
@@ -106,6 +107,15 @@ class RemoteTierExecutor:
             self._probing.update(dict.fromkeys(todo))
             self._work.put((tuple(todo), self._clock() + self._deadline_s))
 
+    def wait_results(self, timeout_s: float) -> bool:
+        """Block (up to ``timeout_s``) until ``poll`` has remote results to hand over: an
+        engine with nothing else to do waits here instead of stepping idly."""
+        return self._results_ready.wait(timeout_s)
+
+    def probing(self) -> bool:
+        """Whether a probe's answer is still to come."""
+        return bool(self._probing)
+
     def take_found(self) -> list[int]:
         found: list[int] = []
         while True:
@@ -115,6 +125,7 @@ class RemoteTierExecutor:
                 return found
 
     def poll(self) -> list[JobResult]:
+        self._results_ready.clear()  # (before draining: a result put meanwhile sets it again)
         results = list(self.inner.poll())
         while True:
             try:
@@ -147,6 +158,7 @@ class RemoteTierExecutor:
                 self.stats["remote_failed_jobs"] += 1
             for rank in range(self._world):
                 self._done.put(JobResult(job_id=work.job_id, rank=rank, ok=ok, error=error))
+            self._results_ready.set()
         if self._store is not None:
             try:
                 self._store.close()

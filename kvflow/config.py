@@ -10,8 +10,9 @@ import msgspec
 from kvflow.errors import ConfigError
 
 STORE_MODES = ("eager", "lazy")
-# When blocks go to the remote tier: as soon as their CPU-tier store completes (write-through)
-REMOTE_STORE_MODES = ("write_through",)
+# When blocks go to the remote tier: as soon as their CPU-tier store completes (write-through),
+# or when they come near eviction from the CPU tier (ahead of eviction: the policy's coldest)
+REMOTE_STORE_MODES = ("write_through", "ahead_of_eviction")
 # The most remote-tier hashes a state remembers (its remote index costs ~100 bytes a hash)
 MAX_REMOTE_BLOCKS = 1 << 26
 # Rank acknowledgements are kept as a bit mask that traces record as a 64-bit integer.

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.decide_checks import Decision, whole
-from kvflow.decide_remote import write_through
+from kvflow.decide_remote import push_ahead_of_eviction, write_through
 from kvflow.decide_store import drop_corrupt
 from kvflow.errors import Rejected, UnknownJob
 from kvflow.events import (
@@ -50,6 +50,8 @@ def _transfer_job(job: Job) -> TransferJob:
 
 
 def decide_plan_step(state: State, cmd: PlanStep) -> Decision:
+    if state.config.remote and state.config.remote_store_mode == "ahead_of_eviction":
+        yield from push_ahead_of_eviction(state)
     if not state.queued:
         return []
     job_ids = tuple(state.queued)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from kvflow.decide_checks import Decision
 from kvflow.decide_store import _admission
 from kvflow.events import (
+    REMOTE_STORE,
     BlocksEvicted,
     RemoteFound,
     RemoteIndexed,
@@ -76,17 +77,48 @@ def remote_loads(state: State, window: Sequence[int]) -> Decision:
 def write_through(state: State, hashes: Sequence[int]) -> Decision:
     """``remote_store_mode="write_through"``: blocks whose CPU-tier store just completed are
     copied to the remote tier, unless it holds them already."""
-    if not state.config.remote:
+    if not state.config.remote or state.config.remote_store_mode != "write_through":
         return None
-    remote, slot_of = state.remote, state.slot_of
-    todo = tuple(h for h in hashes if h not in remote and state.is_resident(h))
+    remote = state.remote
+    todo = [h for h in hashes if h not in remote and state.is_resident(h)]
     if not todo:
         return None
+    return (yield from _remote_store(state, todo))
+
+
+def _remote_store(state: State, hashes: Sequence[int]) -> Decision:
+    todo, slot_of = tuple(hashes), state.slot_of
     job_id = state.last_job_id + 1
     yield RemoteStoreQueued(
         seq=state.next_seq, job_id=job_id, hashes=todo, slots=tuple(map(slot_of.__getitem__, todo))
     )
     return job_id
+
+
+def coldest_window(state: State) -> int:
+    """``ahead_of_eviction``: how many of the policy's coldest blocks are kept on the remote
+    tier (an eighth of the CPU tier), so that the tier rarely evicts a block it alone holds."""
+    return max(1, state.config.cpu_blocks // 8)
+
+
+def push_ahead_of_eviction(state: State) -> Decision:
+    """``remote_store_mode="ahead_of_eviction"``: once the CPU tier has fewer free slots than
+    ``coldest_window``, its coldest resident blocks that the remote tier lacks (and no live
+    remote store is copying) are copied there. Pinned by that job, they are not evicted until
+    it ends; eviction takes the next victim meanwhile."""
+    window = coldest_window(state)
+    if not state.config.remote or len(state.free_slots) >= window:
+        return None
+    coldest = state.policy.victims(min(window, state.num_resident()), _nothing_blocked) or []
+    pushing = {h for job in state.jobs.values() if job.direction == REMOTE_STORE for h in job.hashes}
+    todo = [h for h in coldest if h not in state.remote and h not in pushing]
+    if todo:
+        yield from _remote_store(state, todo)
+    return None
+
+
+def _nothing_blocked(block_hash: int) -> bool:
+    return False
 
 
 def probe_candidates(state: State, window: Sequence[int]) -> list[int]:

@@ -77,6 +77,7 @@ class SimOptions:
     hang_jobs: tuple[int, ...] = ()
     record: str | None = None
     remote_blocks: int = 0  # the remote index's capacity (kvflow.simulate_fleet sets it)
+    remote_store_mode: str = "write_through"
 
     def validate(self) -> None:
         def whole(v: object) -> bool:
@@ -99,6 +100,7 @@ class SimOptions:
             store_mode=self.store,
             job_deadline_ms=self.job_deadline_ms,
             remote_blocks=self.remote_blocks,
+            remote_store_mode=self.remote_store_mode,
         )
 
 

@@ -246,6 +246,8 @@ def _cpu_blocks(cpu_blocks: int | None, cpu_gb: float | None, bytes_per_block: i
               help="With --instances: round-robin, or session-affine (by the request's first block).")
 @click.option("--remote-blocks", type=int, default=None, metavar="N",
               help="With --instances: the shared remote tier's capacity in blocks.  [default: 10 x --cpu-blocks]")
+@click.option("--remote-store", type=click.Choice(["write-through", "ahead-of-eviction"]), default="write-through",
+              show_default=True, help="With --instances: when blocks are copied to the shared tier.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar on stderr, drawn only when stderr is a terminal (default: not with --json).")
@@ -270,6 +272,7 @@ def simulate(
     instances: int,
     routing: str,
     remote_blocks: int | None,
+    remote_store: str,
     as_json: bool,
     progress: bool | None,
 ) -> None:
@@ -298,6 +301,7 @@ def simulate(
             _sweep(workload, options, _parse_caps(sweep), plot, as_json)
             return
         if instances != 1 or remote_blocks is not None:
+            options.remote_store_mode = remote_store.replace("-", "_")
             _fleet(workload, options, instances, routing, remote_blocks, as_json)
             return
         # a bar redraws itself with cursor controls: junk in a captured or redirected stderr

@@ -82,6 +82,7 @@ def simulate_fleet(path: str, options: SimOptions, instances: int, routing: str,
         "instances": instances,
         "routing": routing,
         "remote_blocks": remote_blocks,
+        "remote_store_mode": options.remote_store_mode,
         "cpu_blocks_per_instance": options.cpu_blocks,
         "shared": run_fleet(path, options, instances, routing, remote_blocks),
         "local": run_fleet(path, options, instances, routing, 0),
@@ -96,7 +97,7 @@ def print_fleet(summary: dict[str, Any]) -> None:
         title=f"kvflow simulate: {summary['instances']} instances, {summary['routing']} routing",
         caption=(
             f"cpu {summary['cpu_blocks_per_instance']:,} blocks per instance · shared remote tier "
-            f"{summary['remote_blocks']:,} blocks"
+            f"{summary['remote_blocks']:,} blocks, {summary['remote_store_mode'].replace('_', '-')}"
         ),
     )
     table.add_column("metric")

@@ -182,3 +182,39 @@ def writer_events(path: Path) -> list:
     with TraceReader(str(path)) as reader:
         return [r for _, r in reader.records() if isinstance(r, EVENT_TYPES)]
 
+
+
+def test_incidents_tell_what_recovery_did_for_remote_jobs(tmp_path: Path) -> None:
+    from kvflow.inspect.incidents import find_incidents
+
+    path = tmp_path / "remote.jsonl"
+    m = OffloadManager(config(4, remote_blocks=16), log=TraceWriter(str(path), config(4, remote_blocks=16)))
+    job = store(m, "a", [1], [10])
+    submit(m)
+    m.job_result(job + 1, ok=False, error="OutOfMemoryError: command not allowed")
+    m.remote_found([3])
+    m.lookup("b", [3, 4], tokens(2))
+    submit(m, 1.0)
+    m.tick(1.0 + DEADLINE_MS)
+    m.job_result(job + 2, ok=False, error="remote miss")
+    m.close()
+    store_failure, load_timeout = find_incidents(path).incidents
+    assert store_failure.recovery["entries_kept_resident"] == [1]
+    assert load_timeout.recovery["hashes_never_visible"] == [3]
+    assert load_timeout.recovery["dropped_from_remote_index"] == [3]
+    assert load_timeout.fence_lifted is not None
+
+
+def test_ahead_of_eviction_copies_the_coldest_blocks_once_the_tier_runs_low() -> None:
+    m = remote_manager(cpu_blocks=16, remote_store_mode="ahead_of_eviction")  # window: 2 blocks
+    store(m, "a", list(range(1, 15)), list(range(100, 114)))  # 14 of 16 slots: 2 free
+    assert m.state.jobs == {}  # nothing is copied while the tier has room (and no write-through)
+    store(m, "b", [15], [200])  # 1 free slot left: below the window
+    (push,) = m.state.jobs.values()
+    assert push.direction == REMOTE_STORE and push.hashes == (1, 2)  # the policy's coldest two
+    assert push.state.name == "IN_FLIGHT"  # queued and handed over by the same plan step
+    m.job_result(push.job_id)
+    assert list(m.state.remote) == [1, 2]
+    assert m.plan_step(1.0) == []  # the coldest are on the remote tier: nothing more to copy
+    assert m.evict(2) == 2 and m.state.remote.keys() == {1, 2}  # evicted here, kept there
+    consistent(m)

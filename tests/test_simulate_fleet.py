@@ -97,3 +97,16 @@ def test_a_block_the_shared_tier_dropped_fails_its_remote_load_once() -> None:
     assert 1 not in engine.manager.state.remote
     assert engine.lookup("r", [1, 2], 9) == 0 and engine.manager.state.jobs == {}  # no loop
     engine.close()
+
+
+def test_ahead_of_eviction_mode_shares_blocks_too() -> None:
+    from dataclasses import replace
+
+    ahead = run_fleet(str(EXAMPLE), replace(OPTIONS, remote_store_mode="ahead_of_eviction"), 4, "round-robin", 1000)
+    local = run_fleet(str(EXAMPLE), OPTIONS, 4, "round-robin", 0)
+    assert ahead["remote_hit_tokens"] > 0 and ahead["hit_tokens"] > local["hit_tokens"]
+    result = CliRunner().invoke(
+        main, ["simulate", str(EXAMPLE), "--cpu-blocks", "50", "--instances", "4", "--remote-blocks", "1000",
+               "--remote-store", "ahead-of-eviction", "--json"],
+    )  # fmt: skip
+    assert json.loads(result.output)["shared"]["hit_tokens"] == ahead["hit_tokens"]

@@ -183,6 +183,8 @@ def recovery_summary(incident: Incident) -> str:
         parts.append(f"slots freed {few(rec['slots_freed'], 6)}")
     if "hashes_never_visible" in rec:
         parts.append(f"{len(rec['hashes_never_visible'])} hashes never visible")
+    if "dropped_from_remote_index" in rec:
+        parts.append(f"{len(rec['dropped_from_remote_index'])} dropped from the remote index")
     if "entries_kept_resident" in rec:
         parts.append(f"{len(rec['entries_kept_resident'])} entries kept resident")
     if "evicted_as_corrupt" in rec:

@@ -91,7 +91,7 @@ class OffloadManager:
         (``ConcurrentCall``: kvflow is called from one thread)."""
         if self.closed:
             raise EngineClosed(f"{type(command).__name__}: the engine is closed")
-        if not self._deciding.acquire(blocking=False):
+        if not self._deciding.acquire(False):  # (positional: half the cost of blocking=False)
             raise ConcurrentCall(
                 f"{type(command).__name__} while another call is being decided: call kvflow from one thread"
             )

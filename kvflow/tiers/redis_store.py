@@ -181,13 +181,15 @@ def redis_tier(
     timeout_s: float | None = None,
     prefix: bytes = DEFAULT_PREFIX,
     ttl_s: int | None = None,
+    absent_ttl_s: float = 1.0,
     **redis_kwargs: Any,
 ) -> Any:
     """``executor`` (with its host pool) behind a Redis remote tier: the executor to hand to
     ``SyncEngine`` with ``config`` (whose ``remote_blocks`` must be > 0). ``model`` names the
     KV's model: with the pool's page sizes and ``config.block_tokens`` it is the layout identity
     entries are keyed and checked by. ``timeout_s`` (socket timeout, one attempt) defaults to a
-    quarter of the job deadline, at most 1 s."""
+    quarter of the job deadline, at most 1 s. A block a probe found absent is not asked about
+    again for ``absent_ttl_s``."""
     from kvflow.tiers.remote_executor import RemoteTierExecutor, SlotPages
 
     if not config.remote:
@@ -211,4 +213,5 @@ def redis_tier(
         SlotPages.of_pool(pool),
         job_deadline_ms=config.job_deadline_ms,
         world_size=config.world_size,
+        absent_ttl_s=absent_ttl_s,
     )

@@ -71,7 +71,10 @@ class RemoteTierExecutor:
         job_deadline_ms: float,
         world_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        absent_ttl_s: float = 1.0,
     ) -> None:
+        """``absent_ttl_s``: a block a probe found absent is not asked about again for this
+        long (a request waiting for its turn looks its prefix up every step)."""
         self.inner = inner
         self.pool = getattr(inner, "pool", None)  # (the engine checks its size, F11)
         self.layout = getattr(inner, "layout", None)
@@ -85,8 +88,13 @@ class RemoteTierExecutor:
         self._found: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         self._results_ready = threading.Event()
         self._probing: dict[int, None] = {}  # hashes with a probe in flight (asked once)
+        # hash -> until when a probe's "absent" stands (written by the worker thread only)
+        self._absent_until: dict[int, float] = {}
+        self._absent_ttl_s = absent_ttl_s
         self._store: Any = None
-        self.stats = {"remote_stored_blocks": 0, "remote_loaded_blocks": 0, "remote_failed_jobs": 0}
+        self.stats = {
+            "remote_stored_blocks": 0, "remote_loaded_blocks": 0, "remote_failed_jobs": 0, "probed_blocks": 0,
+        }  # fmt: skip
         self._thread = threading.Thread(target=self._run, name="kvflow-remote", daemon=True)
         self._thread.start()
 
@@ -102,7 +110,8 @@ class RemoteTierExecutor:
                 self._work.put((job, deadline))
 
     def probe(self, block_hashes: Sequence[int]) -> None:
-        todo = [h for h in block_hashes if h not in self._probing]
+        now, absent = self._clock(), self._absent_until
+        todo = [h for h in block_hashes if h not in self._probing and absent.get(h, 0.0) <= now]
         if todo:
             self._probing.update(dict.fromkeys(todo))
             self._work.put((tuple(todo), self._clock() + self._deadline_s))
@@ -173,7 +182,16 @@ class RemoteTierExecutor:
     def _run_probe(self, hashes: tuple[int, ...], deadline: float) -> None:
         try:
             present = self._store_or_none().contains(hashes, deadline)
+            self.stats["probed_blocks"] += len(hashes)
             self._found.put([h for h, there in zip(hashes, present) if there])
+            absent, until = self._absent_until, self._clock() + self._absent_ttl_s
+            if len(absent) > 1_000_000:  # bounded: forget the old answers wholesale
+                absent.clear()
+            for h, there in zip(hashes, present):
+                if there:
+                    absent.pop(h, None)
+                else:
+                    absent[h] = until
         except Exception:
             pass  # a probe that fails finds nothing; the lookup just misses
         finally:

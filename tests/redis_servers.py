@@ -201,3 +201,12 @@ def redis_cluster() -> Iterator[RedisCluster]:
     cluster = RedisCluster()
     yield cluster
     cluster.close()
+
+
+@pytest.fixture
+def redis_cluster_fresh() -> Iterator[RedisCluster]:
+    """A 3-node cluster of the test's own, for tests that kill a node."""
+    require_redis()
+    cluster = RedisCluster()
+    yield cluster
+    cluster.close()

@@ -17,6 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("xxhash")
 from redis_servers import (  # noqa: E402
     redis_cluster,  # noqa: F401  (fixtures)
+    redis_cluster_fresh,  # noqa: F401
     redis_fresh,  # noqa: F401
     redis_standalone,  # noqa: F401
 )
@@ -180,5 +181,43 @@ def test_a_block_absent_everywhere_is_probed_once_per_ttl_not_every_step(redis_s
                 time.sleep(0.001)
         assert engine.executor.stats["probed_blocks"] == len(HASHES)
         assert engine.manager.state.remote == {} and engine.manager.state.last_job_id == 0
+    finally:
+        engine.close()
+
+
+def test_oom_on_the_server_fails_the_remote_store_and_indexes_nothing(redis_fresh) -> None:  # noqa: F811
+    info = redis_fresh.cli("INFO", "memory")
+    used = int(next(line for line in info.splitlines() if line.startswith("used_memory:"))[12:])
+    redis_fresh.cli("CONFIG", "SET", "maxmemory", str(used + 1024))  # full at the first block
+    redis_fresh.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+    engine, _ = instance(redis_fresh.url, False, seed=1)
+    try:
+        store_prefix(engine, "w", (0, 1, 2, 3))
+        (failed,) = remote_events(engine, JobFailed)
+        assert "OutOfMemoryError" in failed.error and failed.direction == REMOTE_STORE
+        assert engine.manager.state.remote == {}  # never visible remotely
+        assert all(engine.manager.state.is_resident(h) for h in HASHES)  # the CPU tier holds them
+        assert engine.manager.state.pin_count == {}
+    finally:
+        engine.close()
+
+
+def test_a_cluster_node_killed_mid_run_fails_remote_jobs_and_the_cpu_tier_serves(redis_cluster_fresh) -> None:  # noqa: F811
+    cluster = redis_cluster_fresh
+    engine, kv = instance(cluster.url, True, seed=1, deadline_ms=1000.0)
+    try:
+        store_prefix(engine, "w", (0, 1, 2, 3))
+        assert list(engine.manager.state.remote) == list(HASHES)
+        cluster.nodes[1].stop()
+        engine.lookup("w2", (301, 302, 303), 3 * 16 + 1)
+        engine.blocks_computed("w2", (301, 302, 303), (4, 5, 6))
+        settle(engine)  # the remote store fails or times out, within its deadline
+        ends = [e for e in engine.manager.log.events() if type(e) in (JobFailed, JobTimedOut)]
+        assert [e.direction for e in ends] == [REMOTE_STORE]
+        assert not {301, 302, 303} & set(engine.manager.state.remote)
+        assert load_prefix(engine, "r", (8, 9, 10, 11)) == len(HASHES)  # from the CPU tier
+        for a, b in zip(blocks_of(kv, (8, 9, 10, 11)), blocks_of(random_kv(1), (0, 1, 2, 3))):
+            assert a.equal(b)
+        assert check_invariants(engine.manager.state) == []
     finally:
         engine.close()

@@ -218,3 +218,27 @@ def test_ahead_of_eviction_copies_the_coldest_blocks_once_the_tier_runs_low() ->
     assert m.plan_step(1.0) == []  # the coldest are on the remote tier: nothing more to copy
     assert m.evict(2) == 2 and m.state.remote.keys() == {1, 2}  # evicted here, kept there
     consistent(m)
+
+
+def test_inspect_follows_remote_jobs_blocks_and_the_remote_index(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvflow.cli import main
+
+    path = tmp_path / "remote.jsonl"
+    cfg = config(4, remote_blocks=16)
+    m = OffloadManager(cfg, log=TraceWriter(str(path), cfg))
+    job = store(m, "a", [1], [10])
+    submit(m)
+    m.job_result(job + 1, ok=False, error="OutOfMemoryError: command not allowed")
+    m.remote_found([3])
+    m.lookup("b", [3, 4], tokens(2))
+    m.close()
+    run = CliRunner().invoke
+    out = run(main, ["inspect", str(path), "--job", str(job + 1)]).output
+    assert "remote_store job 2 queued: 1 block [1] from slots [0]" in out
+    assert "[IN_FLIGHT -> FAILED]" in out
+    out = run(main, ["inspect", str(path), "--block", "3"]).output
+    assert "remote tier holds 1 block [3]" in out and "[ABSENT -> STORE_QUEUED slot 1]" in out
+    out = run(main, ["inspect", str(path), "--at", str(m.state.last_seq)]).output
+    assert "remote tier: 1 blocks known there [3]" in out

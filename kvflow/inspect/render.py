@@ -30,6 +30,10 @@ from kvflow.events import (
     PinsReleased,
     PlanStep,
     RankSucceeded,
+    RemoteFound,
+    RemoteIndexed,
+    RemoteLoadQueued,
+    RemoteStoreQueued,
     RequestClosed,
     RequestFinished,
     RequestOpened,
@@ -79,6 +83,20 @@ def describe(record: Any) -> str:
             f"load job {r.job_id} queued for {_req(r.request_id)}: {_blocks(len(r.hashes))} "
             f"{few(r.hashes)} from slots {few(r.slots)} into device blocks {few(r.device_blocks)}"
         )
+    if kind is RemoteLoadQueued:
+        return (
+            f"remote_load job {r.job_id} queued: {_blocks(len(r.hashes))} {few(r.hashes)} "
+            f"from the remote tier into slots {few(r.slots)}"
+        )
+    if kind is RemoteStoreQueued:
+        return (
+            f"remote_store job {r.job_id} queued: {_blocks(len(r.hashes))} {few(r.hashes)} "
+            f"from slots {few(r.slots)} to the remote tier (pinned while copied)"
+        )
+    if kind is RemoteIndexed:
+        return f"remote tier holds {_blocks(len(r.hashes))} {few(r.hashes)} (a probe found them)"
+    if kind is RemoteFound:
+        return f"probe of the remote tier found {_blocks(len(r.block_hashes))} {few(r.block_hashes)}"
     if kind is JobsSubmitted:
         return (
             f"jobs {few(r.job_ids, 8)} submitted at {r.now_ms:g} ms, deadline {r.deadline_ms:g} ms"

@@ -14,6 +14,8 @@ from typing import Any
 from kvflow.errors import IllegalTransition
 from kvflow.events import (
     LOAD,
+    REMOTE_LOAD,
+    REMOTE_STORE,
     STORE,
     FenceLifted,
     JobCompleted,
@@ -23,6 +25,8 @@ from kvflow.events import (
     LoadQueued,
     PlanStep,
     RankSucceeded,
+    RemoteLoadQueued,
+    RemoteStoreQueued,
     Reset,
     StoreQueued,
     Tick,
@@ -110,6 +114,9 @@ class _Walk:
                 event.slots,
                 event.seq,
             )
+        elif kind is RemoteLoadQueued or kind is RemoteStoreQueued:
+            direction = REMOTE_LOAD if kind is RemoteLoadQueued else REMOTE_STORE
+            jobs[event.job_id] = JobInfo(event.job_id, direction, None, event.hashes, (), event.slots, event.seq)
         elif kind is JobsSubmitted:
             for jid in event.job_ids:
                 info = jobs.get(jid)

@@ -157,9 +157,7 @@ class _Ids:
 
 
 class Simulation:
-    def __init__(self, options: SimOptions, remote: Any = None) -> None:
-        """``remote``: a shared ``SimulatedRemoteStore`` (kvflow.tiers.simulated_remote) this
-        instance reaches through its remote tier (needs ``options.remote_blocks > 0``)."""
+    def __init__(self, options: SimOptions) -> None:
         options.validate()
         self.options = options
         self.config = options.config()
@@ -171,10 +169,6 @@ class Simulation:
             seed=options.seed,
             hang_jobs=options.hang_jobs,
         )
-        if remote is not None:
-            from kvflow.tiers.simulated_remote import SimulatedRemoteExecutor
-
-            self.executor = SimulatedRemoteExecutor(self.executor, remote, self.clock)
         meta = {
             "tool": "kvflow simulate",
             "mode": options.mode,
@@ -221,7 +215,7 @@ class Simulation:
         cap = max(0, (L - 1) // B)
         rid = f"r{req.line}"
         d = self.device.prefix_hits(full, cap)
-        r = self._from_remote(rid, full, L, d) if self.config.remote else 0
+        r = self._before_lookup(rid, full, L, d)
         c = engine.lookup(rid, full, L, d)
         if c:
             engine.accept_hits(rid, self.ids.take(c))
@@ -229,7 +223,7 @@ class Simulation:
             report = self._run_until_idle()
             if report.loads_failed:
                 c = r = 0  # a failed load's blocks are computed, not hit
-        self.totals.remote_hit_tokens += min(r, c) * B
+        self.totals.remote_hit_tokens += min(r, c) * B  # (what the hook brought, if hit)
         if not self.lazy and self.config.enabled and full:
             engine.blocks_computed(rid, full, self.ids.take(len(full)))
             self._run_until_idle()
@@ -241,20 +235,10 @@ class Simulation:
         engine.finish_request(rid)
         self._count(L, d, c)
 
-    def _from_remote(self, rid: str, full: tuple[int, ...], L: int, d: int) -> int:
-        """Before the lookup that counts: a first lookup probes the remote tier for what the
-        CPU tier lacks, a second queues the remote load of what it found; both run to their
-        end. Returns how many more blocks the CPU tier offers now than before."""
-        engine = self.engine
-        before = engine.lookup(rid, full, L, d)
-        engine.accept_hits(rid, [])
-        engine.step()  # the probe's answer is recorded
-        engine.lookup(rid, full, L, d)
-        engine.accept_hits(rid, [])
-        self._run_until_idle()
-        after = engine.lookup(rid, full, L, d)
-        engine.accept_hits(rid, [])
-        return after - before
+    def _before_lookup(self, rid: str, full: tuple[int, ...], L: int, d: int) -> int:
+        """A hook before the lookup that counts: how many blocks it brought to the CPU tier
+        (kvflow.simulate_fleet's instances fetch from their shared remote tier here)."""
+        return 0
 
     def _count(self, L: int, d: int, c: int) -> None:
         B = self.config.block_tokens

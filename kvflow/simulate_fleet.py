@@ -17,10 +17,38 @@ from typing import Any
 
 from kvflow.errors import ConfigError
 from kvflow.simulate import SimOptions, Simulation
-from kvflow.tiers.simulated_remote import SimulatedRemoteStore
+from kvflow.tiers.simulated_remote import SimulatedRemoteExecutor, SimulatedRemoteStore
 from kvflow.workload import WorkloadRequest, read_workload
 
 ROUTINGS = ("round-robin", "session")
+
+
+class FleetInstance(Simulation):
+    """One instance of the fleet: the sequential simulation, its executor beside the shared
+    remote tier (when there is one)."""
+
+    def __init__(self, options: SimOptions, remote: SimulatedRemoteStore | None) -> None:
+        super().__init__(options)
+        if remote is not None:
+            self.executor = SimulatedRemoteExecutor(self.executor, remote, self.clock)
+            self.engine.executor = self.executor
+
+    def _before_lookup(self, rid: str, full: tuple[int, ...], L: int, d: int) -> int:
+        """A first lookup probes the remote tier for what the CPU tier lacks, a second
+        queues the remote load of what it found; both run to their end. Returns how many
+        more blocks the CPU tier offers now than before."""
+        if not self.config.remote:
+            return 0
+        engine = self.engine
+        before = engine.lookup(rid, full, L, d)
+        engine.accept_hits(rid, [])
+        engine.step()  # the probe's answer is recorded
+        engine.lookup(rid, full, L, d)
+        engine.accept_hits(rid, [])
+        self._run_until_idle()
+        after = engine.lookup(rid, full, L, d)
+        engine.accept_hits(rid, [])
+        return after - before
 
 
 def route(routing: str, instances: int) -> Callable[[int, WorkloadRequest], int]:
@@ -37,7 +65,7 @@ def run_fleet(
     """One run over ``instances``; a shared remote tier of ``remote_blocks`` (0: none)."""
     shared = SimulatedRemoteStore(remote_blocks) if remote_blocks else None
     per = replace(options, remote_blocks=remote_blocks, record=None)
-    sims = [Simulation(per, remote=shared) for _ in range(instances)]
+    sims = [FleetInstance(per, shared) for _ in range(instances)]
     pick = route(routing, instances)
     try:
         for i, req in enumerate(read_workload(path, options.block_tokens)):

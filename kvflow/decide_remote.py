@@ -123,8 +123,8 @@ def _nothing_blocked(block_hash: int) -> bool:
 
 def probe_candidates(state: State, window: Sequence[int]) -> list[int]:
     """Which blocks of a lookup's ``window`` after its hits are worth asking the remote tier
-    about: the prefix that is neither on the CPU tier nor in the remote index (the engine's
-    probe answers with ``RemoteFound``)."""
+    about: those neither on the CPU tier (resident or on their way) nor in the remote index
+    (the engine's probe answers with ``RemoteFound``)."""
     if not state.config.remote:
         return []
     slot_of, remote = state.slot_of, state.remote

@@ -30,8 +30,9 @@ from kvflow.state import State
 
 
 def _fenced_slot_owners(state: State) -> list[int]:
-    """Resident entries whose slot a fenced load (or remote store) may still read (F15): evicting one would
-    free no slot until the fence is lifted, so eviction for space passes them over."""
+    """Resident entries whose slot a fenced load (or remote store) may still read (F15):
+    evicting one would free no slot until the fence is lifted, so eviction for space passes
+    them over."""
     if not state.quarantine:
         return []
     slot_of = state.slot_of

@@ -13,8 +13,8 @@ What a real server does, and what this client does about it:
   (``transaction=False``) executed with ``raise_on_error=False``, and *each* reply is checked: a
   batch can half succeed, block by block.
 - **Retries never outlast the deadline.** redis-py's own retries are off (its defaults stretched a
-  0.2 s timeout to 6.4 s); this client retries a lost connection itself, and only while another
-  attempt still fits before the caller's deadline (each attempt is bounded by the socket timeout).
+  0.2 s timeout to 6.4 s); this client retries a lost connection itself, once, and only if
+  another attempt still fits before the caller's deadline (each is bounded by the socket timeout).
   A lost connection is re-established by the next attempt or the next call: the server coming
   back needs nothing from the caller.
 
@@ -39,6 +39,9 @@ from kvflow.tiers.entry import Layout, Miss, decode, encode, key_of
 
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_PREFIX = b"kvflow"
+# Tries per request: a dropped connection gets one fresh try; a server that is down answers no
+# faster for being asked again (and the job's deadline bounds both)
+ATTEMPTS = 2
 # What a dropped connection, a killed server or a cluster in flux raise in redis-py.
 _TRANSPORT_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError)
 
@@ -150,17 +153,18 @@ class RedisBlockStore:
         return [reply == 1 for reply in self._attempt(run, deadline_s)]
 
     def _attempt(self, run: Callable[[], list[Any]], deadline_s: float) -> list[Any]:
-        """``run``, and again after a transport error while a whole attempt (one socket timeout)
-        still fits before the deadline. The first attempt always runs: callers keep the socket
-        timeout within the job's deadline (``RemoteTierConfig`` checks it)."""
+        """``run``, and once more after a transport error (a dropped connection gets one fresh
+        try) if a whole attempt (one socket timeout) still fits before the deadline. The first
+        attempt always runs: ``redis_tier`` keeps the socket timeout within the job's deadline."""
         if self._clock() >= deadline_s:
             raise RemoteUnavailable("remote deadline passed before the request was sent")
-        while True:
+        for attempt in range(ATTEMPTS):
             try:
                 return run()
             except _TRANSPORT_ERRORS as e:
-                if self._clock() + self.timeout_s > deadline_s:
+                if attempt + 1 == ATTEMPTS or self._clock() + self.timeout_s > deadline_s:
                     raise RemoteUnavailable(f"remote store unavailable: {_error_text(e)}") from e
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self.client.close()

@@ -8,10 +8,15 @@ sorted by slot, see ``transfer_plan``):
   consecutive slots straight into the pool's range.
 * **load**: the load stream waits on the compute-done event (F9); per region one copy per run
   into a device staging buffer, then one ``index_copy_`` into the engine's device blocks.
-* Slots that do not form a few runs (``max_runs``) go through ``scatter``: ``"uva"`` (CUDA, the
-  default there) lets a device kernel gather/scatter the pinned pool directly through unified
-  addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host memory and scatters or
-  gathers on the CPU (stores in the completion thread, loads in the caller).
+* Slots that do not form a few runs (``max_runs``) go through ``scatter``: ``"kernel"`` (CUDA
+  with Triton, the default there; ``max_runs`` 1) copies every region's pages in ONE launch
+  straight between the device cache and the pinned pool (``page_kernel``), optionally split
+  into ``load_groups`` launches with one event each so an engine can start a layer once its
+  pages landed; ``"uva"`` (CUDA) lets torch kernels gather/scatter the pinned pool region by
+  region through unified addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host
+  memory and gathers or scatters on the CPU, all regions of a chunk in one pinned buffer, the
+  chunk's host-to-device copy overlapping the CPU gather of the next (stores scatter in the
+  completion thread, loads gather in the caller).
 * With ``checksums``, a store records a per-slot checksum of what it copied and a load verifies
   it (a mismatch fails the job: the host copy is corrupt, recompute).
 
@@ -30,17 +35,19 @@ import numpy as np
 import torch
 
 from kvflow.errors import ConfigError
+from kvflow.executors import page_kernel
 from kvflow.executors.host_pool import HostPool
 from kvflow.executors.layout import KVLayout, word_bytes
 from kvflow.executors.npu import DeviceTraits
-from kvflow.executors.streams import on_stream, pinned_empty, wait_for
+from kvflow.executors.streams import on_stream, pinned_empty, record_event, wait_for
 from kvflow.executors.transfer_plan import Plan
 from kvflow.executors.uva import device_alias
 
-ScatterMode = Literal["auto", "runs", "host", "uva"]
+ScatterMode = Literal["auto", "runs", "host", "uva", "kernel"]
 # What a batch's host-side finish reports: job id -> (error, hashes whose host copy is bad)
 Failures = dict[int, tuple[str, tuple[int, ...]]]
 Finish = Callable[[], Failures]
+HOST_PIECE = 16 << 20  # bytes of one host-staged piece of a scattered load (see _host_gather_load)
 
 
 class PageCopies:
@@ -54,16 +61,21 @@ class PageCopies:
     checksums: bool
     max_runs: int
     scatter: ScatterMode
+    load_groups: int
+    copy_programs: int
 
-    def _init_copies(self, staging_bytes: int) -> None:
+    def _init_copies(self, staging_bytes: int, max_runs: int | None) -> None:
         """The pool's views per region, the scatter mode, checksum tables, batching tables."""
         pool = self.pool
         self._host_views: list[torch.Tensor] = []
         self._uva_views: list[torch.Tensor] = []
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._load_events: list[tuple[int, Any]] = []
         if pool.enabled:
             self._host_views = [
                 pool.region(i, r.word_dtype) for i, r in enumerate(self.layout.regions)
             ]
+            self._init_kernel()
             if self.scatter == "uva" or (
                 self.scatter == "auto" and self.device.type == "cuda" and pool.pinned
             ):
@@ -76,7 +88,12 @@ class PageCopies:
             # Measured on H200 (tools/bench_transfer_results.md): device kernels through UVA keep
             # scattered slots at 0.82-0.88 of the link with no CPU work; host staging costs a CPU
             # memcpy per byte (22-38 GB/s end to end). Host staging is the portable fallback.
-            self.scatter = "uva" if self._uva_views else "host"
+            self.scatter = "kernel" if self._tables else ("uva" if self._uva_views else "host")
+        # The kernel moves any number of runs in one launch: only a single run (one copy per
+        # region on the copy engines, 0.94-0.95 of the link) stays off it.
+        self.max_runs = int(max_runs) if max_runs is not None else (
+            1 if self.scatter == "kernel" else 16
+        )
         self._cs_mult = None
         self._cs_table = np.zeros(max(pool.cpu_blocks, 0), dtype=np.int64)
         self._cs_valid = np.zeros(max(pool.cpu_blocks, 0), dtype=bool)
@@ -93,6 +110,52 @@ class PageCopies:
         self._words = [int(r.pages.shape[1]) for r in self.layout.regions]
         self._dtypes = [r.word_dtype for r in self.layout.regions]
         self._wbytes = [word_bytes(d) for d in self._dtypes]
+
+    def _init_kernel(self) -> None:
+        """The page kernel's region tables, when this device and mode can use it."""
+        wanted = self.scatter == "kernel" or (
+            self.scatter == "auto" and self.device.type == "cuda" and self.pool.pinned
+        )
+        if not wanted:
+            return
+        if not page_kernel.available(self.device):
+            if self.scatter == "kernel":
+                raise ConfigError(
+                    "scatter='kernel' needs Triton and a CUDA device (or TRITON_INTERPRET=1 "
+                    "on the CPU device)"
+                )
+            return
+        regions = self.layout.regions
+        self._tables = page_kernel.region_table(
+            [r.pages for r in regions],
+            [r.block_stride_bytes for r in regions],
+            self._host_views,
+            [r.page_bytes for r in regions],
+            self.device,
+        )
+        if self._tables is None and self.scatter == "kernel":
+            raise ConfigError(
+                "scatter='kernel' needs pages of whole 8-byte words in every region"
+            )
+        self._max_words = max(r.page_bytes for r in regions) // 8
+
+    def load_events(self) -> list[tuple[int, Any]]:
+        """``(end region, event)`` per launch group of the last load batch, in region order:
+        once an event has happened, regions before its end have landed. One pair (the whole
+        batch) unless the kernel path split the load into ``load_groups``; empty on CPU."""
+        return list(self._load_events)
+
+    def _groups(self) -> list[tuple[int, int]]:
+        """``load_groups`` ranges [a, b) of consecutive regions, as even as they divide."""
+        count = self.layout.num_regions
+        g = max(1, min(self.load_groups, count))
+        bounds = [count * k // g for k in range(g + 1)]
+        return [(bounds[k], bounds[k + 1]) for k in range(g)]
+
+    def _device_sums(self, idx: torch.Tensor, sums: torch.Tensor) -> None:
+        """Per region, the int64 sum of each page's words (what the staging paths sum)."""
+        for r, region in enumerate(self.layout.regions):
+            torch.sum(region.pages.index_select(0, idx), 1, dtype=torch.int64, out=sums[r])
 
     def _chunks(self, n: int) -> Iterator[tuple[int, int]]:
         """Ranges [a, b) of regions with one word type and size, each within staging_bytes."""
@@ -122,7 +185,7 @@ class PageCopies:
         slots when GPU kernels address the pinned pool directly, and a checksum buffer."""
         idx = torch.from_numpy(plan.device_blocks).to(self.device, non_blocking=True)
         slot_idx = None
-        if scattered and self.scatter == "uva":
+        if scattered and self.scatter in ("uva", "kernel"):
             slot_idx = torch.from_numpy(plan.slots).to(self.device, non_blocking=True)
         sums = None
         if self.checksums:
@@ -145,7 +208,15 @@ class PageCopies:
             wait_for(stream, compute_done)
             idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
-            if single and not scattered and self._batched:
+            kernel = scattered and self.scatter == "kernel"
+            if kernel:
+                assert self._tables is not None and slot_idx is not None
+                if sums is not None:
+                    self._device_sums(idx, sums)
+                page_kernel.copy_pages(
+                    self._tables[0], idx, slot_idx, self._max_words, programs=self.copy_programs
+                )
+            elif single and not scattered and self._batched:
                 s0 = runs[0][2]
                 for a, b in self._chunks(n):
                     staging = torch.empty(
@@ -158,7 +229,7 @@ class PageCopies:
                         torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
                     dst = [self._host_views[k][s0 : s0 + n] for k in range(a, b)]
                     torch._foreach_copy_(dst, parts, non_blocking=True)
-            for r, region in enumerate(self._regions_unbatched(single, scattered)):
+            for r, region in enumerate(() if kernel else self._regions_unbatched(single, scattered)):
                 staging = torch.index_select(region.pages, 0, idx)
                 if sums is not None:
                     torch.sum(staging, 1, dtype=torch.int64, out=sums[r])
@@ -196,6 +267,30 @@ class PageCopies:
 
         return finish if (staged or cs_host is not None) else None
 
+    def _host_gather_load(
+        self, idx: torch.Tensor, slot_cpu: torch.Tensor, sums: torch.Tensor | None, keep: list[Any]
+    ) -> None:
+        """Host staging for a scattered load, in pieces of about ``HOST_PIECE`` bytes: the CPU
+        gathers a piece of every region of a chunk into one pinned buffer, whose copy to the
+        device then runs while the CPU gathers the next piece (one gather of the whole batch
+        first left the link idle: 0.23-0.59 of it on an H100)."""
+        n = int(slot_cpu.shape[0])
+        for a, b in self._chunks(n):
+            per_pair = (b - a) * self._words[a] * self._wbytes[a]
+            step = max(1, HOST_PIECE // max(1, per_pair))
+            for p in range(0, n, step):
+                q = min(n, p + step)
+                piece = slot_cpu[p:q]
+                pinned = pinned_empty((b - a, q - p, self._words[a]), self._dtypes[a], self.traits)
+                for k in range(a, b):
+                    torch.index_select(self._host_views[k], 0, piece, out=pinned[k - a])
+                keep.append(pinned)
+                staging = pinned.to(self.device, non_blocking=True)
+                if sums is not None:
+                    torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b, p:q])
+                for k in range(a, b):
+                    self._pages[k].index_copy_(0, idx[p:q], staging[k - a])
+
     def _launch_load(
         self, stream: Any | None, plan: Plan, compute_done: Any, after: Any, keep: list[Any]
     ) -> Finish | None:
@@ -206,12 +301,29 @@ class PageCopies:
             expected, valid = self._cs_table[slots].copy(), self._cs_valid[slots].copy()
         cs_host = None
         slot_cpu = torch.from_numpy(slots) if scattered and self.scatter == "host" else None
+        self._load_events = []
         with on_stream(stream, self.device):
             wait_for(stream, compute_done)
             wait_for(stream, after)
             idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
-            if single and not scattered and self._batched:
+            kernel = scattered and self.scatter == "kernel"
+            staged = scattered and self.scatter == "host" and self._batched
+            if kernel:
+                assert self._tables is not None and slot_idx is not None
+                for a, b in self._groups():
+                    page_kernel.copy_pages(
+                        self._tables[1], slot_idx, idx, self._max_words,
+                        first=a, count=b - a, programs=self.copy_programs,
+                    )
+                    if self.load_groups > 1:
+                        self._load_events.append((b, record_event(stream, self.device)))
+                if sums is not None:
+                    self._device_sums(idx, sums)
+            elif staged:
+                assert slot_cpu is not None
+                self._host_gather_load(idx, slot_cpu, sums, keep)
+            elif single and not scattered and self._batched:
                 s0 = runs[0][2]
                 for a, b in self._chunks(n):
                     staging = torch.empty(
@@ -227,7 +339,9 @@ class PageCopies:
                         torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
                     for k in range(a, b):
                         self._pages[k].index_copy_(0, idx, parts[k - a])
-            for r, region in enumerate(self._regions_unbatched(single, scattered)):
+            for r, region in enumerate(
+                () if kernel or staged else self._regions_unbatched(single, scattered)
+            ):
                 host = self._host_views[r]
                 if not scattered:
                     if single:

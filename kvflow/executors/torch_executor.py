@@ -40,6 +40,7 @@ from kvflow.executors import npu as adapter
 from kvflow.executors.host_pool import HostPool
 from kvflow.executors.layout import KVCaches, KVLayout
 from kvflow.executors.page_copies import Failures, Finish, PageCopies, ScatterMode
+from kvflow.executors.page_kernel import DEFAULT_PROGRAMS
 from kvflow.executors.streams import new_stream, record_event, wait_event
 from kvflow.executors.transfer_plan import Plan, overlaps, plan_jobs
 from kvflow.executors.uva import device_alias
@@ -79,8 +80,13 @@ class TorchExecutor(PageCopies):
     rank's view of a shared pool). ``checksums``: record a per-slot checksum at store, verify at
     load. ``fail_job_ids``: fault injection for tests: a batch holding one of these jobs raises
     inside the copy path, as a real copy error would. ``max_runs``: above this many runs of
-    consecutive slots per batch, use ``scatter`` instead of one copy per run and region.
-    ``staging_bytes``: the most device staging memory one batch allocates at a time.
+    consecutive slots per batch, use ``scatter`` instead of one copy per run and region (default
+    1 for the ``kernel`` scatter, 16 for the others). ``staging_bytes``: the most device staging
+    memory one batch allocates at a time. ``load_groups``: the kernel path launches a load in
+    this many groups of consecutive regions (e.g. one per layer), each with its own event
+    (``load_events``), so an engine can run layer ``i`` once its pages have landed.
+    ``copy_programs``: programs (thread blocks) of the page kernel: enough to fill the link,
+    few enough to leave the engine's compute its multiprocessors.
     """
 
     def __init__(
@@ -93,9 +99,11 @@ class TorchExecutor(PageCopies):
         pool: HostPool | None = None,
         checksums: bool = False,
         block_dim: int | None = None,
-        max_runs: int = 16,
+        max_runs: int | None = None,
         scatter: ScatterMode = "auto",
         staging_bytes: int = 256 << 20,
+        load_groups: int = 1,
+        copy_programs: int = DEFAULT_PROGRAMS,
         fail_job_ids: Collection[int] = (),
     ) -> None:
         self.layout = KVLayout.from_caches(kv_caches, block_dim=block_dim)
@@ -108,10 +116,15 @@ class TorchExecutor(PageCopies):
         self.traits = adapter.traits_for(self.device.type)
         self.rank = rank
         self.checksums = checksums
-        self.max_runs = int(max_runs)
+        self.load_groups = int(load_groups)
+        self.copy_programs = int(copy_programs)
+        if self.load_groups < 1 or self.copy_programs < 1:
+            raise ConfigError(
+                f"load_groups and copy_programs must be >= 1, got {load_groups}, {copy_programs}"
+            )
         self._fail_job_ids = frozenset(int(j) for j in fail_job_ids)
-        if scatter not in ("auto", "runs", "host", "uva"):
-            raise ConfigError(f"scatter must be auto, runs, host or uva, not {scatter!r}")
+        if scatter not in ("auto", "runs", "host", "uva", "kernel"):
+            raise ConfigError(f"scatter must be auto, runs, host, uva or kernel, not {scatter!r}")
         if scatter == "uva" and self.device.type != "cuda":
             raise ConfigError(
                 "scatter='uva' needs a CUDA device (kernels reading pinned host memory)"
@@ -130,7 +143,7 @@ class TorchExecutor(PageCopies):
                     f"{self.layout.num_regions} regions)"
                 )
         self.pool = pool
-        self._init_copies(staging_bytes)
+        self._init_copies(staging_bytes, max_runs)
 
         self._channel: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._lock = threading.Lock()

@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 
 from kvflow.errors import ConfigError, Rejected, UnknownJob  # noqa: E402
 from kvflow.events import TransferJob  # noqa: E402
+from kvflow.executors import page_kernel  # noqa: E402
 from kvflow.executors.host_pool import HostPool  # noqa: E402
 from kvflow.executors.layout import KVLayout  # noqa: E402
 from kvflow.executors.torch_executor import TorchExecutor  # noqa: E402
@@ -101,7 +102,8 @@ def test_scattered_slots(device: str, scatter: str, max_runs: int) -> None:
     kv = make_kv("stacked", device)
     with TorchExecutor(kv, 24, scatter=scatter, max_runs=max_runs, checksums=True) as ex:
         if scatter == "auto":
-            assert ex.scatter == ("uva" if device == "cuda" else "host")
+            expected = "host" if device == "cpu" else "kernel" if page_kernel.available(ex.device) else "uva"
+            assert ex.scatter == expected
         src, slots = [8, 1, 30, 12, 4, 22], (11, 2, 7, 19, 0, 5)
         before = pages(ex, src)
         assert run(ex, [TransferJob(1, "store", tuple(src), slots)])[1].ok
@@ -427,3 +429,27 @@ def test_host_staged_load_moves_in_pieces(device: str, monkeypatch: pytest.Monke
         words = page // 8
         pieces = [(3, 2, words), (3, 2, words), (3, 2, words), (3, 1, words)]
         assert [s for s in shapes if len(s) == 3] == pieces * 2
+
+
+@pytest.mark.parametrize(
+    "scatter,slots",
+    [
+        ("runs", (4, 5, 6, 7)),  # one run: the batched copy-engine path
+        ("runs", (2, 3, 9, 10)),  # two runs: the per-region loop
+        ("host", (11, 2, 19, 0)),  # scattered: host staging
+    ],
+)
+def test_every_load_path_marks_its_groups(device: str, scatter: str, slots: tuple[int, ...]) -> None:
+    kv = make_kv("stacked", device)  # 6 regions
+    with TorchExecutor(kv, 24, scatter=scatter, max_runs=1, load_groups=3, checksums=True) as ex:
+        src = [8, 1, 30, 12]
+        before = pages(ex, src)
+        assert run(ex, [TransferJob(1, "store", tuple(src), slots)])[1].ok
+        refill(kv, seed=9)
+        dst = [29, 3, 14, 0]
+        assert run(ex, [TransferJob(2, "load", tuple(dst), slots)])[2].ok
+        assert same(pages(ex, dst), before)
+        events = ex.load_events()
+        assert [end for end, _ in events] == [2, 4, 6]
+        for _, event in events:  # on CUDA each event has happened once the job reported ok
+            assert event is None if device == "cpu" else event.query()

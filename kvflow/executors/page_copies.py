@@ -140,10 +140,16 @@ class PageCopies:
         self._max_words = max(r.page_bytes for r in regions) // 8
 
     def load_events(self) -> list[tuple[int, Any]]:
-        """``(end region, event)`` per launch group of the last load batch, in region order:
-        once an event has happened, regions before its end have landed. One pair (the whole
-        batch) unless the kernel path split the load into ``load_groups``; empty on CPU."""
+        """``(end region, event)`` per group of the last load batch (``load_groups`` > 1), in
+        region order: once an event has happened, regions before its end have landed (the
+        event is None on the CPU device, where copies are done when ``submit`` returns).
+        Empty when loads are not grouped: wait for the batch (``last_event``) then."""
         return list(self._load_events)
+
+    def _landed(self, stream: Any | None, end: int) -> None:
+        """Regions before ``end`` are enqueued: mark it with an event when loads are grouped."""
+        if self.load_groups > 1:
+            self._load_events.append((end, record_event(stream, self.device)))
 
     def _groups(self) -> list[tuple[int, int]]:
         """``load_groups`` ranges [a, b) of consecutive regions, as even as they divide."""
@@ -157,9 +163,10 @@ class PageCopies:
         for r, region in enumerate(self.layout.regions):
             torch.sum(region.pages.index_select(0, idx), 1, dtype=torch.int64, out=sums[r])
 
-    def _chunks(self, n: int) -> Iterator[tuple[int, int]]:
-        """Ranges [a, b) of regions with one word type and size, each within staging_bytes."""
-        a, count = 0, len(self._pages)
+    def _chunks(self, n: int, lo: int = 0, hi: int | None = None) -> Iterator[tuple[int, int]]:
+        """Ranges [a, b) of regions in [lo, hi) with one word type and size, each within
+        staging_bytes."""
+        a, count = lo, len(self._pages) if hi is None else hi
         while a < count:
             per_region = n * self._words[a] * self._wbytes[a]
             limit = max(1, self.staging_bytes // max(1, per_region))
@@ -183,10 +190,12 @@ class PageCopies:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Device-side index tensors of a batch (on the current stream): device blocks, the
         slots when GPU kernels address the pinned pool directly, and a checksum buffer."""
-        idx = torch.from_numpy(plan.device_blocks).to(self.device, non_blocking=True)
         slot_idx = None
-        if scattered and self.scatter in ("uva", "kernel"):
-            slot_idx = torch.from_numpy(plan.slots).to(self.device, non_blocking=True)
+        if scattered and self.scatter in ("uva", "kernel"):  # both in one host-to-device copy
+            both = np.stack((plan.device_blocks, plan.slots))
+            idx, slot_idx = torch.from_numpy(both).to(self.device, non_blocking=True).unbind(0)
+        else:
+            idx = torch.from_numpy(plan.device_blocks).to(self.device, non_blocking=True)
         sums = None
         if self.checksums:
             n = len(plan.slots)
@@ -194,13 +203,14 @@ class PageCopies:
         return idx, slot_idx, sums
 
     def _scattered(self, plan: Plan) -> bool:
-        return self.scatter != "runs" and len(plan.runs) > self.max_runs
+        return self.scatter != "runs" and plan.num_runs > self.max_runs
 
     def _launch_store(
         self, stream: Any | None, plan: Plan, compute_done: Any, keep: list[Any]
     ) -> Finish | None:
-        slots, runs, n = plan.slots, plan.runs, len(plan.slots)
+        slots, n = plan.slots, len(plan.slots)
         scattered = self._scattered(plan)
+        runs = [] if scattered else plan.runs
         self._cs_valid[slots] = False  # the slots' content is about to change
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         cs_host = None
@@ -268,14 +278,20 @@ class PageCopies:
         return finish if (staged or cs_host is not None) else None
 
     def _host_gather_load(
-        self, idx: torch.Tensor, slot_cpu: torch.Tensor, sums: torch.Tensor | None, keep: list[Any]
+        self,
+        idx: torch.Tensor,
+        slot_cpu: torch.Tensor,
+        sums: torch.Tensor | None,
+        keep: list[Any],
+        lo: int,
+        hi: int,
     ) -> None:
         """Host staging for a scattered load, in pieces of about ``HOST_PIECE`` bytes: the CPU
         gathers a piece of every region of a chunk into one pinned buffer, whose copy to the
         device then runs while the CPU gathers the next piece (one gather of the whole batch
         first left the link idle: 0.23-0.59 of it on an H100)."""
         n = int(slot_cpu.shape[0])
-        for a, b in self._chunks(n):
+        for a, b in self._chunks(n, lo, hi):
             per_pair = (b - a) * self._words[a] * self._wbytes[a]
             step = max(1, HOST_PIECE // max(1, per_pair))
             for p in range(0, n, step):
@@ -294,8 +310,9 @@ class PageCopies:
     def _launch_load(
         self, stream: Any | None, plan: Plan, compute_done: Any, after: Any, keep: list[Any]
     ) -> Finish | None:
-        slots, runs, n = plan.slots, plan.runs, len(plan.slots)
+        slots, n = plan.slots, len(plan.slots)
         scattered = self._scattered(plan)
+        runs = [] if scattered else plan.runs
         expected = valid = None
         if self.checksums:
             expected, valid = self._cs_table[slots].copy(), self._cs_valid[slots].copy()
@@ -316,29 +333,33 @@ class PageCopies:
                         self._tables[1], slot_idx, idx, self._max_words,
                         first=a, count=b - a, programs=self.copy_programs,
                     )
-                    if self.load_groups > 1:
-                        self._load_events.append((b, record_event(stream, self.device)))
+                    self._landed(stream, b)
                 if sums is not None:
                     self._device_sums(idx, sums)
             elif staged:
                 assert slot_cpu is not None
-                self._host_gather_load(idx, slot_cpu, sums, keep)
+                for ga, gb in self._groups():
+                    self._host_gather_load(idx, slot_cpu, sums, keep, ga, gb)
+                    self._landed(stream, gb)
             elif single and not scattered and self._batched:
                 s0 = runs[0][2]
-                for a, b in self._chunks(n):
-                    staging = torch.empty(
-                        (b - a, n, self._words[a]), dtype=self._dtypes[a], device=self.device
-                    )
-                    parts = staging.unbind(0)
-                    torch._foreach_copy_(
-                        parts,
-                        [self._host_views[k][s0 : s0 + n] for k in range(a, b)],
-                        non_blocking=True,
-                    )
-                    if sums is not None:
-                        torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
-                    for k in range(a, b):
-                        self._pages[k].index_copy_(0, idx, parts[k - a])
+                for ga, gb in self._groups():
+                    for a, b in self._chunks(n, ga, gb):
+                        staging = torch.empty(
+                            (b - a, n, self._words[a]), dtype=self._dtypes[a], device=self.device
+                        )
+                        parts = staging.unbind(0)
+                        torch._foreach_copy_(
+                            parts,
+                            [self._host_views[k][s0 : s0 + n] for k in range(a, b)],
+                            non_blocking=True,
+                        )
+                        if sums is not None:
+                            torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
+                        for k in range(a, b):
+                            self._pages[k].index_copy_(0, idx, parts[k - a])
+                    self._landed(stream, gb)
+            ends = {b for _, b in self._groups()}
             for r, region in enumerate(
                 () if kernel or staged else self._regions_unbatched(single, scattered)
             ):
@@ -365,6 +386,8 @@ class PageCopies:
                 if sums is not None:
                     torch.sum(staging, 1, dtype=torch.int64, out=sums[r])
                 region.pages.index_copy_(0, idx, staging)
+                if r + 1 in ends:
+                    self._landed(stream, r + 1)
             if sums is not None:
                 assert self._cs_mult is not None
                 cs = (sums * self._cs_mult).sum(0)

@@ -131,6 +131,8 @@ def copy_pages(
     first: int = 0,
     count: int | None = None,
     programs: int = DEFAULT_PROGRAMS,
+    tile: int = TILE,
+    num_warps: int = 4,
 ) -> None:
     """Copy page ``src_index[i]`` to page ``dst_index[i]`` in regions ``[first, first+count)``
     of ``table`` (``region_table``), on the current stream, in one launch."""
@@ -139,10 +141,10 @@ def copy_pages(
     n = int(src_index.shape[0])
     if n == 0 or count <= 0:
         return
-    tiles_per_page = -(-max_words // TILE)
+    tiles_per_page = -(-max_words // tile)
     n_tiles = count * n * tiles_per_page
     grid = (max(1, min(int(programs), n_tiles)),)
     _kernel(interpreting())[grid](
-        table, src_index, dst_index, n, first, n_tiles, tiles_per_page, regions, TILE=TILE,
-        num_warps=4,
+        table, src_index, dst_index, n, first, n_tiles, tiles_per_page, regions, TILE=tile,
+        num_warps=num_warps,
     )

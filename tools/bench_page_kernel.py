@@ -60,6 +60,19 @@ def main() -> int:
                 ld = timed(lambda: page_kernel.copy_pages(load_t, slots, dst, words, **kw))  # noqa: B023
                 print(f"  warps {warps} tile {tile:5d} programs {programs:4d}: store {gbps(moved, s) / link['d2h']:.2f}  "
                       f"load {gbps(moved, ld) / link['h2d']:.2f} of the link", flush=True)
+    # the host's cost of one launch (what a submit pays on top of planning)
+    import time
+
+    for _ in range(3):
+        page_kernel.copy_pages(store_t, blocks, slots, words)
+    torch.cuda.synchronize()
+    launches = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        page_kernel.copy_pages(store_t, blocks[:64], slots[:64], words)
+        launches.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    print(f"  host time of one launch: median {statistics.median(launches):.0f} us", flush=True)
     # both directions at once: kernel + kernel, and each kernel beside a copy-engine transfer
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     flat_dev = torch.empty(moved, dtype=torch.uint8, device=dev)

@@ -394,7 +394,7 @@ def test_kernel_mode_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="scatter='kernel' needs Triton"):
         TorchExecutor(make_kv("stacked", "cpu"), 8, scatter="kernel")
-    with pytest.raises(ConfigError, match="load_groups and copy_programs must be >= 1"):
+    with pytest.raises(ConfigError, match="load_groups must be >= 1 and copy_programs >= 0"):
         TorchExecutor(make_kv("stacked", "cpu"), 8, load_groups=0)
     with TorchExecutor(make_kv("stacked", "cpu"), 8) as ex:  # auto on CPU: host staging
         assert ex.scatter == "host" and ex.max_runs == 16

@@ -275,15 +275,16 @@ def run(args: argparse.Namespace) -> int:
         windows["both"] = interleave(windows["store"], windows["load"])
         small = page <= 16 * KiB and nl > 1
         for mode in modes:
-            scatter, _, programs = mode.partition(":")
+            scatter, _, option = mode.partition(":")
             kwargs = {"max_runs": 16} if scatter == "runs" else {}
-            if scatter == "kernel" and programs:
-                kwargs["copy_programs"] = int(programs)
+            if scatter == "kernel" and option:
+                kwargs["copy_programs"] = int(option)
             try:
                 ex = TorchExecutor(kv, pat.cpu_blocks, scatter=scatter, **kwargs)  # type: ignore[arg-type]
             except Exception as e:  # noqa: BLE001 - one mode missing must not cost the run
                 print(f"  {label:<22} {mode:<10} unavailable: {e}", flush=True)
                 continue
+            ex._batched = option != "loop"  # host:loop: host staging one region at a time (before)
             try:
                 ok = check(ex, pat, windows["load"])
                 for what, steps in windows.items():
@@ -337,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--quick", action="store_true", help="small sizes (runs on the CPU)")
     rp.add_argument("--reps", type=int, default=None)
     rp.add_argument("--gib", type=float, default=None, help="GiB per direction per measurement (1)")
-    rp.add_argument("--modes", default="kernel,uva,host,runs",
-                    help="executor scatter modes to compare; kernel:N sets the kernel's programs")
+    rp.add_argument("--modes", default="kernel,uva,host,host:loop,runs",
+                    help="executor scatter modes to compare; kernel:N sets the kernel's programs, "
+                         "host:loop stages one region at a time")
     rp.add_argument("--out", default=None, help="also write the table as markdown here")
     args = ap.parse_args(argv)
     if args.verb == "extract":

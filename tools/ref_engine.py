@@ -77,6 +77,15 @@ class Llama:
         return self.embed.dtype
 
 
+def _fused(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One matrix for q, k and v, one for the gate and up projections: fewer kernel launches
+    per layer (the loop is bound by launching them)."""
+    out = dict(layer)
+    out["wqkv"] = torch.cat([out.pop("wq"), out.pop("wk"), out.pop("wv")], dim=1)
+    out["w13"] = torch.cat([out.pop("w1"), out.pop("w3")], dim=1)
+    return out
+
+
 def random_llama(dims: Dims = LLAMA3_8B, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Llama:
     """Random weights from ``seed`` (scaled so activations stay O(1)); nothing is downloaded."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -101,7 +110,7 @@ def random_llama(dims: Dims = LLAMA3_8B, *, device: str = "cuda", dtype: torch.d
         }
         for _ in range(dims.layers)
     ]
-    return Llama(dims, embed, embed, torch.ones(d, device=device, dtype=dtype), layers)
+    return Llama(dims, embed, embed, torch.ones(d, device=device, dtype=dtype), [_fused(x) for x in layers])
 
 
 def load_llama(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Llama:
@@ -138,7 +147,7 @@ def load_llama(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype
             }
         )
     embed = t["model.embed_tokens.weight"]
-    return Llama(dims, embed, t.get("lm_head.weight", embed), t["model.norm.weight"], layers)
+    return Llama(dims, embed, t.get("lm_head.weight", embed), t["model.norm.weight"], [_fused(x) for x in layers])
 
 
 class PagedKV:
@@ -161,12 +170,17 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Half-split rotary embedding of ``x`` [n, heads, head_dim] at ``positions`` [n]."""
-    half = x.shape[-1] // 2
-    freqs = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+def _rotation(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n, 1, head_dim / 2] of the rotary angles at ``positions`` (once a pass)."""
+    half = head_dim // 2
+    freqs = base ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
     angles = positions.float()[:, None] * freqs[None, :]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotary embedding of ``x`` [n, heads, head_dim]."""
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -198,13 +212,16 @@ def forward(
 
         mask = causal_lower_right(n, total)
     x = model.embed[ids]
+    cos, sin = _rotation(positions, dims.head_dim, dims.rope_base)
+    q_end, k_end = dims.heads * dims.head_dim, (dims.heads + dims.kv_heads) * dims.head_dim
     for i, (layer, k_cache, v_cache) in enumerate(zip(model.layers, kv.k, kv.v)):
         if layer_ready is not None and layer_ready[i] is not None:
             torch.cuda.current_stream().wait_event(layer_ready[i])
         h = _rms(x, layer["attn_norm"], dims.eps)
-        q = _rope((h @ layer["wq"]).view(n, dims.heads, dims.head_dim), positions, dims.rope_base)
-        k = _rope((h @ layer["wk"]).view(n, dims.kv_heads, dims.head_dim), positions, dims.rope_base)
-        v = (h @ layer["wv"]).view(n, dims.kv_heads, dims.head_dim)
+        qkv = h @ layer["wqkv"]
+        q = _rope(qkv[:, :q_end].view(n, dims.heads, dims.head_dim), cos, sin)
+        k = _rope(qkv[:, q_end:k_end].view(n, dims.kv_heads, dims.head_dim), cos, sin)
+        v = qkv[:, k_end:].view(n, dims.kv_heads, dims.head_dim)
         k_cache[page, offset] = k
         v_cache[page, offset] = v
         keys = k_cache[blocks].reshape(-1, dims.kv_heads, dims.head_dim)[:total]
@@ -221,7 +238,8 @@ def forward(
         )[0]
         x = x + attn.transpose(0, 1).reshape(n, -1) @ layer["wo"]
         h = _rms(x, layer["mlp_norm"], dims.eps)
-        x = x + (F.silu(h @ layer["w1"]) * (h @ layer["w3"])) @ layer["w2"]
+        gate, up = (h @ layer["w13"]).chunk(2, dim=-1)
+        x = x + (F.silu(gate) * up) @ layer["w2"]
     return (_rms(x[-1:], model.norm, dims.eps) @ model.lm_head.T)[0].float()
 
 

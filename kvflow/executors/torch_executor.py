@@ -15,8 +15,8 @@ completion threads. The rest is split by job:
 
 When a submit stores and loads the same blocks or slots, the load waits for the store's event.
 
-Completion (F6): a thread per direction waits for each batch's event (query with a short sleep on
-CUDA, ``synchronize`` on NPU, nothing on CPU where copies are synchronous), runs the batch's host
+Completion (F6): a thread per direction waits for each batch's event (``synchronize`` on a
+blocking-sync event on CUDA, ``synchronize`` on NPU, nothing on CPU where copies are synchronous), runs the batch's host
 side (host scatter, checksum check) and puts one ``JobResult`` per job on ONE ``SimpleQueue``;
 ``poll``/``wait`` read it from the engine's thread. Any exception in a copy becomes a failed
 result for the jobs of that batch and the executor keeps serving (F2).
@@ -85,8 +85,9 @@ class TorchExecutor(PageCopies):
     memory one batch allocates at a time. ``load_groups``: the kernel path launches a load in
     this many groups of consecutive regions (e.g. one per layer), each with its own event
     (``load_events``), so an engine can run layer ``i`` once its pages have landed.
-    ``copy_programs``: programs (thread blocks) of the page kernel: enough to fill the link,
-    few enough to leave the engine's compute its multiprocessors.
+    ``copy_programs``: programs (thread blocks) of the page kernel; 0 (the default): one per
+    multiprocessor, which both directions at once need to fill the link (each program is 4
+    warps waiting on the link, so compute kernels still share every multiprocessor).
     """
 
     def __init__(
@@ -118,9 +119,10 @@ class TorchExecutor(PageCopies):
         self.checksums = checksums
         self.load_groups = int(load_groups)
         self.copy_programs = int(copy_programs)
-        if self.load_groups < 1 or self.copy_programs < 1:
+        if self.load_groups < 1 or self.copy_programs < 0:
             raise ConfigError(
-                f"load_groups and copy_programs must be >= 1, got {load_groups}, {copy_programs}"
+                f"load_groups must be >= 1 and copy_programs >= 0, got {load_groups}, "
+                f"{copy_programs}"
             )
         self._fail_job_ids = frozenset(int(j) for j in fail_job_ids)
         if scatter not in ("auto", "runs", "host", "uva", "kernel"):
@@ -370,7 +372,9 @@ class TorchExecutor(PageCopies):
                 batch.finish = self._launch_load(
                     lane.stream, plan, compute_done, after, batch.keepalive
                 )
-            batch.event = record_event(lane.stream, self.device)
+            batch.event = record_event(
+                lane.stream, self.device, blocking=self.traits.wait_mode == "blocking"
+            )
             lane.last_event = batch.event
         except Exception as e:  # noqa: BLE001 - F2: every copy error becomes a failed result
             batch.error = f"{direction} launch failed on {self.device}: {one_line(e)}"

@@ -335,7 +335,7 @@ def test_the_engine_refuses_a_config_whose_cpu_blocks_differ_from_the_pool() -> 
         SyncEngine(Config(cpu_blocks=64, block_tokens=4), ex).close()
 
 
-# --- the page kernel (one launch for every region) and host staging in pieces ---------------
+# --- the page kernel (one launch for every region) and grouped loads ------------------------
 
 
 @pytest.fixture
@@ -398,37 +398,6 @@ def test_kernel_mode_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPa
         TorchExecutor(make_kv("stacked", "cpu"), 8, load_groups=0)
     with TorchExecutor(make_kv("stacked", "cpu"), 8) as ex:  # auto on CPU: host staging
         assert ex.scatter == "host" and ex.max_runs == 16
-
-
-def test_host_staged_load_moves_in_pieces(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvflow.executors import page_copies
-
-    page = BS * HEADS * DIM * 2  # bytes of one region's page
-    # chunks of 3 regions (staging for 7 pairs), pieces of 2 pairs: 2 chunks x 4 pieces
-    monkeypatch.setattr(page_copies, "HOST_PIECE", 2 * 3 * page)
-    shapes: list[tuple[int, ...]] = []
-    real = page_copies.pinned_empty
-
-    def spy(shape: tuple[int, ...], *args: object) -> torch.Tensor:
-        shapes.append(tuple(shape))
-        return real(shape, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(page_copies, "pinned_empty", spy)
-    kv = make_kv("stacked", device)
-    with TorchExecutor(
-        kv, 24, scatter="host", max_runs=1, checksums=True, staging_bytes=3 * 7 * page
-    ) as ex:
-        src, slots = [8, 1, 30, 12, 4, 22, 6], (11, 2, 7, 19, 0, 5, 23)
-        before = pages(ex, src)
-        assert run(ex, [TransferJob(1, "store", tuple(src), slots)])[1].ok
-        refill(kv, seed=5)
-        dst = [29, 3, 14, 0, 9, 17, 2]
-        shapes.clear()
-        assert run(ex, [TransferJob(2, "load", tuple(dst), slots)])[2].ok
-        assert same(pages(ex, dst), before)
-        words = page // 8
-        pieces = [(3, 2, words), (3, 2, words), (3, 2, words), (3, 1, words)]
-        assert [s for s in shapes if len(s) == 3] == pieces * 2
 
 
 @pytest.mark.parametrize(

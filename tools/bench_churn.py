@@ -28,6 +28,7 @@ checked once on one of the trace's own jobs (store, then load into other blocks,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import platform
@@ -260,6 +261,9 @@ def run(args: argparse.Namespace) -> int:
     pages = [4 * KiB, 16 * KiB] if quick else [16 * KiB, 32 * KiB, 64 * KiB]
     configs = [(f"{p // KiB} KiB x {layers} layers", layers, p) for p in pages]
     configs.append(("256 KiB cross-layer" if quick else "2 MiB cross-layer", 1, 256 * KiB if quick else 2 * MiB))
+    if args.pages:
+        wanted = args.pages.split(",")
+        configs = [c for c in configs if (str(c[2] // KiB) if c[1] > 1 else "cross") in wanted]
     modes = [m for m in args.modes.split(",") if m]
     if device.type != "cuda":
         modes = [m for m in modes if m not in ("uva",) and not (m.startswith("kernel") and not _interpreting())]
@@ -277,14 +281,15 @@ def run(args: argparse.Namespace) -> int:
         for mode in modes:
             scatter, _, option = mode.partition(":")
             kwargs = {"max_runs": 16} if scatter == "runs" else {}
-            if scatter == "kernel" and option:
-                kwargs["copy_programs"] = int(option)
+            if scatter == "kernel" and option.split(":")[0]:
+                kwargs["copy_programs"] = int(option.split(":")[0])
             try:
                 ex = TorchExecutor(kv, pat.cpu_blocks, scatter=scatter, **kwargs)  # type: ignore[arg-type]
             except Exception as e:  # noqa: BLE001 - one mode missing must not cost the run
                 print(f"  {label:<22} {mode:<10} unavailable: {e}", flush=True)
                 continue
-            ex._batched = option != "loop"  # host:loop: host staging one region at a time (before)
+            if mode.endswith(":poll"):  # completion threads poll events instead of sleeping
+                ex.traits = dataclasses.replace(ex.traits, wait_mode="query")
             try:
                 ok = check(ex, pat, windows["load"])
                 for what, steps in windows.items():
@@ -338,9 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--quick", action="store_true", help="small sizes (runs on the CPU)")
     rp.add_argument("--reps", type=int, default=None)
     rp.add_argument("--gib", type=float, default=None, help="GiB per direction per measurement (1)")
-    rp.add_argument("--modes", default="kernel,uva,host,host:loop,runs",
-                    help="executor scatter modes to compare; kernel:N sets the kernel's programs, "
-                         "host:loop stages one region at a time")
+    rp.add_argument("--pages", default=None, help="KiB per layer page to run, e.g. 16,32 (and "
+                    "'cross' for 2 MiB cross-layer blocks); default all")
+    rp.add_argument("--modes", default="kernel,uva,host,runs",
+                    help="executor scatter modes to compare; kernel:N sets the kernel's programs "
+                         "(0: one per multiprocessor); a :poll suffix makes the completion threads "
+                         "poll their events instead of sleeping on them")
     rp.add_argument("--out", default=None, help="also write the table as markdown here")
     args = ap.parse_args(argv)
     if args.verb == "extract":

@@ -316,8 +316,7 @@ def bench_kvflow(
             ex.max_runs = 1
         scattered = rng.permutation(2 * n)[:n].astype(np.int64)
         for mode in scatter_modes:
-            ex.scatter = mode.split(":")[0]  # type: ignore[assignment]
-            ex._batched = mode != "host:loop"  # host staging one region at a time (before)
+            ex.scatter = mode  # type: ignore[assignment]
             if mode == "uva" and not ex._uva_views:
                 from kvflow.executors.torch_executor import _device_alias
 
@@ -331,7 +330,6 @@ def bench_kvflow(
             s_store, s_load = store_load(scattered)
             one(f"store scat/{mode}", s_store, n * block)
             one(f"load scat/{mode}", s_load, n * block)
-        ex._batched = True
     finally:
         ex.close()
         del kv
@@ -433,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             Row(f"naive copy_ per page {page // KiB} KiB H2D", nv["h2d"], ref=link["h2d"]),
         ]
 
-    scatter_modes = ["host", "host:loop"] + (["uva", "kernel"] if device.type == "cuda" else [])
+    scatter_modes = ["host"] + (["uva", "kernel"] if device.type == "cuda" else [])
     configs = [(f"{page // KiB} KiB x {layers} layers", layers, page) for page in pages]
     configs.append(
         (

@@ -53,7 +53,7 @@ bench() {
 }
 
 churn() {
-  $PY tools/bench_churn.py run "${CHURN:-.data/churn.npz}" --modes "${MODES:-kernel,uva,host,host:loop,runs}" \
+  $PY tools/bench_churn.py run "${CHURN:-.data/churn.npz}" --modes "${MODES:-kernel,uva,host,runs}" \
     --out "$OUT/bench_churn_results.md" 2>&1 | tee "$OUT/churn.log"
 }
 

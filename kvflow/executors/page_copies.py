@@ -14,9 +14,8 @@ sorted by slot, see ``transfer_plan``):
   into ``load_groups`` launches with one event each so an engine can start a layer once its
   pages landed; ``"uva"`` (CUDA) lets torch kernels gather/scatter the pinned pool region by
   region through unified addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host
-  memory and gathers or scatters on the CPU, all regions of a chunk in one pinned buffer, the
-  chunk's host-to-device copy overlapping the CPU gather of the next (stores scatter in the
-  completion thread, loads gather in the caller).
+  memory and gathers or scatters on the CPU region by region (stores scatter in the completion
+  thread, loads gather in the caller, each region's copy overlapping the next one's gather).
 * With ``checksums``, a store records a per-slot checksum of what it copied and a load verifies
   it (a mismatch fails the job: the host copy is corrupt, recompute).
 
@@ -47,7 +46,6 @@ ScatterMode = Literal["auto", "runs", "host", "uva", "kernel"]
 # What a batch's host-side finish reports: job id -> (error, hashes whose host copy is bad)
 Failures = dict[int, tuple[str, tuple[int, ...]]]
 Finish = Callable[[], Failures]
-HOST_PIECE = 16 << 20  # bytes of one host-staged piece of a scattered load (see _host_gather_load)
 
 
 class PageCopies:
@@ -277,36 +275,6 @@ class PageCopies:
 
         return finish if (staged or cs_host is not None) else None
 
-    def _host_gather_load(
-        self,
-        idx: torch.Tensor,
-        slot_cpu: torch.Tensor,
-        sums: torch.Tensor | None,
-        keep: list[Any],
-        lo: int,
-        hi: int,
-    ) -> None:
-        """Host staging for a scattered load, in pieces of about ``HOST_PIECE`` bytes: the CPU
-        gathers a piece of every region of a chunk into one pinned buffer, whose copy to the
-        device then runs while the CPU gathers the next piece (one gather of the whole batch
-        first left the link idle: 0.23-0.59 of it on an H100)."""
-        n = int(slot_cpu.shape[0])
-        for a, b in self._chunks(n, lo, hi):
-            per_pair = (b - a) * self._words[a] * self._wbytes[a]
-            step = max(1, HOST_PIECE // max(1, per_pair))
-            for p in range(0, n, step):
-                q = min(n, p + step)
-                piece = slot_cpu[p:q]
-                pinned = pinned_empty((b - a, q - p, self._words[a]), self._dtypes[a], self.traits)
-                for k in range(a, b):
-                    torch.index_select(self._host_views[k], 0, piece, out=pinned[k - a])
-                keep.append(pinned)
-                staging = pinned.to(self.device, non_blocking=True)
-                if sums is not None:
-                    torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b, p:q])
-                for k in range(a, b):
-                    self._pages[k].index_copy_(0, idx[p:q], staging[k - a])
-
     def _launch_load(
         self, stream: Any | None, plan: Plan, compute_done: Any, after: Any, keep: list[Any]
     ) -> Finish | None:
@@ -325,7 +293,6 @@ class PageCopies:
             idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
             kernel = scattered and self.scatter == "kernel"
-            staged = scattered and self.scatter == "host" and self._batched
             if kernel:
                 assert self._tables is not None and slot_idx is not None
                 for a, b in self._groups():
@@ -336,11 +303,6 @@ class PageCopies:
                     self._landed(stream, b)
                 if sums is not None:
                     self._device_sums(idx, sums)
-            elif staged:
-                assert slot_cpu is not None
-                for ga, gb in self._groups():
-                    self._host_gather_load(idx, slot_cpu, sums, keep, ga, gb)
-                    self._landed(stream, gb)
             elif single and not scattered and self._batched:
                 s0 = runs[0][2]
                 for ga, gb in self._groups():
@@ -361,7 +323,7 @@ class PageCopies:
                     self._landed(stream, gb)
             ends = {b for _, b in self._groups()}
             for r, region in enumerate(
-                () if kernel or staged else self._regions_unbatched(single, scattered)
+                () if kernel else self._regions_unbatched(single, scattered)
             ):
                 host = self._host_views[r]
                 if not scattered:

@@ -191,14 +191,24 @@ class PageCopies:
         slot_idx = None
         if scattered and self.scatter in ("uva", "kernel"):  # both in one host-to-device copy
             both = np.stack((plan.device_blocks, plan.slots))
-            idx, slot_idx = torch.from_numpy(both).to(self.device, non_blocking=True).unbind(0)
+            idx, slot_idx = self._to_device(both).unbind(0)
         else:
-            idx = torch.from_numpy(plan.device_blocks).to(self.device, non_blocking=True)
+            idx = self._to_device(plan.device_blocks)
         sums = None
         if self.checksums:
             n = len(plan.slots)
             sums = torch.empty((self.layout.num_regions, n), dtype=torch.int64, device=self.device)
         return idx, slot_idx, sums
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A batch's index array on the device, through pinned memory where copies are async:
+        a copy from pageable memory first waits for the stream's earlier work (CUDA syncs the
+        stream before such a copy), so the next submit could not be enqueued before the last
+        batch's copies were over and the link idled between batches."""
+        host = torch.from_numpy(array)
+        if self.traits.has_streams and self.traits.pin_strategy != "none":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _scattered(self, plan: Plan) -> bool:
         return self.scatter != "runs" and plan.num_runs > self.max_runs

@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  patterns: {frag['steps']:.0f} submits, tier full from submit {frag['first_full_step']:.0f}; "
           f"load jobs: {frag['slots_per_run']:.1f} slots per run, "
           f"{frag['share_in_jobs_over_16_runs']:.0%} of loaded blocks in jobs of > 16 runs", flush=True)
-    link = bench_link(device, min(nbytes, GiB), max(reps, 3), clock)
+    link = bench_link(device, min(nbytes, GiB), max(reps, 5), clock)
     print(f"  link: D2H {link['d2h']:.1f}  H2D {link['h2d']:.1f}  both {link['both']:.1f} GB/s", flush=True)
     rows = [
         Row("link: one contiguous pinned copy D2H", link["d2h"], ref=link["d2h"]),

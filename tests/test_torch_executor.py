@@ -390,6 +390,16 @@ def test_kernel_load_of_a_corrupted_slot_fails_its_checksum(kernel_device: str) 
         assert res.corrupt == (32,)
 
 
+def test_auto_picks_the_kernel_for_small_pages_and_the_copy_engines_for_large_ones() -> None:
+    from kvflow.executors.page_copies import KERNEL_MAX_PAGE, auto_scatter
+
+    assert auto_scatter(kernel=True, uva=True, page_bytes=32 << 10) == "kernel"
+    assert auto_scatter(kernel=True, uva=True, page_bytes=KERNEL_MAX_PAGE) == "uva"
+    assert auto_scatter(kernel=True, uva=False, page_bytes=2 << 20) == "host"
+    assert auto_scatter(kernel=False, uva=True, page_bytes=16 << 10) == "uva"
+    assert auto_scatter(kernel=False, uva=False, page_bytes=16 << 10) == "host"
+
+
 def test_kernel_mode_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="scatter='kernel' needs Triton"):

@@ -48,6 +48,24 @@ Failures = dict[int, tuple[str, tuple[int, ...]]]
 Finish = Callable[[], Failures]
 
 
+KERNEL_MAX_PAGE = 512 << 10  # bytes; at larger pages the copy engines move a run faster
+
+
+def auto_scatter(*, kernel: bool, uva: bool, page_bytes: int) -> ScatterMode:
+    """What ``scatter="auto"`` picks for batches of several runs, from what this executor can
+    use and its largest page.
+
+    Measured on an H100 replaying a churned tier (tools/bench_churn_results.md): at 16-64 KiB
+    pages over 32 regions the page kernel's one launch moves 0.66-0.82 of the link where the
+    region-by-region paths move 0.10-0.79; at 2 MiB pages (runs of several MiB) one copy per run
+    or the UVA kernels move 0.88-0.93 and the page kernel 0.82-0.83. Host staging (a CPU gather
+    per byte) is the portable fallback: NPU, CPU, unpinned pools.
+    """
+    if kernel and page_bytes < KERNEL_MAX_PAGE:
+        return "kernel"
+    return "uva" if uva else "host"
+
+
 class PageCopies:
     """Launches a batch's copies on a stream; returns the host-side ``Finish`` (or None)."""
 
@@ -83,10 +101,11 @@ class PageCopies:
                     if self.scatter == "uva":
                         raise
         if self.scatter == "auto":
-            # Measured on H200 (tools/bench_transfer_results.md): device kernels through UVA keep
-            # scattered slots at 0.82-0.88 of the link with no CPU work; host staging costs a CPU
-            # memcpy per byte (22-38 GB/s end to end). Host staging is the portable fallback.
-            self.scatter = "kernel" if self._tables else ("uva" if self._uva_views else "host")
+            self.scatter = auto_scatter(
+                kernel=self._tables is not None,
+                uva=bool(self._uva_views),
+                page_bytes=max(r.page_bytes for r in self.layout.regions),
+            )
         # The kernel moves any number of runs in one launch: only a single run (one copy per
         # region on the copy engines, 0.94-0.95 of the link) stays off it.
         self.max_runs = int(max_runs) if max_runs is not None else (

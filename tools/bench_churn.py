@@ -70,6 +70,8 @@ def extract(trace: str, out: str) -> dict[str, float]:
                 steps.append([j for j in rec.job_ids if j in queued])
             elif isinstance(rec, BlocksEvicted) and first_evicted_step < 0:
                 first_evicted_step = len(steps)
+    if not steps:
+        raise ValueError(f"{trace}: no jobs_submitted records: record a simulation with --record")
     step_off, job_dir, job_off, devs, slots = [0], [], [0], [], []
     for jobs in steps:
         for j in jobs:

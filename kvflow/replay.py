@@ -8,22 +8,23 @@ The fold is the source of truth for "what state did production reach"; ``redecid
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kvflow.decide import decide
 from kvflow.errors import IllegalTransition, KvflowError
 from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Event, event_name
-from kvflow.log import Checkpoint, TraceReader
 from kvflow.state import State, check_invariants, evolve
+from kvflow.trace.format import Checkpoint
+from kvflow.trace.reader import TraceReader
 
 
 @dataclass
 class Divergence:
     """The first place where replay disagrees with the trace."""
 
-    kind: str  # "illegal", "checkpoint", "invariant", "redecide"
+    kind: str  # "illegal", "checkpoint", "records", "invariant", "redecide"
     seq: int
     line: int | None
     message: str
@@ -108,12 +109,12 @@ def replay(
     with reader:
         result = ReplayResult(path=str(path), state=State(reader.config), redecided=redecide)
         if redecide:
-            _redecide(reader.records(), result, until, strict, on_event)
+            _redecide(reader, result, until, strict, on_event)
         else:
             # commands are decoded and validated in full even though a fold does not use them:
             # a malformed line must stop the replay with its file and line (DESIGN §5)
             if strict or on_event is not None:
-                _fold(reader.records(), result, until, strict, on_event)
+                _fold(reader, result, until, strict, on_event)
             else:
                 _fold_chunks(reader, result, until)
         result.warnings.extend(reader.warnings)
@@ -126,8 +127,13 @@ def replay(
     return result
 
 
-def _check_point(result: ReplayResult, line: int, cp: Checkpoint) -> bool:
+def _check_point(result: ReplayResult, line: int, cp: Checkpoint, reader: TraceReader) -> bool:
+    """The state digest, the record digest (the trace's bytes up to here, read by ``reader``)
+    and the invariants at a checkpoint."""
     state = result.state
+    if reader.mismatch is not None and reader.mismatch[0] <= line:
+        result.divergence = Divergence("records", cp.seq, reader.mismatch[0], reader.mismatch[1])
+        return False
     if cp.seq != state.last_seq:
         result.divergence = Divergence(
             "checkpoint", cp.seq, line, f"checkpoint at seq {cp.seq} but the fold is at seq {state.last_seq}"
@@ -176,7 +182,7 @@ _KIND: dict[type, int] = {
 
 
 def _fold(
-    records: Iterable[tuple[int, Any]],
+    reader: TraceReader,
     result: ReplayResult,
     until: int | None,
     strict: bool,
@@ -185,7 +191,7 @@ def _fold(
     """The fold record by record: ``--strict`` invariants after every event, observers."""
     state = result.state
     kinds = _KIND
-    for line, rec in records:
+    for line, rec in reader.records():
         kind = kinds[type(rec)]
         if kind == 0:
             if until is not None and rec.seq > until:
@@ -197,7 +203,7 @@ def _fold(
                 on_event(line, rec)
         elif kind == 1:
             result.commands += 1
-        elif not _check_point(result, line, rec):
+        elif not _check_point(result, line, rec, reader):
             return
     if until is not None and state.last_seq >= until:
         result.stopped_at = state.last_seq
@@ -228,7 +234,7 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None) -
                 elif kind is Checkpoint:
                     result.events += applied
                     applied = 0
-                    if not _check_point(result, numbers[i], rec):
+                    if not _check_point(result, numbers[i], rec, reader):
                         return
                 else:
                     commands += 1
@@ -307,6 +313,10 @@ class _Redecider:
             self._refused = str(exc)
             return None
 
+    def cut_short(self) -> bool:
+        """Does the current command have events today's code decided that were not read?"""
+        return self.command is not None and self.result.divergence is None and self._pending is not None
+
     def finish(self) -> bool:
         """The recorded events of the current command are over: today's code must agree."""
         if self.command is None or self.result.divergence is not None:
@@ -362,7 +372,7 @@ class _Redecider:
 
 
 def _redecide(
-    records: Iterable[tuple[int, Any]],
+    reader: TraceReader,
     result: ReplayResult,
     until: int | None,
     strict: bool,
@@ -370,9 +380,9 @@ def _redecide(
 ) -> None:
     state = result.state
     redecider = _Redecider(result)
-    for line, rec in records:
+    for line, rec in reader.records():
         if isinstance(rec, Checkpoint):
-            if not _check_point(result, line, rec):
+            if not _check_point(result, line, rec, reader):
                 return
         elif isinstance(rec, COMMAND_TYPES):
             if until is not None and state.last_seq >= until:
@@ -393,7 +403,17 @@ def _redecide(
                 return
             if on_event is not None:
                 on_event(line, rec)
-    redecider.finish()
+    if reader.complete or not redecider.cut_short():
+        redecider.finish()
+    else:
+        # a trace cut short (a crash) may end inside a command: its remaining events were
+        # never written, which is no divergence; the re-decision ends with the command before
+        result.stopped_at = state.last_seq
+        result.warnings.append(
+            f"{result.path}:{redecider.command_line}: the trace ends inside this command "
+            f"({redecider.matched} of its events recorded, today's code decides more): "
+            "re-decided up to the last complete command before it"
+        )
 
 
 def repro_command(path: str, divergence: Divergence, redecide: bool, strict: bool = False) -> str:

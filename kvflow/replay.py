@@ -8,7 +8,7 @@ The fold is the source of truth for "what state did production reach"; ``redecid
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -16,7 +16,7 @@ from kvflow.decide import decide
 from kvflow.errors import IllegalTransition, KvflowError
 from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Event, event_name
 from kvflow.state import State, check_invariants, evolve
-from kvflow.trace.format import Checkpoint
+from kvflow.trace.format import CHAINED_SINCE, Checkpoint
 from kvflow.trace.reader import TraceReader
 
 
@@ -111,8 +111,9 @@ def replay(
         if redecide:
             _redecide(reader, result, until, strict, on_event)
         else:
-            # commands are decoded and validated in full even though a fold does not use them:
-            # a malformed line must stop the replay with its file and line (DESIGN §5)
+            # a fold does not use the commands, but a malformed line must still stop the replay
+            # with its file and line (DESIGN §5): they are skimmed where a checkpoint's record
+            # digest vouches for their bytes, and decoded in full everywhere else
             if strict or on_event is not None:
                 _fold(reader, result, until, strict, on_event)
             else:
@@ -212,41 +213,87 @@ def _fold(
 _EVENT_TYPE_SET = frozenset(EVENT_TYPES)
 
 
+_HOLD_RECORDS = 1 << 17  # records a fold holds back at most, waiting for their checkpoint
+
+
 def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None) -> None:
     """``_fold`` without strict checks or observers, chunk by chunk: the loop over a decoded
-    chunk touches each record once, and line numbers are looked up only when needed."""
+    chunk touches each record once, and line numbers are looked up only when needed.
+
+    In a chained trace (version 3 on) the records before a checkpoint are held until it is
+    read. Where its record digest vouches for them (their bytes are what the live engine
+    wrote), their events are applied as the live engine applied them, without the per-block
+    legality checks (``evolve(..., check=False)``: the engine's own decisions from this very
+    state), and the checkpoint then compares state digest, record digest and invariants.
+    Everywhere else (older versions, a trace that does not verify, records after the last
+    checkpoint, more than _HOLD_RECORDS of them) every event is checked as it is applied."""
+    limit = until if until is not None else float("inf")
+    chunks = reader.record_chunks(skim_commands=True)
+    if reader.version < CHAINED_SINCE:
+        for numbers, recs in chunks:
+            if not _fold_chunk(reader, result, limit, numbers, recs, True):
+                return
+    else:
+        held: list[tuple[Sequence[int], list[Any]]] = []
+        count = 0
+        for numbers, recs in chunks:
+            start = 0
+            if Checkpoint in set(map(type, recs)):
+                for k in [k for k, rec in enumerate(recs) if type(rec) is Checkpoint]:
+                    held.append((numbers[start : k + 1], recs[start : k + 1]))
+                    vouched = reader.mismatch is None or reader.mismatch[0] > numbers[k]
+                    for part in held:
+                        if not _fold_chunk(reader, result, limit, *part, not vouched):
+                            return
+                    held, count, start = [], 0, k + 1
+            if start < len(recs):
+                held.append((numbers[start:], recs[start:]))
+                count += len(recs) - start
+            if count > _HOLD_RECORDS:
+                for part in held:
+                    if not _fold_chunk(reader, result, limit, *part, True):
+                        return
+                held, count = [], 0
+        for part in held:  # after the last checkpoint: nothing vouches for them
+            if not _fold_chunk(reader, result, limit, *part, True):
+                return
+    if until is not None and result.state.last_seq >= until:
+        result.stopped_at = result.state.last_seq
+
+
+def _fold_chunk(
+    reader: TraceReader, result: ReplayResult, limit: float, numbers: Sequence[int], recs: list[Any], check: bool
+) -> bool:
+    """Fold one chunk of records; False at a divergence or at ``limit`` (``--until``)."""
     state = result.state
     events = _EVENT_TYPE_SET
-    limit = until if until is not None else float("inf")
-    for numbers, recs in reader.record_chunks():
-        i = -1
-        applied = commands = 0
-        try:
-            for rec in recs:
-                i += 1
-                kind = type(rec)
-                if kind in events:
-                    if rec.seq > limit:
-                        result.stopped_at = state.last_seq
-                        return
-                    evolve(state, rec)
-                    applied += 1
-                elif kind is Checkpoint:
-                    result.events += applied
-                    applied = 0
-                    if not _check_point(result, numbers[i], rec, reader):
-                        return
-                else:
-                    commands += 1
-        except IllegalTransition as exc:
-            rec = recs[i]
-            result.divergence = Divergence("illegal", rec.seq, numbers[i], str(exc), recorded=rec)
-            return
-        finally:
-            result.events += applied
-            result.commands += commands
-    if until is not None and state.last_seq >= until:
-        result.stopped_at = state.last_seq
+    i = -1
+    applied = commands = 0
+    try:
+        for rec in recs:
+            i += 1
+            kind = type(rec)
+            if kind in events:
+                if rec.seq > limit:
+                    result.stopped_at = state.last_seq
+                    return False
+                evolve(state, rec, check)
+                applied += 1
+            elif kind is Checkpoint:
+                result.events += applied
+                applied = 0
+                if not _check_point(result, numbers[i], rec, reader):
+                    return False
+            else:
+                commands += 1
+    except IllegalTransition as exc:
+        rec = recs[i]
+        result.divergence = Divergence("illegal", rec.seq, numbers[i], str(exc), recorded=rec)
+        return False
+    finally:
+        result.events += applied
+        result.commands += commands
+    return True
 
 
 class _Redecider:

@@ -179,3 +179,29 @@ def test_the_writer_chains_what_the_async_engine_detaches_too(tmp_path: Path) ->
     manager.close()
     result = replay(path)
     assert result.ok and result.checkpoints >= 3 and not result.warnings, result.divergence
+
+
+@pytest.mark.parametrize("where", ["first", "last", "after the last checkpoint"])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("num_tokens", "many", "field 'num_tokens': expected `int`"), ("block_hashes", [2**70], "block_hashes[0]")],
+)
+def test_a_plain_fold_skims_commands_yet_refuses_a_bad_one_wherever_it_is(
+    tmp_path: Path, where: str, field: str, value: Any, message: str
+) -> None:
+    """The fold skims commands where a checkpoint vouches for them; a bad one before a
+    checkpoint (which then does not verify) or after the last one is still a TraceError."""
+    lines = (TRACES / "clean.jsonl").read_text().splitlines(keepends=True)
+    lookups = [i for i, text in enumerate(lines) if text.startswith('{"type":"lookup"')]
+    i = lookups[0] if where == "first" else lookups[-1]
+    record = json.loads(lines[i])
+    record[field] = value
+    lines[i] = json.dumps(record, separators=(",", ":")) + "\n"
+    if where == "after the last checkpoint":
+        assert '"checkpoint"' in lines[-1]
+        lines.pop()  # the closing checkpoint: nothing vouches for the last lines now
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(lines))
+    result = kvflow("replay", path)
+    assert result.exit_code == 2, result.output
+    assert f"{path}:{i + 1}: " in result.stderr and message in result.stderr, result.stderr

@@ -44,6 +44,19 @@ RECORD_TYPES: tuple[type, ...] = (*COMMAND_TYPES, *EVENT_TYPES, Checkpoint)
 RecordUnion = Union[tuple(RECORD_TYPES)]  # type: ignore[valid-type]
 
 
+def _skimmed(command: type) -> type:
+    """A record type with ``command``'s tag and no fields: decoding a line into it checks the
+    JSON and skips every field without building a value (``SKIM_UNION``)."""
+    tag = command.__struct_config__.tag  # type: ignore[attr-defined]
+    return msgspec.defstruct(f"Skimmed{command.__name__}", [], tag=tag, tag_field="type", frozen=True, gc=False)
+
+
+SKIMMED_COMMANDS: tuple[type, ...] = tuple(map(_skimmed, COMMAND_TYPES))
+SkimUnion = Union[(*SKIMMED_COMMANDS, *EVENT_TYPES, Checkpoint)]  # type: ignore[valid-type]
+"""Events and checkpoints in full, commands skimmed: what a plain fold needs from a chained
+trace, whose record digests vouch for the commands' bytes (``TraceReader``)."""
+
+
 class Header(msgspec.Struct, frozen=True, kw_only=True):
     format: str
     version: int

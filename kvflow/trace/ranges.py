@@ -77,7 +77,7 @@ def _bounds_text(name: str, low: int, high: int, world: int) -> str:
 
 def range_problem(rec: Any, world: int) -> str | None:
     """The first integer of ``rec`` outside its range, as ``field 'x': message``."""
-    for name, kind, low, high in _INT_FIELDS[type(rec)]:
+    for name, kind, low, high in _INT_FIELDS.get(type(rec), ()):
         value = getattr(rec, name)
         top = world if high == _WORLD else high
         if kind == _ONE:

@@ -31,6 +31,7 @@ from kvflow.trace.format import (
     Header,
     RecordChain,
     RecordUnion,
+    SkimUnion,
 )
 from kvflow.trace.problems import (
     DECODE_ERRORS,
@@ -95,6 +96,9 @@ def _last_blocks(carry: list[bytes]) -> Generator[tuple[bytes, bool], None, None
         yield rest[cut:], False
 
 
+_SKIM_DECODER = msgspec.json.Decoder(SkimUnion)
+
+
 class _LineTooLong(Exception):
     """A line runs past MAX_LINE_BYTES (TraceReader names its line number)."""
 
@@ -143,6 +147,10 @@ class TraceReader:
         self._chain = RecordChain(first)
         self._decoder = msgspec.json.Decoder(RecordUnion)
         self._scratch = bytearray()  # where check_ranges encodes a chunk as msgpack
+        # skimming: (first line number, lines) whose commands the record chain has not vouched
+        # for yet, and their size (see record_chunks)
+        self._held: list[tuple[int, list[bytes]]] | None = None
+        self._held_bytes = 0
 
     def _read_header_line(self) -> bytes:
         """The first line, newline included; what follows it is kept for the records."""
@@ -250,11 +258,21 @@ class TraceReader:
             carried = len(rest)
             yield block, True
 
-    def record_chunks(self) -> Iterator[tuple[Sequence[int], list[Any]]]:
+    def record_chunks(self, skim_commands: bool = False) -> Iterator[tuple[Sequence[int], list[Any]]]:
         """The records in chunks ``(line_numbers, records)``: a chunk is decoded and
         range-checked in C-level passes, and only a chunk holding a bad, blank or torn line (or
-        a value that may be out of range) is walked line by line to name it."""
-        decode = self._decoder.decode
+        a value that may be out of range) is walked line by line to name it.
+
+        ``skim_commands`` (what a plain fold asks for; version 3 on): commands come back as
+        field-less ``SKIMMED_COMMANDS``, their JSON checked but not built, which halves the
+        decoding of a typical trace. Their lines are held until a checkpoint's record digest
+        vouches for their bytes (a kvflow writer wrote them, so they are valid); lines it cannot
+        vouch for (before a checkpoint that does not verify, after the last one, or more than
+        MAX_LINE_BYTES of them) are decoded in full before reading goes on, so a bad command
+        still raises its TraceError."""
+        skim = skim_commands and self.version >= CHAINED_SINCE
+        decode = (_SKIM_DECODER if skim else self._decoder).decode
+        self._held = [] if skim else None
         upcast = UPCASTS.get(self.version)
         world = self.config.world_size
         lineno = 1  # the header
@@ -272,7 +290,7 @@ class TraceReader:
                     torn = False
                 except DECODE_ERRORS:
                     numbers, recs, torn = self._decode_lines(lines, lineno, complete)
-                self._chain_block(block, lines, lineno + 1, numbers, recs)
+                self._chain_block(block, lines, lineno + 1, numbers, recs, torn)
                 lineno += len(lines)
                 if recs:
                     check_ranges(self.path, block, numbers, recs, world, self._scratch)
@@ -280,19 +298,22 @@ class TraceReader:
                         recs = [upcast(rec) for rec in recs]
                     yield numbers, recs
                 if torn:
-                    return
-            ended = True
+                    break
+            else:
+                ended = True
+            self._vouch()  # what no checkpoint vouched for is decoded in full
         except _LineTooLong:
             raise TraceError(self.path, lineno + 1, f"line longer than {MAX_LINE_BYTES:,} bytes") from None
         except EOFError:
             # a gzip stream cut short is the compressed form of a torn last line
             self.warnings.append(f"{self.path}:{lineno}: compressed stream ends early; rest ignored")
+            self._vouch()
         except READ_ERRORS as exc:
             raise TraceError(self.path, lineno + 1, f"cannot read: {read_error(exc)}") from None
         finally:
             blocks.close()
         self.complete = ended and self.unverified == 0 and self._checked_line > 1
-        if self.unverified and self.version >= CHAINED_SINCE:
+        if ended and self.unverified and self.version >= CHAINED_SINCE:  # (a cut trace says so)
             self.warnings.append(
                 f"{self.path}:{self._checked_line}: the {self.unverified:,} records after this line "
                 "have no checkpoint after them, so they are not verified (a writer that was not "
@@ -300,18 +321,21 @@ class TraceReader:
             )
 
     def _chain_block(
-        self, block: bytes, lines: list[bytes], first: int, numbers: Sequence[int], recs: list[Any]
+        self, block: bytes, lines: list[bytes], first: int, numbers: Sequence[int], recs: list[Any], torn: bool
     ) -> None:
         """Feed ``block`` (lines ``first``...) to the record chain, checking each checkpoint's
-        record digest against the bytes before its line."""
+        record digest against the bytes before its line; hold the lines to vouch for."""
         chain = self._chain
-        if b"checkpoint" not in block and b"\\u" not in block:  # (a tag may be \u-escaped)
+        whole = len(lines) - 1 if torn else len(lines)  # (a torn last line is no record)
+        if Checkpoint not in set(map(type, recs)):  # (most blocks: cheaper than a byte search)
             chain.update(block)
             self.unverified += len(recs)
+            self._hold(first, lines, 0, whole, len(block))
             return
         view = memoryview(block)
         done = 0
         last = -1
+        held_from = 0
         for k, rec in enumerate(recs):
             if type(rec) is not Checkpoint:
                 continue
@@ -320,15 +344,53 @@ class TraceReader:
             start = sum(map(len, lines[:i])) + i
             chain.update(view[done:start])
             done = start
-            self._check_checkpoint(line, rec)
+            self._hold(first, lines, held_from, i, start)
+            if not self._check_checkpoint(line, rec):
+                self._vouch()  # the chain cannot vouch for them: every line must decode in full
+            elif self._held is not None:
+                self._held.clear()
+                self._held_bytes = 0
+            held_from = i + 1  # (the checkpoint itself is decoded in full)
             last = k
         chain.update(view[done:])
+        self._hold(first, lines, held_from, whole, len(block) - done)
         self.unverified = len(recs) - last - 1 if last >= 0 else self.unverified + len(recs)
 
-    def _check_checkpoint(self, line: int, cp: Checkpoint) -> None:
+    def _hold(self, first: int, lines: list[bytes], start: int, stop: int, size: int) -> None:
+        """While skimming: keep ``lines[start:stop]`` (``size`` bytes) until a checkpoint
+        vouches for them, at most about MAX_LINE_BYTES of them."""
+        if self._held is None or start >= stop:
+            return
+        self._held.append((first + start, lines[start:stop]))
+        self._held_bytes += size
+        if self._held_bytes > MAX_LINE_BYTES:
+            self._vouch()
+
+    def _vouch(self) -> None:
+        """Decode the held lines in full: a bad command among them raises its TraceError."""
+        if not self._held:
+            return
+        decode = self._decoder.decode
+        for first, lines in self._held:
+            numbers: Sequence[int]
+            try:
+                recs = list(map(decode, lines))
+                numbers = range(first, first + len(lines))
+            except DECODE_ERRORS:
+                numbers, recs, _ = self._decode_lines(lines, first - 1, True)
+            if recs:
+                check_ranges(self.path, b"\n".join(lines), numbers, recs, self.config.world_size, self._scratch)
+        self._held.clear()
+        self._held_bytes = 0
+
+    def _check_checkpoint(self, line: int, cp: Checkpoint) -> bool:
+        """Does the checkpoint's record digest match the bytes before it (or has it none, in
+        a trace older than the record chain)?"""
+        ok = True
         if cp.records or self.version >= CHAINED_SINCE:
             expected = self._chain.value()
-            if cp.records != expected and self.mismatch is None:
+            ok = cp.records == expected
+            if not ok and self.mismatch is None:
                 recorded = cp.records or "none"
                 self.mismatch = (
                     line,
@@ -337,6 +399,7 @@ class TraceReader:
                     "(or the header) was altered, added or removed",
                 )
         self._checked_line = line
+        return ok
 
     def _decode_lines(
         self, lines: list[bytes], lineno: int, complete: bool

@@ -150,4 +150,4 @@ def test_writers_killed_with_sigkill_leave_readable_traces() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 writers killed" in result.stdout and ": 0 failed" in result.stdout
+    assert "4 writers killed" in result.stdout and ": 0 failed;" in result.stdout

@@ -1,8 +1,9 @@
 """Kill trace writers at random points and check what they leave (issue 11 item 3).
 
 Each round starts a child process that runs an engine-like workload (``bench_core``'s requests
-sharing prefixes, 5% failed copies) through an ``OffloadManager`` writing a trace with the
-default flush policy, plain or gzip, and SIGKILLs it after a random delay. Then the trace must:
+sharing prefixes, 5% failed copies) through an ``OffloadManager`` writing a trace, plain or gzip,
+with the default flush policy or a write after every command, and SIGKILLs it after a random
+delay. Then the trace must:
 
 * read to its last complete record, without an error (a cut line or stream is a warning);
 * hold exactly the first records of an uncut run of the same workload, byte for byte;
@@ -39,7 +40,7 @@ from kvflow.config import Config
 from kvflow.log import TraceWriter
 from kvflow.manager import OffloadManager
 config = Config(cpu_blocks=512, block_tokens=16)
-writer = TraceWriter(sys.argv[1], config, checkpoint_every=500)
+writer = TraceWriter(sys.argv[1], config, checkpoint_every=500, flush_records=int(sys.argv[4]))
 manager = OffloadManager(config, log=writer)
 print("started", flush=True)
 engine_like_run(manager, int(sys.argv[2]), seed=int(sys.argv[3]))
@@ -47,11 +48,11 @@ manager.close()
 """
 
 
-def run_child(path: str, requests: int, seed: int, kill_after: float | None) -> float:
+def run_child(path: str, requests: int, seed: int, flush: int, kill_after: float | None) -> float:
     """Run the writer; SIGKILL it ``kill_after`` seconds after it started writing. Returns how
     long it ran after starting to write."""
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD.format(tools=str(ROOT / "tools")), path, str(requests), str(seed)],
+        [sys.executable, "-c", CHILD.format(tools=str(ROOT / "tools")), path, str(requests), str(seed), str(flush)],
         stdout=subprocess.PIPE,
     )
     assert child.stdout is not None
@@ -131,26 +132,30 @@ def main() -> int:
         references: dict[tuple[int, str], tuple[list[bytes], float]] = {}
         for i in range(args.kills):
             suffix = ".jsonl.gz" if i % 2 else ".jsonl"
+            # the default policy (a write every 4,096 records), and a write after every command
+            # (what the vLLM connector does each step): kills then land inside writes more often
+            flush = 4096 if i % 4 < 2 else 1
             workload = rng.randrange(3)  # three workloads, each run once uncut as the reference
             if (workload, suffix) not in references:
                 full = os.path.join(tmp, f"full{workload}{suffix}")
-                took = run_child(full, args.requests, workload, None)
+                took = run_child(full, args.requests, workload, 4096, None)
                 references[(workload, suffix)] = (plain_bytes(full).splitlines(keepends=True), took)
             reference, took = references[(workload, suffix)]
             path = os.path.join(tmp, f"kill{i}{suffix}")
-            run_child(path, args.requests, workload, rng.uniform(0, took))
+            run_child(path, args.requests, workload, flush, rng.uniform(0, took))
             count, cut, problem = check(path, reference)
             recovered.append(count)
             cut_lines += cut
             header_only += count == 0 and problem is None
             if problem is not None:
                 failures += 1
-                print(f"FAIL kill {i} ({suffix}, workload {workload}): {problem}")
+                print(f"FAIL kill {i} ({suffix}, workload {workload}, flush every {flush}): {problem}")
                 print(f"  reproduce: python tools/crash_traces.py --kills {i + 1} --seed {args.seed} --requests {args.requests}")
             os.remove(path)
     kills = len(recovered)
     print(
-        f"{kills} writers killed (plain and gzip alternately): {failures} failed; records recovered "
+        f"{kills} writers killed (plain and gzip, a write every 4,096 records or every command): "
+        f"{failures} failed; records recovered "
         f"{sum(recovered):,} in all, {min(recovered):,} to {max(recovered):,} a trace; "
         f"{cut_lines} cut inside a line, {header_only} still only the header"
     )

@@ -1,8 +1,9 @@
 """Writing a trace as the engine runs (DESIGN §5).
 
 Deterministic: the same run gives the same bytes (no timestamps in the header; events carry only
-injected time). Records are encoded as they are recorded and kept in memory until a flush; each
-checkpoint records the digest of every byte before it (``RecordChain``).
+injected time). Records (frozen structs) are kept as they are recorded and encoded together at
+the next checkpoint or flush, in one call; each checkpoint records the digest of every byte
+before it (``RecordChain``).
 
 What a trace guarantees after a crash (the writer's process killed at any point): everything up
 to its last flush is on disk and reads back, plain or gzip (each flush ends a gzip sync point, so
@@ -60,7 +61,7 @@ class TraceWriter:
         else:
             raw = open(self.path, "wb")
         self._file = raw
-        self._pending: list[bytes] = []  # encoded lines not yet fed to the record chain
+        self._pending: list[Any] = []  # records not yet encoded (they are frozen structs)
         self._unwritten = 0  # records encoded and not yet handed to the file
         self._sealed: list[bytes] = []  # fed to the chain, not yet written
         self._since_checkpoint = 0
@@ -79,14 +80,13 @@ class TraceWriter:
         self._file.flush()  # on disk at once: a writer killed before its first flush leaves a readable trace
 
     def record_command(self, command: Command) -> None:
-        self._pending.append(self._encoder.encode(command) + b"\n")
+        self._pending.append(command)
         self._unwritten += 1
 
     def record_events(self, events: list[Event]) -> None:
-        if events:
-            self._pending.append(self._encode_lines(events))  # one C call for the batch
-            self._unwritten += len(events)
-            self._since_checkpoint += len(events)
+        self._pending.extend(events)
+        self._unwritten += len(events)
+        self._since_checkpoint += len(events)
 
     def after_command(self, state: Any) -> None:
         if self._since_checkpoint >= self.checkpoint_every:
@@ -95,9 +95,10 @@ class TraceWriter:
             self.flush()
 
     def _seal(self) -> None:
-        """Feed the pending lines to the record chain, in one piece."""
+        """Encode the pending records (one C call for all of them) and feed the lines to the
+        record chain."""
         if self._pending:
-            blob = b"".join(self._pending)
+            blob = self._encode_lines(self._pending)
             self._chain.update(blob)
             self._sealed.append(blob)
             self._pending.clear()

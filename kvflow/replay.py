@@ -242,9 +242,8 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None) -
                 for k in [k for k, rec in enumerate(recs) if type(rec) is Checkpoint]:
                     held.append((numbers[start : k + 1], recs[start : k + 1]))
                     vouched = reader.mismatch is None or reader.mismatch[0] > numbers[k]
-                    for part in held:
-                        if not _fold_chunk(reader, result, limit, *part, not vouched):
-                            return
+                    if not _fold_segment(reader, result, limit, held, vouched):
+                        return
                     held, count, start = [], 0, k + 1
             if start < len(recs):
                 held.append((numbers[start:], recs[start:]))
@@ -259,6 +258,25 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None) -
                 return
     if until is not None and result.state.last_seq >= until:
         result.stopped_at = result.state.last_seq
+
+
+def _fold_segment(
+    reader: TraceReader, result: ReplayResult, limit: float, held: list[tuple[Sequence[int], list[Any]]], vouched: bool
+) -> bool:
+    """Fold the records up to a checkpoint (its own included). A vouched segment is applied
+    unchecked from a copy of the state; should anything go wrong in it (a divergence at the
+    checkpoint, an event today's code cannot apply), it is folded again from that copy with
+    every event checked, so that the divergence reported is the one a checked fold finds."""
+    if vouched:
+        before = (result.state.copy(), result.events, result.commands, result.checkpoints)
+        try:
+            if all(_fold_chunk(reader, result, limit, *part, False) for part in held):
+                return True
+        except Exception:  # noqa: BLE001  (an event the unchecked path cannot apply)
+            pass
+        result.state, result.events, result.commands, result.checkpoints = before
+        result.divergence = result.stopped_at = None
+    return all(_fold_chunk(reader, result, limit, *part, True) for part in held)
 
 
 def _fold_chunk(

@@ -20,6 +20,7 @@ from click.testing import CliRunner, Result
 
 import kvflow.log as log
 import kvflow.trace.reader as trace_reader
+import kvflow.trace.source as trace_source
 import kvflow.workload as workload
 from kvflow.cli import main
 from kvflow.config import MAX_WORLD_SIZE, Config
@@ -405,13 +406,13 @@ def test_no_file_handle_stays_open_on_a_refused_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, header: bytes
 ) -> None:
     opened: list[Any] = []
-    real_open = trace_reader._open_bytes
+    real_open = trace_source.open_bytes
 
     def spy(path: str) -> Any:
         opened.append(real_open(path))
         return opened[-1]
 
-    monkeypatch.setattr(trace_reader, "_open_bytes", spy)
+    monkeypatch.setattr(trace_source, "open_bytes", spy)
     for suffix in (".jsonl", ".jsonl.gz"):
         path = tmp_path / f"refused{suffix}"
         path.write_bytes(gzip.compress(header) if suffix.endswith(".gz") else header)

@@ -205,3 +205,38 @@ def test_a_plain_fold_skims_commands_yet_refuses_a_bad_one_wherever_it_is(
     result = kvflow("replay", path)
     assert result.exit_code == 2, result.output
     assert f"{path}:{i + 1}: " in result.stderr and message in result.stderr, result.stderr
+
+
+def test_events_no_checkpoint_vouches_for_are_checked_one_by_one(tmp_path: Path) -> None:
+    """The fold applies vouched events as the live engine did; an altered trace is not vouched
+    for, so an event made illegal is named at its own line, before the checkpoint after it."""
+    path, edited = edit("clean.jsonl", tmp_path, "blocks_evicted", set_field("hashes", [12345]))
+    result = replay(path)
+    assert result.divergence is not None
+    assert (result.divergence.kind, result.divergence.line) == ("illegal", edited)
+
+
+def test_a_vouched_event_today_s_code_cannot_apply_is_an_illegal_divergence_not_a_crash(tmp_path: Path) -> None:
+    """A trace whose digests verify but whose event today's code refuses (a writer's bug, or
+    rules changed since it was recorded): the unchecked fold falls back to checking every event
+    of that stretch, and reports the event's own line."""
+    from kvflow.config import Config
+    from kvflow.events import BlocksEvicted, Evict
+
+    class Recorded:  # the state a buggy engine reported at the checkpoint
+        last_seq = 1
+
+        def digest(self) -> str:
+            return "0" * 32
+
+    path = tmp_path / "bug.jsonl"
+    writer = TraceWriter(path, Config(cpu_blocks=4, block_tokens=16))
+    writer.record_command(Evict(num_blocks=1))
+    writer.record_events([BlocksEvicted(seq=1, hashes=(12345,), slots=(0,), reason="capacity")])
+    writer.close(Recorded())
+    with TraceReader(path) as reader:
+        list(reader.records())
+    assert reader.mismatch is None  # the record digests verify
+    result = replay(path)
+    assert result.divergence is not None
+    assert (result.divergence.kind, result.divergence.line) == ("illegal", 3), result.divergence

@@ -13,7 +13,11 @@ delay. Then the trace must:
 Prints one line per failure (with the command that reproduces it) and a summary: kills, records
 recovered (total, least, most), traces cut inside a line, and how many were still just the header.
 
-Usage: python tools/crash_traces.py [--kills 120] [--seed 1] [--requests 4000]
+``--flush-cost`` measures instead what the flush policy costs the writing engine: the same
+run written with one write at the end, a write every 4,096 records (the default) and a write
+after every command, interleaved, and the fsync at ``close()``.
+
+Usage: python tools/crash_traces.py [--kills 120] [--seed 1] [--requests 4000] [--flush-cost]
 """
 
 from __future__ import annotations
@@ -72,14 +76,14 @@ def run_child(path: str, requests: int, seed: int, flush: int, kill_after: float
 
 def plain_bytes(path: str) -> bytes:
     """The trace's text as far as it can be decompressed (all of it for a plain file)."""
-    from kvflow.trace.reader import _gzip_data
+    from kvflow.trace.source import gzip_data
 
     with open(path, "rb") as raw:
         if not path.endswith(".gz"):
             return raw.read()
         out: list[bytes] = []
         try:
-            for data in _gzip_data(raw, 1 << 16):
+            for data in gzip_data(raw, 1 << 16):
                 out.append(data)
         except EOFError:
             pass  # cut short: what came before is all there is
@@ -119,12 +123,74 @@ def check(path: str, reference: list[bytes]) -> tuple[int, bool, str | None]:
     return count, cut, None
 
 
+def flush_cost(requests: int, repeat: int = 5) -> None:
+    """Print what writing costs under three flush policies, plain and gzip: the time spent
+    handing records to the file (``write_bytes``: the write calls, and the compression of a
+    gzip trace), per record; and the fsync at ``close()``."""
+    import statistics
+
+    from bench_core import engine_like_run
+
+    from kvflow.config import Config
+    from kvflow.log import TraceWriter
+    from kvflow.manager import OffloadManager
+
+    config = Config(cpu_blocks=512, block_tokens=16)
+    policies = {"one write at close": 1 << 62, "every 4,096 records": 4096, "every command": 1}
+    with tempfile.TemporaryDirectory(dir=ROOT) as tmp:  # on the repository's disk, not tmpfs
+        for suffix in (".jsonl", ".jsonl.gz"):
+            path = os.path.join(tmp, "t" + suffix)
+            spent: dict[str, list[float]] = {name: [] for name in policies}
+            writes: dict[str, int] = {}
+            syncs: list[float] = []
+            records = 0
+            for _ in range(repeat):
+                for name, every in policies.items():
+                    writer = TraceWriter(path, config, checkpoint_every=10_000, flush_records=every)
+                    clock = [0.0, 0]
+                    write = writer.write_bytes
+
+                    def timed(blob: bytes, write=write, clock=clock) -> None:  # type: ignore[no-untyped-def]
+                        t0 = time.perf_counter()
+                        write(blob)
+                        clock[0] += time.perf_counter() - t0
+                        clock[1] += 1
+
+                    writer.write_bytes = timed  # type: ignore[method-assign]
+                    manager = OffloadManager(config, log=writer)
+                    engine_like_run(manager, requests, seed=1)
+                    writer.checkpoint(manager.state)
+                    writer.flush()
+                    t1 = time.perf_counter()
+                    manager.close()  # nothing left to write: the fsync
+                    syncs.append(time.perf_counter() - t1)
+                    records = writer_records(path)
+                    spent[name].append(clock[0])
+                    writes[name] = int(clock[1])
+            print(f"{suffix}: {requests} requests, {records:,} records, medians of {repeat}:")
+            for name, values in spent.items():
+                per = statistics.median(values) * 1e6 / records
+                print(f"  {name:<22} {writes[name]:>6,} writes, {per:6.3f} µs per record writing")
+            print(f"  fsync at close         {statistics.median(syncs) * 1e3:6.2f} ms")
+
+
+def writer_records(path: str) -> int:
+    from kvflow.trace.reader import TraceReader
+
+    with TraceReader(path) as reader:
+        return sum(1 for _ in reader.records())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=120)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--flush-cost", action="store_true", help="measure the flush policy instead")
     args = parser.parse_args()
+    if args.flush_cost:
+        flush_cost(args.requests)
+        return 0
     rng = random.Random(args.seed)
     recovered: list[int] = []
     failures = cut_lines = header_only = 0

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import itertools
 import os
-import zlib
-from collections.abc import Generator, Iterator, Sequence
-from typing import IO, Any
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import msgspec
 
 from kvflow._version import __version__
 from kvflow.config import MAX_CPU_BLOCKS, config_from_dict
 from kvflow.errors import ConfigError, TraceError
+from kvflow.trace import source
 from kvflow.trace.format import (
     CHAINED_SINCE,
     MAX_LINE_BYTES,
@@ -42,65 +42,7 @@ from kvflow.trace.problems import (
 )
 from kvflow.trace.ranges import check_ranges
 
-
-def _open_bytes(path: str) -> IO[bytes]:
-    try:
-        return open(path, "rb")
-    except OSError as exc:
-        raise TraceError(path, None, f"cannot open: {exc.strerror or exc}") from None
-
-
-def _plain_data(file: IO[bytes], size: int) -> Generator[bytes, None, None]:
-    read = file.read
-    while data := read(size):
-        yield data
-
-
-def _gzip_data(file: IO[bytes], size: int) -> Generator[bytes, None, None]:
-    """The decompressed bytes of a gzip file of one or more members, as far as they are
-    intact: everything before a cut (a writer killed mid-write) is yielded, then EOFError is
-    raised; corrupt data raises zlib.error after everything before it. At most ``4 * size``
-    bytes come out of one step, however well the input compresses."""
-    out_limit = 4 * size
-    inflate = zlib.decompressobj(wbits=31)
-    in_member = False
-    while True:
-        raw = file.read(size)
-        if not raw:
-            if in_member:
-                raise EOFError("compressed stream ends early")
-            return
-        while raw:
-            if not in_member and not raw.strip(b"\x00"):
-                break  # zero padding after a member (gzip's own reader skips it too)
-            in_member = True
-            data = inflate.decompress(raw, out_limit)
-            while data:
-                yield data
-                data = inflate.decompress(inflate.unconsumed_tail, out_limit) if inflate.unconsumed_tail else b""
-            if inflate.eof:  # the member ended: what is left starts the next one
-                raw = inflate.unused_data
-                inflate = zlib.decompressobj(wbits=31)
-                in_member = False
-            else:
-                raw = b""
-
-
-def _last_blocks(carry: list[bytes]) -> Generator[tuple[bytes, bool], None, None]:
-    """What is left when the data ends: its whole lines, then an unfinished one."""
-    rest = b"".join(carry)
-    cut = rest.rfind(b"\n") + 1
-    if cut:
-        yield rest[:cut], True
-    if cut < len(rest):
-        yield rest[cut:], False
-
-
 _SKIM_DECODER = msgspec.json.Decoder(SkimUnion)
-
-
-class _LineTooLong(Exception):
-    """A line runs past MAX_LINE_BYTES (TraceReader names its line number)."""
 
 
 class TraceReader:
@@ -122,10 +64,10 @@ class TraceReader:
         self.complete = False
         self.unverified = 0
         self._checked_line = 1  # the last line the record chain vouches for (the header)
-        self._file = _open_bytes(self.path)
+        self._file = source.open_bytes(self.path)
         try:
             size = min(chunk_bytes, MAX_LINE_BYTES)  # so a line within one read is short enough
-            unzip = _gzip_data if self.path.endswith(".gz") else _plain_data
+            unzip = source.gzip_data if self.path.endswith(".gz") else source.plain_data
             self._data = unzip(self._file, size)
             first = self._read_header_line()
             self.header = self._parse_header(first)
@@ -221,51 +163,14 @@ class TraceReader:
             out.append(f"{self.path}:{self.mismatch[0]}: {self.mismatch[1]}")
         return out
 
-    def _blocks(self) -> Generator[tuple[bytes, bool], None, None]:
-        """The file after the header as ``(block, complete)``: blocks of whole lines, each
-        ending with a newline; the last one may be an unfinished line (``complete`` False). A
-        line longer than ``MAX_LINE_BYTES`` raises _LineTooLong. A read error (a corrupt or cut
-        gzip stream) is raised after the whole lines before it."""
-        carry: list[bytes] = []  # the start of a line that has not ended yet
-        carried = 0
-        data_in = itertools.chain((self._rest,), self._data) if self._rest else self._data
-        self._rest = b""
-        while True:
-            try:
-                data = next(data_in, b"")
-            except (EOFError, *READ_ERRORS):
-                yield from _last_blocks(carry)
-                raise
-            if not data:
-                yield from _last_blocks(carry)
-                return
-            cut = data.rfind(b"\n")
-            if cut < 0:
-                carry.append(data)
-                carried += len(data)
-                if carried > MAX_LINE_BYTES:
-                    raise _LineTooLong
-                continue
-            if carry:
-                if carried + data.find(b"\n") > MAX_LINE_BYTES:
-                    raise _LineTooLong
-                carry.append(data[: cut + 1])
-                block = b"".join(carry)
-            else:
-                block = data if cut == len(data) - 1 else data[: cut + 1]
-            rest = data[cut + 1 :]
-            carry = [rest] if rest else []
-            carried = len(rest)
-            yield block, True
-
     def record_chunks(self, skim_commands: bool = False) -> Iterator[tuple[Sequence[int], list[Any]]]:
         """The records in chunks ``(line_numbers, records)``: a chunk is decoded and
         range-checked in C-level passes, and only a chunk holding a bad, blank or torn line (or
         a value that may be out of range) is walked line by line to name it.
 
         ``skim_commands`` (what a plain fold asks for; version 3 on): commands come back as
-        field-less ``SKIMMED_COMMANDS``, their JSON checked but not built, which halves the
-        decoding of a typical trace. Their lines are held until a checkpoint's record digest
+        field-less ``SKIMMED_COMMANDS``, their JSON checked but not built, which cuts the
+        decoding of a typical trace by about a third. Their lines are held until a checkpoint's record digest
         vouches for their bytes (a kvflow writer wrote them, so they are valid); lines it cannot
         vouch for (before a checkpoint that does not verify, after the last one, or more than
         MAX_LINE_BYTES of them) are decoded in full before reading goes on, so a bad command
@@ -276,7 +181,9 @@ class TraceReader:
         upcast = UPCASTS.get(self.version)
         world = self.config.world_size
         lineno = 1  # the header
-        blocks = self._blocks()
+        data = itertools.chain((self._rest,), self._data) if self._rest else self._data
+        self._rest = b""
+        blocks = source.line_blocks(data, MAX_LINE_BYTES)
         ended = False
         try:
             for block, complete in blocks:
@@ -302,7 +209,7 @@ class TraceReader:
             else:
                 ended = True
             self._vouch()  # what no checkpoint vouched for is decoded in full
-        except _LineTooLong:
+        except source.LineTooLong:
             raise TraceError(self.path, lineno + 1, f"line longer than {MAX_LINE_BYTES:,} bytes") from None
         except EOFError:
             # a gzip stream cut short is the compressed form of a torn last line

@@ -74,7 +74,9 @@ ALTERATIONS = [
 ]
 
 
-@pytest.mark.parametrize(("name", "record_type", "change"), ALTERATIONS, ids=lambda x: getattr(x, "__qualname__", x))
+@pytest.mark.parametrize(
+    ("name", "record_type", "change"), ALTERATIONS, ids=[f"{n}:{t}:{i}" for i, (n, t, _) in enumerate(ALTERATIONS)]
+)
 def test_an_altered_field_or_header_is_a_divergence_naming_the_line(
     tmp_path: Path, name: str, record_type: str, change: Callable[[dict[str, Any]], None]
 ) -> None:

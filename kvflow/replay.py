@@ -128,7 +128,10 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, t
     the invariants. Should anything go wrong where events were applied unchecked (a divergence,
     an event today's code cannot apply, records after the last checkpoint), _CheckEverything
     says up to where the checkpoints vouched, and ``replay`` folds again from the start,
-    checking every event after that line: the result is the one a checked fold gives."""
+    checking every event after that line. What it reports then is what a checked fold reports;
+    the one thing only a checked fold (``--strict``) would see is an event the checks refuse
+    in a stretch whose checkpoint still matches the state the recording engine reached (the
+    recording engine applied it unchecked too)."""
     limit = until if until is not None else float("inf")
     if reader.version < CHAINED_SINCE:
         trusted = 0

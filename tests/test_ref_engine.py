@@ -7,6 +7,7 @@ pretrained one (when installed) for token-exact checks, else small random weight
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,27 @@ class LateLoads(TorchExecutor):
         super().__init__(*args, **kwargs)
         self._loads: set[int] = set()
         self._held: list[Any] = []
+        self._ready: list[Any] = []
 
     def submit(self, jobs: Any, compute_done: Any = None) -> None:
         self._loads.update(j.job_id for j in jobs if j.direction == "load")
         super().submit(jobs, compute_done)
+        # Wait here for this batch's results (the CPU device's copies end within
+        # milliseconds), so that what a poll returns never depends on how fast the
+        # completion thread ran: on a loaded machine a store reported a poll late timed out
+        # too, and its blocks were never offered to the next turn.
+        pending = {j.job_id for j in jobs}
+        give_up = time.monotonic() + 60.0
+        while pending and time.monotonic() < give_up:
+            for r in super().poll():
+                pending.discard(r.job_id)
+                self._ready.append(r)
+            if pending:
+                time.sleep(0.001)
 
     def poll(self) -> list[Any]:
-        fresh = super().poll()
+        fresh = self._ready + super().poll()
+        self._ready = []
         out = self._held + [r for r in fresh if r.job_id not in self._loads]
         self._held = [r for r in fresh if r.job_id in self._loads]
         return out

@@ -24,6 +24,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     ``cpu_blocks`` is the CPU tier's capacity in blocks; ``0`` disables offload.
     ``block_tokens`` is the number of tokens per KV block. ``job_deadline_ms`` bounds how
     long a submitted job may stay in flight before it times out (F2).
+
+    ``chain_recency`` (a logic flag): kvflow keeps each request's chain (the full-block
+    hashes its lookups and stores name, in prefix order) and applies the chain's recency
+    itself (F14, DESIGN §7 rules 2 and 4): ``accept_hits`` touches the hits it loads deepest
+    first, ``finish_request`` touches the chain's blocks on the tier deepest first with
+    ``reuse=False``. Off, recency comes only from the engine's ``touch`` calls (how traces
+    recorded before the flag existed were decided: their headers lack it and read as off).
     """
 
     cpu_blocks: int
@@ -32,6 +39,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     store_mode: str = "eager"
     world_size: int = 1
     job_deadline_ms: float = 30_000.0
+    chain_recency: bool = True
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -80,11 +88,20 @@ def validate_config(config: Config) -> None:
         or deadline <= 0
     ):
         raise ConfigError(f"job_deadline_ms must be a finite number > 0, got {deadline!r}")
+    if type(config.chain_recency) is not bool:
+        raise ConfigError(f"chain_recency must be true or false, got {config.chain_recency!r}")
+
+
+# Logic flags added after traces were first recorded, with the value that decided those
+# traces: a trace header without the flag reads as that value, so the trace re-decides exactly
+# as it was recorded.
+FLAGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"chain_recency": False}
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
-    """Build a Config from a trace header / user dict, with one-line errors."""
+    """Build a Config from a trace header, with one-line errors; a logic flag the header
+    lacks reads as the value that decided traces recorded before it existed."""
     try:
-        return msgspec.convert(data, Config)
+        return msgspec.convert({**FLAGS_BEFORE_THEY_EXISTED, **data}, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid config: {exc}") from None

@@ -16,6 +16,7 @@ from kvflow.events import (
     BlocksCorrupt,
     BlocksEvicted,
     BlocksTouched,
+    ChainExtended,
     DeviceBlocksEvicting,
     Evict,
     Invalidate,
@@ -25,7 +26,7 @@ from kvflow.events import (
     StoreRejected,
     Touch,
 )
-from kvflow.state import State
+from kvflow.state import Request, State
 
 
 def _fenced_slot_owners(state: State) -> list[int]:
@@ -62,6 +63,41 @@ def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> 
     if evictable <= 0:
         return []
     return state.policy.victims(evictable, blocked.__contains__) or []
+
+
+def extend_chain(state: State, request_id: str, req: Request | None, hashes: Sequence[int]) -> ChainExtended | None:
+    """With ``chain_recency``: the request's chain grows by those of ``hashes`` new to it
+    (each once, in their order), or None when it has them all already."""
+    if not state.config.chain_recency or not hashes:
+        return None
+    chain = req.chain if req is not None else None
+    if not chain:
+        new = tuple(dict.fromkeys(hashes)) if len(set(hashes)) != len(hashes) else tuple(hashes)
+    elif all(map(chain.__contains__, hashes)):
+        return None  # (the common case: a store of blocks its lookup named)
+    else:
+        new = tuple(h for h in dict.fromkeys(hashes) if h not in chain)
+    return ChainExtended(seq=state.next_seq, request_id=request_id, hashes=new)
+
+
+def chain_touch(state: State, req: Request) -> BlocksTouched | None:
+    """DESIGN §7 rule 4, at a request's finish: its chain's blocks on the tier, deepest
+    first, touched for order only (``reuse=False``), so that eviction takes a chain's tail
+    before its head (F14); blocks still being stored keep the touch until they land."""
+    if not state.config.chain_recency or not req.chain:
+        return None
+    touched = on_tier(state, tuple(reversed(req.chain)))
+    if not touched:
+        return None
+    return BlocksTouched(seq=state.next_seq, hashes=touched, reuse=False)
+
+
+def on_tier(state: State, hashes: tuple[int, ...]) -> tuple[int, ...]:
+    """Those of ``hashes`` that are on the tier (resident, or being stored), in order."""
+    slot_of = state.slot_of
+    if all(map(slot_of.__contains__, hashes)):
+        return hashes  # the common case: every block is on the tier
+    return tuple(filter(slot_of.__contains__, hashes))
 
 
 # hashes admitted, their device blocks, victims, and the blocks rejected (hashes, device blocks)
@@ -106,6 +142,11 @@ def _decide_store(
         return None
     if req is not None and req.finished:
         yield RequestResumed(seq=state.next_seq, request_id=req.request_id)  # F18
+    if request_id is not None:
+        extension = extend_chain(state, request_id, req, block_hashes)
+        if extension is not None:
+            yield extension
+            req = state.requests[request_id]  # (known from now on)
     entries = state.slot_of
     admit_hashes, admit_blocks, victims, rejected_hashes, rejected_blocks = _admission(
         state, block_hashes, device_blocks
@@ -150,10 +191,13 @@ def decide_blocks_computed(state: State, cmd: BlocksComputed) -> Decision:
         check_not_finished(req, cmd.request_id, "blocks_computed: request")  # type: ignore[arg-type]
         check_device_blocks(state, cmd.device_blocks, dict(zip(cmd.device_blocks, cmd.block_hashes)))
         if cmd.request_id is not None and state.config.enabled:
-            if req is None:
-                yield RequestOpened(seq=state.next_seq, request_id=cmd.request_id)
-            elif req.finished:
+            if req is not None and req.finished:
                 yield RequestResumed(seq=state.next_seq, request_id=cmd.request_id)
+            extension = extend_chain(state, cmd.request_id, req, cmd.block_hashes)
+            if extension is not None:
+                yield extension
+            elif req is None:
+                yield RequestOpened(seq=state.next_seq, request_id=cmd.request_id)
         return None
     return (yield from _decide_store(state, cmd.request_id, cmd.block_hashes, cmd.device_blocks))
 
@@ -168,12 +212,8 @@ def decide_touch(state: State, cmd: Touch) -> Decision:
     """Recency for the blocks on the tier, in the given order. A block still being stored
     keeps the touch until it lands (F14: a touch is never lost to completion order)."""
     slot_of, pending, hashes = state.slot_of, state.pending, cmd.block_hashes
-    if all(map(slot_of.__contains__, hashes)) and (
-        cmd.keep_pending or not pending or pending.keys().isdisjoint(hashes)
-    ):
-        touched = hashes  # the common case: every block is on the tier
-    elif cmd.keep_pending:
-        touched = tuple(filter(slot_of.__contains__, hashes))
+    if cmd.keep_pending or not pending or pending.keys().isdisjoint(hashes):
+        touched = on_tier(state, hashes)
     else:  # (a version-1 trace's touch: blocks still being stored were skipped)
         touched = tuple(filterfalse(pending.__contains__, filter(slot_of.__contains__, hashes)))
     if touched:

@@ -223,6 +223,17 @@ class RequestOpened(_Event, frozen=True, tag="request_opened"):
     request_id: str
 
 
+class ChainExtended(_Event, frozen=True, tag="chain_extended"):
+    """The request's chain (its full blocks' hashes, in prefix order) grew by these hashes,
+    each new to it, named by a lookup or a store (``Config.chain_recency``). The request's
+    own recency follows its chain: when it finishes, the chain's blocks on the tier are
+    touched deepest first (F14, DESIGN §7 rule 4). A request first heard of here is known
+    from now on (F18)."""
+
+    request_id: str
+    hashes: Hashes
+
+
 class RequestResumed(_Event, frozen=True, tag="request_resumed"):
     """A request preempted while its jobs were in flight came back under the same id (F18):
     it is live again; the jobs of its earlier run finish on their own (the engine tells them
@@ -275,6 +286,7 @@ Event = Union[
     RequestResumed,
     RequestClosed,
     Reset,
+    ChainExtended,
 ]
 
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]

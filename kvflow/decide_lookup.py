@@ -4,6 +4,7 @@ the load of the hits the engine accepts. Pure."""
 from __future__ import annotations
 
 import operator
+from itertools import compress, count
 
 from kvflow.decide_checks import Decision, check_device_blocks, check_not_finished, whole
 from kvflow.decide_store import extend_chain
@@ -45,11 +46,13 @@ def decide_lookup(state: State, cmd: Lookup) -> Decision:
     if extension is not None:
         yield extension
     window = cmd.block_hashes[cmd.device_hit_blocks : cap]
-    # only RESIDENT entries are visible: on the tier and not pending (scanned at C level)
-    visible = list(map(state.slot_of.__contains__, window))
+    # only RESIDENT entries are visible: on the tier and not pending. The scan is lazy and at
+    # C level: it stops at the first block that is not visible (the position of the first
+    # true "missing"), so a miss costs one probe however long the prompt
+    missing = map(operator.not_, map(state.slot_of.__contains__, window))
     if state.pending:
-        visible = list(map(operator.gt, visible, map(state.pending.__contains__, window)))
-    n = visible.index(False) if False in visible else len(window)
+        missing = map(operator.or_, missing, map(state.pending.__contains__, window))
+    n = next(compress(count(), missing), len(window))
     yield PinsAcquired(seq=state.next_seq, request_id=cmd.request_id, hashes=window[:n], num_tokens=cmd.num_tokens)
     return n
 

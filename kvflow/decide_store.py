@@ -66,18 +66,13 @@ def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> 
 
 
 def extend_chain(state: State, request_id: str, req: Request | None, hashes: Sequence[int]) -> ChainExtended | None:
-    """With ``chain_recency``: the request's chain grows by those of ``hashes`` new to it
-    (each once, in their order), or None when it has them all already."""
+    """With ``chain_recency``: the request's chain grows by those of ``hashes`` new to it,
+    or None when it has them all already (a store of blocks its lookup named)."""
     if not state.config.chain_recency or not hashes:
         return None
-    chain = req.chain if req is not None else None
-    if not chain:
-        new = tuple(dict.fromkeys(hashes)) if len(set(hashes)) != len(hashes) else tuple(hashes)
-    elif all(map(chain.__contains__, hashes)):
-        return None  # (the common case: a store of blocks its lookup named)
-    else:
-        new = tuple(h for h in dict.fromkeys(hashes) if h not in chain)
-    return ChainExtended(seq=state.next_seq, request_id=request_id, hashes=new)
+    if req is not None and req.chain and all(map(req.chain.__contains__, hashes)):
+        return None
+    return ChainExtended(seq=state.next_seq, request_id=request_id, hashes=tuple(hashes))
 
 
 def chain_touch(state: State, req: Request) -> BlocksTouched | None:
@@ -109,9 +104,12 @@ def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequenc
     flight; F3), each hash once, in prefix order, takes a free slot, else evicts the policy's
     next victim, never a block of this store's own chain (F16); when nothing else can be
     evicted, it and every later block are rejected."""
-    absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
-    new_hashes = list(compress(block_hashes, absent))
-    new_blocks = list(compress(device_blocks, absent))
+    if state.slot_of.keys().isdisjoint(block_hashes):  # (the common case: none is there yet)
+        new_hashes, new_blocks = list(block_hashes), list(device_blocks)
+    else:
+        absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
+        new_hashes = list(compress(block_hashes, absent))
+        new_blocks = list(compress(device_blocks, absent))
     if len(set(new_hashes)) != len(new_hashes):  # a hash named twice is stored once
         firsts: dict[int, int] = {}
         for h, d in zip(new_hashes, new_blocks):

@@ -224,8 +224,9 @@ class RequestOpened(_Event, frozen=True, tag="request_opened"):
 
 
 class ChainExtended(_Event, frozen=True, tag="chain_extended"):
-    """The request's chain (its full blocks' hashes, in prefix order) grew by these hashes,
-    each new to it, named by a lookup or a store (``Config.chain_recency``). The request's
+    """The request's chain (its full blocks' hashes, in prefix order) grows by those of these
+    hashes, named by a lookup or a store, that are new to it (``Config.chain_recency``;
+    at least one is). The request's
     own recency follows its chain: when it finishes, the chain's blocks on the tier are
     touched deepest first (F14, DESIGN §7 rule 4). A request first heard of here is known
     from now on (F18)."""

@@ -146,10 +146,10 @@ def _chain_extended(state: State, event: ChainExtended, check: bool) -> None:
     elif req.finished:
         raise lg.illegal(state, event, "FINISHED", f"request {event.request_id}")
     chain = req.chain
-    if check and (not event.hashes or len(set(event.hashes)) != len(event.hashes) or not chain.keys().isdisjoint(event.hashes)):
-        raise lg.illegal(state, event, "CHAIN", f"request {event.request_id}: each hash must be new to its chain")
+    if check and chain.keys() >= set(event.hashes):
+        raise lg.illegal(state, event, "CHAIN", f"request {event.request_id}: names no hash new to its chain")
     if chain:
-        chain.update(dict.fromkeys(event.hashes))
+        chain.update(dict.fromkeys(event.hashes))  # (the new ones go to its end, in order)
     else:
         req.chain = dict.fromkeys(event.hashes)
 

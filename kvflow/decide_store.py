@@ -274,12 +274,32 @@ def _evict_unpinned_bad(state: State) -> Decision:
             yield eviction
 
 
+def _decide_then_evict(decider: Callable[[State, Any], Decision], state: State, cmd: Any) -> Decision:
+    answer = yield from decider(state, cmd)
+    if state.bad:
+        yield from _evict_unpinned_bad(state)
+    return answer
+
+
+def names_corrupt_blocks(cmd: Any) -> bool:
+    """Whether an executor outcome reports bad host copies (the only way blocks become
+    remembered bad, F17); every other command's answer is False."""
+    corrupt = getattr(cmd, "corrupt", None)
+    if corrupt is not None:
+        return bool(corrupt)
+    results = getattr(cmd, "results", None)
+    return results is not None and any(r.corrupt for r in results)
+
+
 def then_evict_bad(decider: Callable[[State, Any], Decision]) -> Callable[[State, Any], Decision]:
+    """``decider``, followed by the eviction of remembered bad blocks it unpinned (F17).
+    With no bad block remembered and none reported by the command, there is nothing to
+    follow up: the decider runs alone (the hot path pays no extra generator per event)."""
+
     def decide_then_evict(state: State, cmd: Any) -> Decision:
-        answer = yield from decider(state, cmd)
-        if state.bad:
-            yield from _evict_unpinned_bad(state)
-        return answer
+        if not state.bad and not names_corrupt_blocks(cmd):
+            return decider(state, cmd)
+        return _decide_then_evict(decider, state, cmd)
 
     decide_then_evict.__name__ = decider.__name__
     return decide_then_evict

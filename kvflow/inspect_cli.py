@@ -198,7 +198,7 @@ def _refuse_unknown(trace: str, result: Any) -> None:
     selector = result.selector
     if selector.slot is None:
         fail(f"{selector} never appears in {result.path} (last seq {result.last_seq})")
-    from kvflow.log import TraceReader
+    from kvflow.trace.reader import TraceReader
 
     with user_errors():
         reader = TraceReader(trace)

@@ -23,8 +23,8 @@ from kvflow.events import (
     LateResultIgnored,
 )
 from kvflow.inspect.walk import JobInfo, _Walk
-from kvflow.log import Checkpoint
 from kvflow.state import State
+from kvflow.trace.format import Checkpoint
 
 TERMINAL_FAILURES = (JobFailed, JobTimedOut)
 

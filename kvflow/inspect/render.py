@@ -42,7 +42,7 @@ from kvflow.events import (
     Touch,
     event_name,
 )
-from kvflow.log import Checkpoint
+from kvflow.trace.format import Checkpoint
 
 if TYPE_CHECKING:
     from kvflow.inspect.incidents import Incident

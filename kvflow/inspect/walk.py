@@ -27,8 +27,8 @@ from kvflow.events import (
     StoreQueued,
     Tick,
 )
-from kvflow.log import TraceReader
 from kvflow.state import State, evolve
+from kvflow.trace.reader import TraceReader
 
 
 @dataclass
@@ -72,7 +72,7 @@ class _Walk:
     def records(self) -> Iterator[tuple[int, Any]]:
         with self.reader:
             yield from self.reader.records()
-        self.warnings.extend(self.reader.warnings)
+        self.warnings.extend(self.reader.findings())  # a torn line, a record digest that differs
         if self.fold_error is not None:
             self.warnings.append(
                 f"{self.fold_error}; state-based details after it are not verified "

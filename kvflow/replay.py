@@ -48,8 +48,18 @@ def replay(
             if strict or on_event is not None:
                 _fold(reader, result, until, strict, on_event)
             else:
-                _fold_chunks(reader, result, until)
+                trusted = float("inf")
+                while True:
+                    try:
+                        _fold_chunks(reader, result, until, trusted)
+                        break
+                    except _CheckEverything as again:  # again, checking more (at last, all)
+                        trusted = again.trusted if again.trusted < trusted else 0
+                    reader.close()
+                    reader = TraceReader(path)
+                    result = ReplayResult(path=str(path), state=State(reader.config))
         result.warnings.extend(reader.warnings)
+        reader.close()  # (the one a second fold opened; closing twice is harmless)
     if result.divergence is None and result.stopped_at is None:
         problems = check_invariants(result.state)
         if problems:
@@ -97,70 +107,51 @@ def _fold(
 _EVENT_TYPE_SET = frozenset(EVENT_TYPES)
 
 
-_HOLD_RECORDS = 1 << 17  # records a fold holds back at most, waiting for their checkpoint
+class _CheckEverything(Exception):
+    """Something went wrong where events were applied unchecked: fold again, checking every
+    event after ``trusted`` (the last line a checkpoint vouched for)."""
+
+    def __init__(self, trusted: int) -> None:
+        super().__init__(trusted)
+        self.trusted = trusted
 
 
-def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None) -> None:
+def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, trusted: float) -> None:
     """``_fold`` without strict checks or observers, chunk by chunk: the loop over a decoded
     chunk touches each record once, and line numbers are looked up only when needed.
 
-    In a chained trace (version 3 on) the records before a checkpoint are held until it is
-    read. Where its record digest vouches for them (their bytes are what the live engine
-    wrote), their events are applied as the live engine applied them, without the per-block
-    legality checks (``evolve(..., check=False)``: the engine's own decisions from this very
-    state), and the checkpoint then compares state digest, record digest and invariants.
-    Everywhere else (older versions, a trace that does not verify, records after the last
-    checkpoint, more than _HOLD_RECORDS of them) every event is checked as it is applied."""
+    Events on lines up to ``trusted`` are applied as the live engine applied them, without
+    the per-block legality checks (``evolve(..., check=False)``: the engine's own decisions
+    from this very state); every later event is checked. ``replay`` first trusts the whole of
+    a chained trace (version 3 on) and lets the checkpoints judge: each compares the state
+    digest, the digest of the bytes before it (so the events are what the engine wrote) and
+    the invariants. Should anything go wrong where events were applied unchecked (a divergence,
+    an event today's code cannot apply, records after the last checkpoint), _CheckEverything
+    says up to where the checkpoints vouched, and ``replay`` folds again from the start,
+    checking every event after that line. What it reports then is what a checked fold reports;
+    the one thing only a checked fold (``--strict``) would see is an event the checks refuse
+    in a stretch whose checkpoint still matches the state the recording engine reached (the
+    recording engine applied it unchecked too)."""
     limit = until if until is not None else float("inf")
-    chunks = reader.record_chunks(skim_commands=True)
     if reader.version < CHAINED_SINCE:
-        for numbers, recs in chunks:
+        trusted = 0
+    for numbers, recs in reader.record_chunks(skim_commands=True):
+        if not recs or numbers[-1] > trusted:
             if not _fold_chunk(reader, result, limit, numbers, recs, True):
                 return
-    else:
-        held: list[tuple[Sequence[int], list[Any]]] = []
-        count = 0
-        for numbers, recs in chunks:
-            start = 0
-            if Checkpoint in set(map(type, recs)):
-                for k in [k for k, rec in enumerate(recs) if type(rec) is Checkpoint]:
-                    held.append((numbers[start : k + 1], recs[start : k + 1]))
-                    vouched = reader.mismatch is None or reader.mismatch[0] > numbers[k]
-                    if not _fold_segment(reader, result, limit, held, vouched):
-                        return
-                    held, count, start = [], 0, k + 1
-            if start < len(recs):
-                held.append((numbers[start:], recs[start:]))
-                count += len(recs) - start
-            if count > _HOLD_RECORDS:
-                for part in held:
-                    if not _fold_chunk(reader, result, limit, *part, True):
-                        return
-                held, count = [], 0
-        for part in held:  # after the last checkpoint: nothing vouches for them
-            if not _fold_chunk(reader, result, limit, *part, True):
-                return
+            continue
+        try:
+            folded = _fold_chunk(reader, result, limit, numbers, recs, False)
+        except Exception:  # noqa: BLE001  (an event the unchecked path cannot apply)
+            raise _CheckEverything(result.checked_through) from None
+        if not folded:
+            if result.divergence is not None:
+                raise _CheckEverything(result.checked_through)
+            return  # --until
+    if reader.unverified and trusted > result.checked_through:
+        raise _CheckEverything(result.checked_through)  # the records no checkpoint vouched for
     if until is not None and result.state.last_seq >= until:
         result.stopped_at = result.state.last_seq
-
-
-def _fold_segment(
-    reader: TraceReader, result: ReplayResult, limit: float, held: list[tuple[Sequence[int], list[Any]]], vouched: bool
-) -> bool:
-    """Fold the records up to a checkpoint (its own included). A vouched segment is applied
-    unchecked from a copy of the state; should anything go wrong in it (a divergence at the
-    checkpoint, an event today's code cannot apply), it is folded again from that copy with
-    every event checked, so that the divergence reported is the one a checked fold finds."""
-    if vouched:
-        before = (result.state.copy(), result.events, result.commands, result.checkpoints)
-        try:
-            if all(_fold_chunk(reader, result, limit, *part, False) for part in held):
-                return True
-        except Exception:  # noqa: BLE001  (an event the unchecked path cannot apply)
-            pass
-        result.state, result.events, result.commands, result.checkpoints = before
-        result.divergence = result.stopped_at = None
-    return all(_fold_chunk(reader, result, limit, *part, True) for part in held)
 
 
 def _fold_chunk(

@@ -61,6 +61,7 @@ class ReplayResult:
     stopped_at: int | None = None
     divergence: Divergence | None = None
     warnings: list[str] = field(default_factory=list)
+    checked_through: int = 0  # the line of the last checkpoint whose checks all passed
 
     @property
     def ok(self) -> bool:
@@ -113,6 +114,7 @@ def check_point(result: ReplayResult, line: int, cp: Checkpoint, reader: TraceRe
         result.divergence = Divergence("invariant", cp.seq, line, "; ".join(problems[:3]))
         return False
     result.checkpoints += 1
+    result.checked_through = line
     return True
 
 

@@ -121,7 +121,7 @@ def test_redecide_of_a_trace_cut_inside_a_command_stops_at_the_command_before(tm
     result = replay(cut, redecide=True)
     assert result.ok, result.divergence
     assert any("ends inside this command" in w and f":{i + 1}:" in w for w in result.warnings), result.warnings
-    # the same events in a trace that says it is complete: a real divergence, not a cut
+    # the whole trace (it ends on its closing checkpoint) re-decides clean, without a warning
     whole = replay(TRACES / "clean.jsonl", redecide=True)
     assert whole.ok and not whole.warnings
 

@@ -74,7 +74,9 @@ ALTERATIONS = [
 ]
 
 
-@pytest.mark.parametrize(("name", "record_type", "change"), ALTERATIONS, ids=lambda x: getattr(x, "__qualname__", x))
+@pytest.mark.parametrize(
+    ("name", "record_type", "change"), ALTERATIONS, ids=[f"{n}:{t}:{i}" for i, (n, t, _) in enumerate(ALTERATIONS)]
+)
 def test_an_altered_field_or_header_is_a_divergence_naming_the_line(
     tmp_path: Path, name: str, record_type: str, change: Callable[[dict[str, Any]], None]
 ) -> None:
@@ -241,3 +243,20 @@ def test_a_vouched_event_today_s_code_cannot_apply_is_an_illegal_divergence_not_
     result = replay(path)
     assert result.divergence is not None
     assert (result.divergence.kind, result.divergence.line) == ("illegal", 3), result.divergence
+
+
+def test_events_after_the_last_checkpoint_are_checked_one_by_one(tmp_path: Path) -> None:
+    """No checkpoint vouches for the tail of an unclosed trace: its events are checked."""
+    lines = (TRACES / "clean.jsonl").read_text().splitlines(keepends=True)
+    assert '"checkpoint"' in lines[-1]
+    lines.pop()
+    last = max(i for i, text in enumerate(lines) if text.startswith('{"type":"blocks_evicted"'))
+    assert all('"checkpoint"' not in text for text in lines[last:])  # it is in the tail
+    record = json.loads(lines[last])
+    record["hashes"] = [12345]
+    lines[last] = json.dumps(record, separators=(",", ":")) + "\n"
+    path = tmp_path / "tail.jsonl"
+    path.write_text("".join(lines))
+    result = replay(path)
+    assert result.divergence is not None
+    assert (result.divergence.kind, result.divergence.line) == ("illegal", last + 1)

@@ -33,6 +33,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     ``remote_blocks`` turns on the remote tier behind the CPU tier (``kvflow.tiers``): the
     most remote hashes kvflow remembers (oldest forgotten first); ``0``: no remote tier.
     ``remote_store_mode`` says when blocks are copied there.
+    ``chain_recency`` (a logic flag): kvflow keeps each request's chain (the full-block
+    hashes its lookups and stores name, in prefix order) and applies the chain's recency
+    itself (F14, DESIGN §7 rules 2 and 4): ``accept_hits`` touches the hits it loads deepest
+    first, ``finish_request`` touches the chain's blocks on the tier deepest first with
+    ``reuse=False``. Off, recency comes only from the engine's ``touch`` calls (how traces
+    recorded before the flag existed were decided: their headers lack it and read as off).
     """
 
     cpu_blocks: int
@@ -43,6 +49,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     job_deadline_ms: float = 30_000.0
     remote_blocks: int = 0
     remote_store_mode: str = "write_through"
+    chain_recency: bool = True
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -108,11 +115,20 @@ def validate_config(config: Config) -> None:
             f"remote_store_mode must be one of {', '.join(REMOTE_STORE_MODES)}, "
             f"got {config.remote_store_mode!r}"
         )
+    if type(config.chain_recency) is not bool:
+        raise ConfigError(f"chain_recency must be true or false, got {config.chain_recency!r}")
+
+
+# Logic flags added after traces were first recorded, with the value that decided those
+# traces: a trace header without the flag reads as that value, so the trace re-decides exactly
+# as it was recorded.
+FLAGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"chain_recency": False}
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
-    """Build a Config from a trace header / user dict, with one-line errors."""
+    """Build a Config from a trace header, with one-line errors; a logic flag the header
+    lacks reads as the value that decided traces recorded before it existed."""
     try:
-        return msgspec.convert(data, Config)
+        return msgspec.convert({**FLAGS_BEFORE_THEY_EXISTED, **data}, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid config: {exc}") from None

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvflow.decide_checks import Decision, whole
 from kvflow.decide_remote import push_ahead_of_eviction, write_through
-from kvflow.decide_store import drop_corrupt
+from kvflow.decide_store import chain_touch, drop_corrupt
 from kvflow.errors import Rejected, UnknownJob
 from kvflow.events import (
     LOAD,
@@ -197,6 +197,10 @@ def decide_finish(state: State, cmd: FinishRequest) -> Decision:
         return False
     if req.finished:
         raise Rejected(f"finish: request {cmd.request_id!r} is already finished")
+    if not cmd.preempted:  # (a preempted request is not over: it may come back, F18)
+        touch = chain_touch(state, req)
+        if touch is not None:
+            yield touch
     if req.offered:
         yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
     yield RequestFinished(seq=state.next_seq, request_id=cmd.request_id, preempted=cmd.preempted)

@@ -4,12 +4,15 @@ the load of the hits the engine accepts. Pure."""
 from __future__ import annotations
 
 import operator
+from itertools import compress, count
 
 from kvflow.decide_checks import Decision, check_device_blocks, check_not_finished, whole
 from kvflow.decide_remote import remote_loads
+from kvflow.decide_store import extend_chain
 from kvflow.errors import Rejected, UnknownRequest
 from kvflow.events import (
     AcceptHits,
+    BlocksTouched,
     LoadQueued,
     Lookup,
     PinsAcquired,
@@ -40,12 +43,17 @@ def decide_lookup(state: State, cmd: Lookup) -> Decision:
         # A repeated lookup (the scheduler could not place the request last step) replaces the
         # hits it offered before, so pins never pile up.
         yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
+    extension = extend_chain(state, cmd.request_id, req, cmd.block_hashes)
+    if extension is not None:
+        yield extension
     window = cmd.block_hashes[cmd.device_hit_blocks : cap]
-    # only RESIDENT entries are visible: on the tier and not pending (scanned at C level)
-    visible = list(map(state.slot_of.__contains__, window))
+    # only RESIDENT entries are visible: on the tier and not pending. The scan is lazy and at
+    # C level: it stops at the first block that is not visible (the position of the first
+    # true "missing"), so a miss costs one probe however long the prompt
+    missing = map(operator.not_, map(state.slot_of.__contains__, window))
     if state.pending:
-        visible = list(map(operator.gt, visible, map(state.pending.__contains__, window)))
-    n = visible.index(False) if False in visible else len(window)
+        missing = map(operator.or_, missing, map(state.pending.__contains__, window))
+    n = next(compress(count(), missing), len(window))
     yield PinsAcquired(seq=state.next_seq, request_id=cmd.request_id, hashes=window[:n], num_tokens=cmd.num_tokens)
     if n < len(window) and state.remote:
         # what the remote tier holds beyond the hits comes to the CPU tier (a later lookup hits)
@@ -82,4 +90,8 @@ def decide_accept_hits(state: State, cmd: AcceptHits) -> Decision:
         )
     if req.offered:
         yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
+    if n and state.config.chain_recency:
+        # DESIGN §7 rule 2: the hits it loads are used again now, deepest first, so that
+        # the request's own stores never evict the prefix they extend
+        yield BlocksTouched(seq=state.next_seq, hashes=hashes[::-1], reuse=True)
     return job_id

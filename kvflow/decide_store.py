@@ -17,6 +17,7 @@ from kvflow.events import (
     BlocksCorrupt,
     BlocksEvicted,
     BlocksTouched,
+    ChainExtended,
     DeviceBlocksEvicting,
     Evict,
     Invalidate,
@@ -26,7 +27,7 @@ from kvflow.events import (
     StoreRejected,
     Touch,
 )
-from kvflow.state import State
+from kvflow.state import Request, State
 
 
 def _fenced_slot_owners(state: State) -> list[int]:
@@ -66,6 +67,36 @@ def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> 
     return state.policy.victims(evictable, blocked.__contains__) or []
 
 
+def extend_chain(state: State, request_id: str, req: Request | None, hashes: Sequence[int]) -> ChainExtended | None:
+    """With ``chain_recency``: the request's chain grows by those of ``hashes`` new to it,
+    or None when it has them all already (a store of blocks its lookup named)."""
+    if not state.config.chain_recency or not hashes:
+        return None
+    if req is not None and req.chain and all(map(req.chain.__contains__, hashes)):
+        return None
+    return ChainExtended(seq=state.next_seq, request_id=request_id, hashes=tuple(hashes))
+
+
+def chain_touch(state: State, req: Request) -> BlocksTouched | None:
+    """DESIGN §7 rule 4, at a request's finish: its chain's blocks on the tier, deepest
+    first, touched for order only (``reuse=False``), so that eviction takes a chain's tail
+    before its head (F14); blocks still being stored keep the touch until they land."""
+    if not state.config.chain_recency or not req.chain:
+        return None
+    touched = on_tier(state, tuple(reversed(req.chain)))
+    if not touched:
+        return None
+    return BlocksTouched(seq=state.next_seq, hashes=touched, reuse=False)
+
+
+def on_tier(state: State, hashes: tuple[int, ...]) -> tuple[int, ...]:
+    """Those of ``hashes`` that are on the tier (resident, or being stored), in order."""
+    slot_of = state.slot_of
+    if all(map(slot_of.__contains__, hashes)):
+        return hashes  # the common case: every block is on the tier
+    return tuple(filter(slot_of.__contains__, hashes))
+
+
 # hashes admitted, their device blocks, victims, and the blocks rejected (hashes, device blocks)
 Admission = tuple[list[int], list[int], list[int], list[int], list[int]]
 
@@ -75,9 +106,12 @@ def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequenc
     flight; F3), each hash once, in prefix order, takes a free slot, else evicts the policy's
     next victim, never a block of this store's own chain (F16); when nothing else can be
     evicted, it and every later block are rejected."""
-    absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
-    new_hashes = list(compress(block_hashes, absent))
-    new_blocks = list(compress(device_blocks, absent))
+    if state.slot_of.keys().isdisjoint(block_hashes):  # (the common case: none is there yet)
+        new_hashes, new_blocks = list(block_hashes), list(device_blocks)
+    else:
+        absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
+        new_hashes = list(compress(block_hashes, absent))
+        new_blocks = list(compress(device_blocks, absent))
     if len(set(new_hashes)) != len(new_hashes):  # a hash named twice is stored once
         firsts: dict[int, int] = {}
         for h, d in zip(new_hashes, new_blocks):
@@ -108,6 +142,11 @@ def _decide_store(
         return None
     if req is not None and req.finished:
         yield RequestResumed(seq=state.next_seq, request_id=req.request_id)  # F18
+    if request_id is not None:
+        extension = extend_chain(state, request_id, req, block_hashes)
+        if extension is not None:
+            yield extension
+            req = state.requests[request_id]  # (known from now on)
     entries = state.slot_of
     admit_hashes, admit_blocks, victims, rejected_hashes, rejected_blocks = _admission(
         state, block_hashes, device_blocks
@@ -152,10 +191,13 @@ def decide_blocks_computed(state: State, cmd: BlocksComputed) -> Decision:
         check_not_finished(req, cmd.request_id, "blocks_computed: request")  # type: ignore[arg-type]
         check_device_blocks(state, cmd.device_blocks, dict(zip(cmd.device_blocks, cmd.block_hashes)))
         if cmd.request_id is not None and state.config.enabled:
-            if req is None:
-                yield RequestOpened(seq=state.next_seq, request_id=cmd.request_id)
-            elif req.finished:
+            if req is not None and req.finished:
                 yield RequestResumed(seq=state.next_seq, request_id=cmd.request_id)
+            extension = extend_chain(state, cmd.request_id, req, cmd.block_hashes)
+            if extension is not None:
+                yield extension
+            elif req is None:
+                yield RequestOpened(seq=state.next_seq, request_id=cmd.request_id)
         return None
     return (yield from _decide_store(state, cmd.request_id, cmd.block_hashes, cmd.device_blocks))
 
@@ -170,12 +212,8 @@ def decide_touch(state: State, cmd: Touch) -> Decision:
     """Recency for the blocks on the tier, in the given order. A block still being stored
     keeps the touch until it lands (F14: a touch is never lost to completion order)."""
     slot_of, pending, hashes = state.slot_of, state.pending, cmd.block_hashes
-    if all(map(slot_of.__contains__, hashes)) and (
-        cmd.keep_pending or not pending or pending.keys().isdisjoint(hashes)
-    ):
-        touched = hashes  # the common case: every block is on the tier
-    elif cmd.keep_pending:
-        touched = tuple(filter(slot_of.__contains__, hashes))
+    if cmd.keep_pending or not pending or pending.keys().isdisjoint(hashes):
+        touched = on_tier(state, hashes)
     else:  # (a version-1 trace's touch: blocks still being stored were skipped)
         touched = tuple(filterfalse(pending.__contains__, filter(slot_of.__contains__, hashes)))
     if touched:
@@ -238,12 +276,32 @@ def _evict_unpinned_bad(state: State) -> Decision:
             yield eviction
 
 
+def _decide_then_evict(decider: Callable[[State, Any], Decision], state: State, cmd: Any) -> Decision:
+    answer = yield from decider(state, cmd)
+    if state.bad:
+        yield from _evict_unpinned_bad(state)
+    return answer
+
+
+def names_corrupt_blocks(cmd: Any) -> bool:
+    """Whether an executor outcome reports bad host copies (the only way blocks become
+    remembered bad, F17); every other command's answer is False."""
+    corrupt = getattr(cmd, "corrupt", None)
+    if corrupt is not None:
+        return bool(corrupt)
+    results = getattr(cmd, "results", None)
+    return results is not None and any(r.corrupt for r in results)
+
+
 def then_evict_bad(decider: Callable[[State, Any], Decision]) -> Callable[[State, Any], Decision]:
+    """``decider``, followed by the eviction of remembered bad blocks it unpinned (F17).
+    With no bad block remembered and none reported by the command, there is nothing to
+    follow up: the decider runs alone (the hot path pays no extra generator per event)."""
+
     def decide_then_evict(state: State, cmd: Any) -> Decision:
-        answer = yield from decider(state, cmd)
-        if state.bad:
-            yield from _evict_unpinned_bad(state)
-        return answer
+        if not state.bad and not names_corrupt_blocks(cmd):
+            return decider(state, cmd)
+        return _decide_then_evict(decider, state, cmd)
 
     decide_then_evict.__name__ = decider.__name__
     return decide_then_evict

@@ -257,6 +257,18 @@ class RequestOpened(_Event, frozen=True, tag="request_opened"):
     request_id: str
 
 
+class ChainExtended(_Event, frozen=True, tag="chain_extended"):
+    """The request's chain (its full blocks' hashes, in prefix order) grows by those of these
+    hashes, named by a lookup or a store, that are new to it (``Config.chain_recency``;
+    at least one is). The request's
+    own recency follows its chain: when it finishes, the chain's blocks on the tier are
+    touched deepest first (F14, DESIGN §7 rule 4). A request first heard of here is known
+    from now on (F18)."""
+
+    request_id: str
+    hashes: Hashes
+
+
 class RequestResumed(_Event, frozen=True, tag="request_resumed"):
     """A request preempted while its jobs were in flight came back under the same id (F18):
     it is live again; the jobs of its earlier run finish on their own (the engine tells them
@@ -312,6 +324,7 @@ Event = Union[
     RemoteLoadQueued,
     RemoteStoreQueued,
     RemoteIndexed,
+    ChainExtended,
 ]
 
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]

@@ -218,8 +218,7 @@ class Simulation:
         r = self._before_lookup(rid, full, L, d)
         c = engine.lookup(rid, full, L, d)
         if c:
-            engine.accept_hits(rid, self.ids.take(c))
-            engine.touch(tuple(reversed(full[d : d + c])))
+            engine.accept_hits(rid, self.ids.take(c))  # (touches the hits deepest first: §7 rule 2)
             report = self._run_until_idle()
             if report.loads_failed:
                 c = r = 0  # a failed load's blocks are computed, not hit
@@ -227,12 +226,11 @@ class Simulation:
         if not self.lazy and self.config.enabled and full:
             engine.blocks_computed(rid, full, self.ids.take(len(full)))
             self._run_until_idle()
-        engine.touch(tuple(reversed(full)), reuse=False)
+        engine.finish_request(rid)  # (touches its chain deepest first: §7 rule 4)
         evicted = self.device.use(full)
         if self.lazy and evicted and self.config.enabled:
             engine.device_blocks_evicting(evicted, self.ids.take(len(evicted)))
             self._run_until_idle()
-        engine.finish_request(rid)
         self._count(L, d, c)
 
     def _before_lookup(self, rid: str, full: tuple[int, ...], L: int, d: int) -> int:
@@ -279,11 +277,10 @@ class Simulation:
             schedule(clock.now_ms + uncached / self.options.prefill_tokens_per_ms, "computed", live)
 
         def end(live: _Live) -> None:
-            engine.touch(tuple(reversed(live.full)), reuse=False)
+            engine.finish_request(live.rid)  # (touches its chain deepest first: §7 rule 4)
             evicted = self.device.use(live.full)
             if self.lazy and evicted and self.config.enabled:
                 engine.device_blocks_evicting(evicted, self.ids.take(len(evicted)))
-            engine.finish_request(live.rid)
             self._count(live.req.input_length, live.d, live.c)
             if progress is not None:
                 progress()
@@ -314,8 +311,7 @@ class Simulation:
                 live.d = self.device.prefix_hits(live.full, cap)
                 live.c = engine.lookup(live.rid, live.full, req.input_length, live.d)
                 if live.c:
-                    job = engine.accept_hits(live.rid, self.ids.take(live.c))
-                    engine.touch(tuple(reversed(live.full[live.d : live.d + live.c])))
+                    job = engine.accept_hits(live.rid, self.ids.take(live.c))  # (touches the hits)
                     assert job is not None
                     waiting_load[job] = live
                 else:

@@ -302,10 +302,11 @@ def test_F3_in_flight_store_is_deduplicated_across_steps_and_visible_only_when_c
     new_stores = [e for e in m.log.events()[records:] if isinstance(e, StoreQueued)]
     assert [(e.hashes, e.device_blocks) for e in new_stores] == [((C,), (3,))]
     # and once more with only the shared blocks: nothing is stored (a new request is known
-    # from its first call, F18; a known one records nothing at all)
+    # from its first call, F18, which records its chain; a known one whose chain has the
+    # blocks records nothing at all)
     records = len(m.log.events())
     assert m.blocks_computed("r3", [A, B], [1, 2]) is None
-    assert [type(e).__name__ for e in m.log.events()[records:]] == ["RequestOpened"]
+    assert [type(e).__name__ for e in m.log.events()[records:]] == ["ChainExtended"]
     assert m.blocks_computed("r2", [A, B], [1, 2]) is None
     assert len(m.log.events()) == records + 1
     assert m.state.held[1] == first and m.state.held[2] == first
@@ -891,18 +892,21 @@ def test_F18_a_finished_request_does_not_come_back() -> None:
     assert m.lookup("r", [A, B], tokens(2)) == 1  # closed: the id is free again, a new request
 
 
-def test_F18_a_request_is_known_from_its_first_call_even_when_no_job_was_queued() -> None:
+@pytest.mark.parametrize("chain_recency", [True, False])
+def test_F18_a_request_is_known_from_its_first_call_even_when_no_job_was_queued(chain_recency: bool) -> None:
     """Its blocks were all on the tier already (nothing to store): kvflow still knows it, so
-    finishing it is a real finish (True), not the no-op for a request never seen."""
-    from kvflow.events import RequestOpened
+    finishing it is a real finish (True), not the no-op for a request never seen. (With
+    chain recency the event that records its chain makes it known.)"""
+    from kvflow.events import ChainExtended, RequestOpened
 
-    m = manager(cpu_blocks=4)
+    m = manager(cpu_blocks=4, chain_recency=chain_recency)
     store(m, "w", [A], [1])
     m.finish_request("w")
     assert m.blocks_computed("x", [A], [2]) is None
-    assert isinstance(m.log.events()[-1], RequestOpened) and "x" in m.state.requests
+    first = ChainExtended if chain_recency else RequestOpened
+    assert type(m.log.events()[-1]) is first and "x" in m.state.requests
     assert m.blocks_computed("x", [A], [2]) is None  # known now: nothing more is recorded
-    assert not isinstance(m.log.events()[-2], RequestOpened)
+    assert type(m.log.events()[-2]) is not first
     assert m.finish_request("x") is True and "x" not in m.state.requests
     consistent(m)
 

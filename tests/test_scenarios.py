@@ -116,8 +116,8 @@ def test_duplicate_store_of_resident_hashes_uses_no_slots() -> None:
     free = list(m.state.free_slots)
     start = len(m.log.events())
     assert m.blocks_computed("x", [A, B], [5, 6]) is None
-    # no slot, no job: only "x" becomes known (F18)
-    assert m.state.free_slots == free and [type(e).__name__ for e in new_events(m, start)] == ["RequestOpened"]
+    # no slot, no job: only "x" becomes known (F18), with its chain
+    assert m.state.free_slots == free and [type(e).__name__ for e in new_events(m, start)] == ["ChainExtended"]
     # a mixed call stores only the new hash
     job_id = m.blocks_computed("x", [A, B, C], [5, 6, 7])
     assert m.state.jobs[job_id].hashes == (C,)
@@ -190,7 +190,11 @@ def test_finish_during_in_flight_job_closes_only_after_completion(
     start = len(m.log.events())
     m.finish_request("r", preempted=(direction == "store"))
     events = new_events(m, start)
-    assert [type(e) for e in events] == [RequestFinished]
+    if direction == "load":  # its chain on the tier, deepest first (99 is not there)
+        assert [type(e) for e in events] == [BlocksTouched, RequestFinished]
+        assert events[0].hashes == (B, A) and events[0].reuse is False
+    else:  # a preempted request is not over: no recency yet
+        assert [type(e) for e in events] == [RequestFinished]
     assert "r" in m.state.requests and m.state.requests["r"].finished
     assert sorted(m.held_device_blocks()) == [10, 11]
     if outcome == "ok":
@@ -217,8 +221,9 @@ def test_engine_accepts_two_of_four_offered_hits() -> None:
     start = len(m.log.events())
     load_id = m.accept_hits("r", [10, 11])
     events = new_events(m, start)
-    assert [type(e) for e in events] == [LoadQueued, PinsReleased]
+    assert [type(e) for e in events] == [LoadQueued, PinsReleased, BlocksTouched]
     assert events[0].hashes == (A, B) and events[1].hashes == (C, D)
+    assert events[2].hashes == (B, A) and events[2].reuse  # the loaded hits, deepest first
     assert [m.state.entries[h].pins for h in (A, B, C, D)] == [1, 1, 0, 0]
     m.plan_step(1.0)
     m.job_result(load_id)

@@ -23,6 +23,7 @@ from kvflow.events import (
     BlocksCorrupt,
     BlocksEvicted,
     BlocksTouched,
+    ChainExtended,
     Event,
     FenceLifted,
     JobCompleted,
@@ -78,6 +79,7 @@ NON_BLOCK_TAGS = {
     "request_resumed",
     "request_closed",
     "remote_indexed",  # the remote tier's index, not a CPU-tier entry
+    "chain_extended",  # a request's chain: which hashes it names, not what the tier holds
 }
 BLOCK_TAGS = sorted(set(ALL_TAGS) - NON_BLOCK_TAGS)
 # Tags whose event never names a transfer job.
@@ -93,6 +95,7 @@ NON_JOB_TAGS = {
     "request_resumed",
     "request_closed",
     "remote_indexed",
+    "chain_extended",
 }
 # An outcome event with ``fenced`` set is its own row key in the job table (F15).
 FENCED_TAGS = {"job_failed:fenced", "job_timed_out:fenced"}
@@ -325,6 +328,8 @@ def neutral_event(tag: str, m: OffloadManager, target_job: int | None = None) ->
         return RequestFinished(seq=seq(m), request_id="rf", preempted=False)
     if tag == "request_opened":
         return RequestOpened(seq=seq(m), request_id="ro")
+    if tag == "chain_extended":  # names H, whatever state its entry is in
+        return ChainExtended(seq=seq(m), request_id="rch", hashes=(H, MISS))
     if tag == "request_resumed":
         m.lookup("rr", [MISS], TOKENS)
         apply_directly(m, RequestFinished(seq=seq(m), request_id="rr", preempted=True))

@@ -60,7 +60,7 @@ def test_a_load_goes_into_the_blocks_after_vllms_own_prefix_hits() -> None:
     plan = side.step([("w", 3 * B + 1, None, False)], [])
     assert [(j.direction, j.device_blocks) for j in plan.jobs] == [("store", (10, 11, 12))]
     side.results([JobResult(job_id=plan.jobs[0].job_id)])
-    assert side.finished("w", hashes(1, 2, 3)) is False
+    assert side.finished("w") is False
     assert side.matched_tokens("r", hashes(1, 2, 3, 4), 4 * B + 1, B) == 2 * B  # after 1 device hit
     side.allocated("r", [20, 21, 22, 23], 2 * B)
     plan = side.step([("r", 4 * B + 1, None, False)], [])
@@ -75,7 +75,7 @@ def test_a_finished_request_keeps_its_blocks_while_its_store_runs() -> None:
     side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0)
     side.allocated("r", [5, 6, 7], 0)
     plan = side.step([("r", 2 * B + 1, None, False)], [])
-    assert side.finished("r", hashes(1, 2)) is True  # vLLM must not free blocks 5 and 6 yet
+    assert side.finished("r") is True  # vLLM must not free blocks 5 and 6 yet
     nxt = side.step([], [])
     assert nxt.delayed_free == ["r"] and nxt.jobs == []
     side.results([JobResult(job_id=plan.jobs[0].job_id)])
@@ -90,7 +90,7 @@ def test_a_request_whose_load_failed_is_offered_nothing_again() -> None:
     side.allocated("w", [1, 2, 3], 0)
     plan = side.step([("w", 2 * B + 1, None, False)], [])
     side.results([JobResult(job_id=plan.jobs[0].job_id)])
-    side.finished("w", hashes(1, 2))
+    side.finished("w")
     assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == 2 * B
     side.allocated("r", [5, 6, 7], 2 * B)
     load = side.step([], []).jobs[0]

@@ -11,9 +11,12 @@ kvflow's side, per request (keys = its full 512-token blocks in prefix order, as
 the first 8 bytes, big-endian, of vLLM's 32-byte key digest):
 
 1. ``lookup`` (at most ``(L-1)//512`` blocks can hit, DESIGN §7);
-2. if hits: ``accept_hits``, touch the hits deepest first, run the load to its end;
+2. if hits: ``accept_hits`` (which touches the hits it loads deepest first), run the load to
+   its end;
 3. ``blocks_computed`` for the rest, run the store to its end;
-4. recency at the end of the request (touch deepest first, ``reuse=False``), ``finish_request``;
+4. ``finish_request`` (which touches the request's chain deepest first, ``reuse=False``: DESIGN
+   §7's recency is kvflow's own rule, ``Config.chain_recency``, so the engine calls no
+   ``touch``);
 5. drain the KV events.
 
 "Run to its end" is one ``step()`` that submits, the simulated copy finishing on the virtual
@@ -78,9 +81,9 @@ def block_key(hash_id: int) -> int:
     return int.from_bytes(hashlib.sha256(b"mooncake-block-%d" % hash_id).digest()[:8], "big")
 
 
-def kvflow_requests(trace: list[tuple[int, list[int]]]) -> list[tuple[str, int, tuple, tuple, tuple, tuple]]:
-    """Untimed setup: per request its id, token count, keys, keys deepest first and device
-    block ids (the simulated engine never reuses one), like an engine's own bookkeeping."""
+def kvflow_requests(trace: list[tuple[int, list[int]]]) -> list[tuple[str, int, tuple, tuple]]:
+    """Untimed setup: per request its id, token count, keys and device block ids (the
+    simulated engine never reuses one), like an engine's own bookkeeping."""
     keys: dict[int, int] = {}
     out = []
     next_device = 0
@@ -88,7 +91,7 @@ def kvflow_requests(trace: list[tuple[int, list[int]]]) -> list[tuple[str, int, 
         ks = tuple(keys.get(h) or keys.setdefault(h, block_key(h)) for h in ids)
         device = tuple(range(next_device, next_device + len(ks)))
         next_device += len(ks)
-        out.append((f"req-{i}", n_tokens, ks, ks[::-1], device, tuple(range(len(ks) + 1))))
+        out.append((f"req-{i}", n_tokens, ks, device))
     return out
 
 
@@ -101,15 +104,14 @@ def run_kvflow(policy: str, reqs: list, trace_path: str | None) -> tuple[int, tu
     publisher = KVEventPublisher(BLOCK_TOKENS)
     engine.manager.subscribe(publisher)
     lookup, accept_hits, blocks_computed = engine.lookup, engine.accept_hits, engine.blocks_computed
-    touch, finish, step, take = engine.touch, engine.finish_request, engine.step, publisher.take
+    finish, step, take = engine.finish_request, engine.step, publisher.take
     advance, next_done = clock.advance_to, executor.next_completion_ms
     removed = 0
     t0 = time.perf_counter_ns()
-    for rid, n_tokens, keys, deepest_first, device, _ in reqs:
+    for rid, n_tokens, keys, device in reqs:
         hits = lookup(rid, keys, n_tokens)
         if hits:
             accept_hits(rid, device[:hits])
-            touch(deepest_first[len(keys) - hits :])
             step()
             advance(next_done())
             step()
@@ -118,7 +120,6 @@ def run_kvflow(policy: str, reqs: list, trace_path: str | None) -> tuple[int, tu
             step()
             advance(next_done())
             step()
-        touch(deepest_first, False)
         finish(rid)
         for kv in take():
             if type(kv) is BlockRemoved:
@@ -139,11 +140,10 @@ def per_request_kvflow(policy: str, reqs: list) -> list[tuple[int, int, int]]:
     publisher = KVEventPublisher(BLOCK_TOKENS)
     engine.manager.subscribe(publisher)
     records = []
-    for rid, n_tokens, keys, deepest_first, device, _ in reqs:
+    for rid, n_tokens, keys, device in reqs:
         hits = engine.lookup(rid, keys, n_tokens)
         if hits:
             engine.accept_hits(rid, device[:hits])
-            engine.touch(deepest_first[len(keys) - hits :])
             engine.step()
             clock.advance_to(executor.next_completion_ms())
             engine.step()
@@ -153,7 +153,6 @@ def per_request_kvflow(policy: str, reqs: list) -> list[tuple[int, int, int]]:
             engine.step()
             clock.advance_to(executor.next_completion_ms())
             engine.step()
-        engine.touch(deepest_first, False)
         engine.finish_request(rid)
         for kv in publisher.take():
             if type(kv) is BlockStored:

@@ -3,7 +3,8 @@
 Each trace is what a vLLM-like engine would record while driving the real decision code
 (``OffloadManager`` writing through ``TraceWriter``): requests arrive with prefix-sharing
 prompts, look up the CPU tier, load their hits into freshly allocated device blocks, compute
-the rest, store it, decode a few steps, touch their chain (deepest block first) and finish.
+the rest, store it, decode a few steps and finish (kvflow touches each request's chain,
+deepest block first: ``Config.chain_recency``).
 The *executor* is this script: it decides, per job and rank, when the result arrives and
 whether it succeeds, so each trace shows one kind of incident on purpose.
 
@@ -229,7 +230,6 @@ class Run:
     def finish(self, req: _Request, preempted: bool = False) -> None:
         mgr = self.manager
         if not preempted:
-            mgr.touch(list(reversed(req.hashes)))  # deepest first: the head stays hottest (F14)
             if self.config.store_mode == "lazy":
                 # no device prefix cache: every block the request leaves is dropped now
                 mgr.device_blocks_evicting(req.hashes, req.device_blocks)

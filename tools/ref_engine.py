@@ -439,8 +439,7 @@ class RefEngine:
             if self.kvflow is not None:
                 self._step()
         if self.kvflow is not None:
-            self.kvflow.touch(hashes[::-1], reuse=False)
-            self.kvflow.finish_request(rid)
+            self.kvflow.finish_request(rid)  # (kvflow touches the chain it saw, deepest first)
         self._release(table)
         self.last_table = table
         return out, stats

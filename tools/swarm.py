@@ -18,8 +18,8 @@ Every seed ``N`` draws, from ``random.Random(N)`` and nothing else:
 It drives a ``SyncEngine`` (its manager made paranoid: every event re-checked) on a
 ``VirtualClock`` the way an engine does (see README "Embedding kvflow in an engine"), recording
 a trace: it never reuses a device block until ``released_device_blocks`` names it, recomputes a
-fenced load into fresh blocks, touches chains deepest first with ``reuse=False`` at finish,
-drains and closes. Then it checks:
+fenced load into fresh blocks, touches chains deepest first with ``reuse=False`` at finish
+when a scenario turns kvflow's own chain recency off, drains and closes. Then it checks:
 
 * after every step: the engine's holds are exactly the blocks the driver was not given back,
   ``check_invariants`` holds, no notice is left behind;
@@ -66,6 +66,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from kvflow.config import Config
 from kvflow.engine import StepReport, SyncEngine
@@ -198,6 +200,7 @@ class Scenario:
             f"{self.max_running} running at most; step "
             f"{self.step_ms:g} ms; copies {self.latency_us:.0f} us + {self.bandwidth_gbps:g} GB/s\n"
             f"  faults: {'; '.join(faults)}\n  rates: {rates}\n  flags: "
+            f"chain_recency={self.config.chain_recency} "
             f"release_unscheduled={self.release_unscheduled} touch_hits={self.touch_hits} "
             f"wait_fences={self.wait_fences} leave_live={self.leave_live}"
         )
@@ -232,7 +235,7 @@ def pick_scenario(seed: int, fault_max: float) -> Scenario:
     if world > 1 and rng.random() < 0.2:
         for ordinal in rng.sample(range(1, expected_jobs + 1), rng.randint(1, 2)):
             lost[ordinal] = rng.randrange(world)
-    return Scenario(
+    scenario = Scenario(
         seed=seed,
         requests=requests,
         config=config,
@@ -273,6 +276,10 @@ def pick_scenario(seed: int, fault_max: float) -> Scenario:
         work_seed=rng.getrandbits(32),
         drive_seed=rng.getrandbits(32),
     )
+    # drawn last, so every earlier draw (and each seed's scenario) stays as it was: most runs
+    # leave chain recency to kvflow, the others touch the chain at finish themselves
+    scenario.config = msgspec.structs.replace(config, chain_recency=rng.random() < 0.75)
+    return scenario
 
 
 # --- the workload ---------------------------------------------------------------------------
@@ -751,7 +758,8 @@ class Driver:
     def _finish(self, req: Req) -> None:
         eng = self.engine
         self._check_data(req, "at finish")
-        eng.touch(list(reversed(req.hashes)), reuse=False)  # deepest first (F14)
+        if not self.scn.config.chain_recency:  # (else kvflow's finish does it)
+            eng.touch(list(reversed(req.hashes)), reuse=False)  # deepest first (F14)
         if self._live_jobs(req.rid):
             self.stats.finished_in_flight += 1
         self._release_request_blocks(req, keep=True)

@@ -115,7 +115,8 @@ class SyncEngine:
         """The engine allocated ``device_blocks`` for the first ``len(device_blocks)`` hits of
         the last lookup: queue their load (its job id, or None for none). The rest of the
         hits are unpinned; ``[]`` releases them all (a request the engine does not schedule
-        now). The device blocks stay held until a report names them released."""
+        now). The loaded hits are touched deepest first (``Config.chain_recency``). The device
+        blocks stay held until a report names them released."""
         return self.manager.accept_hits(request_id, device_blocks)
 
     def blocks_computed(
@@ -133,16 +134,19 @@ class SyncEngine:
         return self.manager.device_blocks_evicting(block_hashes, device_blocks)
 
     def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
-        """Recency for the resident blocks among ``block_hashes``, in this order (the last is
-        the most recent); returns how many were resident. At a request's finish, touch its
-        chain with ``reuse=False`` (ordering only): under ARC ``reuse=True`` counts a second
-        use and promotes every fresh block to T2."""
+        """Extra recency for the blocks on the tier among ``block_hashes``, in this order (the
+        last is the most recent); returns how many were on the tier. Not needed for a
+        request's own chain: with ``Config.chain_recency`` (the default) ``accept_hits`` and
+        ``finish_request`` apply it. ``reuse=False`` only reorders: under ARC ``reuse=True``
+        counts a second use and promotes every fresh block to T2."""
         return self.manager.touch(block_hashes, reuse)
 
     def finish_request(self, request_id: str, preempted: bool = False) -> bool:
         """The request finished (or was preempted): its unaccepted hits are unpinned now; its
-        live jobs finish on their own. False, changing nothing, for a request kvflow does not
-        know (never seen, or already forgotten)."""
+        live jobs finish on their own. A finish (not a preemption) touches the request's chain
+        on the tier deepest first, ``reuse=False`` (F14, ``Config.chain_recency``). False,
+        changing nothing, for a request kvflow does not know (never seen, or already
+        forgotten)."""
         return self.manager.finish_request(request_id, preempted)
 
     def invalidate(self, block_hashes: Sequence[int]) -> int:

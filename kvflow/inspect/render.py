@@ -14,6 +14,7 @@ from kvflow.events import (
     BlocksComputed,
     BlocksEvicted,
     BlocksTouched,
+    ChainExtended,
     DeviceBlocksEvicting,
     Evict,
     FenceLifted,
@@ -143,6 +144,8 @@ def describe(record: Any) -> str:
         return f"request {r.request_id} {'preempted' if r.preempted else 'finished'}"
     if kind is RequestOpened:
         return f"request {r.request_id} first seen (its blocks were all on the tier already)"
+    if kind is ChainExtended:
+        return f"request {r.request_id}'s chain names {_blocks(len(r.hashes))} {few(r.hashes)} (its finish touches them)"
     if kind is RequestResumed:
         return f"request {r.request_id} came back after its preemption (its earlier jobs finish on their own)"
     if kind is RequestClosed:

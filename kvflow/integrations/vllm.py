@@ -12,8 +12,8 @@ Scheduler side (``SchedulerSide``): ``get_num_new_matched_tokens`` is kvflow's l
 vLLM's own prefix hits (with the n-1 cap), loaded asynchronously; ``update_state_after_alloc``
 accepts the hits vLLM allocated blocks for (or releases them); ``build_connector_meta`` stores
 the blocks that become full this step and hands the step's jobs to the workers;
-``request_finished`` touches the chain deepest first and keeps the blocks until their stores
-are over; preempted requests finish as preempted and may come back under their id.
+``request_finished`` finishes the request in kvflow (which touches its chain deepest first)
+and keeps the blocks until their stores are over; preempted requests finish as preempted and may come back under their id.
 Worker side (``WorkerSide``): loads start before the forward pass, stores after it
 (``wait_for_save``: the compute is done), results go back to the scheduler side each step,
 failed loads are named to vLLM (``get_block_ids_with_load_errors``) so that
@@ -178,7 +178,7 @@ if KVConnectorBase_V1 is not None:
 
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
             assert self._scheduler is not None
-            return self._scheduler.finished(request.request_id, request.block_hashes), None
+            return self._scheduler.finished(request.request_id), None
 
         def take_events(self) -> list[Any]:
             """The CPU tier's KV events as vLLM's own (medium ``CPU``), for vLLM's publisher,

@@ -248,15 +248,13 @@ class SchedulerSide:
         self.loads_failed += len(notices.loads_failed)
         self._load_failed.update(f.request_id for f in notices.loads_failed)
 
-    def finished(self, request_id: str, block_hashes: Sequence[bytes | int]) -> bool:
-        """The request ended: its chain is touched deepest first (F14), its pins released.
-        True when a store of it still reads its blocks: vLLM must keep them until the worker
-        reports the request's saves over."""
-        tracked = self.requests.pop(request_id, None)
+    def finished(self, request_id: str) -> bool:
+        """The request ended: its pins are released and kvflow touches its chain (the hashes
+        its lookups and stores named) deepest first (F14, ``Config.chain_recency``). True when
+        a store of it still reads its blocks: vLLM must keep them until the worker reports the
+        request's saves over."""
+        self.requests.pop(request_id, None)
         self._load_failed.discard(request_id)
-        hashes = tracked.hashes if tracked is not None else [kvflow_hash(h) for h in block_hashes]
-        if hashes:
-            self.manager.touch(hashes[::-1], reuse=False)
         self.manager.finish_request(request_id)
         storing = any(
             job.direction == STORE and job.request_id == request_id for job in self.manager.state.jobs.values()

@@ -24,6 +24,7 @@ from kvflow.events import (
     BlocksCorrupt,
     BlocksEvicted,
     BlocksTouched,
+    ChainExtended,
     Event,
     PinsAcquired,
     PinsReleased,
@@ -138,6 +139,21 @@ def _finished(state: State, event: RequestFinished, check: bool) -> None:
     req.preempted = event.preempted
 
 
+def _chain_extended(state: State, event: ChainExtended, check: bool) -> None:
+    req = state.requests.get(event.request_id)
+    if req is None:
+        req = state.requests[event.request_id] = Request(event.request_id)
+    elif req.finished:
+        raise lg.illegal(state, event, "FINISHED", f"request {event.request_id}")
+    chain = req.chain
+    if check and chain.keys() >= set(event.hashes):
+        raise lg.illegal(state, event, "CHAIN", f"request {event.request_id}: names no hash new to its chain")
+    if chain:
+        chain.update(dict.fromkeys(event.hashes))  # (the new ones go to its end, in order)
+    else:
+        req.chain = dict.fromkeys(event.hashes)
+
+
 def _opened(state: State, event: RequestOpened, check: bool) -> None:
     if event.request_id in state.requests:
         raise lg.illegal(state, event, "LIVE", f"request {event.request_id} is known already")
@@ -209,6 +225,7 @@ _EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {
     RequestOpened: _opened,  # type: ignore[dict-item]
     RequestResumed: _resumed,  # type: ignore[dict-item]
     RequestClosed: _closed,  # type: ignore[dict-item]
+    ChainExtended: _chain_extended,  # type: ignore[dict-item]
     Reset: _reset,  # type: ignore[dict-item]
 }
 

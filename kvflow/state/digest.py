@@ -71,6 +71,8 @@ def canonical(state: State) -> tuple[Any, ...]:
             r.finished,
             r.preempted,
         )
+        # (the chain only when kept: the digests of traces recorded before it are unchanged)
+        + ((list(r.chain),) if r.chain else ())
         for r in sorted(state.requests.values(), key=lambda r: r.request_id)
     ]
     return (

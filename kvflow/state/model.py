@@ -123,9 +123,9 @@ class Job:
 
 
 class Request:
-    """What kvflow remembers of a request: its pins and its live jobs."""
+    """What kvflow remembers of a request: its pins, its live jobs and its chain."""
 
-    __slots__ = ("request_id", "offered", "loading", "jobs", "finished", "preempted")
+    __slots__ = ("request_id", "offered", "loading", "jobs", "finished", "preempted", "chain")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -135,6 +135,9 @@ class Request:
         self.jobs: dict[int, None] = {}  # live job ids, in order
         self.finished = False
         self.preempted = False
+        # its full blocks' hashes in prefix order, as its lookups and stores named them
+        # (ChainExtended; empty unless Config.chain_recency): its finish touches them (F14)
+        self.chain: dict[int, None] = {}
 
     @property
     def pins(self) -> dict[int, int]:
@@ -267,6 +270,7 @@ class State:
             nr.offered = r.offered
             nr.jobs = dict(r.jobs)
             nr.finished, nr.preempted = r.finished, r.preempted
+            nr.chain = dict(r.chain)
             clone.requests[rid] = nr
         clone.policy = copy.deepcopy(self.policy)
         clone.deferred_touches = dict(self.deferred_touches)

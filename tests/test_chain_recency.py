@@ -7,7 +7,7 @@ being stored is kept on its store job and applied when it lands.
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflow.config import Config
@@ -58,7 +58,6 @@ def test_F14_a_touch_of_a_store_that_fails_is_dropped_with_it() -> None:
     assert not m.state.deferred_touches and check_invariants(m.state) == []
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     chain_len=st.integers(2, 8),
     data=st.data(),

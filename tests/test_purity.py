@@ -19,7 +19,7 @@ PACKAGE = ROOT / "kvflow"
 
 PURE_MODULES = [
     "kvflow.events",
-    "kvflow.decide",
+    *(f"kvflow.{p.stem}" for p in sorted(PACKAGE.glob("decide*.py"))),
     "kvflow.config",
     "kvflow.kvevents",  # "a function of the events" (its docstring)
     *(
@@ -214,7 +214,7 @@ def test_the_set_iteration_checker_flags_what_it_should() -> None:
 @pytest.mark.parametrize(
     "path",
     [
-        "decide.py",
+        *(p.name for p in sorted(PACKAGE.glob("decide*.py"))),
         *(f"{package}/{p.name}" for package in ("state", "policies") for p in sorted((PACKAGE / package).glob("*.py"))),
     ],
 )

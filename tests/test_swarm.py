@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from kvflow import decide
+from kvflow import decide_jobs
 from kvflow.events import JobTimedOut
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,14 +100,14 @@ def test_the_data_model_catches_a_timed_out_copy_that_is_not_fenced(
 ) -> None:
     """Plant a bug no table or invariant sees: a timed-out job is not fenced, so its memory is
     handed back while the copy still runs. Its late write lands in a block a request reuses."""
-    real = decide._terminal_event
+    real = decide_jobs._terminal_event
 
     def unfenced(kind: type, state: object, job: object, **outcome: object) -> object:
         if kind is JobTimedOut:
             outcome["fenced"] = False
         return real(kind, state, job, **outcome)
 
-    monkeypatch.setattr(decide, "_terminal_event", unfenced)
+    monkeypatch.setattr(decide_jobs, "_terminal_event", unfenced)
     result = swarm.run_seed(seed, FAULT_MAX, str(tmp_path / "planted.jsonl"))
     assert result.failure is not None and "at finish: device block" in result.failure
 

@@ -559,7 +559,7 @@ class Driver:
         )
         self.engine.manager.paranoid = True  # every event re-checked against the tables
         self.log = QuietLog()
-        self.engine._log = self.log  # (warnings such as kvflow.fence_held are expected here)
+        self.engine.watch.log = self.log  # (warnings such as kvflow.fence_held are expected here)
         self.data = self.executor.device_data
         self.lost_reports: list[str] = []  # F17: bad bytes reported, still on offer
         self.state = self.engine.manager.state

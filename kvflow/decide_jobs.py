@@ -1,0 +1,216 @@
+"""Decisions of jobs: handing queued jobs to the executor, applying results (with fences,
+F15, and corrupt loads, F17), deadlines (F2), a request's finish (F18), a reset, and the end of
+fences once the executor is closed. Pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvflow.decide_checks import Decision, whole
+from kvflow.decide_store import drop_corrupt
+from kvflow.errors import Rejected, UnknownJob
+from kvflow.events import (
+    LOAD,
+    EndFences,
+    FenceLifted,
+    FinishRequest,
+    JobCompleted,
+    JobFailed,
+    JobResult,
+    JobResults,
+    JobsSubmitted,
+    JobTimedOut,
+    LateResultIgnored,
+    PinsReleased,
+    PlanStep,
+    RankSucceeded,
+    RequestClosed,
+    RequestFinished,
+    Reset,
+    ResetAll,
+    Tick,
+    TransferJob,
+)
+from kvflow.state import Job, JobState, State
+
+CANCELLED_BY_RESET = "cancelled by reset before submission"
+
+
+def _transfer_job(job: Job) -> TransferJob:
+    return TransferJob(
+        job_id=job.job_id,
+        direction=job.direction,  # type: ignore[arg-type]
+        device_blocks=job.device_blocks,
+        slots=job.slots,
+        hashes=job.hashes,
+        request_id=job.request_id,
+    )
+
+
+def decide_plan_step(state: State, cmd: PlanStep) -> Decision:
+    if not state.queued:
+        return []
+    job_ids = tuple(state.queued)
+    jobs = [_transfer_job(state.jobs[j]) for j in job_ids]
+    yield JobsSubmitted(
+        seq=state.next_seq,
+        job_ids=job_ids,
+        now_ms=float(cmd.now_ms),
+        deadline_ms=float(cmd.now_ms + state.config.job_deadline_ms),
+    )
+    return jobs
+
+
+def _terminal_event(kind: type[Any], state: State, job: Job, **outcome: Any) -> Any:
+    """A JobCompleted / JobFailed / JobTimedOut describing ``job``, with its outcome fields."""
+    return kind(
+        seq=state.next_seq,
+        abandoned=job.state is JobState.ABANDONED,
+        job_id=job.job_id,
+        direction=job.direction,
+        request_id=job.request_id,
+        hashes=job.hashes,
+        device_blocks=job.device_blocks,
+        slots=job.slots,
+        **outcome,
+    )
+
+
+def _closing(state: State, request_id: str | None) -> RequestClosed | None:
+    """The close of a finished request whose last job and pin are gone (it leaves the
+    state), or None while it still has some."""
+    if request_id is None:
+        return None
+    req = state.requests.get(request_id)
+    if req is None or not req.finished or req.jobs or req.holds_pins():
+        return None
+    return RequestClosed(seq=state.next_seq, request_id=request_id)
+
+
+def _check_result(state: State, result: JobResult) -> None:
+    """A result must name a job issued and submitted, and a rank of the world (F12)."""
+    if not whole(result.job_id) or not 0 < result.job_id <= state.last_job_id:
+        raise UnknownJob(f"result for unknown job {result.job_id!r} (last issued: {state.last_job_id})")
+    world = state.config.world_size
+    if not whole(result.rank) or not 0 <= result.rank < world:
+        raise Rejected(f"result for job {result.job_id}: rank {result.rank!r} outside world size {world}")
+    job = state.jobs.get(result.job_id)
+    if job is not None and job.state is JobState.QUEUED:
+        raise Rejected(f"result for job {result.job_id}, which was never submitted")
+
+
+def _fence_lifted(state: State, job: Job, reason: str) -> FenceLifted:
+    return FenceLifted(
+        seq=state.next_seq, job_id=job.job_id, device_blocks=job.device_blocks, slots=job.slots, reason=reason  # type: ignore[arg-type]
+    )
+
+
+def _apply_result(state: State, cmd: JobResult) -> Decision:
+    """The events of one checked result: the job's end, a rank's success, or a late result
+    (which, for a fenced job, says that rank's copy is over: the last one lifts the fence)."""
+    job = state.jobs.get(cmd.job_id)
+    bit = 1 << cmd.rank
+    every_rank = (1 << state.config.world_size) - 1
+    if job is None or job.acks & bit or job.state is JobState.FENCED:
+        yield LateResultIgnored(seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error)
+        if job is not None and job.state is JobState.FENCED:
+            if cmd.corrupt and job.direction == LOAD and not cmd.ok:
+                # F17 also when the report comes after the outcome (a timeout, another rank's
+                # failure): the host copies it found bad leave the tier
+                yield from drop_corrupt(state, [h for h in job.hashes if h in set(cmd.corrupt)])
+            if job.reported == every_rank:
+                yield _fence_lifted(state, job, "copy over")
+        return
+    request_id = None if job.state is JobState.ABANDONED else job.request_id
+    if not cmd.ok:
+        # F15: while another rank has not reported, its copy may still run: fence the memory
+        fenced = job.reported | bit != every_rank
+        yield _terminal_event(
+            JobFailed, state, job, rank=cmd.rank, error=cmd.error or "unknown error", fenced=fenced
+        )
+        if cmd.corrupt and job.direction == LOAD and job.state is not JobState.ABANDONED:
+            # F17: bad bytes are never offered twice: the entries the load found corrupt
+            # leave the tier now that its pins are released (those another request still
+            # pins go when that load fails on them too)
+            named = set(cmd.corrupt)
+            bad = [h for h in job.hashes if h in named]
+            yield from drop_corrupt(state, bad)
+    elif job.acks | bit == (1 << state.config.world_size) - 1:
+        yield _terminal_event(JobCompleted, state, job, rank=cmd.rank)
+    else:
+        yield RankSucceeded(seq=state.next_seq, job_id=job.job_id, rank=cmd.rank)
+        return
+    closing = _closing(state, request_id)
+    if closing is not None:
+        yield closing
+
+
+def decide_job_result(state: State, cmd: JobResult) -> Decision:
+    _check_result(state, cmd)
+    yield from _apply_result(state, cmd)
+    return None
+
+
+def decide_job_results(state: State, cmd: JobResults) -> Decision:
+    """Many executor outcomes at once (one command per engine step instead of one per job).
+    All are checked before anything is applied, so a bad one refuses the whole batch."""
+    for r in cmd.results:
+        _check_result(state, r)
+    for r in cmd.results:
+        yield from _apply_result(state, r)
+    return None
+
+
+def expired_jobs(state: State, now_ms: float) -> list[Job]:
+    """The in-flight jobs whose deadline has come by ``now_ms`` (F2), in job order. (A fenced
+    job's outcome is already known: its deadline has nothing left to decide.)"""
+    in_flight = JobState.IN_FLIGHT
+    return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is in_flight]
+
+
+def decide_tick(state: State, cmd: Tick) -> Decision:
+    expired = expired_jobs(state, cmd.now_ms)
+    for job in expired:
+        request_id = job.request_id
+        # F15: the engine learns of the timeout now; the copy may still run, so the job's
+        # memory stays fenced until the executor reports it over
+        yield _terminal_event(
+            JobTimedOut, state, job, now_ms=float(cmd.now_ms), deadline_ms=float(job.deadline_ms), fenced=True
+        )
+        closing = _closing(state, request_id)
+        if closing is not None:
+            yield closing
+    return len(expired)
+
+
+def decide_finish(state: State, cmd: FinishRequest) -> Decision:
+    req = state.requests.get(cmd.request_id)
+    if req is None:
+        # F18: routine for an engine (a request kvflow never saw, or one already closed)
+        return False
+    if req.finished:
+        raise Rejected(f"finish: request {cmd.request_id!r} is already finished")
+    if req.offered:
+        yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
+    yield RequestFinished(seq=state.next_seq, request_id=cmd.request_id, preempted=cmd.preempted)
+    closing = _closing(state, cmd.request_id)
+    if closing is not None:
+        yield closing
+    return True
+
+
+def decide_reset(state: State, cmd: ResetAll) -> Decision:
+    for jid in list(state.queued):
+        job = state.jobs[jid]
+        yield _terminal_event(JobFailed, state, job, rank=-1, error=CANCELLED_BY_RESET)
+    live = tuple(jid for jid, job in state.jobs.items() if job.state is not JobState.FENCED)
+    yield Reset(seq=state.next_seq, abandoned_job_ids=live, keeps_requests=True)
+    return None
+
+
+def decide_end_fences(state: State, cmd: EndFences) -> Decision:
+    """The executor is closed, its copies stopped: every fenced job's memory comes back."""
+    fenced = [job for job in state.jobs.values() if job.fenced]
+    for job in fenced:
+        yield _fence_lifted(state, job, "executor closed")
+    return len(fenced)

@@ -1,0 +1,81 @@
+"""Decisions of lookup and loads: the hits a lookup offers (pinned for the request, F7) and
+the load of the hits the engine accepts. Pure."""
+
+from __future__ import annotations
+
+import operator
+
+from kvflow.decide_checks import Decision, check_device_blocks, check_not_finished, whole
+from kvflow.errors import Rejected, UnknownRequest
+from kvflow.events import (
+    AcceptHits,
+    LoadQueued,
+    Lookup,
+    PinsAcquired,
+    PinsReleased,
+    RequestResumed,
+)
+from kvflow.state import State
+
+
+def hit_cap_blocks(num_tokens: int, block_tokens: int) -> int:
+    """At most ``num_tokens - 1`` tokens may hit, rounded down to whole blocks (F13)."""
+    return max(0, (num_tokens - 1) // block_tokens)
+
+
+def decide_lookup(state: State, cmd: Lookup) -> Decision:
+    if not whole(cmd.num_tokens) or cmd.num_tokens < 0:
+        raise Rejected(f"lookup of request {cmd.request_id}: num_tokens must be >= 0")
+    if not whole(cmd.device_hit_blocks) or cmd.device_hit_blocks < 0:
+        raise Rejected(f"lookup of request {cmd.request_id}: device_hit_blocks must be >= 0")
+    if not state.config.enabled:
+        return 0
+    req = state.requests.get(cmd.request_id)
+    check_not_finished(req, cmd.request_id, "lookup of request")
+    cap = hit_cap_blocks(cmd.num_tokens, state.config.block_tokens)
+    if req is not None and req.finished:
+        yield RequestResumed(seq=state.next_seq, request_id=cmd.request_id)  # F18
+    if req is not None and req.offered:
+        # A repeated lookup (the scheduler could not place the request last step) replaces the
+        # hits it offered before, so pins never pile up.
+        yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
+    window = cmd.block_hashes[cmd.device_hit_blocks : cap]
+    # only RESIDENT entries are visible: on the tier and not pending (scanned at C level)
+    visible = list(map(state.slot_of.__contains__, window))
+    if state.pending:
+        visible = list(map(operator.gt, visible, map(state.pending.__contains__, window)))
+    n = visible.index(False) if False in visible else len(window)
+    yield PinsAcquired(seq=state.next_seq, request_id=cmd.request_id, hashes=window[:n], num_tokens=cmd.num_tokens)
+    return n
+
+
+def decide_accept_hits(state: State, cmd: AcceptHits) -> Decision:
+    if not state.config.enabled:
+        if cmd.device_blocks:
+            raise Rejected(f"accept_hits: offload is disabled, request {cmd.request_id} was offered nothing")
+        return None
+    req = state.requests.get(cmd.request_id)
+    if req is None or req.finished:
+        raise UnknownRequest(f"accept_hits: request {cmd.request_id} has no live lookup")
+    n = len(cmd.device_blocks)
+    if n > len(req.offered):
+        raise Rejected(
+            f"accept_hits: request {cmd.request_id} was offered {len(req.offered)} blocks, "
+            f"cannot accept {n}"
+        )
+    check_device_blocks(state, cmd.device_blocks, allow_same_store={})
+    job_id = None
+    if n:
+        hashes = req.offered[:n]
+        job_id = state.last_job_id + 1
+        yield LoadQueued(
+            seq=state.next_seq,
+            job_id=job_id,
+            request_id=cmd.request_id,
+            hashes=hashes,
+            device_blocks=tuple(cmd.device_blocks),
+            slots=tuple(map(state.slot_of.__getitem__, hashes)),
+        )
+    if req.offered:
+        yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
+    return job_id

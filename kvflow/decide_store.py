@@ -1,0 +1,255 @@
+"""Decisions of stores and eviction: admission of a store's blocks (F3, F16), touches (F14),
+explicit eviction, and the eviction of blocks found bad (F17). Pure."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from itertools import compress, filterfalse
+from typing import Any
+
+from kvflow.decide_checks import Decision, check_device_blocks, check_not_finished, whole
+from kvflow.errors import Rejected
+from kvflow.events import (
+    LOAD,
+    BlocksComputed,
+    BlocksCorrupt,
+    BlocksEvicted,
+    BlocksTouched,
+    DeviceBlocksEvicting,
+    Evict,
+    Invalidate,
+    RequestOpened,
+    RequestResumed,
+    StoreQueued,
+    StoreRejected,
+    Touch,
+)
+from kvflow.state import State
+
+
+def _fenced_slot_owners(state: State) -> list[int]:
+    """Resident entries whose slot a fenced load may still read (F15): evicting one would
+    free no slot until the fence is lifted, so eviction for space passes them over."""
+    if not state.quarantine:
+        return []
+    slot_of = state.slot_of
+    return [
+        h
+        for job in state.jobs.values()
+        if job.fenced and job.direction == LOAD
+        for h, s in zip(job.hashes, job.slots)
+        if slot_of.get(h) == s
+    ]
+
+
+def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> list[int]:
+    """As many victims as the policy can give, up to ``wanted``, in eviction order, never a
+    pinned block nor one of ``protected`` (F16: a store's own chain)."""
+    if wanted <= 0:
+        return []
+    pin_count, slot_of = state.pin_count, state.slot_of
+    if slot_of.keys().isdisjoint(protected) and not state.quarantine:
+        blocked: Any = pin_count  # the policy orders exactly the RESIDENT entries
+    else:
+        blocked = set(pin_count)
+        blocked.update(protected)
+        blocked.update(_fenced_slot_owners(state))
+    victims = state.policy.victims(wanted, blocked.__contains__)
+    if victims is not None:
+        return victims
+    evictable = sum(1 for h in state.policy.resident() if h not in blocked)
+    if evictable <= 0:
+        return []
+    return state.policy.victims(evictable, blocked.__contains__) or []
+
+
+# hashes admitted, their device blocks, victims, and the blocks rejected (hashes, device blocks)
+Admission = tuple[list[int], list[int], list[int], list[int], list[int]]
+
+
+def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> Admission:
+    """DESIGN §7 step 3: every block of the store not on the tier (resident, queued or in
+    flight; F3), each hash once, in prefix order, takes a free slot, else evicts the policy's
+    next victim, never a block of this store's own chain (F16); when nothing else can be
+    evicted, it and every later block are rejected."""
+    absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
+    new_hashes = list(compress(block_hashes, absent))
+    new_blocks = list(compress(device_blocks, absent))
+    if len(set(new_hashes)) != len(new_hashes):  # a hash named twice is stored once
+        firsts: dict[int, int] = {}
+        for h, d in zip(new_hashes, new_blocks):
+            firsts.setdefault(h, d)
+        new_hashes, new_blocks = list(firsts), list(firsts.values())
+    need = len(new_hashes) - len(state.free_slots)
+    victims = _victims_up_to(state, need, block_hashes) if need > 0 else []
+    admitted = len(new_hashes) - max(0, need - len(victims))
+    return new_hashes[:admitted], new_blocks[:admitted], victims, new_hashes[admitted:], new_blocks[admitted:]
+
+
+def _decide_store(
+    state: State,
+    request_id: str | None,
+    block_hashes: Sequence[int],
+    device_blocks: Sequence[int],
+) -> Decision:
+    if len(block_hashes) != len(device_blocks):
+        raise Rejected(
+            f"store: {len(block_hashes)} hashes but {len(device_blocks)} device blocks"
+        )
+    req = state.requests.get(request_id) if request_id is not None else None
+    check_not_finished(req, request_id, "store: request")  # type: ignore[arg-type]
+    held = state.held
+    same = dict(zip(device_blocks, block_hashes)) if held and not held.keys().isdisjoint(device_blocks) else {}
+    check_device_blocks(state, device_blocks, same)
+    if not state.config.enabled:
+        return None
+    if req is not None and req.finished:
+        yield RequestResumed(seq=state.next_seq, request_id=req.request_id)  # F18
+    entries = state.slot_of
+    admit_hashes, admit_blocks, victims, rejected_hashes, rejected_blocks = _admission(
+        state, block_hashes, device_blocks
+    )
+    if victims:
+        yield BlocksEvicted(
+            seq=state.next_seq,
+            hashes=tuple(victims),
+            slots=tuple(map(entries.__getitem__, victims)),
+            reason="capacity",
+        )
+    job_id = None
+    admitted = len(admit_hashes)
+    if admitted:
+        free = state.free_slots
+        job_id = state.last_job_id + 1
+        yield StoreQueued(
+            seq=state.next_seq,
+            job_id=job_id,
+            request_id=request_id,
+            hashes=tuple(admit_hashes),
+            device_blocks=tuple(admit_blocks),
+            slots=tuple(free[len(free) - admitted :][::-1]),
+        )
+    elif request_id is not None and req is None and not rejected_hashes:
+        yield RequestOpened(seq=state.next_seq, request_id=request_id)  # F18: known from now on
+    if rejected_hashes:
+        yield StoreRejected(
+            seq=state.next_seq,
+            request_id=request_id,
+            hashes=tuple(rejected_hashes),
+            device_blocks=tuple(rejected_blocks),
+            reason=f"tier full: {state.capacity} slots held by pinned, in-flight or own-chain entries",
+        )
+    return job_id
+
+
+def decide_blocks_computed(state: State, cmd: BlocksComputed) -> Decision:
+    if state.config.store_mode != "eager":
+        # lazy: nothing is stored now, but the request is known (and back, if preempted) (F18)
+        req = state.requests.get(cmd.request_id) if cmd.request_id is not None else None
+        check_not_finished(req, cmd.request_id, "blocks_computed: request")  # type: ignore[arg-type]
+        check_device_blocks(state, cmd.device_blocks, dict(zip(cmd.device_blocks, cmd.block_hashes)))
+        if cmd.request_id is not None and state.config.enabled:
+            if req is None:
+                yield RequestOpened(seq=state.next_seq, request_id=cmd.request_id)
+            elif req.finished:
+                yield RequestResumed(seq=state.next_seq, request_id=cmd.request_id)
+        return None
+    return (yield from _decide_store(state, cmd.request_id, cmd.block_hashes, cmd.device_blocks))
+
+
+def decide_device_evicting(state: State, cmd: DeviceBlocksEvicting) -> Decision:
+    if state.config.store_mode != "lazy":
+        return None
+    return (yield from _decide_store(state, None, cmd.block_hashes, cmd.device_blocks))
+
+
+def decide_touch(state: State, cmd: Touch) -> Decision:
+    """Recency for the blocks on the tier, in the given order. A block still being stored
+    keeps the touch until it lands (F14: a touch is never lost to completion order)."""
+    slot_of, pending, hashes = state.slot_of, state.pending, cmd.block_hashes
+    if all(map(slot_of.__contains__, hashes)) and (
+        cmd.keep_pending or not pending or pending.keys().isdisjoint(hashes)
+    ):
+        touched = hashes  # the common case: every block is on the tier
+    elif cmd.keep_pending:
+        touched = tuple(filter(slot_of.__contains__, hashes))
+    else:  # (a version-1 trace's touch: blocks still being stored were skipped)
+        touched = tuple(filterfalse(pending.__contains__, filter(slot_of.__contains__, hashes)))
+    if touched:
+        yield BlocksTouched(seq=state.next_seq, hashes=touched, reuse=cmd.reuse)
+    return len(touched)
+
+
+def decide_evict(state: State, cmd: Evict) -> Decision:
+    if not whole(cmd.num_blocks) or cmd.num_blocks < 0:
+        raise Rejected(f"evict: num_blocks must be >= 0, got {cmd.num_blocks!r}")
+    if cmd.num_blocks == 0:
+        return 0
+    blocked: Any = state.pin_count
+    if state.quarantine:  # (an entry whose slot stays fenced would free nothing)
+        blocked = set(state.pin_count)
+        blocked.update(_fenced_slot_owners(state))
+    victims = state.policy.victims(cmd.num_blocks, blocked.__contains__)
+    if victims is None:
+        raise Rejected(f"evict: fewer than {cmd.num_blocks} unpinned resident blocks (all-or-nothing)")
+    yield BlocksEvicted(
+        seq=state.next_seq,
+        hashes=tuple(victims),
+        slots=tuple(map(state.slot_of.__getitem__, victims)),
+        reason="explicit",
+    )
+    return len(victims)
+
+
+def _evict_resident(state: State, hashes: Sequence[int], reason: str) -> BlocksEvicted | None:
+    """The eviction of those of ``hashes`` that are RESIDENT and unpinned (each once), or None."""
+    slot_of, pending, pinned = state.slot_of, state.pending, state.pin_count
+    chosen = [h for h in dict.fromkeys(hashes) if h in slot_of and h not in pending and h not in pinned]
+    if not chosen:
+        return None
+    return BlocksEvicted(
+        seq=state.next_seq,
+        hashes=tuple(chosen),
+        slots=tuple(map(slot_of.__getitem__, chosen)),
+        reason=reason,  # type: ignore[arg-type]
+    )
+
+
+def drop_corrupt(state: State, hashes: Sequence[int]) -> Decision:
+    """F17: the resident, unpinned ones of ``hashes`` are evicted now; the ones another
+    request still pins are remembered and evicted when their last pin goes."""
+    eviction = _evict_resident(state, hashes, "corrupt")
+    if eviction is not None:
+        yield eviction
+    pinned = [h for h in dict.fromkeys(hashes) if h in state.pin_count and h not in state.bad and state.is_resident(h)]
+    if pinned:
+        yield BlocksCorrupt(seq=state.next_seq, hashes=tuple(pinned))
+
+
+def _evict_unpinned_bad(state: State) -> Decision:
+    """After any decision: remembered bad blocks whose last pin went are evicted (F17)."""
+    gone = [h for h in state.bad if h not in state.pin_count]
+    if gone:
+        eviction = _evict_resident(state, gone, "corrupt")
+        if eviction is not None:
+            yield eviction
+
+
+def then_evict_bad(decider: Callable[[State, Any], Decision]) -> Callable[[State, Any], Decision]:
+    def decide_then_evict(state: State, cmd: Any) -> Decision:
+        answer = yield from decider(state, cmd)
+        if state.bad:
+            yield from _evict_unpinned_bad(state)
+        return answer
+
+    decide_then_evict.__name__ = decider.__name__
+    return decide_then_evict
+
+
+def decide_invalidate(state: State, cmd: Invalidate) -> Decision:
+    eviction = _evict_resident(state, cmd.block_hashes, "invalidated")
+    if eviction is None:
+        return 0
+    yield eviction
+    return len(eviction.hashes)

@@ -1,0 +1,213 @@
+"""What the engine observes of the applied events: counters, latencies and logs, and memory
+kept too long (fences and lookup pins held past their warning thresholds)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvflow.config import Config
+from kvflow.engine.api import Counters, Latencies
+from kvflow.events import (
+    STORE,
+    TERMINAL_TYPES,
+    BlocksEvicted,
+    Event,
+    FenceLifted,
+    JobCompleted,
+    JobFailed,
+    JobsSubmitted,
+    JobTimedOut,
+    LateResultIgnored,
+    PinsAcquired,
+    Reset,
+    StoreRejected,
+    TransferJob,
+    event_name,
+)
+from kvflow.manager import OffloadManager
+
+
+class EngineWatch:
+    """Subscribed to the manager's applied events: keeps the engine's counters and latencies,
+    logs through structlog, and warns once about each fence or pin held too long."""
+
+    def __init__(
+        self,
+        manager: OffloadManager,
+        config: Config,
+        clock: Callable[[], float],
+        *,
+        logger: Any,
+        debug: bool,
+        bytes_per_block: int,
+        fence_warn_ms: float,
+        pin_warn_ms: float,
+    ) -> None:
+        self.manager = manager
+        self.config = config
+        self.clock = clock
+        self.log = logger
+        self.debug = debug
+        self.bytes_per_block = bytes_per_block
+        self.counters = Counters()
+        self.latencies = Latencies()
+        self._submitted_at: dict[int, float] = {}
+        # fenced job -> when it was fenced (engine clock); the overdue ones were warned about
+        self.fenced_at: dict[int, float] = {}
+        self._overdue: set[int] = set()
+        self.fence_warn_ms = fence_warn_ms
+        # request -> when its lookups started holding hits it has not accepted or released
+        self.pinned_since: dict[str, float] = {}
+        self._pins_warned: set[str] = set()
+        self.pin_warn_ms = pin_warn_ms
+        self._subscribe()
+
+    def jobs_handed_over(self, jobs: list[TransferJob], now: float) -> None:
+        """The jobs go to the executor now (their latency counts from here)."""
+        for job in jobs:
+            self._submitted_at[job.job_id] = now
+
+    # -- memory kept too long ------------------------------------------------------------
+
+    def watch_fences(self, now: float) -> None:
+        """A fence held past ``fence_warn_ms`` is counted and warned about once (F15: an
+        executor that never reports a copy over keeps the memory, visibly)."""
+        overdue = [j for j, t in self.fenced_at.items() if now - t > self.fence_warn_ms and j not in self._overdue]
+        if not overdue:
+            return
+        by_id = {f.job_id: f for f in self.manager.fences()}
+        for job_id in overdue:
+            self._overdue.add(job_id)
+            self.counters.fences_overdue += 1
+            fence = by_id.get(job_id)
+            if fence is not None:
+                self.log.warning(
+                    "kvflow.fence_held",
+                    job=job_id,
+                    request=fence.request_id,
+                    direction=fence.direction,
+                    held_ms=now - self.fenced_at[job_id],
+                    device_blocks=len(fence.device_blocks),
+                    slots=len(fence.slots),
+                    ranks_pending=list(fence.ranks_pending),
+                )
+
+    def watch_pins(self, now: float) -> None:
+        """Hits a lookup pinned stay pinned until ``accept_hits`` (an empty list releases
+        them) or the request's finish; a request that keeps them past ``pin_warn_ms`` is
+        counted and warned about once, with how many blocks it keeps from eviction."""
+        requests = self.manager.state.requests
+        for rid, since in list(self.pinned_since.items()):
+            req = requests.get(rid)
+            if req is None or not req.offered:
+                del self.pinned_since[rid]
+                self._pins_warned.discard(rid)
+            elif now - since > self.pin_warn_ms and rid not in self._pins_warned:
+                self._pins_warned.add(rid)
+                self.counters.pins_overdue += 1
+                self.log.warning(
+                    "kvflow.pins_held",
+                    request=rid,
+                    blocks=len(req.offered),
+                    held_ms=now - since,
+                    hint="release with accept_hits(request_id, []) when the request is not scheduled",
+                )
+
+    # -- observation: counters, latencies, logs ------------------------------------------
+
+    def _subscribe(self) -> None:
+        on = self.manager.subscribe
+        on(self._on_submitted, (JobsSubmitted,))
+        on(self._on_terminal, TERMINAL_TYPES)
+        on(self._on_evicted, (BlocksEvicted,))
+        on(self._on_rejected, (StoreRejected,))
+        on(self._on_late, (LateResultIgnored,))
+        on(self._on_fence_event, (FenceLifted, Reset))
+        on(self._on_pins, (PinsAcquired,))
+        if self.debug:
+            on(self._log_event)
+
+    def _on_submitted(self, event: JobsSubmitted) -> None:
+        self.counters.jobs_submitted += len(event.job_ids)
+
+    def _on_pins(self, event: PinsAcquired) -> None:
+        if event.hashes and event.request_id not in self.pinned_since:
+            self.pinned_since[event.request_id] = self.clock()
+
+    def _fence(self, job_id: int) -> None:
+        if job_id not in self.fenced_at:
+            self.fenced_at[job_id] = self.clock()
+            self.counters.jobs_fenced += 1
+
+    def _on_fence_event(self, event: FenceLifted | Reset) -> None:
+        if type(event) is Reset:
+            for job_id in event.abandoned_job_ids:  # type: ignore[union-attr]
+                self._fence(job_id)
+        else:
+            self._unfence(event.job_id)  # type: ignore[union-attr]
+
+    def _unfence(self, job_id: int) -> None:
+        if self.fenced_at.pop(job_id, None) is not None:
+            self.counters.fences_lifted += 1
+            self._overdue.discard(job_id)
+
+    def _on_terminal(self, event: JobCompleted | JobFailed | JobTimedOut) -> None:
+        started = self._submitted_at.pop(event.job_id, None)
+        fenced = type(event) is not JobCompleted and event.fenced  # type: ignore[union-attr]
+        if fenced:
+            self._fence(event.job_id)
+        elif event.abandoned:
+            self._unfence(event.job_id)  # every rank of the abandoned job reported
+        if event.abandoned:
+            return  # a reset already told the engine; only the holds end now
+        c = self.counters
+        n = len(event.hashes)
+        kind = type(event)
+        if kind is JobCompleted:
+            c.jobs_completed += 1
+            if event.direction == STORE:
+                c.blocks_stored += n
+                c.bytes_stored += n * self.bytes_per_block
+            else:
+                c.blocks_loaded += n
+                c.bytes_loaded += n * self.bytes_per_block
+                c.hit_tokens += n * self.config.block_tokens  # only loads that landed
+        else:
+            if kind is JobFailed:
+                c.jobs_failed += 1
+            else:
+                c.jobs_timed_out += 1
+            if self.debug:
+                self.log.warning(
+                    f"kvflow.{event_name(event)}",
+                    job=event.job_id,
+                    request=event.request_id,
+                    direction=event.direction,
+                    blocks=n,
+                    error=getattr(event, "error", "deadline passed"),
+                )
+        if started is not None:
+            self.latencies.add(event.direction, self.clock() - started)
+
+    def _on_evicted(self, event: BlocksEvicted) -> None:
+        self.counters.blocks_evicted += len(event.hashes)
+
+    def _on_rejected(self, event: StoreRejected) -> None:
+        self.counters.blocks_rejected += len(event.hashes)
+
+    def _on_late(self, event: LateResultIgnored) -> None:
+        self.counters.late_results += 1
+
+    def _log_event(self, event: Event) -> None:
+        """Every applied event at debug level (only when structlog is configured)."""
+        fields: dict[str, Any] = {"seq": event.seq}
+        job = getattr(event, "job_id", None)
+        if job is not None:
+            fields["job"] = job
+        request = getattr(event, "request_id", None)
+        if request is not None:
+            fields["request"] = request
+        if type(event) is PinsAcquired:
+            fields["hits"] = len(event.hashes)
+        self.log.debug(f"kvflow.{event_name(event)}", **fields)

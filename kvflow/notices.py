@@ -1,0 +1,110 @@
+"""What the engine is told of outcomes that arrive later: notices (loads finished or failed,
+stores finished or failed, device blocks released, a reset), kept until taken (F4), and the
+fences it can ask about (F15). Built from the applied events alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.events import (
+    LOAD,
+    STORE,
+    Event,
+    FenceLifted,
+    JobCompleted,
+    JobFailed,
+    JobTimedOut,
+    Reset,
+    StoreRejected,
+)
+
+ABANDONED_BY_RESET = "abandoned by a reset: recompute these device blocks once they are released"
+
+
+@dataclass
+class LoadFailure:
+    """A load that did not land: ``device_blocks`` hold garbage and must be recomputed.
+
+    ``fenced`` (F15): the load's copy may still be writing those device blocks (it timed out,
+    failed on one rank, or was abandoned by a reset). Recompute into other blocks; these
+    come back in a later ``released_device_blocks``, once the copy is over."""
+
+    request_id: str
+    job_id: int
+    device_blocks: tuple[int, ...]
+    error: str
+    fenced: bool = False
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A job whose outcome is known but whose copy may still run (F15): its slots and device
+    blocks are not reused until the executor reports every rank's copy over."""
+
+    job_id: int
+    direction: str
+    request_id: str | None
+    device_blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+    deadline_ms: float
+    ranks_pending: tuple[int, ...]  # ranks that have not reported yet
+    abandoned: bool  # fenced by a reset (else: timed out, or failed on another rank)
+
+
+@dataclass
+class Notices:
+    """What happened since the engine last asked (F4: kept until taken)."""
+
+    loads_finished: list[tuple[str, int]] = field(default_factory=list)  # (request, job)
+    loads_failed: list[LoadFailure] = field(default_factory=list)
+    stores_finished: list[int] = field(default_factory=list)  # job ids
+    stores_failed: list[tuple[int, str]] = field(default_factory=list)  # (job, error)
+    released_device_blocks: list[int] = field(default_factory=list)  # holds that ended
+    rejected_store_blocks: int = 0
+    all_blocks_cleared: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.loads_finished
+            or self.loads_failed
+            or self.stores_finished
+            or self.stores_failed
+            or self.released_device_blocks
+            or self.rejected_store_blocks
+            or self.all_blocks_cleared
+        )
+
+    def observe(self, event: Event) -> None:
+        kind = type(event)
+        if kind is JobCompleted or kind is JobFailed or kind is JobTimedOut:
+            fenced = kind is not JobCompleted and event.fenced  # type: ignore[union-attr]
+            if not fenced:  # (a fenced job's device blocks come back at its FenceLifted)
+                self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
+            if event.abandoned:  # type: ignore[union-attr]
+                return  # a reset already told the engine; only the holds end now
+            error = None
+            if kind is JobFailed:
+                error = event.error  # type: ignore[union-attr]
+            elif kind is JobTimedOut:
+                error = f"timed out at {event.now_ms} ms (deadline {event.deadline_ms} ms)"  # type: ignore[union-attr]
+            if event.direction == LOAD and event.request_id is not None:  # type: ignore[union-attr]
+                if error is None:
+                    self.loads_finished.append((event.request_id, event.job_id))  # type: ignore[union-attr]
+                else:
+                    self.loads_failed.append(
+                        LoadFailure(event.request_id, event.job_id, event.device_blocks, error, fenced)  # type: ignore[union-attr,arg-type]
+                    )
+            elif event.direction == STORE:  # type: ignore[union-attr]
+                if error is None:
+                    self.stores_finished.append(event.job_id)  # type: ignore[union-attr]
+                else:
+                    self.stores_failed.append((event.job_id, error))  # type: ignore[union-attr]
+        elif kind is FenceLifted:
+            self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
+        elif kind is StoreRejected:
+            self.rejected_store_blocks += len(event.hashes)  # type: ignore[union-attr]
+        elif kind is Reset:
+            self.all_blocks_cleared = True
+
+
+NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, FenceLifted, StoreRejected, Reset})

@@ -1,0 +1,263 @@
+"""``evolve`` for the job events: a job queued, submitted, a rank's result, its end (or its
+fence, F15), a late result, a fence lifted. Each checks the event (when asked), reads the job's
+next state from ``JOB_TRANSITIONS`` and moves the job's entries with ``kvflow.state.moves``.
+Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvflow.errors import IllegalTransition
+from kvflow.events import (
+    LOAD,
+    STORE,
+    FenceLifted,
+    JobCompleted,
+    JobFailed,
+    JobsSubmitted,
+    JobTimedOut,
+    LateResultIgnored,
+    LoadQueued,
+    RankSucceeded,
+    StoreQueued,
+    event_name,
+)
+from kvflow.state import legality as lg
+from kvflow.state.model import Job, State
+from kvflow.state.moves import ensure_request, move, unpin
+from kvflow.state.tables import (
+    ABSENT,
+    JOB_TRANSITIONS,
+    OUTCOME_JOB_STATES,
+    RESIDENT,
+    STORE_QUEUED,
+    STORING,
+    JobState,
+)
+
+# --- jobs -----------------------------------------------------------------------------------
+
+
+def _add_job(state: State, event: StoreQueued | LoadQueued, direction: str, tag: str) -> Job:
+    job = Job(event.job_id, direction, event.request_id, event.hashes, event.device_blocks, event.slots)
+    job.state = JOB_TRANSITIONS[JobState.NEW][tag]
+    state.jobs[event.job_id] = job
+    state.queued[event.job_id] = None
+    state.last_job_id = event.job_id
+    held, job_id = state.held, event.job_id
+    for d in event.device_blocks:
+        held[d] = job_id
+    req = ensure_request(state, event.request_id)
+    if req is not None:
+        req.jobs[event.job_id] = None
+    return job
+
+
+def _end_job(state: State, job: Job, abandoned: bool) -> None:
+    """A terminal job leaves the state: its holds end, its request forgets it (a job
+    abandoned by a reset was already forgotten by its request)."""
+    del state.jobs[job.job_id]
+    state.queued.pop(job.job_id, None)
+    held = state.held
+    for d in job.device_blocks:
+        del held[d]
+    if job.request_id is not None and not abandoned:
+        del state.requests[job.request_id].jobs[job.job_id]
+
+
+def _quarantine(state: State, job: Job) -> None:
+    """Fence the job's slots: none is handed out again while its copy may still run."""
+    quarantine, jid = state.quarantine, job.job_id
+    for s in dict.fromkeys(job.slots):  # a load may read one slot twice
+        quarantine[s] = quarantine.get(s, ()) + (jid,)
+
+
+def _fence(state: State, job: Job) -> None:
+    """The job's outcome is applied but its copy may still run (F15): its slots are
+    quarantined and its device blocks stay held; its request forgets it."""
+    _quarantine(state, job)
+    if job.request_id is not None:
+        del state.requests[job.request_id].jobs[job.job_id]
+
+
+def _release_quarantine(state: State, job: Job) -> None:
+    """The fence ends: each of the job's slots no other fence uses is free again, unless
+    its entry still owns it (a fenced load's block may still be resident)."""
+    quarantine = state.quarantine
+    free, slot_of = state.free_slots, state.slot_of
+    jid = job.job_id
+    for h, s in reversed(dict.fromkeys(zip(job.hashes, job.slots))):
+        users = tuple(j for j in quarantine[s] if j != jid)
+        if users:
+            quarantine[s] = users  # another fenced job still uses this slot
+        else:
+            del quarantine[s]
+            if slot_of.get(h) != s:
+                free.append(s)
+
+
+# --- one function per job event ------------------------------------------------------------
+
+
+
+def _store_queued(state: State, event: StoreQueued, check: bool) -> None:
+    if check:
+        lg.check_new_job(state, event)
+        lg.check_absent(state, event)
+        lg.check_free_slots(state, event, event.slots)
+        req = state.requests.get(event.request_id) if event.request_id is not None else None
+        if req is not None and req.finished:
+            raise lg.illegal(state, event, "FINISHED", f"request {event.request_id} is finished")
+    job = _add_job(state, event, STORE, "store_queued")
+    move(state, ABSENT, "store_queued", event.hashes, job)
+
+
+def _load_queued(state: State, event: LoadQueued, check: bool) -> None:
+    req = state.requests.get(event.request_id)
+    n = len(event.hashes)
+    if check:
+        lg.check_new_job(state, event)
+        if req is None or req.finished:
+            raise lg.illegal(state, event, "NO_REQUEST", f"request {event.request_id} is not live")
+        if req.offered[:n] != event.hashes:  # (offered hits are pinned, hence RESIDENT)
+            raise lg.illegal(state, event, "PINS", "a load must take the request's offered hits, in order")
+        if tuple(map(state.slot_of.__getitem__, event.hashes)) != event.slots:
+            raise lg.illegal(state, event, "RESIDENT", "the load's slots are not where its blocks live")
+    if req is None:
+        raise lg.illegal(state, event, "NO_REQUEST", f"request {event.request_id} is not live")
+    # the request's pins move from "offered" to the job (counts are unchanged)
+    req.offered = req.offered[n:]
+    req.loading[event.job_id] = event.hashes
+    job = _add_job(state, event, LOAD, "load_queued")
+    move(state, RESIDENT, "load_queued", event.hashes, job)
+
+
+def _jobs_submitted(state: State, event: JobsSubmitted, check: bool) -> None:
+    jobs, queued = state.jobs, state.queued
+    if check:
+        for jid in event.job_ids:
+            job = lg.check_job(state, event, "jobs_submitted", jid)
+            if jid not in queued:
+                raise lg.illegal(state, event, job.state.name, f"job {jid} is not queued")
+        if len(set(event.job_ids)) != len(event.job_ids):
+            raise lg.illegal(state, event, "IN_FLIGHT", "a job is submitted twice in one event")
+    deadline = event.deadline_ms
+    for jid in event.job_ids:
+        job = jobs[jid]
+        job.state = JOB_TRANSITIONS[job.state]["jobs_submitted"]
+        job.deadline_ms = deadline
+        del queued[jid]
+        # a store's entries follow their job: STORE_QUEUED -> STORING
+        move(state, STORE_QUEUED if job.direction == STORE else RESIDENT, "jobs_submitted", (), job)
+
+
+def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, tag: str) -> Job:
+    job = lg.check_job(state, event, tag, event.job_id)
+    if type(event) is JobFailed and event.fenced:
+        if not 0 <= event.rank < state.config.world_size:
+            raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+        if job.reported | (1 << event.rank) == (1 << state.config.world_size) - 1:
+            raise lg.illegal(state, event, job.state.name, "every rank has reported: nothing to fence")
+    if (
+        job.hashes != event.hashes
+        or job.direction != event.direction
+        or job.device_blocks != event.device_blocks
+    ):
+        raise lg.illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
+    if event.abandoned != job.abandoned:
+        raise lg.illegal(state, event, job.state.name, f"job {job.job_id} abandoned is {job.abandoned}")
+    # (Its entries need no check: a live store's hashes stay pending on it and a live load's
+    # stay pinned, hence RESIDENT, until this event: the invariants every earlier event kept.)
+    if type(event) is JobCompleted:
+        world = state.config.world_size
+        if not 0 <= event.rank < world:
+            raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+        if job.acks | (1 << event.rank) != (1 << world) - 1:
+            raise lg.illegal(state, event, job.state.name, f"job {job.job_id} lacks rank results")
+    return job
+
+
+def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check: bool) -> None:
+    tag = event_name(event)
+    fenced = type(event) is not JobCompleted and event.fenced  # type: ignore[union-attr]
+    job_tag = tag + ":fenced" if fenced else tag
+    job = _check_terminal(state, event, job_tag) if check else state.jobs[event.job_id]
+    was = job.state
+    job.state = JOB_TRANSITIONS[was][job_tag]
+    if job.state not in OUTCOME_JOB_STATES:
+        raise IllegalTransition(was.name, f"{tag}#{event.seq}", "the job table must end or fence the job here")
+    abandoned = was is JobState.ABANDONED
+    if fenced:
+        if type(event) is JobFailed:
+            job.reported |= 1 << event.rank
+        if abandoned:
+            return  # already fenced by the reset (its entries left the tier then)
+        _fence(state, job)  # memory stays fenced; the outcome below applies now
+    else:
+        _end_job(state, job, abandoned)
+        if abandoned:
+            # its entries left the tier at the reset; only its quarantined slots come back now
+            _release_quarantine(state, job)
+            return
+    if job.direction == STORE:
+        move(state, STORE_QUEUED if was is JobState.QUEUED else STORING, tag, job.hashes, job)
+    else:
+        move(state, RESIDENT, tag, job.hashes, job)
+        del state.requests[job.request_id].loading[job.job_id]  # type: ignore[index]
+        unpin(state, job.hashes)
+
+
+def _rank_succeeded(state: State, event: RankSucceeded, check: bool) -> None:
+    job = lg.check_job(state, event, "rank_succeeded", event.job_id)
+    world = state.config.world_size
+    if not 0 <= event.rank < world:  # (before the shift: a negative rank cannot shift)
+        raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+    bit = 1 << event.rank
+    if job.acks & bit:
+        raise lg.illegal(state, event, job.state.name, f"rank {event.rank} cannot report again")
+    if job.acks | bit == (1 << world) - 1:
+        raise lg.illegal(state, event, job.state.name, "the last rank's success is JobCompleted")
+    job.state = JOB_TRANSITIONS[job.state]["rank_succeeded"]
+    job.acks |= bit
+    job.reported |= bit
+
+
+def _late(state: State, event: LateResultIgnored, check: bool) -> None:
+    job = state.jobs.get(event.job_id)
+    if job is not None and job.state is JobState.FENCED:
+        # a fenced job's rank reports: that rank's copy is over
+        if not 0 <= event.rank < state.config.world_size:
+            raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+        job.state = lg.job_next(state, event, "late_result_ignored", job)
+        job.reported |= 1 << event.rank
+    elif job is not None:
+        # legal for a live job only as a repeat of a rank that already reported success
+        if not (0 <= event.rank < 64 and job.acks & (1 << event.rank)):
+            raise lg.illegal(state, event, job.state.name, f"job {event.job_id} is live")
+        job.state = lg.job_next(state, event, "late_result_ignored", job)
+    elif not 0 < event.job_id <= state.last_job_id:
+        raise lg.illegal(state, event, "NEW", f"job {event.job_id} was never queued")
+
+
+def _fence_lifted(state: State, event: FenceLifted, check: bool) -> None:
+    job = lg.check_job(state, event, "fence_lifted", event.job_id)
+    if job.device_blocks != event.device_blocks or job.slots != event.slots:
+        raise lg.illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
+    if event.reason == "copy over" and job.reported != (1 << state.config.world_size) - 1:
+        raise lg.illegal(state, event, job.state.name, f"job {job.job_id}: not every rank has reported")
+    job.state = lg.job_next(state, event, "fence_lifted", job)
+    _end_job(state, job, abandoned=True)  # its request forgot it when it was fenced
+    _release_quarantine(state, job)
+
+
+JOB_EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {
+    StoreQueued: _store_queued,  # type: ignore[dict-item]
+    LoadQueued: _load_queued,  # type: ignore[dict-item]
+    JobsSubmitted: _jobs_submitted,  # type: ignore[dict-item]
+    RankSucceeded: _rank_succeeded,  # type: ignore[dict-item]
+    JobCompleted: _terminal,  # type: ignore[dict-item]
+    JobFailed: _terminal,  # type: ignore[dict-item]
+    JobTimedOut: _terminal,  # type: ignore[dict-item]
+    LateResultIgnored: _late,  # type: ignore[dict-item]
+    FenceLifted: _fence_lifted,  # type: ignore[dict-item]
+}

@@ -1,0 +1,132 @@
+"""The writers of the state: each entry move of ``BLOCK_TRANSITIONS`` (one writer for each
+(from, to) pair), pins, and the requests ``evolve`` creates. Used by ``kvflow.state.apply``
+and ``kvflow.state.job_events`` once an event is known legal. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvflow.state.model import Job, Request, State
+from kvflow.state.tables import (
+    ABSENT,
+    BLOCK_TRANSITIONS,
+    RESIDENT,
+    STORE_QUEUED,
+    STORING,
+    BlockState,
+)
+
+# --- entry moves: the one writer for each (from, to) pair of BLOCK_TRANSITIONS ----------
+# The entries are stored column-wise (slot_of, pending, pin_count; the policy orders the
+# RESIDENT ones), so a move is a few dict operations per hash. (Plain loops of subscript
+# stores and deletes: in CPython 3.11 they beat map() over __setitem__ / __delitem__.)
+
+
+def _admit(state: State, hashes: tuple[int, ...], job: Job) -> None:
+    """ABSENT -> STORE_QUEUED: the store job's slots are taken, its hashes pending on it."""
+    free = state.free_slots
+    del free[len(free) - len(job.slots) :]
+    state.slot_of.update(zip(hashes, job.slots))
+    pending, job_id = state.pending, job.job_id
+    for h in hashes:
+        pending[h] = job_id
+
+
+def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
+    """STORING -> RESIDENT: visible from now on, the most recent in the policy.
+
+    F14: a touch that named these entries while they were being stored is applied now, so
+    a chain's order is the engine's touch whatever order its stores land in."""
+    pending = state.pending
+    for h in hashes:
+        del pending[h]
+    state.policy.insert_many(hashes)
+    if state.deferred_touches:
+        deferred = state.deferred_touches.pop(job.job_id, None)
+        if deferred is not None:
+            touched, reuse = deferred
+            slot_of, pending = state.slot_of, state.pending
+            resident = tuple(h for h in touched if h in slot_of and h not in pending)
+            if reuse:
+                state.policy.touch_many(resident)
+            else:
+                state.policy.refresh_many(resident)
+
+
+def _free(state: State, hashes: tuple[int, ...]) -> None:
+    """The entries leave their slots; a slot a fenced copy may still use stays out of the
+    free list until that fence is lifted (F15)."""
+    slots = map(state.slot_of.pop, reversed(hashes))
+    quarantine = state.quarantine
+    if quarantine:
+        state.free_slots.extend([s for s in slots if s not in quarantine])
+    else:
+        state.free_slots.extend(slots)
+
+
+def _drop_pending(state: State, hashes: tuple[int, ...], job: Job) -> None:
+    """STORE_QUEUED / STORING -> ABSENT: never visible; the slots are free again (or fenced,
+    when the job's copy may still be writing them)."""
+    if state.deferred_touches:
+        state.deferred_touches.pop(job.job_id, None)
+    pending = state.pending
+    for h in hashes:
+        del pending[h]
+    _free(state, hashes)
+
+
+def _evict(state: State, hashes: tuple[int, ...], job: Job | None) -> None:
+    """RESIDENT -> ABSENT: the slots are free again; the policy forgets (or ghosts) them."""
+    _free(state, hashes)
+    state.policy.remove_many(hashes)
+    if state.bad:
+        for h in hashes:
+            state.bad.pop(h, None)
+
+
+_ENTRY_MOVES: dict[tuple[BlockState, BlockState], Callable[..., None] | None] = {
+    (ABSENT, STORE_QUEUED): _admit,
+    (STORE_QUEUED, STORING): None,  # nothing to write: the store job's own state tells them apart
+    (STORING, RESIDENT): _publish,
+    (STORE_QUEUED, ABSENT): _drop_pending,
+    (STORING, ABSENT): _drop_pending,
+    (RESIDENT, ABSENT): _evict,
+}
+
+
+def move(state: State, current: BlockState, tag: str, hashes: tuple[int, ...], job: Job | None) -> None:
+    """Move entries that are all in ``current`` to where the table says ``tag`` takes them
+    (a self-loop leaves them as they are: the event's own effect does the rest)."""
+    nxt = BLOCK_TRANSITIONS[current][tag]
+    if nxt is not current:
+        write = _ENTRY_MOVES[current, nxt]
+        if write is not None:
+            write(state, hashes, job)
+
+
+# --- pins and requests --------------------------------------------------------------------
+
+
+def ensure_request(state: State, request_id: str | None) -> Request | None:
+    if request_id is None:
+        return None
+    req = state.requests.get(request_id)
+    if req is None:
+        req = state.requests[request_id] = Request(request_id)
+    return req
+
+
+def pin(state: State, hashes: tuple[int, ...]) -> None:
+    pins = state.pin_count
+    for h in hashes:
+        pins[h] = pins.get(h, 0) + 1
+
+
+def unpin(state: State, hashes: tuple[int, ...]) -> None:
+    pins = state.pin_count
+    for h in hashes:
+        left = pins[h] - 1
+        if left:
+            pins[h] = left
+        else:
+            del pins[h]

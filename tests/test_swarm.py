@@ -14,6 +14,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -69,11 +70,47 @@ KINDS = (
 )
 
 
+# What the fixed seeds must run into between them (counted from their runs): copies that
+# finish after their timeout (lifted by the copy), one-rank failures, integrity failures,
+# resets abandoning jobs, re-admission after preemption, finishes during transfers...
+OUTCOMES = (
+    "timed_out",
+    "lifted_copy_over",
+    "lifted_closed",
+    "rank_failures",
+    "checksum_failures",
+    "corrupt_evictions",
+    "abandoned",
+    "preempted_in_flight",
+    "resumed",
+    "finished_in_flight",
+    "fenced_recomputes",
+    "late_results",
+    "unknown_results",
+    "invalidations",
+)
+
+_CHECKED: dict[int, Any] = {}  # seed -> its SeedResult, so that each seed runs once per session
+
+
+def checked(seed: int, tmp_path: Path) -> Any:
+    if seed not in _CHECKED:
+        _CHECKED[seed] = swarm.check_seed(seed, FAULT_MAX, tmp_path, subprocess_check=False)
+    return _CHECKED[seed]
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_seed_passes_every_check_and_reruns_to_the_same_bytes(seed: int, tmp_path: Path) -> None:
-    result = swarm.check_seed(seed, FAULT_MAX, tmp_path, subprocess_check=False)
+    result = checked(seed, tmp_path)
     assert result.failure is None, f"{swarm.repro(seed, FAULT_MAX)}: {result.failure}"
     assert result.trace  # a trace was recorded
+
+
+def test_the_fixed_seeds_run_into_every_fault_the_swarm_is_for(tmp_path: Path) -> None:
+    total = swarm.Stats()
+    for seed in SEEDS:
+        total.add(checked(seed, tmp_path).stats)
+    assert [name for name in OUTCOMES if not getattr(total, name)] == []
 
 
 def test_the_fixed_seeds_cover_every_kind_of_fault_and_configuration() -> None:
@@ -154,3 +191,11 @@ def test_seed_16_a_block_reported_corrupt_while_pinned_leaves_the_tier_with_its_
 def test_seed_155_a_corrupt_report_survives_a_batch_split_by_a_stray_result(tmp_path: Path) -> None:
     result = swarm.check_seed(155, FAULT_MAX, tmp_path, subprocess_check=False)
     assert result.failure is None, result.failure
+
+
+def test_the_command_a_failing_seed_prints_draws_the_same_scenario() -> None:
+    fault_max = 0.123456789  # (a rounded --fault-max would draw another scenario)
+    words = swarm.repro(7, fault_max).split()
+    assert words[:2] == ["python", "tools/swarm.py"]
+    again = float(words[words.index("--fault-max") + 1])
+    assert swarm.pick_scenario(7, again) == swarm.pick_scenario(7, fault_max)

@@ -10,6 +10,11 @@ import msgspec
 from kvflow.errors import ConfigError
 
 STORE_MODES = ("eager", "lazy")
+# When blocks go to the remote tier: as soon as their CPU-tier store completes (write-through),
+# or when they come near eviction from the CPU tier (ahead of eviction: the policy's coldest)
+REMOTE_STORE_MODES = ("write_through", "ahead_of_eviction")
+# The most remote-tier hashes a state remembers (its remote index costs ~100 bytes a hash)
+MAX_REMOTE_BLOCKS = 1 << 26
 # Rank acknowledgements are kept as a bit mask that traces record as a 64-bit integer.
 MAX_WORLD_SIZE = 64
 
@@ -24,6 +29,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     ``cpu_blocks`` is the CPU tier's capacity in blocks; ``0`` disables offload.
     ``block_tokens`` is the number of tokens per KV block. ``job_deadline_ms`` bounds how
     long a submitted job may stay in flight before it times out (F2).
+
+    ``remote_blocks`` turns on the remote tier behind the CPU tier (``kvflow.tiers``): the
+    most remote hashes kvflow remembers (oldest forgotten first); ``0``: no remote tier.
+    ``remote_store_mode`` says when blocks are copied there.
     """
 
     cpu_blocks: int
@@ -32,6 +41,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     store_mode: str = "eager"
     world_size: int = 1
     job_deadline_ms: float = 30_000.0
+    remote_blocks: int = 0
+    remote_store_mode: str = "write_through"
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -40,8 +51,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     def enabled(self) -> bool:
         return self.cpu_blocks > 0
 
+    @property
+    def remote(self) -> bool:
+        return self.remote_blocks > 0
+
     def to_dict(self) -> dict[str, Any]:
-        return msgspec.structs.asdict(self)
+        out = msgspec.structs.asdict(self)
+        if not self.remote:  # (traces without a remote tier keep the header they always had)
+            del out["remote_blocks"], out["remote_store_mode"]
+        return out
 
 
 # The largest tier a state can be built for (the slot list costs ~80 bytes a slot: 1.3 GB here);
@@ -80,6 +98,16 @@ def validate_config(config: Config) -> None:
         or deadline <= 0
     ):
         raise ConfigError(f"job_deadline_ms must be a finite number > 0, got {deadline!r}")
+    if not _is_int(config.remote_blocks) or not 0 <= config.remote_blocks <= MAX_REMOTE_BLOCKS:
+        raise ConfigError(
+            f"remote_blocks must be a whole number within 0..{MAX_REMOTE_BLOCKS:,} "
+            f"(0: no remote tier), got {config.remote_blocks!r}"
+        )
+    if config.remote_store_mode not in REMOTE_STORE_MODES:
+        raise ConfigError(
+            f"remote_store_mode must be one of {', '.join(REMOTE_STORE_MODES)}, "
+            f"got {config.remote_store_mode!r}"
+        )
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

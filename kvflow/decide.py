@@ -32,6 +32,7 @@ from kvflow.decide_jobs import (
     expired_jobs,
 )
 from kvflow.decide_lookup import decide_accept_hits, decide_lookup, hit_cap_blocks
+from kvflow.decide_remote import decide_remote_found
 from kvflow.decide_store import (
     decide_blocks_computed,
     decide_device_evicting,
@@ -55,6 +56,7 @@ from kvflow.events import (
     JobResults,
     Lookup,
     PlanStep,
+    RemoteFound,
     ResetAll,
     Tick,
     Touch,
@@ -76,6 +78,7 @@ DECIDERS: dict[type, Callable[[State, Any], Decision]] = {
     ResetAll: decide_reset,
     Invalidate: decide_invalidate,
     EndFences: decide_end_fences,
+    RemoteFound: decide_remote_found,
 }
 
 

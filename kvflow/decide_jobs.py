@@ -7,10 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.decide_checks import Decision, whole
+from kvflow.decide_remote import push_ahead_of_eviction, write_through
 from kvflow.decide_store import drop_corrupt
 from kvflow.errors import Rejected, UnknownJob
 from kvflow.events import (
     LOAD,
+    STORE,
     EndFences,
     FenceLifted,
     FinishRequest,
@@ -48,6 +50,8 @@ def _transfer_job(job: Job) -> TransferJob:
 
 
 def decide_plan_step(state: State, cmd: PlanStep) -> Decision:
+    if state.config.remote and state.config.remote_store_mode == "ahead_of_eviction":
+        yield from push_ahead_of_eviction(state)
     if not state.queued:
         return []
     job_ids = tuple(state.queued)
@@ -136,7 +140,10 @@ def _apply_result(state: State, cmd: JobResult) -> Decision:
             bad = [h for h in job.hashes if h in named]
             yield from drop_corrupt(state, bad)
     elif job.acks | bit == (1 << state.config.world_size) - 1:
+        landed = job.direction == STORE and job.state is not JobState.ABANDONED
         yield _terminal_event(JobCompleted, state, job, rank=cmd.rank)
+        if landed and state.config.remote:
+            yield from write_through(state, job.hashes)
     else:
         yield RankSucceeded(seq=state.next_seq, job_id=job.job_id, rank=cmd.rank)
         return

@@ -6,6 +6,7 @@ from __future__ import annotations
 import operator
 
 from kvflow.decide_checks import Decision, check_device_blocks, check_not_finished, whole
+from kvflow.decide_remote import remote_loads
 from kvflow.errors import Rejected, UnknownRequest
 from kvflow.events import (
     AcceptHits,
@@ -46,6 +47,9 @@ def decide_lookup(state: State, cmd: Lookup) -> Decision:
         visible = list(map(operator.gt, visible, map(state.pending.__contains__, window)))
     n = visible.index(False) if False in visible else len(window)
     yield PinsAcquired(seq=state.next_seq, request_id=cmd.request_id, hashes=window[:n], num_tokens=cmd.num_tokens)
+    if n < len(window) and state.remote:
+        # what the remote tier holds beyond the hits comes to the CPU tier (a later lookup hits)
+        yield from remote_loads(state, window[n:])
     return n
 
 

@@ -12,6 +12,7 @@ from kvflow.decide_checks import Decision, check_device_blocks, check_not_finish
 from kvflow.errors import Rejected
 from kvflow.events import (
     LOAD,
+    REMOTE_STORE,
     BlocksComputed,
     BlocksCorrupt,
     BlocksEvicted,
@@ -29,15 +30,16 @@ from kvflow.state import State
 
 
 def _fenced_slot_owners(state: State) -> list[int]:
-    """Resident entries whose slot a fenced load may still read (F15): evicting one would
-    free no slot until the fence is lifted, so eviction for space passes them over."""
+    """Resident entries whose slot a fenced load (or remote store) may still read (F15):
+    evicting one would free no slot until the fence is lifted, so eviction for space passes
+    them over."""
     if not state.quarantine:
         return []
     slot_of = state.slot_of
     return [
         h
         for job in state.jobs.values()
-        if job.fenced and job.direction == LOAD
+        if job.fenced and (job.direction == LOAD or job.direction == REMOTE_STORE)
         for h, s in zip(job.hashes, job.slots)
         if slot_of.get(h) == s
     ]

@@ -20,9 +20,16 @@ import msgspec
 
 EVENT_VERSION = 1
 
-Direction = Literal["store", "load"]
+# store / load: device <-> host slots. remote_load: the remote tier -> host slots (a CPU-tier
+# entry filled like a store: visible when it completes); remote_store: host slots -> the remote
+# tier (the entries stay resident, pinned by the job while it reads their slots).
+Direction = Literal["store", "load", "remote_store", "remote_load"]
 STORE: Direction = "store"
 LOAD: Direction = "load"
+REMOTE_STORE: Direction = "remote_store"
+REMOTE_LOAD: Direction = "remote_load"
+# jobs whose entries are pending (STORE_QUEUED / STORING) until they complete
+FILLING: tuple[str, ...] = (STORE, REMOTE_LOAD)
 
 Hashes = tuple[int, ...]
 Blocks = tuple[int, ...]
@@ -60,6 +67,33 @@ class LoadQueued(_Event, frozen=True, tag="load_queued"):
     hashes: Hashes
     device_blocks: Blocks
     slots: Blocks
+
+
+class RemoteLoadQueued(_Event, frozen=True, tag="remote_load_queued"):
+    """A remote load was queued: blocks the remote tier holds and the CPU tier lacks each take
+    the listed slot (STORE_QUEUED), filled from the remote tier; like a store's, they become
+    visible only when the job completes. No device blocks: the engine loads them from the CPU
+    tier once they are resident (a later lookup hits them)."""
+
+    job_id: int
+    hashes: Hashes
+    slots: Blocks
+
+
+class RemoteStoreQueued(_Event, frozen=True, tag="remote_store_queued"):
+    """Resident entries are copied from their slots to the remote tier. The job pins them
+    until it is terminal, so their slots are not reused while the copy reads them."""
+
+    job_id: int
+    hashes: Hashes
+    slots: Blocks
+
+
+class RemoteIndexed(_Event, frozen=True, tag="remote_indexed"):
+    """The remote tier was found to hold these hashes (another instance stored them): a
+    lookup that misses the CPU tier on them queues their remote load."""
+
+    hashes: Hashes
 
 
 class JobsSubmitted(_Event, frozen=True, tag="jobs_submitted"):
@@ -275,6 +309,9 @@ Event = Union[
     RequestResumed,
     RequestClosed,
     Reset,
+    RemoteLoadQueued,
+    RemoteStoreQueued,
+    RemoteIndexed,
 ]
 
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
@@ -389,6 +426,12 @@ class EndFences(_Command, frozen=True, tag="end_fences"):
     """The executor is closed and its copies have stopped: every fence ends (F15)."""
 
 
+class RemoteFound(_Command, frozen=True, tag="remote_found"):
+    """A probe of the remote tier found these hashes there (remember them for lookups)."""
+
+    block_hashes: Hashes
+
+
 Command = Union[
     Lookup,
     AcceptHits,
@@ -404,6 +447,7 @@ Command = Union[
     ResetAll,
     Invalidate,
     EndFences,
+    RemoteFound,
 ]
 
 COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]

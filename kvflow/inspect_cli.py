@@ -198,7 +198,7 @@ def _refuse_unknown(trace: str, result: Any) -> None:
     selector = result.selector
     if selector.slot is None:
         fail(f"{selector} never appears in {result.path} (last seq {result.last_seq})")
-    from kvflow.log import TraceReader
+    from kvflow.trace.reader import TraceReader
 
     with user_errors():
         reader = TraceReader(trace)
@@ -253,6 +253,8 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
         f"  tier: {state['capacity']} slots ({state['policy']}): {states}; "
         f"{state['free_slots']} free, {len(state['quarantine'])} quarantined"
     )
+    if "remote_index" in state:
+        click.echo(f"  remote tier: {len(state['remote_index'])} blocks known there {few(state['remote_index'], 8)}")
     if state["entries"]:
         table = Table(title="entries (by slot)", title_justify="left")
         for column in ("slot", "hash", "state", "pins", "job"):

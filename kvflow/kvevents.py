@@ -19,7 +19,7 @@ from typing import Any, Union
 
 import msgspec
 
-from kvflow.events import STORE, BlocksEvicted, Event, JobCompleted, Reset
+from kvflow.events import FILLING, BlocksEvicted, Event, JobCompleted, Reset
 
 MEDIUM_CPU = "CPU"
 
@@ -82,7 +82,8 @@ def kv_event(event: Event, block_tokens: int) -> KVEvent | None:
     """The KV event one kvflow event implies, or None."""
     kind = type(event)
     if kind is JobCompleted:
-        if event.direction != STORE or event.abandoned:  # type: ignore[union-attr]
+        # a store, or a remote load, put these blocks on the CPU tier
+        if event.direction not in FILLING or event.abandoned:  # type: ignore[union-attr]
             return None
         return BlockStored(
             block_hashes=list(event.hashes),  # type: ignore[union-attr]

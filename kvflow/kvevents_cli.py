@@ -23,7 +23,7 @@ def kv_events_command(trace: str, until: int | None) -> None:
 
     from kvflow.events import EVENT_TYPES, Event
     from kvflow.kvevents import kv_event
-    from kvflow.log import TraceReader
+    from kvflow.trace.reader import TraceReader
 
     encoder = msgspec.json.Encoder()
     out = sys.stdout
@@ -40,5 +40,5 @@ def kv_events_command(trace: str, until: int | None) -> None:
                 kv = kv_event(rec, block_tokens)
                 if kv is not None:
                     out.write(encoder.encode(kv).decode() + "\n")
-        for warning in reader.warnings:
+        for warning in reader.findings():
             warn(warning)

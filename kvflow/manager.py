@@ -18,7 +18,8 @@ from typing import Any
 
 from kvflow import boundary as bd
 from kvflow.config import Config
-from kvflow.decide import DECIDERS, expired_jobs
+from kvflow.decide import DECIDERS, expired_jobs, hit_cap_blocks
+from kvflow.decide_remote import probe_candidates
 from kvflow.errors import ConcurrentCall, EngineClosed
 from kvflow.events import (
     EVENT_TYPES,
@@ -38,6 +39,7 @@ from kvflow.events import (
     JobsSubmitted,
     Lookup,
     PlanStep,
+    RemoteFound,
     Reset,
     ResetAll,
     StoreRejected,
@@ -89,7 +91,7 @@ class OffloadManager:
         (``ConcurrentCall``: kvflow is called from one thread)."""
         if self.closed:
             raise EngineClosed(f"{type(command).__name__}: the engine is closed")
-        if not self._deciding.acquire(blocking=False):
+        if not self._deciding.acquire(False):  # (positional: half the cost of blocking=False)
             raise ConcurrentCall(
                 f"{type(command).__name__} while another call is being decided: call kvflow from one thread"
             )
@@ -300,6 +302,21 @@ class OffloadManager:
         its integrity check evicts them)."""
         answer, _ = self.handle(Invalidate(block_hashes=bd.hashes(block_hashes)))
         return int(answer)
+
+    def remote_found(self, block_hashes: Sequence[int]) -> int:
+        """A probe found these blocks on the remote tier: lookups that miss the CPU tier on
+        them load them from there. Returns how many were new to the remote index."""
+        answer, _ = self.handle(RemoteFound(block_hashes=bd.hashes(block_hashes)))
+        return int(answer)
+
+    def remote_probe_candidates(
+        self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int, hits: int
+    ) -> list[int]:
+        """After a lookup that hit ``hits`` blocks: the blocks worth asking the remote tier
+        about (neither on the CPU tier nor known remotely), in prefix order. A query."""
+        cap = hit_cap_blocks(int(num_tokens), self.config.block_tokens)
+        window = list(block_hashes[int(device_hit_blocks) + int(hits) : cap])
+        return probe_candidates(self.state, window)
 
     def reset(self) -> None:
         """Forget the tier: queued jobs are cancelled, in-flight ones abandoned (their slots

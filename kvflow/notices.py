@@ -4,7 +4,9 @@ fences it can ask about (F15). Built from the applied events alone."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import msgspec
 
 from kvflow.events import (
     LOAD,
@@ -51,15 +53,16 @@ class Fence:
     abandoned: bool  # fenced by a reset (else: timed out, or failed on another rank)
 
 
-@dataclass
-class Notices:
+class Notices(msgspec.Struct):
     """What happened since the engine last asked (F4: kept until taken)."""
 
-    loads_finished: list[tuple[str, int]] = field(default_factory=list)  # (request, job)
-    loads_failed: list[LoadFailure] = field(default_factory=list)
-    stores_finished: list[int] = field(default_factory=list)  # job ids
-    stores_failed: list[tuple[int, str]] = field(default_factory=list)  # (job, error)
-    released_device_blocks: list[int] = field(default_factory=list)  # holds that ended
+    # A msgspec Struct, not a dataclass: a new one is built each time notices are taken, and
+    # this builds in a fraction of the time. Each gets its own empty lists (msgspec copies ``[]``).
+    loads_finished: list[tuple[str, int]] = []  # (request, job)
+    loads_failed: list[LoadFailure] = []
+    stores_finished: list[int] = []  # job ids
+    stores_failed: list[tuple[int, str]] = []  # (job, error)
+    released_device_blocks: list[int] = []  # holds that ended
     rejected_store_blocks: int = 0
     all_blocks_cleared: bool = False
 

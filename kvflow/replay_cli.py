@@ -57,7 +57,8 @@ def _print_replay_summary(trace: str, result: Any, until: int | None) -> None:
     upto = "" if result.stopped_at is None else f" up to seq {result.stopped_at}"
     click.echo(f"{trace}: consistent{upto} ({how})")
     if result.stopped_at is not None:
-        click.echo(f"  stopped at     seq {result.stopped_at} (--until {until})")
+        why = f"--until {until}" if until is not None else "the trace is cut short"
+        click.echo(f"  stopped at     seq {result.stopped_at} ({why})")
     click.echo(f"  events         {result.events}")
     click.echo(f"  commands       {result.commands}")
     click.echo(f"  checkpoints    {result.checkpoints} verified")

@@ -76,6 +76,8 @@ class SimOptions:
     job_deadline_ms: float = 30_000.0
     hang_jobs: tuple[int, ...] = ()
     record: str | None = None
+    remote_blocks: int = 0  # the remote index's capacity (kvflow.simulate_fleet sets it)
+    remote_store_mode: str = "write_through"
 
     def validate(self) -> None:
         def whole(v: object) -> bool:
@@ -97,6 +99,8 @@ class SimOptions:
             policy=self.policy,
             store_mode=self.store,
             job_deadline_ms=self.job_deadline_ms,
+            remote_blocks=self.remote_blocks,
+            remote_store_mode=self.remote_store_mode,
         )
 
 
@@ -137,6 +141,7 @@ class _Totals:
     hit_tokens: int = 0
     cpu_hit_tokens: int = 0
     device_hit_tokens: int = 0
+    remote_hit_tokens: int = 0  # of the cpu hits, those the remote tier brought
 
 
 class _Ids:
@@ -157,7 +162,7 @@ class Simulation:
         self.options = options
         self.config = options.config()
         self.clock = VirtualClock()
-        self.executor = SimulatedExecutor(
+        self.executor: Any = SimulatedExecutor(
             self.clock,
             TransferModel(options.bytes_per_block, options.bandwidth_gbps, options.latency_us),
             fault_rate=options.fault_rate,
@@ -210,13 +215,15 @@ class Simulation:
         cap = max(0, (L - 1) // B)
         rid = f"r{req.line}"
         d = self.device.prefix_hits(full, cap)
+        r = self._before_lookup(rid, full, L, d)
         c = engine.lookup(rid, full, L, d)
         if c:
             engine.accept_hits(rid, self.ids.take(c))
             engine.touch(tuple(reversed(full[d : d + c])))
             report = self._run_until_idle()
             if report.loads_failed:
-                c = 0  # a failed load's blocks are computed, not hit
+                c = r = 0  # a failed load's blocks are computed, not hit
+        self.totals.remote_hit_tokens += min(r, c) * B  # (what the hook brought, if hit)
         if not self.lazy and self.config.enabled and full:
             engine.blocks_computed(rid, full, self.ids.take(len(full)))
             self._run_until_idle()
@@ -227,6 +234,11 @@ class Simulation:
             self._run_until_idle()
         engine.finish_request(rid)
         self._count(L, d, c)
+
+    def _before_lookup(self, rid: str, full: tuple[int, ...], L: int, d: int) -> int:
+        """A hook before the lookup that counts: how many blocks it brought to the CPU tier
+        (kvflow.simulate_fleet's instances fetch from their shared remote tier here)."""
+        return 0
 
     def _count(self, L: int, d: int, c: int) -> None:
         B = self.config.block_tokens

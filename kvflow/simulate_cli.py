@@ -195,6 +195,17 @@ def _sweep(path: str, base: Any, caps: list[int], plot: str, as_json: bool) -> N
         click.echo(f"plot written to {written}")
 
 
+def _fleet(path: str, options: Any, instances: int, routing: str, remote_blocks: int | None, as_json: bool) -> None:
+    from kvflow.simulate_fleet import print_fleet, simulate_fleet
+
+    remote = 10 * options.cpu_blocks if remote_blocks is None else remote_blocks
+    summary = simulate_fleet(path, options, instances, routing, remote)
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        print_fleet(summary)
+
+
 def _cpu_blocks(cpu_blocks: int | None, cpu_gb: float | None, bytes_per_block: int) -> int:
     """The CPU capacity in blocks from whichever of --cpu-blocks / --cpu-gb was given."""
     from kvflow.simulate import blocks_for_gb
@@ -228,6 +239,15 @@ def _cpu_blocks(cpu_blocks: int | None, cpu_gb: float | None, bytes_per_block: i
 @click.option("--record", type=click.Path(dir_okay=False), default=None, help="Write a kvflow trace of the run here.")
 @click.option("--sweep", default=None, metavar="CAPS", help="Comma-separated CPU capacities: run both policies at each, plot hit rate.")
 @click.option("--plot", default="sweep.png", show_default=True, help="PNG written by --sweep.")
+@click.option("--instances", type=int, default=1, show_default=True,
+              help="Route the requests across N instances (own device cache and CPU tier each) and compare a "
+                   "shared remote tier with per-instance tiers only.")
+@click.option("--routing", type=click.Choice(["round-robin", "session"]), default="round-robin", show_default=True,
+              help="With --instances: round-robin, or session-affine (by the request's first block).")
+@click.option("--remote-blocks", type=int, default=None, metavar="N",
+              help="With --instances: the shared remote tier's capacity in blocks.  [default: 10 x --cpu-blocks]")
+@click.option("--remote-store", type=click.Choice(["write-through", "ahead-of-eviction"]), default="write-through",
+              show_default=True, help="With --instances: when blocks are copied to the shared tier.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar on stderr, drawn only when stderr is a terminal (default: not with --json).")
@@ -249,6 +269,10 @@ def simulate(
     record: str | None,
     sweep: str | None,
     plot: str,
+    instances: int,
+    routing: str,
+    remote_blocks: int | None,
+    remote_store: str,
     as_json: bool,
     progress: bool | None,
 ) -> None:
@@ -275,6 +299,10 @@ def simulate(
         options.config()  # F11: bad capacities / policy names fail before any work
         if sweep is not None:
             _sweep(workload, options, _parse_caps(sweep), plot, as_json)
+            return
+        if instances != 1 or remote_blocks is not None:
+            options.remote_store_mode = remote_store.replace("-", "_")
+            _fleet(workload, options, instances, routing, remote_blocks, as_json)
             return
         # a bar redraws itself with cursor controls: junk in a captured or redirected stderr
         wanted = progress if progress is not None else not as_json

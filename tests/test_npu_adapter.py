@@ -29,7 +29,7 @@ def test_task_queue_makes_the_completion_thread_synchronize() -> None:
     off = traits_for("npu", {"TASK_QUEUE_ENABLE": "0"})
     assert not off.task_queue and off.wait_mode == "query"
     assert task_queue_enabled({}) and not task_queue_enabled({"TASK_QUEUE_ENABLE": "0"})
-    assert traits_for("cuda", {}).wait_mode == "query"  # synchronize would spin a core
+    assert traits_for("cuda", {}).wait_mode == "blocking"  # sleeps in the driver, no polling
     assert traits_for("cpu", {}).wait_mode == "inline"
 
 

@@ -19,6 +19,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 import kvflow.log as log
+import kvflow.trace.reader as trace_reader
+import kvflow.trace.source as trace_source
 import kvflow.workload as workload
 from kvflow.cli import main
 from kvflow.config import MAX_WORLD_SIZE, Config
@@ -214,7 +216,7 @@ def test_a_line_that_never_ends_is_refused() -> None:
 
 
 def test_a_long_line_after_the_header_names_its_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(log, "MAX_LINE_BYTES", 10_000)
+    monkeypatch.setattr(trace_reader, "MAX_LINE_BYTES", 10_000)
     lines = golden_lines()
     path = tmp_path / "long.jsonl"
     long_line = b'{"type":"touch","block_hashes":[' + b"1," * 20_000 + b"1]}\n"
@@ -224,7 +226,7 @@ def test_a_long_line_after_the_header_names_its_line(tmp_path: Path, monkeypatch
     path.write_bytes(b"".join(lines[:30]) + long_line.rstrip(b"\n"))  # and with no newline at all
     assert trace_error(path).line == 31
     # lines up to the limit still read
-    monkeypatch.setattr(log, "MAX_LINE_BYTES", max(map(len, lines)))
+    monkeypatch.setattr(trace_reader, "MAX_LINE_BYTES", max(map(len, lines)))
     assert len(read_trace(TRACES / "clean.jsonl")[1]) == len(lines) - 1
 
 
@@ -404,13 +406,13 @@ def test_no_file_handle_stays_open_on_a_refused_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, header: bytes
 ) -> None:
     opened: list[Any] = []
-    real_open = log._open_bytes
+    real_open = trace_source.open_bytes
 
     def spy(path: str) -> Any:
         opened.append(real_open(path))
         return opened[-1]
 
-    monkeypatch.setattr(log, "_open_bytes", spy)
+    monkeypatch.setattr(trace_source, "open_bytes", spy)
     for suffix in (".jsonl", ".jsonl.gz"):
         path = tmp_path / f"refused{suffix}"
         path.write_bytes(gzip.compress(header) if suffix.endswith(".gz") else header)

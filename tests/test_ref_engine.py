@@ -7,6 +7,7 @@ pretrained one (when installed) for token-exact checks, else small random weight
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +26,21 @@ B = 16
 TINY = ref.Dims(layers=2, d_model=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256, rope_base=10000.0)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> ref.Llama:
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def model(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> ref.Llama:
+    """glassllm's pretrained model (float32) on the CPU device, and on CUDA where present."""
+    device = request.param
     try:
         import glassllm  # noqa: F401
         import glassllm_model
         import safetensors  # noqa: F401
     except ImportError:
-        return ref.random_llama(TINY, device="cpu", dtype=torch.float32, seed=3)
+        return ref.random_llama(TINY, device=device, dtype=torch.float32, seed=3)
     path = glassllm_model.write_model(tmp_path_factory.mktemp("glass") / "m")
-    return ref.load_llama(path)
+    return ref.load_llama(path, device=device)
 
 
 def conversations(model: ref.Llama, n: int = 5) -> list[list[int]]:
@@ -42,16 +48,57 @@ def conversations(model: ref.Llama, n: int = 5) -> list[list[int]]:
     return [[(31 * c + 7 * k) % (vocab - 10) + 5 for k in range(3 * B + 5)] for c in range(n)]
 
 
+class LateLoads(TorchExecutor):
+    """Reports each load's result one poll late (stores on time): with the engine's clock
+    jumping a minute a step, every load outlives its deadline and is fenced, deterministically."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loads: set[int] = set()
+        self._held: list[Any] = []
+        self._ready: list[Any] = []
+
+    def submit(self, jobs: Any, compute_done: Any = None) -> None:
+        self._loads.update(j.job_id for j in jobs if j.direction == "load")
+        super().submit(jobs, compute_done)
+        # Wait here for this batch's results (the CPU device's copies end within
+        # milliseconds), so that what a poll returns never depends on how fast the
+        # completion thread ran: on a loaded machine a store reported a poll late timed out
+        # too, and its blocks were never offered to the next turn.
+        pending = {j.job_id for j in jobs}
+        give_up = time.monotonic() + 60.0
+        while pending and time.monotonic() < give_up:
+            for r in super().poll():
+                pending.discard(r.job_id)
+                self._ready.append(r)
+            if pending:
+                time.sleep(0.001)
+
+    def poll(self) -> list[Any]:
+        fresh = self._ready + super().poll()
+        self._ready = []
+        out = self._held + [r for r in fresh if r.job_id not in self._loads]
+        self._held = [r for r in fresh if r.job_id in self._loads]
+        return out
+
+
 def run(
-    model: ref.Llama, *, kvflow: bool, turns: int = 2, clock: Any = None, **executor: Any
+    model: ref.Llama,
+    *,
+    kvflow: bool,
+    turns: int = 2,
+    clock: Any = None,
+    overlap: bool = True,
+    executor_cls: type[TorchExecutor] = TorchExecutor,
+    **executor: Any,
 ) -> tuple[list[list[int]], list[ref.TurnStats], Any]:
     kv = ref.PagedKV(model.dims, num_blocks=12, block_tokens=B, device=model.device, dtype=model.dtype)
     engine = None
     if kvflow:
-        ex = TorchExecutor(kv.tensors(), 64, block_dim=0, **executor)
+        ex = executor_cls(kv.tensors(), 64, block_dim=0, load_groups=model.dims.layers, **executor)
         extra = {} if clock is None else {"clock": clock}
         engine = SyncEngine(Config(cpu_blocks=64, block_tokens=B, job_deadline_ms=30_000.0), ex, **extra)
-    eng = ref.RefEngine(model, kv, engine)
+    eng = ref.RefEngine(model, kv, engine, overlap=overlap)
     outputs, stats = [], []
     history = conversations(model)
     for _ in range(turns):
@@ -72,8 +119,11 @@ def baseline(model: ref.Llama) -> list[list[int]]:
     return outputs
 
 
-def test_prefixes_load_from_the_tier_and_outputs_are_identical(model: ref.Llama, baseline: list[list[int]]) -> None:
-    outputs, stats, engine = run(model, kvflow=True)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefixes_load_from_the_tier_and_outputs_are_identical(
+    model: ref.Llama, baseline: list[list[int]], overlap: bool
+) -> None:
+    outputs, stats, engine = run(model, kvflow=True, overlap=overlap)
     assert outputs == baseline
     assert sum(s.loaded_blocks for s in stats[5:]) >= 5 * 3  # every second turn loaded its prefix
     assert engine.counters.jobs_failed == 0
@@ -88,17 +138,22 @@ def test_injected_copy_failures_and_checksums_keep_outputs_identical(model: ref.
     engine.close()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 def test_copies_that_outlive_their_deadline_are_fenced_and_outputs_stay_identical(
-    model: ref.Llama, baseline: list[list[int]]
+    model: ref.Llama, baseline: list[list[int]], overlap: bool
 ) -> None:
-    """The engine's clock jumps a minute at every step, so a copy not reported by the next
-    step has timed out: its load is recomputed into fresh blocks (F15), its blocks come back
-    when the late copy reports."""
+    """The engine's clock jumps a minute at every step and each load reports one step late,
+    so every load times out: it is recomputed into fresh blocks (F15), also after the
+    overlapped pass already read its pages, and its blocks come back when the late copy
+    reports."""
     from itertools import count
 
     ticks = count()
-    outputs, stats, engine = run(model, kvflow=True, clock=lambda: next(ticks) * 60_000.0)
+    outputs, stats, engine = run(
+        model, kvflow=True, clock=lambda: next(ticks) * 60_000.0, overlap=overlap, executor_cls=LateLoads
+    )
     assert outputs == baseline
+    assert sum(s.load_failed for s in stats) >= 5  # every second turn's load was fenced
     assert engine.counters.jobs_timed_out > 0 and engine.counters.jobs_fenced == engine.counters.jobs_timed_out
     engine.close()
     assert engine.counters.fences_lifted == engine.counters.jobs_fenced

@@ -60,6 +60,8 @@ class OffloadMachine(RuleBasedStateMachine):
     POLICY = "lru"
     STORE_MODE = "eager"
     CPU_BLOCKS = 5
+    REMOTE_BLOCKS = 0  # a remote tier's index (0: none)
+    REMOTE_MODE = "write_through"
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,6 +72,8 @@ class OffloadMachine(RuleBasedStateMachine):
             store_mode=self.STORE_MODE,
             world_size=self.WORLD_SIZE,
             job_deadline_ms=DEADLINE_MS,
+            remote_blocks=self.REMOTE_BLOCKS,
+            remote_store_mode=self.REMOTE_MODE,
         )
         self.m = OffloadManager(self.config)
         self.kv = KVEventPublisher(BT)
@@ -215,8 +219,9 @@ class OffloadMachine(RuleBasedStateMachine):
         # F3: sometimes the engine names the device block an in-flight store already copies
         for i, h in enumerate(hashes):
             entry = self.m.state.entries.get(h)
-            if entry is not None and entry.job_id and data.draw(st.booleans(), label="reuse"):
-                job = self.m.state.jobs[entry.job_id]
+            job = self.m.state.jobs[entry.job_id] if entry is not None and entry.job_id else None
+            # (a remote load fills entries from the remote tier: it copies no device block)
+            if job is not None and job.device_blocks and data.draw(st.booleans(), label="reuse"):
                 device_blocks[i] = job.device_blocks[job.hashes.index(h)]
         # ...and sometimes, wrongly, one held by a live load (F12)
         loads = [j for j in self.m.state.jobs.values() if j.direction == "load"]
@@ -258,11 +263,14 @@ class OffloadMachine(RuleBasedStateMachine):
         queued = list(self.m.state.queued)
         jobs = self.m.plan_step(self.now)
         ids = [j.job_id for j in jobs]
-        assert ids == queued
+        # (ahead of eviction, planning itself may queue remote stores: handed out at once)
+        assert ids[: len(queued)] == queued
+        assert all(j.direction == "remote_store" for j in jobs[len(queued) :])
         assert not set(ids) & self.handed_out, "a job was handed out twice (F5)"
         self.handed_out.update(ids)
         for job in jobs:
-            assert len(job.hashes) == len(job.device_blocks) == len(job.slots) > 0
+            remote = job.direction.startswith("remote_")
+            assert len(job.hashes) == len(job.slots) == (len(job.hashes) if remote else len(job.device_blocks)) > 0
             self.copying[job.job_id] = (job, set(range(self.WORLD_SIZE)))
 
     @precondition(
@@ -320,23 +328,26 @@ class OffloadMachine(RuleBasedStateMachine):
         """A whole engine step: submit what is queued, then every submitted or fenced job
         reports on every rank that has not reported yet (mostly successes), one by one or as
         a batch: afterwards nothing is in flight and no fence is left."""
-        self.plan_step()
-        results = []
-        for job_id in self.reporting():
-            job = self.m.state.jobs[job_id]
-            for rank in range(self.WORLD_SIZE):
-                if not job.reported & (1 << rank):
-                    ok = data.draw(st.integers(0, 5), label="ok") != 0
-                    results.append(
-                        JobResult(job_id=job_id, rank=rank, ok=ok, error=None if ok else "x")
-                    )
-        if batched:
-            self.m.job_results(results)
-        else:
+        for _ in range(3):  # (with a remote tier a completed store queues its remote store)
+            if not (self.m.state.queued or self.reporting()):
+                break
+            self.plan_step()
+            results = []
+            for job_id in self.reporting():
+                job = self.m.state.jobs[job_id]
+                for rank in range(self.WORLD_SIZE):
+                    if not job.reported & (1 << rank):
+                        ok = data.draw(st.integers(0, 5), label="ok") != 0
+                        results.append(
+                            JobResult(job_id=job_id, rank=rank, ok=ok, error=None if ok else "x")
+                        )
+            if batched:
+                self.m.job_results(results)
+            else:
+                for result in results:
+                    self.m.handle(result)
             for result in results:
-                self.m.handle(result)
-        for result in results:
-            self.reported(result.job_id, result.rank)
+                self.reported(result.job_id, result.rank)
         assert not self.reporting() and not self.m.state.jobs and not self.m.state.quarantine
 
     @precondition(lambda self: any(j.acks and j.state in SUBMITTED for j in self.m.state.jobs.values()))
@@ -533,8 +544,9 @@ class OffloadMachine(RuleBasedStateMachine):
         owner = {slot: h for h, slot in state.slot_of.items()}
         for job_id, (job, ranks) in self.copying.items():
             assert ranks
-            for h, d, slot in zip(job.hashes, job.device_blocks, job.slots):
+            for d in job.device_blocks:
                 assert state.held.get(d) == job_id, f"device block {d} of running job {job_id} was released"
+            for h, slot in zip(job.hashes, job.slots):  # (remote jobs too: they have no device blocks)
                 assert slot not in free, f"slot {slot} of running job {job_id} is free"
                 assert owner.get(slot, h) == h, f"slot {slot} of running job {job_id} holds block {owner.get(slot)}"
 
@@ -579,6 +591,33 @@ class OffloadMachineLazyTwoRanks(OffloadMachine):
     STORE_MODE = "lazy"
 
 
+class OffloadMachineRemote(OffloadMachine):
+    """With a remote tier (write-through): remote stores follow stores, probes find blocks,
+    lookups load them into the CPU tier, and every rule above still holds."""
+
+    REMOTE_BLOCKS = 4
+
+    @rule(hashes=st.lists(HASH_POOL, max_size=4))
+    def remote_found(self, hashes: list[int]) -> None:
+        known = set(self.m.state.remote)
+        assert self.m.remote_found(hashes) == len(set(hashes) - known)
+        assert set(hashes) <= set(self.m.state.remote) or len(self.m.state.remote) == self.REMOTE_BLOCKS
+
+    @invariant()
+    def remote_loads_fill_absent_entries_and_remote_stores_read_resident_ones(self) -> None:
+        state = self.m.state
+        for job in state.jobs.values():
+            if job.direction == "remote_load" and job.state in (JobState.QUEUED, JobState.IN_FLIGHT):
+                assert all(state.pending.get(h) == job.job_id for h in job.hashes)
+            elif job.direction == "remote_store" and job.state in (JobState.QUEUED, JobState.IN_FLIGHT):
+                assert all(state.is_resident(h) and state.pin_count.get(h, 0) > 0 for h in job.hashes)
+
+
+class OffloadMachineRemoteAheadTwoRanks(OffloadMachineRemote):
+    WORLD_SIZE = 2
+    REMOTE_MODE = "ahead_of_eviction"
+
+
 TestOneRank = OffloadMachine.TestCase
 TestOneRank.settings = SETTINGS
 TestTwoRanks = OffloadMachineTwoRanks.TestCase
@@ -587,3 +626,7 @@ TestARC = OffloadMachineARC.TestCase
 TestARC.settings = SETTINGS
 TestLazyTwoRanks = OffloadMachineLazyTwoRanks.TestCase
 TestLazyTwoRanks.settings = SETTINGS
+TestRemote = OffloadMachineRemote.TestCase
+TestRemote.settings = SETTINGS
+TestRemoteAheadTwoRanks = OffloadMachineRemoteAheadTwoRanks.TestCase
+TestRemoteAheadTwoRanks.settings = SETTINGS

@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 
 from kvflow.errors import ConfigError, Rejected, UnknownJob  # noqa: E402
 from kvflow.events import TransferJob  # noqa: E402
+from kvflow.executors import page_kernel  # noqa: E402
 from kvflow.executors.host_pool import HostPool  # noqa: E402
 from kvflow.executors.layout import KVLayout  # noqa: E402
 from kvflow.executors.torch_executor import TorchExecutor  # noqa: E402
@@ -101,7 +102,8 @@ def test_scattered_slots(device: str, scatter: str, max_runs: int) -> None:
     kv = make_kv("stacked", device)
     with TorchExecutor(kv, 24, scatter=scatter, max_runs=max_runs, checksums=True) as ex:
         if scatter == "auto":
-            assert ex.scatter == ("uva" if device == "cuda" else "host")
+            expected = "host" if device == "cpu" else "kernel" if page_kernel.available(ex.device) else "uva"
+            assert ex.scatter == expected
         src, slots = [8, 1, 30, 12, 4, 22], (11, 2, 7, 19, 0, 5)
         before = pages(ex, src)
         assert run(ex, [TransferJob(1, "store", tuple(src), slots)])[1].ok
@@ -331,3 +333,102 @@ def test_the_engine_refuses_a_config_whose_cpu_blocks_differ_from_the_pool() -> 
         with pytest.raises(ConfigError, match="cpu_blocks=128 but the executor's host pool has 64 slots"):
             SyncEngine(Config(cpu_blocks=128, block_tokens=4), ex)
         SyncEngine(Config(cpu_blocks=64, block_tokens=4), ex).close()
+
+
+# --- the page kernel (one launch for every region) and grouped loads ------------------------
+
+
+@pytest.fixture
+def kernel_device(device: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The device to run the Triton page kernel on: CUDA natively, the CPU device through
+    Triton's interpreter (TRITON_INTERPRET=1); skipped where Triton is not installed."""
+    pytest.importorskip("triton")
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return device
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_kernel_moves_every_region_of_scattered_batches(kernel_device: str, groups: int) -> None:
+    kv = make_kv("stacked", kernel_device)
+    with TorchExecutor(kv, 24, scatter="kernel", checksums=True, load_groups=groups) as ex:
+        assert ex.max_runs == 1 and ex._tables is not None
+        src_a, slots_a = [8, 1, 30, 12], (11, 2, 7, 19)
+        src_b, slots_b = [4, 22], (0, 23)
+        before = pages(ex, src_a + src_b)
+        res = run(
+            ex,
+            [
+                TransferJob(1, "store", tuple(src_a), slots_a),
+                TransferJob(2, "store", tuple(src_b), slots_b),
+            ],
+        )
+        assert res[1].ok and res[2].ok, res
+        refill(kv, seed=3)
+        untouched = pages(ex, [5])
+        dst = [29, 3, 14, 0, 9, 17]
+        res = run(ex, [TransferJob(3, "load", tuple(dst), slots_a + slots_b)])
+        assert res[3].ok, res[3]
+        assert same(pages(ex, dst), before)
+        assert same(pages(ex, [5]), untouched)  # nothing else written
+        events = ex.load_events()
+        if groups > 1:  # one event per group of consecutive regions (6 regions in 4 groups)
+            assert [end for end, _ in events] == [1, 3, 4, 6]
+        else:
+            assert events == []
+
+
+def test_kernel_load_of_a_corrupted_slot_fails_its_checksum(kernel_device: str) -> None:
+    kv = make_kv("separate", kernel_device)
+    with TorchExecutor(kv, 16, scatter="kernel", checksums=True) as ex:
+        assert run(ex, [TransferJob(1, "store", (3, 9, 1), (2, 7, 12), hashes=(31, 32, 33))])[1].ok
+        ex._host_views[4][7, 0] += 1  # one word of slot 7 in region 4
+        res = run(ex, [TransferJob(2, "load", (20, 21, 22), (2, 7, 12), hashes=(31, 32, 33))])[2]
+        assert not res.ok and "checksum mismatch: slot 7" in (res.error or "")
+        assert res.corrupt == (32,)
+
+
+def test_auto_picks_the_kernel_for_small_pages_and_the_copy_engines_for_large_ones() -> None:
+    from kvflow.executors.page_copies import KERNEL_MAX_PAGE, auto_scatter
+
+    assert auto_scatter(kernel=True, uva=True, page_bytes=32 << 10) == "kernel"
+    assert auto_scatter(kernel=True, uva=True, page_bytes=KERNEL_MAX_PAGE) == "uva"
+    assert auto_scatter(kernel=True, uva=False, page_bytes=2 << 20) == "host"
+    assert auto_scatter(kernel=False, uva=True, page_bytes=16 << 10) == "uva"
+    assert auto_scatter(kernel=False, uva=False, page_bytes=16 << 10) == "host"
+
+
+def test_kernel_mode_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="scatter='kernel' needs Triton"):
+        TorchExecutor(make_kv("stacked", "cpu"), 8, scatter="kernel")
+    with pytest.raises(ConfigError, match="load_groups must be >= 1 and copy_programs >= 0"):
+        TorchExecutor(make_kv("stacked", "cpu"), 8, load_groups=0)
+    with TorchExecutor(make_kv("stacked", "cpu"), 8) as ex:  # auto on CPU: host staging
+        assert ex.scatter == "host" and ex.max_runs == 16
+
+
+@pytest.mark.parametrize(
+    "scatter,slots",
+    [
+        ("runs", (4, 5, 6, 7)),  # one run: the batched copy-engine path
+        ("runs", (2, 3, 9, 10)),  # two runs: the per-region loop
+        ("host", (11, 2, 19, 0)),  # scattered: host staging
+    ],
+)
+def test_every_load_path_marks_its_groups(device: str, scatter: str, slots: tuple[int, ...]) -> None:
+    kv = make_kv("stacked", device)  # 6 regions
+    with TorchExecutor(kv, 24, scatter=scatter, max_runs=1, load_groups=3, checksums=True) as ex:
+        src = [8, 1, 30, 12]
+        before = pages(ex, src)
+        assert run(ex, [TransferJob(1, "store", tuple(src), slots)])[1].ok
+        refill(kv, seed=9)
+        dst = [29, 3, 14, 0]
+        assert run(ex, [TransferJob(2, "load", tuple(dst), slots)])[2].ok
+        assert same(pages(ex, dst), before)
+        events = ex.load_events()
+        assert [end for end, _ in events] == [2, 4, 6]
+        for _, event in events:  # on CUDA each event has happened once the job reported ok
+            assert event is None if device == "cpu" else event.query()

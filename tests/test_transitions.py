@@ -34,6 +34,9 @@ from kvflow.events import (
     PinsAcquired,
     PinsReleased,
     RankSucceeded,
+    RemoteIndexed,
+    RemoteLoadQueued,
+    RemoteStoreQueued,
     RequestClosed,
     RequestFinished,
     RequestOpened,
@@ -74,6 +77,7 @@ NON_BLOCK_TAGS = {
     "request_opened",
     "request_resumed",
     "request_closed",
+    "remote_indexed",  # the remote tier's index, not a CPU-tier entry
 }
 BLOCK_TAGS = sorted(set(ALL_TAGS) - NON_BLOCK_TAGS)
 # Tags whose event never names a transfer job.
@@ -88,6 +92,7 @@ NON_JOB_TAGS = {
     "request_opened",
     "request_resumed",
     "request_closed",
+    "remote_indexed",
 }
 # An outcome event with ``fenced`` set is its own row key in the job table (F15).
 FENCED_TAGS = {"job_failed:fenced", "job_timed_out:fenced"}
@@ -225,6 +230,10 @@ def block_event(tag: str, m: OffloadManager) -> Event:
             device_blocks=(801,),
             slots=(s.free_slots[-1],),
         )
+    if tag == "remote_load_queued":
+        return RemoteLoadQueued(seq=seq(m), job_id=s.last_job_id + 1, hashes=(H,), slots=(s.free_slots[-1],))
+    if tag == "remote_store_queued":
+        return RemoteStoreQueued(seq=seq(m), job_id=s.last_job_id + 1, hashes=(H,), slots=(slot,))
     if tag == "load_queued":
         if s.is_resident(H):
             assert m.lookup("rl", [H, MISS], TOKENS) == 1
@@ -299,6 +308,8 @@ def neutral_event(tag: str, m: OffloadManager, target_job: int | None = None) ->
         return RankSucceeded(seq=seq(m), job_id=target_job, rank=0)
     if tag == "late_result_ignored":
         return LateResultIgnored(seq=seq(m), job_id=1, rank=0, ok=True)
+    if tag == "remote_indexed":
+        return RemoteIndexed(seq=seq(m), hashes=(H, SPARE))
     if tag == "fence_lifted":
         job_id = fenced_other_job(m)
         job = m.state.jobs[job_id]
@@ -473,6 +484,10 @@ def job_event(tag: str, m: OffloadManager, job_id: int) -> Event:
             device_blocks=(811,),
             slots=(s.free_slots[-1],),
         )
+    if tag == "remote_load_queued":
+        return RemoteLoadQueued(seq=seq(m), job_id=job_id, hashes=(602,), slots=(s.free_slots[-1],))
+    if tag == "remote_store_queued":
+        return RemoteStoreQueued(seq=seq(m), job_id=job_id, hashes=(SPARE,), slots=(s.entries[SPARE].slot,))
     if tag == "load_queued":
         assert m.lookup("rq", [SPARE, MISS], TOKENS) == 1
         return LoadQueued(

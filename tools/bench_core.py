@@ -2,7 +2,8 @@
 
 Prints, measured in this one run:
   * fold speed: block state changes applied per second by ``evolve`` (target >= 1,500,000/s);
-  * trace replay: events per second for decode + fold + checkpoint checks (target >= 300,000/s);
+  * trace replay: events per second for decode + fold + checkpoint checks (state digest and
+    record digest, ``kvflow replay``'s plain fold; target >= 300,000/s);
   * decision overhead: µs per block for an engine step of 256 requests / 4,096 blocks
     (lookup, accept, stores, plan, results, finish; target <= 1 µs per block).
 

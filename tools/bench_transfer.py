@@ -308,6 +308,12 @@ def bench_kvflow(
             return jobs, lambda: same_pages(ex, a, dst)
 
         one("both", both, 2 * n * block)
+        if ex._tables is not None:  # the same contiguous jobs through the page kernel
+            ex.scatter, ex.max_runs = "kernel", 0  # type: ignore[assignment]
+            one("store kernel", store, n * block)
+            one("load kernel", load, n * block)
+            one("both kernel", both, 2 * n * block)
+            ex.max_runs = 1
         scattered = rng.permutation(2 * n)[:n].astype(np.int64)
         for mode in scatter_modes:
             ex.scatter = mode  # type: ignore[assignment]
@@ -340,26 +346,30 @@ def bench_submit_cpu(
     layers = regions // 2 if stacked else regions
     num_blocks = 2 * blocks
     kv = make_kv(device, layers, page, num_blocks, stacked=stacked)
-    ex = TorchExecutor(kv, blocks)
+    ex = TorchExecutor(kv, 2 * blocks)
     assert ex.layout.num_regions == regions, ex.layout.num_regions
-    out: dict[str, list[float]] = {"store": [], "load": [], "store loop": [], "load loop": []}
+    out: dict[str, list[float]] = {
+        f"{d}{v}": [] for d in ("store", "load") for v in ("", " loop", " kernel")
+    }
     rng = np.random.default_rng(1)
+    variants = [("", True), (" loop", False)] + ([(" kernel", True)] if ex._tables else [])
     try:
         for rep in range(reps + 2):
-            for batched in (True, False):  # chunked _foreach_copy_ path vs. the per-region loop
-                ex._batched = batched
+            for variant, batched in variants:  # chunked _foreach_copy_ path, per-region loop,
+                ex._batched = batched  # the page kernel (scattered slots)
                 for direction in ("store", "load"):
                     devb = rng.permutation(num_blocks)[:blocks]
-                    job = TransferJob(
-                        next(_ids), direction, tuple(devb.tolist()), tuple(range(blocks))
-                    )
+                    slots = range(blocks)
+                    if variant == " kernel":
+                        slots = rng.permutation(2 * blocks)[:blocks].tolist()
+                    job = TransferJob(next(_ids), direction, tuple(devb.tolist()), tuple(slots))
                     _, _, cpu_ms = timed_submit(ex, [job], clock)
                     if rep >= 2:
-                        out[direction if batched else f"{direction} loop"].append(cpu_ms)
+                        out[f"{direction}{variant}"].append(cpu_ms)
     finally:
         ex.close()
         del kv
-    return {k: median(v) for k, v in out.items()}
+    return {k: median(v) for k, v in out.items() if v}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             Row(f"naive copy_ per page {page // KiB} KiB H2D", nv["h2d"], ref=link["h2d"]),
         ]
 
-    scatter_modes = ["host"] + (["uva"] if device.type == "cuda" else [])
+    scatter_modes = ["host"] + (["uva", "kernel"] if device.type == "cuda" else [])
     configs = [(f"{page // KiB} KiB x {layers} layers", layers, page) for page in pages]
     configs.append(
         (
@@ -461,6 +471,16 @@ def main(argv: list[str] | None = None) -> int:
                 note=f"wall {res['both'][1]:.1f}",
             ),
         ]
+        for key, ref in (("store", link["d2h"]), ("load", link["h2d"]), ("both", link["both"])):
+            if f"{key} kernel" in res:
+                rows.append(
+                    Row(
+                        f"kvflow {key} {label}, contiguous slots through the page kernel",
+                        res[f"{key} kernel"][0],
+                        ref=ref,
+                        note=f"wall {res[f'{key} kernel'][1]:.1f}",
+                    )
+                )
         for mode in scatter_modes:
             for d, ref in (("store", link["d2h"]), ("load", link["h2d"])):
                 key = f"{d} scat/{mode}"
@@ -495,6 +515,16 @@ def main(argv: list[str] | None = None) -> int:
                     unit="ms",
                 )
             )
+            if f"{d} kernel" in cpu:
+                rows.append(
+                    Row(
+                        f"submit CPU: {d} {step_blocks} blocks x {regions} regions, "
+                        "scattered slots, page kernel",
+                        cpu[f"{d} kernel"],
+                        unit="ms",
+                        target=1.0,
+                    )
+                )
         print(
             f"  submit CPU {regions} regions: store {cpu['store']:.3f} ms, "
             f"load {cpu['load']:.3f} ms "

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The one command used on the GPU machine (see docs/executor.md):
-#   bash tools/device_run.sh [all|tests|bench|ranks]
+#   bash tools/device_run.sh [all|tests|bench|churn|ref|ranks]
 # Run from the repository root. Logs and results go under $OUT (default /tmp/kvflow-out).
 # msgspec and structlog are not in the GPU image: carry `.whl` (cp312 / pure wheels: msgspec,
-# structlog, anyio, sniffio, pytest-asyncio for the async engine tests) and they are installed.
+# structlog, anyio, sniffio, pytest-asyncio for the async engine tests; glassllm for the
+# token-exact reference-engine test) and they are installed. `churn` needs the patterns that
+# `tools/bench_churn.py extract` wrote, at $CHURN (default .data/churn.npz).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvflow-out}
 mkdir -p "$OUT"
@@ -40,7 +42,8 @@ PY
 
 tests() {
   $PY -m pytest -q -p no:cacheprovider tests/test_torch_executor.py tests/test_npu_adapter.py \
-    tests/test_ranks.py tests/test_engine_torch.py tests/test_engine.py tests/test_live_path.py -rs 2>&1 | tee "$OUT/tests.log"
+    tests/test_ranks.py tests/test_engine_torch.py tests/test_engine.py tests/test_live_path.py \
+    tests/test_ref_engine.py -rs 2>&1 | tee "$OUT/tests.log"
   $PY tools/example_engine.py --device cuda 2>&1 | tee "$OUT/example.log"
 }
 
@@ -49,12 +52,23 @@ bench() {
   $PY tools/bench_transfer.py --out "$OUT/bench_transfer_results.md" 2>&1 | tee "$OUT/bench.log"
 }
 
+churn() {
+  $PY tools/bench_churn.py run "${CHURN:-.data/churn.npz}" --modes "${MODES:-kernel,uva,host,runs}" \
+    --out "$OUT/bench_churn_results.md" 2>&1 | tee "$OUT/churn.log"
+}
+
+ref() {
+  $PY tools/bench_ref_engine.py --out "$OUT/ref_engine_results.txt" 2>&1 | tee "$OUT/ref.log"
+}
+
 rc=0
 case "$MODE" in
-  all) probe; tests || rc=$?; bench || rc=$? ;;
+  all) probe; tests || rc=$?; bench || rc=$?; churn || rc=$?; ref || rc=$? ;;
   tests) probe; tests || rc=$? ;;
   bench) bench || rc=$? ;;
+  churn) churn || rc=$? ;;
+  ref) ref || rc=$? ;;
   ranks) probe; $PY -m pytest -q -p no:cacheprovider tests/test_ranks.py -rs 2>&1 | tee "$OUT/ranks.log" || rc=$? ;;
-  *) echo "usage: $0 [all|tests|bench|ranks]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tests|bench|churn|ref|ranks]" >&2; exit 2 ;;
 esac
 exit $rc

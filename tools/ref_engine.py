@@ -12,9 +12,15 @@ compute-done event, the way a serving engine embeds it.
 * Device prefix cache: full blocks are cached by a chained block hash; an unreferenced cached
   block is evicted (least recently used) when blocks run out, never while kvflow holds it.
 * kvflow (optional): after the device cache's hits, ``lookup``; the hits load into the request's
-  next blocks (the engine waits for the load, and recomputes if it fails); every block that
-  becomes full is stored (``blocks_computed`` after the forward pass, with the compute-done
-  event); at the end the chain is touched deepest first; fenced loads recompute into fresh blocks.
+  next blocks; every block that becomes full is stored (``blocks_computed`` after the forward
+  pass, with the compute-done event); at the end the chain is touched deepest first; fenced
+  loads recompute into fresh blocks.
+* Overlap (``overlap=True``, the default): the pass over the new tokens does not wait for the
+  load on the host. It runs at once, optimistically, each layer's attention waiting on the
+  device for that layer's pages only (the executor's ``load_events``, one per layer with
+  ``TorchExecutor(load_groups=layers)``), so the copy of layer ``i+1`` overlaps the compute of
+  layer ``i``. The load's outcome is read after the pass: if it failed, the pass is discarded
+  and the prefix recomputed (into fresh blocks when fenced), as without overlap.
 
 Models: ``random_llama`` (any dimensions, random weights from a seed: Llama-3-8B's by default)
 and ``load_llama`` (a Hugging Face Llama directory, e.g. glassllm's from tools/glassllm_model.py).
@@ -71,6 +77,15 @@ class Llama:
         return self.embed.dtype
 
 
+def _fused(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One matrix for q, k and v, one for the gate and up projections: fewer kernel launches
+    per layer (the loop is bound by launching them)."""
+    out = dict(layer)
+    out["wqkv"] = torch.cat([out.pop("wq"), out.pop("wk"), out.pop("wv")], dim=1)
+    out["w13"] = torch.cat([out.pop("w1"), out.pop("w3")], dim=1)
+    return out
+
+
 def random_llama(dims: Dims = LLAMA3_8B, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Llama:
     """Random weights from ``seed`` (scaled so activations stay O(1)); nothing is downloaded."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -95,7 +110,7 @@ def random_llama(dims: Dims = LLAMA3_8B, *, device: str = "cuda", dtype: torch.d
         }
         for _ in range(dims.layers)
     ]
-    return Llama(dims, embed, embed, torch.ones(d, device=device, dtype=dtype), layers)
+    return Llama(dims, embed, embed, torch.ones(d, device=device, dtype=dtype), [_fused(x) for x in layers])
 
 
 def load_llama(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Llama:
@@ -132,7 +147,7 @@ def load_llama(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype
             }
         )
     embed = t["model.embed_tokens.weight"]
-    return Llama(dims, embed, t.get("lm_head.weight", embed), t["model.norm.weight"], layers)
+    return Llama(dims, embed, t.get("lm_head.weight", embed), t["model.norm.weight"], [_fused(x) for x in layers])
 
 
 class PagedKV:
@@ -155,20 +170,34 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Half-split rotary embedding of ``x`` [n, heads, head_dim] at ``positions`` [n]."""
-    half = x.shape[-1] // 2
-    freqs = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+def _rotation(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n, 1, head_dim / 2] of the rotary angles at ``positions`` (once a pass)."""
+    half = head_dim // 2
+    freqs = base ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
     angles = positions.float()[:, None] * freqs[None, :]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotary embedding of ``x`` [n, heads, head_dim]."""
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 @torch.inference_mode()
-def forward(model: Llama, kv: PagedKV, tokens: list[int], start: int, table: list[int]) -> torch.Tensor:
+def forward(
+    model: Llama,
+    kv: PagedKV,
+    tokens: list[int],
+    start: int,
+    table: list[int],
+    layer_ready: list[Any] | None = None,
+) -> torch.Tensor:
     """Run ``tokens`` at positions ``start..`` of a sequence whose blocks are ``table``: write
-    their K/V into the pages, attend over the whole prefix; the last position's logits."""
+    their K/V into the pages, attend over the whole prefix; the last position's logits.
+    ``layer_ready[i]``: an event the compute stream waits for before layer ``i`` (its pages
+    are being loaded), or None."""
     dims, B = model.dims, kv.block_tokens
     n, total = len(tokens), start + len(tokens)
     dev = model.device
@@ -183,11 +212,16 @@ def forward(model: Llama, kv: PagedKV, tokens: list[int], start: int, table: lis
 
         mask = causal_lower_right(n, total)
     x = model.embed[ids]
-    for layer, k_cache, v_cache in zip(model.layers, kv.k, kv.v):
+    cos, sin = _rotation(positions, dims.head_dim, dims.rope_base)
+    q_end, k_end = dims.heads * dims.head_dim, (dims.heads + dims.kv_heads) * dims.head_dim
+    for i, (layer, k_cache, v_cache) in enumerate(zip(model.layers, kv.k, kv.v)):
+        if layer_ready is not None and layer_ready[i] is not None:
+            torch.cuda.current_stream().wait_event(layer_ready[i])
         h = _rms(x, layer["attn_norm"], dims.eps)
-        q = _rope((h @ layer["wq"]).view(n, dims.heads, dims.head_dim), positions, dims.rope_base)
-        k = _rope((h @ layer["wk"]).view(n, dims.kv_heads, dims.head_dim), positions, dims.rope_base)
-        v = (h @ layer["wv"]).view(n, dims.kv_heads, dims.head_dim)
+        qkv = h @ layer["wqkv"]
+        q = _rope(qkv[:, :q_end].view(n, dims.heads, dims.head_dim), cos, sin)
+        k = _rope(qkv[:, q_end:k_end].view(n, dims.kv_heads, dims.head_dim), cos, sin)
+        v = qkv[:, k_end:].view(n, dims.kv_heads, dims.head_dim)
         k_cache[page, offset] = k
         v_cache[page, offset] = v
         keys = k_cache[blocks].reshape(-1, dims.kv_heads, dims.head_dim)[:total]
@@ -204,7 +238,8 @@ def forward(model: Llama, kv: PagedKV, tokens: list[int], start: int, table: lis
         )[0]
         x = x + attn.transpose(0, 1).reshape(n, -1) @ layer["wo"]
         h = _rms(x, layer["mlp_norm"], dims.eps)
-        x = x + (F.silu(h @ layer["w1"]) * (h @ layer["w3"])) @ layer["w2"]
+        gate, up = (h @ layer["w13"]).chunk(2, dim=-1)
+        x = x + (F.silu(gate) * up) @ layer["w2"]
     return (_rms(x[-1:], model.norm, dims.eps) @ model.lm_head.T)[0].float()
 
 
@@ -233,8 +268,10 @@ class RefEngine:
     """Greedy generation, one request at a time, over paged KV with a device prefix cache and
     (optionally) kvflow's CPU tier behind it."""
 
-    def __init__(self, model: Llama, kv: PagedKV, kvflow: Any = None) -> None:
+    def __init__(self, model: Llama, kv: PagedKV, kvflow: Any = None, *, overlap: bool = True) -> None:
         self.model, self.kv, self.kvflow = model, kv, kvflow
+        self.overlap = overlap
+        self.kvflow_s = 0.0  # host time spent inside kvflow's calls (its CPU cost per token)
         self.free: list[int] = list(range(kv.num_blocks - 1, -1, -1))
         self.cached: OrderedDict[int, int] = OrderedDict()  # hash -> block, unreferenced, LRU first
         self.hash_of: dict[int, int] = {}  # block -> its hash, for full cached blocks
@@ -278,25 +315,53 @@ class RefEngine:
     # -- kvflow --------------------------------------------------------------------------
 
     def _step(self) -> Any:
+        import time
+
+        t0 = time.perf_counter()
         compute_done = None
         if self.model.device.type == "cuda" and self.kvflow.manager.state.queued:  # (stores wait on it)
             compute_done = torch.cuda.Event()
             compute_done.record()
-        return self.kvflow.step(compute_done=compute_done)
+        report = self.kvflow.step(compute_done=compute_done)
+        self.kvflow_s += time.perf_counter() - t0
+        return report
 
-    def _wait_load(self, rid: str, job: int) -> tuple[bool, bool]:
+    @staticmethod
+    def _outcome(report: Any, job: int) -> tuple[bool, bool] | None:
+        """(landed, fenced) if ``report`` tells how the load ``job`` ended, else None."""
+        if any(j == job for _, j in report.loads_finished):
+            return True, False
+        for failure in report.loads_failed:
+            if failure.job_id == job:
+                return False, failure.fenced
+        return None
+
+    def _wait_load(self, job: int, report: Any = None) -> tuple[bool, bool]:
         """Step until the load of ``job`` is over: (landed, fenced)."""
         while True:
+            outcome = None if report is None else self._outcome(report, job)
+            if outcome is not None:
+                return outcome
             report = self._step()
-            if any(j == job for _, j in report.loads_finished):
-                return True, False
-            for failure in report.loads_failed:
-                if failure.job_id == job:
-                    return False, failure.fenced
+
+    def _layer_events(self) -> list[Any] | None:
+        """Per layer, the event after which its pages (K and V, regions 2i and 2i+1) have
+        landed: the last load's group events, else its whole-batch event for every layer."""
+        executor = self.kvflow.executor
+        groups = executor.load_events() if hasattr(executor, "load_events") else []
+        layers = self.model.dims.layers
+        if not groups:
+            last = executor.last_event("load") if hasattr(executor, "last_event") else None
+            return [last] * layers
+        return [next(ev for end, ev in groups if end >= 2 * i + 2) for i in range(layers)]
 
     def _store(self, rid: str, hashes: list[int], table: list[int], first: int, end: int) -> None:
         if self.kvflow is not None and first < end:
+            import time
+
+            t0 = time.perf_counter()
             self.kvflow.blocks_computed(rid, hashes[first:end], table[first:end])
+            self.kvflow_s += time.perf_counter() - t0
 
     # -- generation ----------------------------------------------------------------------
 
@@ -320,16 +385,26 @@ class RefEngine:
         need = (len(prompt) + max_new + B - 1) // B - d
         table += self._alloc(need)
         loaded = 0
+        logits = None
         if self.kvflow is not None:
             hits = self.kvflow.lookup(rid, hashes, len(prompt), d)
             if hits:
                 t0 = time.perf_counter()
                 job = self.kvflow.accept_hits(rid, table[d : d + hits])
-                landed, fenced = self._wait_load(rid, job)
+                report = None
+                if self.overlap:  # hand the load over, then the pass over the new tokens
+                    report = self._step()
+                    ready = self._layer_events()
+                    t_prefill = time.perf_counter()
+                    start = (d + hits) * B
+                    logits = forward(self.model, self.kv, prompt[start:], start, table, ready)
+                    stats.prefill_s = time.perf_counter() - t_prefill
+                landed, fenced = self._wait_load(job, report)
                 stats.load_s = time.perf_counter() - t0
                 if landed:
                     loaded = hits
                 else:
+                    logits = None  # the pass read pages that never landed: recompute
                     stats.load_failed = True
                     if fenced:  # F15: the late copy may still write them: recompute elsewhere
                         fresh = self._alloc(hits)
@@ -337,10 +412,11 @@ class RefEngine:
                         table[d : d + hits] = fresh
         stats.loaded_blocks = loaded
         done = d + loaded
-        t_prefill = time.perf_counter()
-        logits = forward(self.model, self.kv, prompt[done * B :], done * B, table)
+        if logits is None:
+            t_prefill = time.perf_counter()
+            logits = forward(self.model, self.kv, prompt[done * B :], done * B, table)
+            stats.prefill_s = time.perf_counter() - t_prefill
         out = [int(logits.argmax())]
-        stats.prefill_s = time.perf_counter() - t_prefill
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         stats.ttft_s = time.perf_counter() - start_time

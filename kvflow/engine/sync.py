@@ -96,9 +96,20 @@ class SyncEngine:
         (``accept_hits(request_id, [])``), or the request finishes. ``block_hashes`` are the
         request's full-block hashes in prefix order; at most ``num_tokens - 1`` tokens hit."""
         hits = self.manager.lookup(request_id, block_hashes, num_tokens, device_hit_blocks)
+        if self.config.remote:
+            self._probe_remote(block_hashes, num_tokens, device_hit_blocks, hits)
         self.counters.lookups += 1
         self.counters.lookup_tokens += num_tokens
         return hits
+
+    def _probe_remote(self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int, hits: int) -> None:
+        """Ask the remote tier (in its executor's thread) about the blocks past the hits that
+        neither tier is known to hold; what it finds is recorded at the next step."""
+        probe = getattr(self.executor, "probe", None)
+        if probe is not None:
+            wanted = self.manager.remote_probe_candidates(block_hashes, num_tokens, device_hit_blocks, hits)
+            if wanted:
+                probe(wanted)
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated ``device_blocks`` for the first ``len(device_blocks)`` hits of
@@ -187,6 +198,10 @@ class SyncEngine:
         if results is None:
             results = self._poll()
         self.apply_results(results)
+        if self.config.remote and hasattr(self.executor, "take_found"):
+            found = self.executor.take_found()
+            if found:
+                self.manager.remote_found(found)
         timed_out = self.manager.tick(now)
         jobs = self.manager.plan_step(now)
         if jobs:

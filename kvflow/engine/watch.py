@@ -9,6 +9,9 @@ from typing import Any
 from kvflow.config import Config
 from kvflow.engine.api import Counters, Latencies
 from kvflow.events import (
+    LOAD,
+    REMOTE_LOAD,
+    REMOTE_STORE,
     STORE,
     TERMINAL_TYPES,
     BlocksEvicted,
@@ -169,6 +172,12 @@ class EngineWatch:
             if event.direction == STORE:
                 c.blocks_stored += n
                 c.bytes_stored += n * self.bytes_per_block
+            elif event.direction == REMOTE_STORE:
+                c.remote_blocks_stored += n
+                c.remote_bytes_stored += n * self.bytes_per_block
+            elif event.direction == REMOTE_LOAD:
+                c.remote_blocks_loaded += n
+                c.remote_bytes_loaded += n * self.bytes_per_block
             else:
                 c.blocks_loaded += n
                 c.bytes_loaded += n * self.bytes_per_block
@@ -187,7 +196,7 @@ class EngineWatch:
                     blocks=n,
                     error=getattr(event, "error", "deadline passed"),
                 )
-        if started is not None:
+        if started is not None and event.direction in (STORE, LOAD):  # (device copies only)
             self.latencies.add(event.direction, self.clock() - started)
 
     def _on_evicted(self, event: BlocksEvicted) -> None:

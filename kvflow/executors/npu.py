@@ -14,8 +14,10 @@ from CUDA in three ways that matter here:
   therefore never treat "not yet" as a failure; the completion thread blocks in
   ``event.synchronize()`` instead of querying.
 
-CUDA events are waited for by querying with a short sleep: ``synchronize()`` on a CUDA event
-without the blocking-sync flag spins a CPU core for the whole transfer.
+CUDA batch events are created with the blocking-sync flag and waited for with ``synchronize()``:
+the completion thread sleeps in the driver, without the GIL, until the copy is done. (Without
+the flag ``synchronize()`` spins a core; polling ``query()`` with short sleeps instead woke the
+thread tens of thousands of times a second, each time taking the GIL from the engine's thread.)
 
 Everything here is a pure decision from strings and an environment mapping, so it is tested on
 CPU with fake device types; nothing imports torch-npu.
@@ -28,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-WaitMode = Literal["inline", "query", "synchronize"]
+WaitMode = Literal["inline", "query", "synchronize", "blocking"]
 PinStrategy = Literal["none", "cuda_host_register", "pin_memory"]
 StatsSource = Literal["none", "torch.accelerator", "torch.npu"]
 
@@ -58,7 +60,7 @@ def traits_for(device_type: str, environ: Mapping[str, str] | None = None) -> De
         return DeviceTraits(device_type, False, None, "inline", "none", "none", False)
     if device_type == "cuda":
         return DeviceTraits(
-            device_type, True, 0, "query", "cuda_host_register", "torch.accelerator", False
+            device_type, True, 0, "blocking", "cuda_host_register", "torch.accelerator", False
         )
     if device_type == "npu":
         tq = task_queue_enabled(env)

@@ -8,10 +8,14 @@ sorted by slot, see ``transfer_plan``):
   consecutive slots straight into the pool's range.
 * **load**: the load stream waits on the compute-done event (F9); per region one copy per run
   into a device staging buffer, then one ``index_copy_`` into the engine's device blocks.
-* Slots that do not form a few runs (``max_runs``) go through ``scatter``: ``"uva"`` (CUDA, the
-  default there) lets a device kernel gather/scatter the pinned pool directly through unified
-  addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host memory and scatters or
-  gathers on the CPU (stores in the completion thread, loads in the caller).
+* Slots that do not form a few runs (``max_runs``) go through ``scatter``: ``"kernel"`` (CUDA
+  with Triton, the default there; ``max_runs`` 1) copies every region's pages in ONE launch
+  straight between the device cache and the pinned pool (``page_kernel``), optionally split
+  into ``load_groups`` launches with one event each so an engine can start a layer once its
+  pages landed; ``"uva"`` (CUDA) lets torch kernels gather/scatter the pinned pool region by
+  region through unified addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host
+  memory and gathers or scatters on the CPU region by region (stores scatter in the completion
+  thread, loads gather in the caller, each region's copy overlapping the next one's gather).
 * With ``checksums``, a store records a per-slot checksum of what it copied and a load verifies
   it (a mismatch fails the job: the host copy is corrupt, recompute).
 
@@ -30,17 +34,36 @@ import numpy as np
 import torch
 
 from kvflow.errors import ConfigError
+from kvflow.executors import page_kernel
 from kvflow.executors.host_pool import HostPool
 from kvflow.executors.layout import KVLayout, word_bytes
 from kvflow.executors.npu import DeviceTraits
-from kvflow.executors.streams import on_stream, pinned_empty, wait_for
+from kvflow.executors.streams import on_stream, pinned_empty, record_event, wait_for
 from kvflow.executors.transfer_plan import Plan
 from kvflow.executors.uva import device_alias
 
-ScatterMode = Literal["auto", "runs", "host", "uva"]
+ScatterMode = Literal["auto", "runs", "host", "uva", "kernel"]
 # What a batch's host-side finish reports: job id -> (error, hashes whose host copy is bad)
 Failures = dict[int, tuple[str, tuple[int, ...]]]
 Finish = Callable[[], Failures]
+
+
+KERNEL_MAX_PAGE = 512 << 10  # bytes; at larger pages the copy engines move a run faster
+
+
+def auto_scatter(*, kernel: bool, uva: bool, page_bytes: int) -> ScatterMode:
+    """What ``scatter="auto"`` picks for batches of several runs, from what this executor can
+    use and its largest page.
+
+    Measured on an H100 replaying a churned tier (tools/bench_churn_results.md): at 16-64 KiB
+    pages over 32 regions the page kernel's one launch moves 0.66-0.82 of the link where the
+    region-by-region paths move 0.10-0.79; at 2 MiB pages (runs of several MiB) one copy per run
+    or the UVA kernels move 0.88-0.93 and the page kernel 0.82-0.83. Host staging (a CPU gather
+    per byte) is the portable fallback: NPU, CPU, unpinned pools.
+    """
+    if kernel and page_bytes < KERNEL_MAX_PAGE:
+        return "kernel"
+    return "uva" if uva else "host"
 
 
 class PageCopies:
@@ -54,16 +77,21 @@ class PageCopies:
     checksums: bool
     max_runs: int
     scatter: ScatterMode
+    load_groups: int
+    copy_programs: int
 
-    def _init_copies(self, staging_bytes: int) -> None:
+    def _init_copies(self, staging_bytes: int, max_runs: int | None) -> None:
         """The pool's views per region, the scatter mode, checksum tables, batching tables."""
         pool = self.pool
         self._host_views: list[torch.Tensor] = []
         self._uva_views: list[torch.Tensor] = []
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._load_events: list[tuple[int, Any]] = []
         if pool.enabled:
             self._host_views = [
                 pool.region(i, r.word_dtype) for i, r in enumerate(self.layout.regions)
             ]
+            self._init_kernel()
             if self.scatter == "uva" or (
                 self.scatter == "auto" and self.device.type == "cuda" and pool.pinned
             ):
@@ -73,10 +101,16 @@ class PageCopies:
                     if self.scatter == "uva":
                         raise
         if self.scatter == "auto":
-            # Measured on H200 (tools/bench_transfer_results.md): device kernels through UVA keep
-            # scattered slots at 0.82-0.88 of the link with no CPU work; host staging costs a CPU
-            # memcpy per byte (22-38 GB/s end to end). Host staging is the portable fallback.
-            self.scatter = "uva" if self._uva_views else "host"
+            self.scatter = auto_scatter(
+                kernel=self._tables is not None,
+                uva=bool(self._uva_views),
+                page_bytes=max(r.page_bytes for r in self.layout.regions),
+            )
+        # The kernel moves any number of runs in one launch: only a single run (one copy per
+        # region on the copy engines, 0.94-0.95 of the link) stays off it.
+        self.max_runs = int(max_runs) if max_runs is not None else (
+            1 if self.scatter == "kernel" else 16
+        )
         self._cs_mult = None
         self._cs_table = np.zeros(max(pool.cpu_blocks, 0), dtype=np.int64)
         self._cs_valid = np.zeros(max(pool.cpu_blocks, 0), dtype=bool)
@@ -94,9 +128,62 @@ class PageCopies:
         self._dtypes = [r.word_dtype for r in self.layout.regions]
         self._wbytes = [word_bytes(d) for d in self._dtypes]
 
-    def _chunks(self, n: int) -> Iterator[tuple[int, int]]:
-        """Ranges [a, b) of regions with one word type and size, each within staging_bytes."""
-        a, count = 0, len(self._pages)
+    def _init_kernel(self) -> None:
+        """The page kernel's region tables, when this device and mode can use it."""
+        wanted = self.scatter == "kernel" or (
+            self.scatter == "auto" and self.device.type == "cuda" and self.pool.pinned
+        )
+        if not wanted:
+            return
+        if not page_kernel.available(self.device):
+            if self.scatter == "kernel":
+                raise ConfigError(
+                    "scatter='kernel' needs Triton and a CUDA device (or TRITON_INTERPRET=1 "
+                    "on the CPU device)"
+                )
+            return
+        regions = self.layout.regions
+        self._tables = page_kernel.region_table(
+            [r.pages for r in regions],
+            [r.block_stride_bytes for r in regions],
+            self._host_views,
+            [r.page_bytes for r in regions],
+            self.device,
+        )
+        if self._tables is None and self.scatter == "kernel":
+            raise ConfigError(
+                "scatter='kernel' needs pages of whole 8-byte words in every region"
+            )
+        self._max_words = max(r.page_bytes for r in regions) // 8
+
+    def load_events(self) -> list[tuple[int, Any]]:
+        """``(end region, event)`` per group of the last load batch (``load_groups`` > 1), in
+        region order: once an event has happened, regions before its end have landed (the
+        event is None on the CPU device, where copies are done when ``submit`` returns).
+        Empty when loads are not grouped: wait for the batch (``last_event``) then."""
+        return list(self._load_events)
+
+    def _landed(self, stream: Any | None, end: int) -> None:
+        """Regions before ``end`` are enqueued: mark it with an event when loads are grouped."""
+        if self.load_groups > 1:
+            self._load_events.append((end, record_event(stream, self.device)))
+
+    def _groups(self) -> list[tuple[int, int]]:
+        """``load_groups`` ranges [a, b) of consecutive regions, as even as they divide."""
+        count = self.layout.num_regions
+        g = max(1, min(self.load_groups, count))
+        bounds = [count * k // g for k in range(g + 1)]
+        return [(bounds[k], bounds[k + 1]) for k in range(g)]
+
+    def _device_sums(self, idx: torch.Tensor, sums: torch.Tensor) -> None:
+        """Per region, the int64 sum of each page's words (what the staging paths sum)."""
+        for r, region in enumerate(self.layout.regions):
+            torch.sum(region.pages.index_select(0, idx), 1, dtype=torch.int64, out=sums[r])
+
+    def _chunks(self, n: int, lo: int = 0, hi: int | None = None) -> Iterator[tuple[int, int]]:
+        """Ranges [a, b) of regions in [lo, hi) with one word type and size, each within
+        staging_bytes."""
+        a, count = lo, len(self._pages) if hi is None else hi
         while a < count:
             per_region = n * self._words[a] * self._wbytes[a]
             limit = max(1, self.staging_bytes // max(1, per_region))
@@ -120,24 +207,37 @@ class PageCopies:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Device-side index tensors of a batch (on the current stream): device blocks, the
         slots when GPU kernels address the pinned pool directly, and a checksum buffer."""
-        idx = torch.from_numpy(plan.device_blocks).to(self.device, non_blocking=True)
         slot_idx = None
-        if scattered and self.scatter == "uva":
-            slot_idx = torch.from_numpy(plan.slots).to(self.device, non_blocking=True)
+        if scattered and self.scatter in ("uva", "kernel"):  # both in one host-to-device copy
+            both = np.stack((plan.device_blocks, plan.slots))
+            idx, slot_idx = self._to_device(both).unbind(0)
+        else:
+            idx = self._to_device(plan.device_blocks)
         sums = None
         if self.checksums:
             n = len(plan.slots)
             sums = torch.empty((self.layout.num_regions, n), dtype=torch.int64, device=self.device)
         return idx, slot_idx, sums
 
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A batch's index array on the device, through pinned memory where copies are async:
+        a copy from pageable memory first waits for the stream's earlier work (CUDA syncs the
+        stream before such a copy), so the next submit could not be enqueued before the last
+        batch's copies were over and the link idled between batches."""
+        host = torch.from_numpy(array)
+        if self.traits.has_streams and self.traits.pin_strategy != "none":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
     def _scattered(self, plan: Plan) -> bool:
-        return self.scatter != "runs" and len(plan.runs) > self.max_runs
+        return self.scatter != "runs" and plan.num_runs > self.max_runs
 
     def _launch_store(
         self, stream: Any | None, plan: Plan, compute_done: Any, keep: list[Any]
     ) -> Finish | None:
-        slots, runs, n = plan.slots, plan.runs, len(plan.slots)
+        slots, n = plan.slots, len(plan.slots)
         scattered = self._scattered(plan)
+        runs = [] if scattered else plan.runs
         self._cs_valid[slots] = False  # the slots' content is about to change
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         cs_host = None
@@ -145,7 +245,15 @@ class PageCopies:
             wait_for(stream, compute_done)
             idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
-            if single and not scattered and self._batched:
+            kernel = scattered and self.scatter == "kernel"
+            if kernel:
+                assert self._tables is not None and slot_idx is not None
+                if sums is not None:
+                    self._device_sums(idx, sums)
+                page_kernel.copy_pages(
+                    self._tables[0], idx, slot_idx, self._max_words, programs=self.copy_programs
+                )
+            elif single and not scattered and self._batched:
                 s0 = runs[0][2]
                 for a, b in self._chunks(n):
                     staging = torch.empty(
@@ -158,7 +266,7 @@ class PageCopies:
                         torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
                     dst = [self._host_views[k][s0 : s0 + n] for k in range(a, b)]
                     torch._foreach_copy_(dst, parts, non_blocking=True)
-            for r, region in enumerate(self._regions_unbatched(single, scattered)):
+            for r, region in enumerate(() if kernel else self._regions_unbatched(single, scattered)):
                 staging = torch.index_select(region.pages, 0, idx)
                 if sums is not None:
                     torch.sum(staging, 1, dtype=torch.int64, out=sums[r])
@@ -199,35 +307,53 @@ class PageCopies:
     def _launch_load(
         self, stream: Any | None, plan: Plan, compute_done: Any, after: Any, keep: list[Any]
     ) -> Finish | None:
-        slots, runs, n = plan.slots, plan.runs, len(plan.slots)
+        slots, n = plan.slots, len(plan.slots)
         scattered = self._scattered(plan)
+        runs = [] if scattered else plan.runs
         expected = valid = None
         if self.checksums:
             expected, valid = self._cs_table[slots].copy(), self._cs_valid[slots].copy()
         cs_host = None
         slot_cpu = torch.from_numpy(slots) if scattered and self.scatter == "host" else None
+        self._load_events = []
         with on_stream(stream, self.device):
             wait_for(stream, compute_done)
             wait_for(stream, after)
             idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
-            if single and not scattered and self._batched:
+            kernel = scattered and self.scatter == "kernel"
+            if kernel:
+                assert self._tables is not None and slot_idx is not None
+                for a, b in self._groups():
+                    page_kernel.copy_pages(
+                        self._tables[1], slot_idx, idx, self._max_words,
+                        first=a, count=b - a, programs=self.copy_programs,
+                    )
+                    self._landed(stream, b)
+                if sums is not None:
+                    self._device_sums(idx, sums)
+            elif single and not scattered and self._batched:
                 s0 = runs[0][2]
-                for a, b in self._chunks(n):
-                    staging = torch.empty(
-                        (b - a, n, self._words[a]), dtype=self._dtypes[a], device=self.device
-                    )
-                    parts = staging.unbind(0)
-                    torch._foreach_copy_(
-                        parts,
-                        [self._host_views[k][s0 : s0 + n] for k in range(a, b)],
-                        non_blocking=True,
-                    )
-                    if sums is not None:
-                        torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
-                    for k in range(a, b):
-                        self._pages[k].index_copy_(0, idx, parts[k - a])
-            for r, region in enumerate(self._regions_unbatched(single, scattered)):
+                for ga, gb in self._groups():
+                    for a, b in self._chunks(n, ga, gb):
+                        staging = torch.empty(
+                            (b - a, n, self._words[a]), dtype=self._dtypes[a], device=self.device
+                        )
+                        parts = staging.unbind(0)
+                        torch._foreach_copy_(
+                            parts,
+                            [self._host_views[k][s0 : s0 + n] for k in range(a, b)],
+                            non_blocking=True,
+                        )
+                        if sums is not None:
+                            torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
+                        for k in range(a, b):
+                            self._pages[k].index_copy_(0, idx, parts[k - a])
+                    self._landed(stream, gb)
+            ends = {b for _, b in self._groups()}
+            for r, region in enumerate(
+                () if kernel else self._regions_unbatched(single, scattered)
+            ):
                 host = self._host_views[r]
                 if not scattered:
                     if single:
@@ -251,6 +377,8 @@ class PageCopies:
                 if sums is not None:
                     torch.sum(staging, 1, dtype=torch.int64, out=sums[r])
                 region.pages.index_copy_(0, idx, staging)
+                if r + 1 in ends:
+                    self._landed(stream, r + 1)
             if sums is not None:
                 assert self._cs_mult is not None
                 cs = (sums * self._cs_mult).sum(0)

@@ -61,11 +61,12 @@ def wait_for(stream: Any | None, event: Any | None) -> None:
         event.wait(stream)
 
 
-def record_event(stream: Any | None, device: torch.device) -> Any | None:
-    """An event marking everything enqueued on ``stream`` so far (None without streams)."""
+def record_event(stream: Any | None, device: torch.device, *, blocking: bool = False) -> Any | None:
+    """An event marking everything enqueued on ``stream`` so far (None without streams);
+    ``blocking``: a host thread that synchronizes on it sleeps instead of spinning."""
     if stream is None:
         return None
-    event = torch.Event(device=device)
+    event = torch.Event(device=device, blocking=True) if blocking else torch.Event(device=device)
     event.record(stream)
     return event
 
@@ -84,7 +85,7 @@ def wait_event(event: Any | None, traits: DeviceTraits) -> None:
     """Block the calling (completion) thread until ``event`` has happened, the device's way."""
     if event is None:
         return
-    if traits.wait_mode == "synchronize":
+    if traits.wait_mode in ("synchronize", "blocking"):
         event.synchronize()
         return
     delay = 20e-6

@@ -15,8 +15,8 @@ completion threads. The rest is split by job:
 
 When a submit stores and loads the same blocks or slots, the load waits for the store's event.
 
-Completion (F6): a thread per direction waits for each batch's event (query with a short sleep on
-CUDA, ``synchronize`` on NPU, nothing on CPU where copies are synchronous), runs the batch's host
+Completion (F6): a thread per direction waits for each batch's event (``synchronize`` on a
+blocking-sync event on CUDA, ``synchronize`` on NPU, nothing on CPU where copies are synchronous), runs the batch's host
 side (host scatter, checksum check) and puts one ``JobResult`` per job on ONE ``SimpleQueue``;
 ``poll``/``wait`` read it from the engine's thread. Any exception in a copy becomes a failed
 result for the jobs of that batch and the executor keeps serving (F2).
@@ -40,6 +40,7 @@ from kvflow.executors import npu as adapter
 from kvflow.executors.host_pool import HostPool
 from kvflow.executors.layout import KVCaches, KVLayout
 from kvflow.executors.page_copies import Failures, Finish, PageCopies, ScatterMode
+from kvflow.executors.page_kernel import DEFAULT_PROGRAMS
 from kvflow.executors.streams import new_stream, record_event, wait_event
 from kvflow.executors.transfer_plan import Plan, overlaps, plan_jobs
 from kvflow.executors.uva import device_alias
@@ -79,8 +80,14 @@ class TorchExecutor(PageCopies):
     rank's view of a shared pool). ``checksums``: record a per-slot checksum at store, verify at
     load. ``fail_job_ids``: fault injection for tests: a batch holding one of these jobs raises
     inside the copy path, as a real copy error would. ``max_runs``: above this many runs of
-    consecutive slots per batch, use ``scatter`` instead of one copy per run and region.
-    ``staging_bytes``: the most device staging memory one batch allocates at a time.
+    consecutive slots per batch, use ``scatter`` instead of one copy per run and region (default
+    1 for the ``kernel`` scatter, 16 for the others). ``staging_bytes``: the most device staging
+    memory one batch allocates at a time. ``load_groups``: the kernel path launches a load in
+    this many groups of consecutive regions (e.g. one per layer), each with its own event
+    (``load_events``), so an engine can run layer ``i`` once its pages have landed.
+    ``copy_programs``: programs (thread blocks) of the page kernel; 0 (the default): one per
+    multiprocessor, which both directions at once need to fill the link (each program is 4
+    warps waiting on the link, so compute kernels still share every multiprocessor).
     """
 
     def __init__(
@@ -93,9 +100,11 @@ class TorchExecutor(PageCopies):
         pool: HostPool | None = None,
         checksums: bool = False,
         block_dim: int | None = None,
-        max_runs: int = 16,
+        max_runs: int | None = None,
         scatter: ScatterMode = "auto",
         staging_bytes: int = 256 << 20,
+        load_groups: int = 1,
+        copy_programs: int = DEFAULT_PROGRAMS,
         fail_job_ids: Collection[int] = (),
     ) -> None:
         self.layout = KVLayout.from_caches(kv_caches, block_dim=block_dim)
@@ -108,10 +117,16 @@ class TorchExecutor(PageCopies):
         self.traits = adapter.traits_for(self.device.type)
         self.rank = rank
         self.checksums = checksums
-        self.max_runs = int(max_runs)
+        self.load_groups = int(load_groups)
+        self.copy_programs = int(copy_programs)
+        if self.load_groups < 1 or self.copy_programs < 0:
+            raise ConfigError(
+                f"load_groups must be >= 1 and copy_programs >= 0, got {load_groups}, "
+                f"{copy_programs}"
+            )
         self._fail_job_ids = frozenset(int(j) for j in fail_job_ids)
-        if scatter not in ("auto", "runs", "host", "uva"):
-            raise ConfigError(f"scatter must be auto, runs, host or uva, not {scatter!r}")
+        if scatter not in ("auto", "runs", "host", "uva", "kernel"):
+            raise ConfigError(f"scatter must be auto, runs, host, uva or kernel, not {scatter!r}")
         if scatter == "uva" and self.device.type != "cuda":
             raise ConfigError(
                 "scatter='uva' needs a CUDA device (kernels reading pinned host memory)"
@@ -130,7 +145,7 @@ class TorchExecutor(PageCopies):
                     f"{self.layout.num_regions} regions)"
                 )
         self.pool = pool
-        self._init_copies(staging_bytes)
+        self._init_copies(staging_bytes, max_runs)
 
         self._channel: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -357,7 +372,9 @@ class TorchExecutor(PageCopies):
                 batch.finish = self._launch_load(
                     lane.stream, plan, compute_done, after, batch.keepalive
                 )
-            batch.event = record_event(lane.stream, self.device)
+            batch.event = record_event(
+                lane.stream, self.device, blocking=self.traits.wait_mode == "blocking"
+            )
             lane.last_event = batch.event
         except Exception as e:  # noqa: BLE001 - F2: every copy error becomes a failed result
             batch.error = f"{direction} launch failed on {self.device}: {one_line(e)}"

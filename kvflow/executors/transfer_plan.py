@@ -11,7 +11,7 @@ context.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,7 +27,21 @@ class Plan:
     device_blocks: np.ndarray
     slots: np.ndarray
     owner: np.ndarray  # index into jobs for each pair
-    runs: list[tuple[int, int, int]]  # (first pair, length, first slot)
+    # the list of runs is built only when a copy path walks it: for a scattered batch that the
+    # page kernel moves in one launch, a Python tuple per run cost more than the launch
+    _runs: list[tuple[int, int, int]] | None = field(default=None, repr=False)
+
+    @property
+    def num_runs(self) -> int:
+        n = len(self.slots)
+        return 0 if n == 0 else 1 + int(np.count_nonzero(np.diff(self.slots) != 1))
+
+    @property
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(first pair, length, first slot) of each run."""
+        if self._runs is None:
+            self._runs = slot_runs(self.slots)
+        return self._runs
 
 
 def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
@@ -119,7 +133,7 @@ def plan_jobs(
     if len(slot_all) > 1 and not (slot_all[1:] > slot_all[:-1]).all():
         order = np.argsort(slot_all, kind="stable")
         dev_all, slot_all, owner = dev_all[order], slot_all[order], owner[order]
-    return Plan(kept, dev_all, slot_all, owner, slot_runs(slot_all))
+    return Plan(kept, dev_all, slot_all, owner)
 
 
 def overlaps(store: Plan, load: Plan) -> bool:

@@ -26,8 +26,8 @@ from kvflow.events import (
 from kvflow.inspect.render import describe, to_builtins
 from kvflow.inspect.views import _slot_owner, _view, focus_dict, state_to_dict
 from kvflow.inspect.walk import JobInfo, _Walk
-from kvflow.log import Checkpoint
 from kvflow.state import State
+from kvflow.trace.format import Checkpoint
 
 
 class InspectError(KvflowError):

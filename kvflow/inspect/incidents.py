@@ -14,8 +14,9 @@ from typing import Any
 from kvflow.decide import CANCELLED_BY_RESET
 from kvflow.events import (
     COMMAND_TYPES,
+    FILLING,
     LOAD,
-    STORE,
+    REMOTE_LOAD,
     BlocksEvicted,
     FenceLifted,
     JobFailed,
@@ -23,8 +24,8 @@ from kvflow.events import (
     LateResultIgnored,
 )
 from kvflow.inspect.walk import JobInfo, _Walk
-from kvflow.log import Checkpoint
 from kvflow.state import State
+from kvflow.trace.format import Checkpoint
 
 TERMINAL_FAILURES = (JobFailed, JobTimedOut)
 
@@ -142,11 +143,13 @@ def _recovery_from_state(
             f"abandoned by the reset at seq {info.abandoned_at_seq}: its slots stayed "  # type: ignore[union-attr]
             "quarantined until this result; nothing became visible"
         )
-    elif event.direction == STORE:
+    elif event.direction in FILLING:  # a store, or a remote load into host slots
         recovery["slots_freed"] = [
             s for s in event.slots if s not in before["free"] and s in free_after
         ]
         recovery["hashes_never_visible"] = [h for h in event.hashes if h not in state.entries]
+        if event.direction == REMOTE_LOAD:
+            recovery["dropped_from_remote_index"] = [h for h in event.hashes if h not in state.remote]
     else:
         recovery["entries_kept_resident"] = [h for h in event.hashes if state.is_resident(h)]
         pins_before = before["pins"]
@@ -168,9 +171,11 @@ def _recovery_from_event(event: JobFailed | JobTimedOut, info: JobInfo | None) -
     recovery: dict[str, Any] = {}
     if info is not None and info.abandoned_at_seq is not None:
         recovery["quarantined_slots_released"] = list(event.slots)
-    elif event.direction == STORE:
+    elif event.direction in FILLING:
         recovery["slots_freed"] = list(event.slots)
         recovery["hashes_never_visible"] = list(event.hashes)
+        if event.direction == REMOTE_LOAD:
+            recovery["dropped_from_remote_index"] = list(event.hashes)
     else:
         recovery["entries_kept_resident"] = list(event.hashes)
         recovery["pins_released"] = len(event.hashes)
@@ -180,7 +185,7 @@ def _recovery_from_event(event: JobFailed | JobTimedOut, info: JobInfo | None) -
         recovery["device_blocks_released"] = []
         recovery["slots_fenced"] = list(event.slots)
         recovery["device_blocks_fenced"] = list(event.device_blocks)
-        if event.direction == STORE:
+        if event.direction in FILLING:
             recovery["slots_freed"] = []
     else:
         recovery["device_blocks_released"] = list(event.device_blocks)

@@ -30,6 +30,10 @@ from kvflow.events import (
     PinsReleased,
     PlanStep,
     RankSucceeded,
+    RemoteFound,
+    RemoteIndexed,
+    RemoteLoadQueued,
+    RemoteStoreQueued,
     RequestClosed,
     RequestFinished,
     RequestOpened,
@@ -42,7 +46,7 @@ from kvflow.events import (
     Touch,
     event_name,
 )
-from kvflow.log import Checkpoint
+from kvflow.trace.format import Checkpoint
 
 if TYPE_CHECKING:
     from kvflow.inspect.incidents import Incident
@@ -79,6 +83,20 @@ def describe(record: Any) -> str:
             f"load job {r.job_id} queued for {_req(r.request_id)}: {_blocks(len(r.hashes))} "
             f"{few(r.hashes)} from slots {few(r.slots)} into device blocks {few(r.device_blocks)}"
         )
+    if kind is RemoteLoadQueued:
+        return (
+            f"remote_load job {r.job_id} queued: {_blocks(len(r.hashes))} {few(r.hashes)} "
+            f"from the remote tier into slots {few(r.slots)}"
+        )
+    if kind is RemoteStoreQueued:
+        return (
+            f"remote_store job {r.job_id} queued: {_blocks(len(r.hashes))} {few(r.hashes)} "
+            f"from slots {few(r.slots)} to the remote tier (pinned while copied)"
+        )
+    if kind is RemoteIndexed:
+        return f"remote tier holds {_blocks(len(r.hashes))} {few(r.hashes)} (a probe found them)"
+    if kind is RemoteFound:
+        return f"probe of the remote tier found {_blocks(len(r.block_hashes))} {few(r.block_hashes)}"
     if kind is JobsSubmitted:
         return (
             f"jobs {few(r.job_ids, 8)} submitted at {r.now_ms:g} ms, deadline {r.deadline_ms:g} ms"
@@ -183,6 +201,8 @@ def recovery_summary(incident: Incident) -> str:
         parts.append(f"slots freed {few(rec['slots_freed'], 6)}")
     if "hashes_never_visible" in rec:
         parts.append(f"{len(rec['hashes_never_visible'])} hashes never visible")
+    if "dropped_from_remote_index" in rec:
+        parts.append(f"{len(rec['dropped_from_remote_index'])} dropped from the remote index")
     if "entries_kept_resident" in rec:
         parts.append(f"{len(rec['entries_kept_resident'])} entries kept resident")
     if "evicted_as_corrupt" in rec:

@@ -80,6 +80,8 @@ def state_to_dict(state: State) -> dict[str, Any]:
             {"device_block": d, "job": j} for d, j in sorted(state.held.items())
         ],
         "recency_coldest_first": state.policy.resident(),
+        # (a trace with a remote tier only: what this instance knew the remote tier held)
+        **({"remote_index": list(state.remote)} if state.config.remote else {}),
     }
 
 

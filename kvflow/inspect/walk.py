@@ -14,6 +14,8 @@ from typing import Any
 from kvflow.errors import IllegalTransition
 from kvflow.events import (
     LOAD,
+    REMOTE_LOAD,
+    REMOTE_STORE,
     STORE,
     FenceLifted,
     JobCompleted,
@@ -23,12 +25,14 @@ from kvflow.events import (
     LoadQueued,
     PlanStep,
     RankSucceeded,
+    RemoteLoadQueued,
+    RemoteStoreQueued,
     Reset,
     StoreQueued,
     Tick,
 )
-from kvflow.log import TraceReader
 from kvflow.state import State, evolve
+from kvflow.trace.reader import TraceReader
 
 
 @dataclass
@@ -72,7 +76,7 @@ class _Walk:
     def records(self) -> Iterator[tuple[int, Any]]:
         with self.reader:
             yield from self.reader.records()
-        self.warnings.extend(self.reader.warnings)
+        self.warnings.extend(self.reader.findings())  # a torn line, a record digest that differs
         if self.fold_error is not None:
             self.warnings.append(
                 f"{self.fold_error}; state-based details after it are not verified "
@@ -110,6 +114,9 @@ class _Walk:
                 event.slots,
                 event.seq,
             )
+        elif kind is RemoteLoadQueued or kind is RemoteStoreQueued:
+            direction = REMOTE_LOAD if kind is RemoteLoadQueued else REMOTE_STORE
+            jobs[event.job_id] = JobInfo(event.job_id, direction, None, event.hashes, (), event.slots, event.seq)
         elif kind is JobsSubmitted:
             for jid in event.job_ids:
                 info = jobs.get(jid)

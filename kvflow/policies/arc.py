@@ -191,15 +191,12 @@ class ARCPolicy:
             and len(t1) + len(t2) + len(b1) + len(b2) <= 2 * capacity
             and b1.keys().isdisjoint(hashes)
             and b2.keys().isdisjoint(hashes)
-            and t1.keys().isdisjoint(hashes)
             and t2.keys().isdisjoint(hashes)
-            and len(set(hashes)) == len(hashes)
+            and self._join_t1(hashes)
         ):
-            # First sightings only, and they fit: all join T1; the ghosts the loop below
+            # First sightings only, and they fit: all joined T1; the ghosts the loop below
             # would trim one by one are the oldest ones, the same number of each kind (each
             # insert grows both bounds by one), so they go in two bulk steps.
-            for h in hashes:
-                t1[h] = None
             _drop_oldest(b1, len(t1) + len(b1) - capacity)
             excess = len(t1) + len(t2) + len(b1) + len(b2) - 2 * capacity
             if excess > 0:
@@ -232,6 +229,22 @@ class ARCPolicy:
                         (b2 or b1).popitem(last=False)
         finally:
             self._p = p
+
+    def _join_t1(self, hashes: tuple[int, ...]) -> bool:
+        """Add ``hashes`` to T1's recent end if each is new to T1 and named once, and say so;
+        otherwise change nothing and return False. (T1 grows by exactly ``len(hashes)`` only
+        then: an assignment to a key already there keeps its place, so the new keys are the
+        newest ones, taken back on failure. Cheaper than checking first: the hashes are
+        looked up once, not once for the check and once for the insert.)"""
+        t1 = self._t1
+        before = len(t1)
+        for h in hashes:
+            t1[h] = None
+        if len(t1) == before + len(hashes):
+            return True
+        for _ in range(len(t1) - before):
+            t1.popitem()
+        return False
 
     def touch_many(self, hashes: tuple[int, ...]) -> None:
         """``touch`` for each hash (resident; repeats allowed): each becomes the most recent

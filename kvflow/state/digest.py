@@ -89,7 +89,10 @@ def canonical(state: State) -> tuple[Any, ...]:
         (sorted((j, list(h), r) for j, (h, r) in state.deferred_touches.items()),)
         if state.deferred_touches
         else ()
-    ) + ((sorted(state.bad),) if state.bad else ())
+    ) + ((sorted(state.bad),) if state.bad else ()) + (
+        # the remote index in its order (the oldest is forgotten first): only when present
+        (("remote", list(state.remote)),) if state.remote else ()
+    )
 
 
 def digest(state: State) -> str:

@@ -8,7 +8,7 @@ as exact as a per-item loop) and walks item by item only to name the offenders.
 
 from __future__ import annotations
 
-from kvflow.events import STORE
+from kvflow.events import FILLING, REMOTE_STORE
 from kvflow.state.model import State
 from kvflow.state.tables import LIVE_JOB_STATES, JobState
 
@@ -48,6 +48,10 @@ def check_invariants(state: State) -> list[str]:
         for hashes in (r.offered, *r.loading.values()):
             for h in hashes:
                 pin_totals[h] = pin_totals.get(h, 0) + 1
+    for job in jobs.values():  # a live remote store pins the entries whose slots it reads
+        if job.direction == REMOTE_STORE and job.state in (JobState.QUEUED, JobState.IN_FLIGHT):
+            for h in job.hashes:
+                pin_totals[h] = pin_totals.get(h, 0) + 1
     entries_ok = (
         pin_count == pin_totals
         and slot_of.keys() >= pin_count.keys()
@@ -57,7 +61,7 @@ def check_invariants(state: State) -> list[str]:
     if entries_ok:
         for h, jid in pending.items():
             job = jobs.get(jid)
-            if job is None or job.direction != STORE or h not in job.hashes:
+            if job is None or job.direction not in FILLING or h not in job.hashes:
                 entries_ok = False
                 break
     if not entries_ok:
@@ -85,8 +89,10 @@ def check_invariants(state: State) -> list[str]:
                 problems.append(f"job {jid} ({job.state.name}) listed by request {job.request_id}: {listed}")
     for jid in state.deferred_touches:  # F14: kept only on a live store job
         job = jobs.get(jid)
-        if job is None or job.direction != STORE or job.state not in (JobState.QUEUED, JobState.IN_FLIGHT):
+        if job is None or job.direction not in FILLING or job.state not in (JobState.QUEUED, JobState.IN_FLIGHT):
             problems.append(f"a touch is deferred on job {jid}, which is not a live store")
+    if len(state.remote) > state.config.remote_blocks:
+        problems.append(f"the remote index holds {len(state.remote)} hashes, above remote_blocks")
     if expected_held != state.held:
         problems.append("device-block holds do not match the live jobs")
     for r in state.requests.values():
@@ -143,7 +149,7 @@ def _entry_problems(state: State, pin_totals: dict[int, int], problems: list[str
             problems.append(f"block {h} has {pins} pins but requests hold {pin_totals.get(h, 0)}")
         if pins and jid is not None:
             problems.append(f"block {h} is pinned in state {name}")
-        if jid is not None and (job is None or job.direction != STORE or h not in job.hashes):
+        if jid is not None and (job is None or job.direction not in FILLING or h not in job.hashes):
             problems.append(f"block {h} ({name}) has no live store job")
     for h in pin_totals:
         if h not in state.slot_of:

@@ -9,7 +9,10 @@ from collections.abc import Callable
 
 from kvflow.errors import IllegalTransition
 from kvflow.events import (
+    FILLING,
     LOAD,
+    REMOTE_LOAD,
+    REMOTE_STORE,
     STORE,
     FenceLifted,
     JobCompleted,
@@ -19,12 +22,15 @@ from kvflow.events import (
     LateResultIgnored,
     LoadQueued,
     RankSucceeded,
+    RemoteIndexed,
+    RemoteLoadQueued,
+    RemoteStoreQueued,
     StoreQueued,
     event_name,
 )
 from kvflow.state import legality as lg
 from kvflow.state.model import Job, State
-from kvflow.state.moves import ensure_request, move, unpin
+from kvflow.state.moves import ensure_request, move, pin, unpin
 from kvflow.state.tables import (
     ABSENT,
     JOB_TRANSITIONS,
@@ -38,16 +44,20 @@ from kvflow.state.tables import (
 # --- jobs -----------------------------------------------------------------------------------
 
 
-def _add_job(state: State, event: StoreQueued | LoadQueued, direction: str, tag: str) -> Job:
-    job = Job(event.job_id, direction, event.request_id, event.hashes, event.device_blocks, event.slots)
+def _add_job(
+    state: State, event: StoreQueued | LoadQueued | RemoteLoadQueued | RemoteStoreQueued, direction: str, tag: str
+) -> Job:
+    request_id = getattr(event, "request_id", None)  # (remote jobs belong to no request)
+    device_blocks = getattr(event, "device_blocks", ())
+    job = Job(event.job_id, direction, request_id, event.hashes, device_blocks, event.slots)
     job.state = JOB_TRANSITIONS[JobState.NEW][tag]
     state.jobs[event.job_id] = job
     state.queued[event.job_id] = None
     state.last_job_id = event.job_id
     held, job_id = state.held, event.job_id
-    for d in event.device_blocks:
+    for d in device_blocks:
         held[d] = job_id
-    req = ensure_request(state, event.request_id)
+    req = ensure_request(state, request_id)
     if req is not None:
         req.jobs[event.job_id] = None
     return job
@@ -132,6 +142,51 @@ def _load_queued(state: State, event: LoadQueued, check: bool) -> None:
     move(state, RESIDENT, "load_queued", event.hashes, job)
 
 
+def _check_remote_job(state: State, event: RemoteLoadQueued | RemoteStoreQueued) -> None:
+    if event.job_id != state.last_job_id + 1:
+        raise lg.illegal(state, event, "NEW", f"job id {event.job_id} is not {state.last_job_id + 1}")
+    if len(event.hashes) != len(event.slots) or not event.hashes:
+        raise lg.illegal(state, event, "NEW", "hashes and slots must match, non-empty")
+
+
+def _remote_load_queued(state: State, event: RemoteLoadQueued, check: bool) -> None:
+    if check:
+        _check_remote_job(state, event)
+        lg.check_absent(state, event)
+        lg.check_free_slots(state, event, event.slots)
+    job = _add_job(state, event, REMOTE_LOAD, "remote_load_queued")
+    move(state, ABSENT, "remote_load_queued", event.hashes, job)
+
+
+def _remote_store_queued(state: State, event: RemoteStoreQueued, check: bool) -> None:
+    if check:
+        _check_remote_job(state, event)
+        lg.check_resident(state, event, "remote_store_queued", event.hashes)
+        if tuple(map(state.slot_of.__getitem__, event.hashes)) != event.slots:
+            raise lg.illegal(state, event, "RESIDENT", "the remote store's slots are not where its blocks live")
+        if len(set(event.hashes)) != len(event.hashes):
+            raise lg.illegal(state, event, "RESIDENT", "a block is stored twice in one event")
+    job = _add_job(state, event, REMOTE_STORE, "remote_store_queued")
+    move(state, RESIDENT, "remote_store_queued", event.hashes, job)
+    pin(state, event.hashes)  # its slots are read until the job ends
+
+
+def remember_remote(state: State, hashes: tuple[int, ...]) -> None:
+    """Add to the remote index (the most recent last); beyond its capacity the oldest go."""
+    remote = state.remote
+    for h in hashes:
+        remote.pop(h, None)
+        remote[h] = None
+    excess = len(remote) - state.config.remote_blocks
+    if excess > 0:
+        for h in list(remote)[:excess]:
+            del remote[h]
+
+
+def _remote_indexed(state: State, event: RemoteIndexed, check: bool) -> None:
+    remember_remote(state, event.hashes)
+
+
 def _jobs_submitted(state: State, event: JobsSubmitted, check: bool) -> None:
     jobs, queued = state.jobs, state.queued
     if check:
@@ -148,7 +203,7 @@ def _jobs_submitted(state: State, event: JobsSubmitted, check: bool) -> None:
         job.deadline_ms = deadline
         del queued[jid]
         # a store's entries follow their job: STORE_QUEUED -> STORING
-        move(state, STORE_QUEUED if job.direction == STORE else RESIDENT, "jobs_submitted", (), job)
+        move(state, STORE_QUEUED if job.direction in FILLING else RESIDENT, "jobs_submitted", (), job)
 
 
 def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, tag: str) -> Job:
@@ -199,8 +254,17 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
             # its entries left the tier at the reset; only its quarantined slots come back now
             _release_quarantine(state, job)
             return
-    if job.direction == STORE:
+    if job.direction in FILLING:
         move(state, STORE_QUEUED if was is JobState.QUEUED else STORING, tag, job.hashes, job)
+        if job.direction == REMOTE_LOAD and type(event) is not JobCompleted:
+            # a dead key never loops lookup -> load -> fail: it leaves the remote index now
+            for h in job.hashes:
+                state.remote.pop(h, None)
+    elif job.direction == REMOTE_STORE:
+        move(state, RESIDENT, tag, job.hashes, job)
+        unpin(state, job.hashes)
+        if type(event) is JobCompleted:
+            remember_remote(state, job.hashes)
     else:
         move(state, RESIDENT, tag, job.hashes, job)
         del state.requests[job.request_id].loading[job.job_id]  # type: ignore[index]
@@ -252,6 +316,9 @@ def _fence_lifted(state: State, event: FenceLifted, check: bool) -> None:
 
 JOB_EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {
     StoreQueued: _store_queued,  # type: ignore[dict-item]
+    RemoteLoadQueued: _remote_load_queued,  # type: ignore[dict-item]
+    RemoteStoreQueued: _remote_store_queued,  # type: ignore[dict-item]
+    RemoteIndexed: _remote_indexed,  # type: ignore[dict-item]
     LoadQueued: _load_queued,  # type: ignore[dict-item]
     JobsSubmitted: _jobs_submitted,  # type: ignore[dict-item]
     RankSucceeded: _rank_succeeded,  # type: ignore[dict-item]

@@ -9,7 +9,7 @@ C-level set and dict operations and walk block by block only to name the offende
 from __future__ import annotations
 
 from kvflow.errors import IllegalTransition
-from kvflow.events import Event, LoadQueued, StoreQueued, event_name
+from kvflow.events import Event, LoadQueued, RemoteLoadQueued, StoreQueued, event_name
 from kvflow.state.model import Job, State
 from kvflow.state.tables import (
     ABSENT,
@@ -97,7 +97,7 @@ def check_new_job(state: State, event: StoreQueued | LoadQueued) -> None:
     check_device_blocks_free(state, event, event.device_blocks)
 
 
-def check_absent(state: State, event: StoreQueued) -> None:
+def check_absent(state: State, event: StoreQueued | RemoteLoadQueued) -> None:
     """A store names blocks that are not on the tier, each once."""
     slot_of = state.slot_of
     if not slot_of.keys().isdisjoint(event.hashes) or len(set(event.hashes)) != len(event.hashes):

@@ -174,6 +174,7 @@ class State:
         "policy",
         "deferred_touches",
         "bad",
+        "remote",
     )
 
     def __init__(self, config: Config) -> None:
@@ -202,6 +203,9 @@ class State:
         self.deferred_touches: dict[int, tuple[tuple[int, ...], bool]] = {}
         # F17: resident blocks reported corrupt while pinned, evicted once unpinned
         self.bad: dict[int, None] = {}
+        # the remote tier's index: hashes known to be there, oldest first (capped at
+        # config.remote_blocks); a remote load that fails drops its hashes at once
+        self.remote: dict[int, None] = {}
 
     # -- queries -------------------------------------------------------------------------
 
@@ -267,6 +271,7 @@ class State:
         clone.policy = copy.deepcopy(self.policy)
         clone.deferred_touches = dict(self.deferred_touches)
         clone.bad = dict(self.bad)
+        clone.remote = dict(self.remote)
         return clone
 
     # -- determinism ---------------------------------------------------------------------

@@ -46,7 +46,7 @@ ABSENT, STORE_QUEUED, STORING, RESIDENT = (
 # (state, event tag) -> next state, for one CPU-tier entry named by the event.
 # Pins are a counter on a RESIDENT entry (see the pin rules in evolve), not a separate state.
 BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
-    ABSENT: {"store_queued": STORE_QUEUED, "reset": ABSENT},
+    ABSENT: {"store_queued": STORE_QUEUED, "remote_load_queued": STORE_QUEUED, "reset": ABSENT},
     STORE_QUEUED: {
         "jobs_submitted": STORING,
         "job_failed": ABSENT,  # cancelled before submission (reset)
@@ -61,6 +61,7 @@ BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
     },
     RESIDENT: {
         "load_queued": RESIDENT,
+        "remote_store_queued": RESIDENT,  # copied to the remote tier, pinned meanwhile
         "jobs_submitted": RESIDENT,  # its load job was handed to the executor
         "job_completed": RESIDENT,  # a load finished: its pin is released
         "job_failed": RESIDENT,  # a load failed: entry stays, pin released (F1)
@@ -77,7 +78,12 @@ BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
 # Job tags: an outcome event with ``fenced`` set reads as "<tag>:fenced" (the copy may still
 # run, so the job is FENCED rather than gone).
 JOB_TRANSITIONS: dict[JobState, dict[str, JobState]] = {
-    JobState.NEW: {"store_queued": JobState.QUEUED, "load_queued": JobState.QUEUED},
+    JobState.NEW: {
+        "store_queued": JobState.QUEUED,
+        "load_queued": JobState.QUEUED,
+        "remote_load_queued": JobState.QUEUED,
+        "remote_store_queued": JobState.QUEUED,
+    },
     JobState.QUEUED: {
         "jobs_submitted": JobState.IN_FLIGHT,
         "job_failed": JobState.FAILED,  # cancelled by reset before submission

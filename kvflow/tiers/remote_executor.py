@@ -1,0 +1,229 @@
+"""The remote tier's executor: remote jobs run in a thread of their own, beside the engine's
+device executor, and report through the same ``poll()``.
+
+``RemoteTierExecutor`` wraps the engine's executor (a torch executor with its host pool): jobs
+whose direction is ``remote_store`` / ``remote_load`` go to one worker thread that talks to the
+remote store (``RedisBlockStore``); every other job goes to the wrapped executor unchanged. The
+engine's step never waits on the network: ``submit`` only enqueues, ``poll`` only drains the
+thread's finished results (a thread-safe queue: F6).
+
+A job's outcome is reported only once the thread is done with its host slots, so a timed-out
+job's slots stay fenced (F15) until then; the store's own deadline (the job's) bounds that wait.
+Anything the thread hits — a refused write (OOM), a miss (evicted, foreign, damaged entry), a
+lost connection, a bug — becomes that job's failure (F2), never an exception in the engine. A
+remote job moves every rank's pages of the shared host pool at once, so it answers for every
+rank of the world.
+
+Probes: ``probe(hashes)`` asks the remote tier (``EXISTS``) which of a lookup's missing blocks
+it holds; ``take_found()`` hands the answer to the engine, which records it (``RemoteFound``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvflow.events import REMOTE_LOAD, REMOTE_STORE, JobResult, TransferJob
+from kvflow.tiers.entry import Miss
+
+REMOTE_DIRECTIONS = (REMOTE_STORE, REMOTE_LOAD)
+_STOP = object()
+
+
+class SlotPages:
+    """Each host slot's pages (one per region of the pool), read and written in place.
+    ``regions[r]`` is a ``[slots, page_bytes[r]]`` uint8 array: row ``s`` is slot ``s``."""
+
+    def __init__(self, regions: Sequence[np.ndarray]) -> None:
+        self.regions = list(regions)
+        self.page_bytes = tuple(int(r.shape[1]) for r in self.regions)
+
+    @classmethod
+    def of_pool(cls, pool: Any) -> SlotPages:
+        """The slots of a ``HostPool`` (kvflow.executors.host_pool)."""
+        return cls([pool.region(r).numpy() for r in range(len(pool.page_bytes))])
+
+    def read(self, slot: int) -> list[memoryview]:
+        return [r[slot].data for r in self.regions]
+
+    def write(self, slot: int, payload: memoryview) -> None:
+        at = 0
+        for region, pb in zip(self.regions, self.page_bytes):
+            region[slot] = np.frombuffer(payload, np.uint8, count=pb, offset=at)
+            at += pb
+
+
+class RemoteTierExecutor:
+    """See the module doc. ``open_store()`` builds the store in the worker thread (redis-py
+    clients stay in one thread); it is called again after a failure to build one."""
+
+    def __init__(
+        self,
+        inner: Any,
+        open_store: Callable[[], Any],
+        slots: SlotPages,
+        *,
+        job_deadline_ms: float,
+        world_size: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        absent_ttl_s: float = 1.0,
+    ) -> None:
+        """``absent_ttl_s``: a block a probe found absent is not asked about again for this
+        long (a request waiting for its turn looks its prefix up every step)."""
+        self.inner = inner
+        self.pool = getattr(inner, "pool", None)  # (the engine checks its size, F11)
+        self.layout = getattr(inner, "layout", None)
+        self.slots = slots
+        self._open_store = open_store
+        self._deadline_s = job_deadline_ms / 1000.0
+        self._world = world_size
+        self._clock = clock
+        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self._found: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        self._results_ready = threading.Event()
+        self._probing: dict[int, None] = {}  # hashes with a probe in flight (asked once)
+        # hash -> until when a probe's "absent" stands (written by the worker thread only)
+        self._absent_until: dict[int, float] = {}
+        self._absent_ttl_s = absent_ttl_s
+        self._store: Any = None
+        self.stats = {
+            "remote_stored_blocks": 0, "remote_loaded_blocks": 0, "remote_failed_jobs": 0, "probed_blocks": 0,
+        }  # fmt: skip
+        self._thread = threading.Thread(target=self._run, name="kvflow-remote", daemon=True)
+        self._thread.start()
+
+    # -- the engine's side (never blocks on the network) ---------------------------------
+
+    def submit(self, jobs: Sequence[TransferJob], compute_done: Any = None) -> None:
+        local = [j for j in jobs if j.direction not in REMOTE_DIRECTIONS]
+        if local:
+            self.inner.submit(local, compute_done)
+        deadline = self._clock() + self._deadline_s
+        for job in jobs:
+            if job.direction in REMOTE_DIRECTIONS:
+                self._work.put((job, deadline))
+
+    def probe(self, block_hashes: Sequence[int]) -> None:
+        now, absent = self._clock(), self._absent_until
+        todo = [h for h in block_hashes if h not in self._probing and absent.get(h, 0.0) <= now]
+        if todo:
+            self._probing.update(dict.fromkeys(todo))
+            self._work.put((tuple(todo), self._clock() + self._deadline_s))
+
+    def wait_results(self, timeout_s: float) -> bool:
+        """Block (up to ``timeout_s``) until ``poll`` has remote results to hand over: an
+        engine with nothing else to do waits here instead of stepping idly."""
+        return self._results_ready.wait(timeout_s)
+
+    def probing(self) -> bool:
+        """Whether a probe's answer is still to come."""
+        return bool(self._probing)
+
+    def take_found(self) -> list[int]:
+        found: list[int] = []
+        while True:
+            try:
+                found.extend(self._found.get_nowait())
+            except queue.Empty:
+                return found
+
+    def poll(self) -> list[JobResult]:
+        self._results_ready.clear()  # (before draining: a result put meanwhile sets it again)
+        results = list(self.inner.poll())
+        while True:
+            try:
+                results.append(self._done.get_nowait())
+            except queue.Empty:
+                return results
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the job at hand: its deadline bounds the wait), then
+        close the wrapped executor."""
+        self._work.put(_STOP)
+        self._thread.join(timeout=self._deadline_s + 5.0)
+        if self._thread.is_alive():
+            raise RuntimeError("the remote tier's thread did not stop: its copies may still run")
+        self.inner.close()
+
+    # -- the worker thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is _STOP:
+                break
+            work, deadline = item
+            if isinstance(work, tuple):
+                self._run_probe(work, deadline)
+                continue
+            ok, error = self._run_job(work, deadline)
+            if not ok:
+                self.stats["remote_failed_jobs"] += 1
+            for rank in range(self._world):
+                self._done.put(JobResult(job_id=work.job_id, rank=rank, ok=ok, error=error))
+            self._results_ready.set()
+        if self._store is not None:
+            try:
+                self._store.close()
+            except Exception:
+                pass
+
+    def _store_or_none(self) -> Any:
+        if self._store is None:
+            self._store = self._open_store()
+        return self._store
+
+    def _run_probe(self, hashes: tuple[int, ...], deadline: float) -> None:
+        try:
+            present = self._store_or_none().contains(hashes, deadline)
+            self.stats["probed_blocks"] += len(hashes)
+            self._found.put([h for h, there in zip(hashes, present) if there])
+            absent, until = self._absent_until, self._clock() + self._absent_ttl_s
+            if len(absent) > 1_000_000:  # bounded: forget the old answers wholesale
+                absent.clear()
+            for h, there in zip(hashes, present):
+                if there:
+                    absent.pop(h, None)
+                else:
+                    absent[h] = until
+        except Exception:
+            pass  # a probe that fails finds nothing; the lookup just misses
+        finally:
+            for h in hashes:
+                self._probing.pop(h, None)
+
+    def _run_job(self, job: TransferJob, deadline: float) -> tuple[bool, str | None]:
+        try:
+            store = self._store_or_none()
+            if job.direction == REMOTE_STORE:
+                errors = store.put([(h, self.slots.read(s)) for h, s in zip(job.hashes, job.slots)], deadline)
+                bad = [(h, e) for h, e in zip(job.hashes, errors) if e is not None]
+                if bad:
+                    return False, f"remote store refused {len(bad)} of {len(errors)} blocks: {bad[0][1]}"
+                self.stats["remote_stored_blocks"] += len(errors)
+                return True, None
+            got = store.get(job.hashes, deadline)
+            misses = [(h, g.reason) for h, g in zip(job.hashes, got) if isinstance(g, Miss)]
+            if misses:
+                h, reason = misses[0]
+                return False, f"remote miss on {len(misses)} of {len(got)} blocks (block {h}: {reason})"
+            for slot, payload in zip(job.slots, got):
+                self.slots.write(slot, payload)  # type: ignore[arg-type]
+            self.stats["remote_loaded_blocks"] += len(got)
+            return True, None
+        except Exception as exc:  # F2: whatever happens is this job's failure
+            if not isinstance(exc, _expected_errors()):
+                self._store = None  # rebuild the client for the next job
+            return False, f"{type(exc).__name__}: {exc}"
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    from kvflow.tiers.redis_store import RemoteUnavailable
+
+    return (RemoteUnavailable,)

@@ -1,0 +1,154 @@
+"""Writing a trace as the engine runs (DESIGN §5).
+
+Deterministic: the same run gives the same bytes (no timestamps in the header; events carry only
+injected time). Records (frozen structs) are kept as they are recorded and encoded together at
+the next checkpoint or flush, in one call; each checkpoint records the digest of every byte
+before it (``RecordChain``).
+
+What a trace guarantees after a crash (the writer's process killed at any point): everything up
+to its last flush is on disk and reads back, plain or gzip (each flush ends a gzip sync point, so
+a cut stream decompresses up to it); a line cut in the middle is reported and ignored. The header
+is flushed at once. Flushes: every ``flush_records`` records (4,096 by default), at each
+``flush()`` (the async engine flushes from a worker thread every ``flush_interval_s``, the vLLM
+connector every step) and at ``close()``, which also fsyncs: a closed trace survives a power
+loss, an open one only a crash of its process.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from typing import IO, Any, cast
+
+import msgspec
+
+from kvflow._version import __version__
+from kvflow.config import Config
+from kvflow.events import Command, Event
+from kvflow.trace.format import (
+    DEFAULT_CHECKPOINT_EVERY,
+    TRACE_FORMAT,
+    TRACE_VERSION,
+    Checkpoint,
+    Header,
+    RecordChain,
+)
+
+
+class TraceWriter:
+    """Writes a trace file as the manager runs (the log of an engine given ``trace_path``)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: Config,
+        *,
+        meta: dict[str, Any] | None = None,
+        checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+        auto_flush: bool = True,
+        flush_records: int = 4096,
+    ) -> None:
+        self.path = str(path)
+        self.auto_flush = auto_flush
+        self.flush_records = max(1, flush_records)
+        self.config = config
+        self.checkpoint_every = max(1, checkpoint_every)
+        self._encoder = msgspec.json.Encoder()
+        self._encode_lines = self._encoder.encode_lines
+        raw: IO[bytes]
+        if self.path.endswith(".gz"):
+            raw = cast(IO[bytes], gzip.GzipFile(self.path, "wb", compresslevel=6, mtime=0))
+        else:
+            raw = open(self.path, "wb")
+        self._file = raw
+        self._pending: list[Any] = []  # records not yet encoded (they are frozen structs)
+        self._unwritten = 0  # records encoded and not yet handed to the file
+        self._sealed: list[bytes] = []  # fed to the chain, not yet written
+        self._since_checkpoint = 0
+        self._last_checkpoint_seq = 0
+        self.closed = False
+        header = Header(
+            format=TRACE_FORMAT,
+            version=TRACE_VERSION,
+            kvflow=__version__,
+            config=config.to_dict(),
+            meta=dict(meta or {}),
+        )
+        first = self._encoder.encode(header) + b"\n"
+        self._chain = RecordChain(first)
+        self._file.write(first)
+        self._file.flush()  # on disk at once: a writer killed before its first flush leaves a readable trace
+
+    def record_command(self, command: Command) -> None:
+        self._pending.append(command)
+        self._unwritten += 1
+
+    def record_events(self, events: list[Event]) -> None:
+        self._pending.extend(events)
+        self._unwritten += len(events)
+        self._since_checkpoint += len(events)
+
+    def after_command(self, state: Any) -> None:
+        if self._since_checkpoint >= self.checkpoint_every:
+            self.checkpoint(state)
+        if self.auto_flush and self._unwritten >= self.flush_records:
+            self.flush()
+
+    def _seal(self) -> None:
+        """Encode the pending records (one C call for all of them) and feed the lines to the
+        record chain."""
+        if self._pending:
+            blob = self._encode_lines(self._pending)
+            self._chain.update(blob)
+            self._sealed.append(blob)
+            self._pending.clear()
+
+    def take_pending(self) -> bytes:
+        """Detach the encoded lines not yet written (the async engine writes them from a
+        worker thread with ``write_bytes``, keeping file I/O off the event loop)."""
+        self._seal()
+        blob = b"".join(self._sealed)
+        self._sealed.clear()
+        self._unwritten = 0
+        return blob
+
+    def write_bytes(self, blob: bytes) -> None:
+        if blob:
+            self._file.write(blob)
+            self._file.flush()
+
+    def checkpoint(self, state: Any) -> None:
+        if state.last_seq == self._last_checkpoint_seq and self._last_checkpoint_seq:
+            return
+        self._seal()
+        line = self._encoder.encode(
+            Checkpoint(seq=state.last_seq, digest=state.digest(), records=self._chain.value())
+        ) + b"\n"
+        self._chain.update(line)
+        self._sealed.append(line)
+        self._since_checkpoint = 0
+        self._last_checkpoint_seq = state.last_seq
+
+    def flush(self) -> None:
+        """Hand every recorded line to the operating system (a crash of this process loses
+        none of them from then on; a gzip trace ends a sync point here)."""
+        self.write_bytes(self.take_pending())
+
+    def close(self, state: Any = None) -> None:
+        if self.closed:
+            return
+        if state is not None:
+            self.checkpoint(state)
+        self.flush()
+        self._file.close()
+        self.closed = True
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # (the file was removed or replaced meanwhile: nothing of ours to sync)
+        try:
+            os.fsync(fd)  # a closed trace survives a power loss too
+        except OSError:
+            pass  # a pipe or a device file: there is no disk to reach
+        finally:
+            os.close(fd)

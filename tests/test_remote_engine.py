@@ -1,0 +1,223 @@
+"""The engine with a remote tier on real Redis servers: real bytes from one instance's device
+blocks through its host pool to Redis and back into another instance's device blocks; and the
+engine's behaviour when the server evicts, dies or hangs. No mocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("xxhash")
+from redis_servers import (  # noqa: E402
+    redis_cluster,  # noqa: F401  (fixtures)
+    redis_cluster_fresh,  # noqa: F401
+    redis_fresh,  # noqa: F401
+    redis_standalone,  # noqa: F401
+)
+from remote_rig import HASHES, blocks_of, instance, load_prefix, random_kv, settle, store_prefix  # noqa: E402
+
+from kvflow.events import REMOTE_LOAD, REMOTE_STORE, JobFailed, JobTimedOut  # noqa: E402
+from kvflow.state import check_invariants  # noqa: E402
+
+RIG = Path(__file__).with_name("remote_rig.py")
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def server(request):
+    target = request.getfixturevalue(f"redis_{request.param}")
+    yield target
+    for node in getattr(target, "nodes", [target]):
+        node.cli("FLUSHALL")
+
+
+def is_cluster(target) -> bool:
+    return hasattr(target, "nodes")
+
+
+def remote_events(engine, kind):
+    return [e for e in engine.manager.log.events() if type(e) is kind and e.direction in (REMOTE_LOAD, REMOTE_STORE)]
+
+
+def test_one_instance_stores_another_loads_the_same_bytes(server) -> None:
+    writer, writer_kv = instance(server.url, is_cluster(server), seed=1)
+    reader, reader_kv = instance(server.url, is_cluster(server), seed=2)
+    try:
+        store_prefix(writer, "w", (0, 1, 2, 3))
+        assert writer.executor.stats["remote_stored_blocks"] == len(HASHES)
+        assert list(writer.manager.state.remote) == list(HASHES)
+        hits = load_prefix(reader, "r", (8, 9, 10, 11))
+        assert hits == len(HASHES)
+        assert reader.executor.stats["remote_loaded_blocks"] == len(HASHES)
+        for a, b in zip(blocks_of(reader_kv, (8, 9, 10, 11)), blocks_of(writer_kv, (0, 1, 2, 3))):
+            assert a.equal(b)
+        for engine in (writer, reader):
+            assert check_invariants(engine.manager.state) == []
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_separate_instance_processes_share_a_3_node_cluster(redis_cluster) -> None:  # noqa: F811
+    """Scale-out: two kvflow processes, each with its own CPU tier, one Redis Cluster."""
+
+    def run(role: str) -> dict:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(RIG.parent), os.environ.get("PYTHONPATH", "")]))
+        out = subprocess.run(
+            [sys.executable, str(RIG), role, redis_cluster.url, "cluster"],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    try:
+        wrote = run("writer")
+        assert wrote["remote_stored_blocks"] == len(HASHES)
+        read = run("reader")
+        assert read == {**read, "hits": len(HASHES), "same": True, "remote_loaded_blocks": len(HASHES)}
+    finally:
+        for node in redis_cluster.nodes:
+            node.cli("FLUSHALL")
+
+
+def test_an_evicted_key_fails_its_load_once_and_is_dropped(redis_standalone) -> None:  # noqa: F811
+    writer, _ = instance(redis_standalone.url, False, seed=1)
+    reader, _ = instance(redis_standalone.url, False, seed=2)
+    try:
+        store_prefix(writer, "w", (0, 1, 2, 3))
+        # the reader learns of the blocks, then the server loses one (eviction, flush, restart)
+        reader.lookup("r", HASHES, len(HASHES) * 16 + 1)
+        reader.accept_hits("r", [])
+        deadline = time.monotonic() + 10
+        while len(reader.manager.state.remote) < len(HASHES):
+            assert time.monotonic() < deadline
+            reader.step()
+            time.sleep(0.002)
+        redis_standalone.cli("DEL", reader.executor._store.key(HASHES[0]).decode())
+        assert reader.lookup("r", HASHES, len(HASHES) * 16 + 1) == 0  # queues the remote load
+        reader.accept_hits("r", [])
+        settle(reader)
+        (failed,) = remote_events(reader, JobFailed)
+        assert "absent" in failed.error
+        assert HASHES[0] not in reader.manager.state.remote  # dropped on the first failure
+        jobs_before = reader.manager.state.last_job_id
+        for _ in range(3):  # no lookup -> load -> fail loop: nothing more is queued for it
+            assert reader.lookup("r", HASHES, len(HASHES) * 16 + 1) == 0
+            reader.accept_hits("r", [])
+            settle(reader)
+        assert reader.manager.state.last_job_id == jobs_before
+        assert check_invariants(reader.manager.state) == []
+    finally:
+        writer.close()
+        reader.close()
+        redis_standalone.cli("FLUSHALL")
+
+
+def test_killed_server_fails_remote_jobs_engine_serves_from_cpu_and_reconnects(redis_fresh) -> None:  # noqa: F811
+    engine, kv = instance(redis_fresh.url, False, seed=1, deadline_ms=1000.0)
+    try:
+        redis_fresh.stop()
+        store_prefix(engine, "w", (0, 1, 2, 3))  # the CPU-tier store lands; the remote one fails
+        (failed,) = remote_events(engine, JobFailed)
+        assert "unavailable" in failed.error.lower() or "connection" in failed.error.lower()
+        assert engine.manager.state.remote == {}
+        # the CPU tier keeps serving: the prefix hits and loads with the server down
+        assert load_prefix(engine, "r", (8, 9, 10, 11)) == len(HASHES)
+        for a, b in zip(blocks_of(kv, (8, 9, 10, 11)), blocks_of(random_kv(1), (0, 1, 2, 3))):
+            assert a.equal(b)
+        # the server comes back (empty): the next write-through reconnects by itself
+        redis_fresh.start()
+        engine.lookup("w2", (201, 202), 2 * 16 + 1)
+        engine.blocks_computed("w2", (201, 202), (4, 5))
+        settle(engine)
+        assert list(engine.manager.state.remote) == [201, 202]
+        assert check_invariants(engine.manager.state) == []
+    finally:
+        engine.close()
+
+
+def test_hung_server_times_out_remote_jobs_without_blocking_the_step(redis_fresh) -> None:  # noqa: F811
+    # a step that waited on the network would last at least one socket timeout (0.5 s)
+    engine, _ = instance(redis_fresh.url, False, seed=1, deadline_ms=1000.0, timeout_s=0.5)
+    try:
+        redis_fresh.pause()
+        engine.lookup("w", HASHES, len(HASHES) * 16 + 1)
+        engine.blocks_computed("w", HASHES, (0, 1, 2, 3))
+        slowest = 0.0
+        deadline = time.monotonic() + 10
+        while not remote_events(engine, JobTimedOut) and not remote_events(engine, JobFailed):
+            assert time.monotonic() < deadline
+            started = time.perf_counter()
+            engine.step()
+            slowest = max(slowest, time.perf_counter() - started)
+            time.sleep(0.002)
+        assert slowest < 0.25, slowest  # the network never stalls the engine's step
+        redis_fresh.resume()
+        settle(engine)
+        assert engine.fences() == [] and engine.manager.state.quarantine == {}
+        assert engine.manager.state.remote == {}
+        assert all(engine.manager.state.is_resident(h) for h in HASHES)  # the CPU tier is intact
+        assert check_invariants(engine.manager.state) == []
+    finally:
+        redis_fresh.resume()
+        engine.close()
+
+
+def test_a_block_absent_everywhere_is_probed_once_per_ttl_not_every_step(redis_standalone) -> None:  # noqa: F811
+    redis_standalone.cli("FLUSHALL")
+    engine, _ = instance(redis_standalone.url, False, seed=1, absent_ttl_s=60.0)
+    try:
+        for _ in range(20):  # a waiting request looks its prefix up every step
+            assert engine.lookup("r", HASHES, len(HASHES) * 16 + 1) == 0
+            engine.accept_hits("r", [])
+            settle(engine)
+            while engine.executor.probing():
+                time.sleep(0.001)
+        assert engine.executor.stats["probed_blocks"] == len(HASHES)
+        assert engine.manager.state.remote == {} and engine.manager.state.last_job_id == 0
+    finally:
+        engine.close()
+
+
+def test_oom_on_the_server_fails_the_remote_store_and_indexes_nothing(redis_fresh) -> None:  # noqa: F811
+    info = redis_fresh.cli("INFO", "memory")
+    used = int(next(line for line in info.splitlines() if line.startswith("used_memory:"))[12:])
+    redis_fresh.cli("CONFIG", "SET", "maxmemory", str(used + 1024))  # full at the first block
+    redis_fresh.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+    engine, _ = instance(redis_fresh.url, False, seed=1)
+    try:
+        store_prefix(engine, "w", (0, 1, 2, 3))
+        (failed,) = remote_events(engine, JobFailed)
+        assert "OutOfMemoryError" in failed.error and failed.direction == REMOTE_STORE
+        assert engine.manager.state.remote == {}  # never visible remotely
+        assert all(engine.manager.state.is_resident(h) for h in HASHES)  # the CPU tier holds them
+        assert engine.manager.state.pin_count == {}
+    finally:
+        engine.close()
+
+
+def test_a_cluster_node_killed_mid_run_fails_remote_jobs_and_the_cpu_tier_serves(redis_cluster_fresh) -> None:  # noqa: F811
+    cluster = redis_cluster_fresh
+    engine, kv = instance(cluster.url, True, seed=1, deadline_ms=1000.0)
+    try:
+        store_prefix(engine, "w", (0, 1, 2, 3))
+        assert list(engine.manager.state.remote) == list(HASHES)
+        cluster.nodes[1].stop()
+        engine.lookup("w2", (301, 302, 303), 3 * 16 + 1)
+        engine.blocks_computed("w2", (301, 302, 303), (4, 5, 6))
+        settle(engine)  # the remote store fails or times out, within its deadline
+        ends = [e for e in engine.manager.log.events() if type(e) in (JobFailed, JobTimedOut)]
+        assert [e.direction for e in ends] == [REMOTE_STORE]
+        assert not {301, 302, 303} & set(engine.manager.state.remote)
+        assert load_prefix(engine, "r", (8, 9, 10, 11)) == len(HASHES)  # from the CPU tier
+        for a, b in zip(blocks_of(kv, (8, 9, 10, 11)), blocks_of(random_kv(1), (0, 1, 2, 3))):
+            assert a.equal(b)
+        assert check_invariants(engine.manager.state) == []
+    finally:
+        engine.close()

@@ -244,9 +244,14 @@ class OffloadManager:
         answer, _ = self.handle(PlanStep(now_ms=now_ms))
         return answer  # type: ignore[no-any-return]
 
-    def job_result(self, job_id: int, rank: int = 0, ok: bool = True, error: str | None = None) -> None:
-        """One executor outcome (``ok`` must be a bool: anything else is a failed result)."""
-        self.handle(bd.result(JobResult(job_id=job_id, rank=rank, ok=ok, error=error)))
+    def job_result(
+        self, job_id: int, rank: int = 0, ok: bool = True, error: str | None = None, corrupt: Sequence[int] = ()
+    ) -> None:
+        """One executor outcome (``ok`` must be a bool: anything else is a failed result);
+        ``corrupt`` names the blocks whose host copy failed its integrity check (F17)."""
+        # (bd.result checks and normalises every field, corrupt included)
+        outcome = JobResult(job_id=job_id, rank=rank, ok=ok, error=error, corrupt=corrupt)  # type: ignore[arg-type]
+        self.handle(bd.result(outcome))
 
     def job_results(self, results: Sequence[JobResult]) -> None:
         """Apply many outcomes in one command; a bad one refuses the batch (nothing applied)."""

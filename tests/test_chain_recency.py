@@ -11,7 +11,7 @@ job and applied when it lands. An engine's own ``touch`` adds recency on top.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflow.config import Config, config_from_dict
@@ -171,7 +171,6 @@ def test_F14_a_touch_of_a_store_that_fails_is_dropped_with_it() -> None:
     assert not m.state.deferred_touches and check_invariants(m.state) == []
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     chain_len=st.integers(2, 8),
     data=st.data(),

@@ -969,3 +969,43 @@ def test_F17_a_block_reported_corrupt_while_pinned_leaves_with_its_last_pin(how:
     assert not m.state.is_resident(A) and not m.state.bad
     assert m.lookup("d", [A, C], tokens(2)) == 0  # never offered again
     consistent(m)
+
+
+def test_F17_a_corrupt_report_in_a_batch_the_engine_must_split_still_evicts_the_bad_block() -> None:
+    """(Found by the swarm, seed 155.) A batch holding a result for a job nobody issued is
+    refused, and the engine applies its results one by one: the integrity report (``corrupt``)
+    must survive that split, or the bad host copy stays on offer."""
+    from kvflow.engine import SyncEngine
+    from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
+
+    clock = VirtualClock()
+    cfg = Config(cpu_blocks=4, block_tokens=BT, job_deadline_ms=DEADLINE_MS)
+    engine = SyncEngine(cfg, SimulatedExecutor(clock), clock=clock, keep_log=True)
+    engine.blocks_computed("w", [A, B], [1, 2])
+    engine.step()
+    clock.advance_to(100.0)
+    engine.step()
+    engine.finish_request("w")
+    assert engine.lookup("r", [A, B, C], tokens(3)) == 2
+    job = engine.accept_hits("r", [10, 11])
+    engine.step(results=[])  # submitted; its outcome is the one handed in below
+    bad = JobResult(job_id=job, ok=False, error="checksum mismatch", corrupt=(B,))
+    unknown = JobResult(job_id=job + 1000, ok=True)
+    report = engine.step(results=[bad, unknown])
+    assert engine.counters.unknown_results == 1  # the batch was split, the stray one refused
+    assert [f.job_id for f in report.loads_failed] == [job]
+    state = engine.manager.state
+    assert state.is_resident(A) and not state.is_resident(B)
+    evicted = [e for e in engine.manager.log.events() if isinstance(e, BlocksEvicted)]
+    assert [(e.hashes, e.reason) for e in evicted] == [((B,), "corrupt")]
+    consistent(engine.manager)
+
+
+def test_F17_a_single_result_carries_its_integrity_report() -> None:
+    m = manager(cpu_blocks=4)
+    store(m, "w", [A, B], [1, 2])
+    m.finish_request("w")
+    job = load(m, "r", [A, B], [3, 4])
+    m.job_result(job, ok=False, error="checksum mismatch", corrupt=[A])
+    assert not m.state.is_resident(A) and m.state.is_resident(B)
+    consistent(m)

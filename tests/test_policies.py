@@ -571,7 +571,7 @@ class ARCMachine(_PolicyMachine):
         assert len(b1) <= capacity and len(b1) + len(b2) <= 2 * capacity
 
 
-_machine_settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+_machine_settings = settings(stateful_step_count=60)  # examples: the profile's (tests/conftest.py)
 TestLRUModel = LRUMachine.TestCase
 TestLRUModel.settings = _machine_settings
 TestARCModel = ARCMachine.TestCase

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from reference_sim import COUNTER_KEYS, reference_simulate
 
@@ -269,7 +269,6 @@ _prompt = st.integers(min_value=1, max_value=6 * B).flatmap(
 )
 
 
-@settings(max_examples=150, deadline=None)
 @given(
     prompts=st.lists(_prompt, min_size=1, max_size=12),
     cpu_blocks=st.integers(0, 6),

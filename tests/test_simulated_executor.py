@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflow.errors import ConfigError, KvflowError, UnknownJob
@@ -347,7 +347,6 @@ def test_deterministic_for_a_seed() -> None:
     assert _scripted_run(8) != a  # the seed matters
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 60), max_size=80), st.lists(st.integers(0, 70), max_size=20))
 def test_the_submitted_ids_are_remembered_exactly_in_ranges(added: list[int], probes: list[int]) -> None:
     from kvflow.executors.simulated import _IdSet

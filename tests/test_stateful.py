@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvflow.config import Config
 from kvflow.errors import BlockHeld, Rejected
 from kvflow.events import (
+    EVENT_TYPES,
     TERMINAL_TYPES,
     BlocksEvicted,
     FenceLifted,
@@ -42,11 +43,11 @@ BT = 4
 DEADLINE_MS = 100.0
 HASH_POOL = st.integers(min_value=1, max_value=7)
 PREFIX = st.lists(HASH_POOL, min_size=1, max_size=4, unique=True)
+MOSTLY = st.sampled_from([True, True, True, False])  # (lookups that hit and loads that run)
 
+# how many examples: the profile's (tests/conftest.py: 2,000 in CI)
 SETTINGS = settings(
-    max_examples=150,
     stateful_step_count=50,
-    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 
@@ -85,6 +86,12 @@ class OffloadMachine(RuleBasedStateMachine):
         self.handed_out: set[int] = set()  # job ids returned by plan_step (F5)
         # F15, the model: copies handed out whose ranks have not all reported (they may run)
         self.copying: dict[int, tuple[TransferJob, set[int]]] = {}
+        # the log as the invariants have read it so far (each event is folded and counted
+        # once, not once per step: the same checks as reading the whole log, in linear time)
+        self.read = 0
+        self.replayed = State(self.config)
+        self.terminal: Counter[int] = Counter()
+        self.lifted: Counter[int] = Counter()
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -143,7 +150,9 @@ class OffloadMachine(RuleBasedStateMachine):
             if jid is None:
                 continue
             job = state.jobs[jid]
-            if job.direction != "store" or job.hashes[job.device_blocks.index(d)] != h:
+            # only a live store of the same hash shares its block (F3); a fenced or abandoned
+            # job may still copy into it, whatever the hash (F15)
+            if job.direction != "store" or job.fenced or job.hashes[job.device_blocks.index(d)] != h:
                 return True
         return False
 
@@ -171,20 +180,22 @@ class OffloadMachine(RuleBasedStateMachine):
     def lookup(self, data: Any, hashes: list[int], extra_tokens: int) -> None:
         rid = self.request_id(data)
         resident = [h for h in self.m.state.policy.resident() if self.m.state.is_resident(h)]
-        if resident and data.draw(st.booleans(), label="aim at resident blocks"):
+        if resident and data.draw(MOSTLY, label="aim at resident blocks"):
             head = data.draw(
                 st.lists(st.sampled_from(resident), min_size=1, unique=True), label="head"
             )
             hashes = head + [h for h in hashes if h not in head]
         if data.draw(st.integers(0, 7), label="repeat a hash") == 0:
-            hashes = hashes + hashes[-1:]  # a prefix naming one block twice
+            # a prefix naming one block twice, anywhere: a load may then read one slot twice
+            i = data.draw(st.integers(0, len(hashes) - 1), label="repeated position")
+            hashes = hashes[: i + 1] + hashes[i:]
         num_tokens = (len(hashes) - 1) * BT + extra_tokens  # sometimes an exact multiple (F13)
         device_hit = data.draw(st.integers(0, 1), label="device hit blocks")
         hits = self.m.lookup(rid, hashes, num_tokens, device_hit_blocks=device_hit)
         cap = max(0, (num_tokens - 1) // BT)
         assert 0 <= hits <= max(0, cap - device_hit)
         assert self.m.state.requests[rid].offered == tuple(hashes[device_hit : device_hit + hits])
-        if hits and data.draw(st.booleans(), label="accept at once"):
+        if hits and data.draw(MOSTLY, label="accept at once"):
             self.accept_hits_of(rid, data)
 
     def accept_hits_of(self, rid: str, data: Any) -> None:
@@ -216,6 +227,14 @@ class OffloadMachine(RuleBasedStateMachine):
         loads = [j for j in self.m.state.jobs.values() if j.direction == "load"]
         if loads and data.draw(st.integers(0, 4), label="misuse") == 0:
             device_blocks[0] = data.draw(st.sampled_from(loads), label="load").device_blocks[0]
+        # ...or, with the very hash it copies, one that a fenced or abandoned job holds
+        fenced = sorted(d for d, j in self.m.state.held.items() if self.m.state.jobs[j].fenced)
+        if fenced and data.draw(st.integers(0, 4), label="fenced block") == 0:
+            d = data.draw(st.sampled_from(fenced), label="held block")
+            job = self.m.state.jobs[self.m.state.held[d]]
+            h = job.hashes[job.device_blocks.index(d)]
+            hashes = [h] + [x for x in hashes if x != h]
+            device_blocks = [d] + self.fresh_blocks(len(hashes) - 1)
         expect_held = self.expected_block_held(hashes, device_blocks)
         in_flight = {
             h: (e.state, e.job_id)
@@ -330,6 +349,21 @@ class OffloadMachine(RuleBasedStateMachine):
             for result in results:
                 self.reported(result.job_id, result.rank)
         assert not self.reporting() and not self.m.state.jobs and not self.m.state.quarantine
+
+    @precondition(lambda self: any(j.acks and j.state in SUBMITTED for j in self.m.state.jobs.values()))
+    @rule(data=st.data())
+    def repeated_success(self, data: Any) -> None:
+        """A rank repeats its success while another rank still copies: recorded, nothing
+        else changes."""
+        repeated = [j for j, job in self.m.state.jobs.items() if job.acks and job.state in SUBMITTED]
+        job_id = data.draw(st.sampled_from(repeated), label="job")
+        acks = self.m.state.jobs[job_id].acks
+        rank = data.draw(st.sampled_from([r for r in range(self.WORLD_SIZE) if acks & (1 << r)]), label="rank")
+        before = self.m.state.canonical()
+        self.m.job_result(job_id, rank=rank)
+        after = self.m.state.canonical()
+        assert after[0] == before[0] + 1 and after[1:] == before[1:]
+        assert isinstance(self.m.log.events()[-1], LateResultIgnored)
 
     @precondition(lambda self: self.m.state.last_job_id > len(self.m.state.jobs))
     @rule(data=st.data(), ok=st.booleans())
@@ -446,6 +480,35 @@ class OffloadMachine(RuleBasedStateMachine):
         assert notices.all_blocks_cleared
         assert {f.job_id for f in notices.loads_failed} >= loads
 
+    def catch_up(self) -> None:
+        """Fold the events logged since the last check into ``replayed`` and the counts."""
+        records = self.m.log.records
+        new = [r for r in records[self.read :] if isinstance(r, EVENT_TYPES)]
+        self.read = len(records)
+        fold(self.replayed, new)
+        for event in new:
+            if isinstance(event, TERMINAL_TYPES):
+                self.terminal[event.job_id] += 1
+            elif isinstance(event, FenceLifted):
+                self.lifted[event.job_id] += 1
+
+    def loads_share_a_slot(self) -> bool:
+        """Two submitted loads read one slot, or one load reads a slot twice."""
+        seen: set[int] = set()
+        for job in self.m.state.jobs.values():
+            if job.direction == "load" and job.state in SUBMITTED:
+                if len(set(job.slots)) != len(job.slots) or not seen.isdisjoint(job.slots):
+                    return True
+                seen.update(job.slots)
+        return False
+
+    @precondition(lambda self: self.loads_share_a_slot())
+    @rule()
+    def reset_while_loads_share_a_slot(self) -> None:
+        """A reset fences each abandoned load's slots: a shared one stays fenced until the
+        last of them reports (this machine found two bugs here, see test_machine_findings)."""
+        self.reset(0)
+
     # -- invariants ------------------------------------------------------------------------
 
     @invariant()
@@ -454,16 +517,15 @@ class OffloadMachine(RuleBasedStateMachine):
 
     @invariant()
     def log_replays_to_the_live_state(self) -> None:
-        replayed = fold(State(self.config), self.m.log.events())
-        assert replayed.digest() == self.m.state.digest()
+        self.catch_up()
+        assert self.replayed.digest() == self.m.state.digest()
 
     @invariant()
     def every_job_ends_exactly_once(self) -> None:
         """One outcome per job (a fenced job has its outcome already); a job abandoned by a
         reset whose copy never reported ends by its fence alone (the reset was its outcome)."""
-        events = self.m.log.events()
-        terminal = Counter(e.job_id for e in events if isinstance(e, TERMINAL_TYPES))
-        lifted = Counter(e.job_id for e in events if isinstance(e, FenceLifted))
+        self.catch_up()
+        terminal, lifted = self.terminal, self.lifted
         jobs = self.m.state.jobs
         for job_id in range(1, self.m.state.last_job_id + 1):
             assert lifted[job_id] <= 1 and not (lifted[job_id] and job_id in jobs), job_id

@@ -185,7 +185,10 @@ class SyncEngine:
             pass  # isolate the bad result(s): apply one by one
         for result in results:
             try:
-                self.manager.job_result(result.job_id, result.rank, result.ok, result.error)
+                # (with its integrity report: dropping it left a bad host copy on offer, F17)
+                self.manager.job_result(
+                    result.job_id, result.rank, result.ok, result.error, getattr(result, "corrupt", ())
+                )
             except Rejected as exc:
                 self.counters.unknown_results += 1
                 self.watch.log.warning("kvflow.result_rejected", job=result.job_id, rank=result.rank, error=str(exc))

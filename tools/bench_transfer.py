@@ -70,10 +70,27 @@ class Clock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.events = device.type != "cpu"
+        self._cycles_per_ms: float | None = None
 
     def sync(self) -> None:
         if self.events:
             torch.accelerator.synchronize()
+
+    def gate(self, ms: float) -> None:
+        """Hold the current stream for about ``ms`` (CUDA): an event recorded after this fires
+        only once the host has had that long to enqueue the work that waits on it, so the time
+        from that event to the copies' end is the device's copy time, not the host's submit
+        time (which the tables report on their own)."""
+        if self.device.type != "cuda" or ms <= 0:
+            return
+        if self._cycles_per_ms is None:  # calibrate the sleep kernel once
+            torch.cuda._sleep(1_000_000)
+            start = self.event()
+            torch.cuda._sleep(20_000_000)
+            end = self.event()
+            end.synchronize()  # type: ignore[union-attr]
+            self._cycles_per_ms = 20_000_000 / start.elapsed_time(end)  # type: ignore[union-attr]
+        torch.cuda._sleep(int(ms * self._cycles_per_ms))
 
     def event(self, stream: object | None = None) -> object | None:
         if not self.events:

@@ -30,11 +30,25 @@ from kvflow.errors import ConfigError
 from kvflow.executors.npu import DeviceTraits, traits_for
 
 ALIGN = 4096
+HUGE_PAGE = 2 << 20
 CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _page_aligned_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory starting on a 2 MiB boundary.
+
+    ``torch.empty`` returns a large buffer 16-64 bytes past a page boundary, so every pool page
+    would straddle one more 4 KiB page than it needs, and a GPU kernel reading or writing
+    pinned pages splits each access that crosses a page: measured on an H200 (16 KiB pages,
+    scattered), the page kernel moved 0.88 / 0.85 of the link from such a buffer and 0.94 / 0.92
+    from an aligned one. 2 MiB also lets the kernel back the pool with huge pages."""
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % HUGE_PAGE
+    return raw[skip : skip + nbytes]
 
 
 @dataclass(frozen=True)
@@ -136,7 +150,7 @@ class HostPool:
                 raise ConfigError(_alloc_message(nbytes, cpu_blocks, pages, e)) from None
             return cls(spec, buffer, pinned=True, owner=True)
         try:
-            buffer = torch.empty(nbytes, dtype=torch.uint8)
+            buffer = _page_aligned_empty(nbytes)
         except RuntimeError as e:
             raise ConfigError(_alloc_message(nbytes, cpu_blocks, pages, e)) from None
         pool = cls(spec, buffer, owner=True)

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from kvflow.errors import ConfigError, Rejected, UnknownJob  # noqa: E402
 from kvflow.events import TransferJob  # noqa: E402
-from kvflow.executors import page_kernel  # noqa: E402
+from kvflow.executors import batch_copy, page_kernel  # noqa: E402
 from kvflow.executors.host_pool import HostPool  # noqa: E402
 from kvflow.executors.layout import KVLayout  # noqa: E402
 from kvflow.executors.torch_executor import TorchExecutor  # noqa: E402
@@ -93,11 +93,17 @@ def test_round_trip_into_different_blocks(device: str, kind: str, path: str) -> 
         assert ex.stats["bytes_stored"] == 5 * block and ex.stats["bytes_loaded"] == 5 * block
 
 
-@pytest.mark.parametrize("scatter,max_runs", [("runs", 16), ("host", 1), ("uva", 1), ("auto", 1)])
+@pytest.mark.parametrize(
+    "scatter,max_runs", [("runs", 16), ("host", 1), ("uva", 1), ("batch", 0), ("auto", 1)]
+)
 def test_scattered_slots(device: str, scatter: str, max_runs: int) -> None:
     if scatter == "uva" and device != "cuda":
         with pytest.raises(ConfigError, match="needs a CUDA device"):
             TorchExecutor(make_kv("stacked", device), 24, scatter="uva")
+        return
+    if scatter == "batch" and not batch_copy.available(device):
+        with pytest.raises(ConfigError, match="cuMemcpyBatchAsync"):
+            TorchExecutor(make_kv("stacked", device), 24, scatter="batch")
         return
     kv = make_kv("stacked", device)
     with TorchExecutor(kv, 24, scatter=scatter, max_runs=max_runs, checksums=True) as ex:
@@ -430,9 +436,12 @@ def test_kernel_mode_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPa
         ("runs", (4, 5, 6, 7)),  # one run: the batched copy-engine path
         ("runs", (2, 3, 9, 10)),  # two runs: the per-region loop
         ("host", (11, 2, 19, 0)),  # scattered: host staging
+        ("batch", (11, 2, 19, 0)),  # scattered: one copy-engine call per group (CUDA)
     ],
 )
 def test_every_load_path_marks_its_groups(device: str, scatter: str, slots: tuple[int, ...]) -> None:
+    if scatter == "batch" and not batch_copy.available(device):
+        pytest.skip("cuMemcpyBatchAsync needs a CUDA driver of 12.8 or later")
     kv = make_kv("stacked", device)  # 6 regions
     with TorchExecutor(kv, 24, scatter=scatter, max_runs=1, load_groups=3, checksums=True) as ex:
         src = [8, 1, 30, 12]

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kvflow.events import TransferJob
+from kvflow.executors import batch_copy
 from kvflow.executors.torch_executor import TorchExecutor
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -334,6 +335,9 @@ def bench_kvflow(
         scattered = rng.permutation(2 * n)[:n].astype(np.int64)
         for mode in scatter_modes:
             ex.scatter = mode  # type: ignore[assignment]
+            ex.max_runs = 0 if mode == "batch" else 1
+            if mode == "batch" and ex._addresses is None:
+                ex._init_batch()
             if mode == "uva" and not ex._uva_views:
                 from kvflow.executors.torch_executor import _device_alias
 
@@ -366,18 +370,27 @@ def bench_submit_cpu(
     ex = TorchExecutor(kv, 2 * blocks)
     assert ex.layout.num_regions == regions, ex.layout.num_regions
     out: dict[str, list[float]] = {
-        f"{d}{v}": [] for d in ("store", "load") for v in ("", " loop", " kernel")
+        f"{d}{v}": [] for d in ("store", "load") for v in ("", " loop", " kernel", " batch")
     }
     rng = np.random.default_rng(1)
     variants = [("", True), (" loop", False)] + ([(" kernel", True)] if ex._tables else [])
+    if batch_copy.available(device.type):
+        variants.append((" batch", True))
+    default_scatter, default_runs = ex.scatter, ex.max_runs
     try:
         for rep in range(reps + 2):
             for variant, batched in variants:  # chunked _foreach_copy_ path, per-region loop,
-                ex._batched = batched  # the page kernel (scattered slots)
+                ex._batched = batched  # the page kernel, the batched copy engines (scattered)
+                ex.scatter, ex.max_runs = default_scatter, default_runs
+                if variant.strip() in ("kernel", "batch"):
+                    ex.scatter = variant.strip()  # type: ignore[assignment]
+                    ex.max_runs = 1 if variant == " kernel" else 0
+                    if ex.scatter == "batch" and ex._addresses is None:
+                        ex._init_batch()
                 for direction in ("store", "load"):
                     devb = rng.permutation(num_blocks)[:blocks]
                     slots = range(blocks)
-                    if variant == " kernel":
+                    if variant in (" kernel", " batch"):
                         slots = rng.permutation(2 * blocks)[:blocks].tolist()
                     job = TransferJob(next(_ids), direction, tuple(devb.tolist()), tuple(slots))
                     _, _, cpu_ms = timed_submit(ex, [job], clock)
@@ -449,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
 
     scatter_modes = ["host"] + (["uva", "kernel"] if device.type == "cuda" else [])
+    scatter_modes += ["batch"] if batch_copy.available(device.type) else []
     configs = [(f"{page // KiB} KiB x {layers} layers", layers, page) for page in pages]
     configs.append(
         (
@@ -532,16 +546,17 @@ def main(argv: list[str] | None = None) -> int:
                     unit="ms",
                 )
             )
-            if f"{d} kernel" in cpu:
-                rows.append(
-                    Row(
-                        f"submit CPU: {d} {step_blocks} blocks x {regions} regions, "
-                        "scattered slots, page kernel",
-                        cpu[f"{d} kernel"],
-                        unit="ms",
-                        target=1.0,
+            for variant, what in (("kernel", "page kernel"), ("batch", "batched copy engines")):
+                if f"{d} {variant}" in cpu:
+                    rows.append(
+                        Row(
+                            f"submit CPU: {d} {step_blocks} blocks x {regions} regions, "
+                            f"scattered slots, {what}",
+                            cpu[f"{d} {variant}"],
+                            unit="ms",
+                            target=1.0,
+                        )
                     )
-                )
         print(
             f"  submit CPU {regions} regions: store {cpu['store']:.3f} ms, "
             f"load {cpu['load']:.3f} ms "

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kvflow.errors import ConfigError
-from kvflow.executors import page_kernel
+from kvflow.executors import batch_copy, page_kernel
 from kvflow.executors.host_pool import HostPool
 from kvflow.executors.layout import KVLayout, word_bytes
 from kvflow.executors.npu import DeviceTraits
@@ -42,7 +42,7 @@ from kvflow.executors.streams import on_stream, pinned_empty, record_event, wait
 from kvflow.executors.transfer_plan import Plan
 from kvflow.executors.uva import device_alias
 
-ScatterMode = Literal["auto", "runs", "host", "uva", "kernel"]
+ScatterMode = Literal["auto", "runs", "host", "uva", "kernel", "batch"]
 # What a batch's host-side finish reports: job id -> (error, hashes whose host copy is bad)
 Failures = dict[int, tuple[str, tuple[int, ...]]]
 Finish = Callable[[], Failures]
@@ -86,12 +86,14 @@ class PageCopies:
         self._host_views: list[torch.Tensor] = []
         self._uva_views: list[torch.Tensor] = []
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._addresses: batch_copy.RegionAddresses | None = None
         self._load_events: list[tuple[int, Any]] = []
         if pool.enabled:
             self._host_views = [
                 pool.region(i, r.word_dtype) for i, r in enumerate(self.layout.regions)
             ]
             self._init_kernel()
+            self._init_batch()
             if self.scatter == "uva" or (
                 self.scatter == "auto" and self.device.type == "cuda" and pool.pinned
             ):
@@ -109,7 +111,7 @@ class PageCopies:
         # The kernel moves any number of runs in one launch: only a single run (one copy per
         # region on the copy engines, 0.94-0.95 of the link) stays off it.
         self.max_runs = int(max_runs) if max_runs is not None else (
-            1 if self.scatter == "kernel" else 16
+            1 if self.scatter == "kernel" else 0 if self.scatter == "batch" else 16
         )
         self._cs_mult = None
         self._cs_table = np.zeros(max(pool.cpu_blocks, 0), dtype=np.int64)
@@ -155,6 +157,34 @@ class PageCopies:
                 "scatter='kernel' needs pages of whole 8-byte words in every region"
             )
         self._max_words = max(r.page_bytes for r in regions) // 8
+
+    def _init_batch(self) -> None:
+        """The region addresses the batched copy-engine path builds its descriptors from."""
+        if self.scatter != "batch":
+            return
+        if not (batch_copy.available(self.device.type) and self.pool.pinned):
+            raise ConfigError(
+                "scatter='batch' needs a CUDA driver with cuMemcpyBatchAsync (12.8 or later) "
+                "and a pinned pool"
+            )
+        regions = self.layout.regions
+        self._addresses = batch_copy.RegionAddresses(
+            [r.pages.data_ptr() for r in regions],
+            [r.block_stride_bytes for r in regions],
+            [v.data_ptr() for v in self._host_views],
+            [r.page_bytes for r in regions],
+        )
+
+    def _batch_copy(
+        self, stream: Any, plan: Plan, first: int, count: int, store: bool, keep: list[Any]
+    ) -> None:
+        """Every page of regions [first, first+count) of the batch in one copy-engine call."""
+        assert self._addresses is not None and stream is not None
+        arrays = self._addresses.descriptors(
+            plan.device_blocks, plan.slots, first, count, store=store
+        )
+        batch_copy.copy(*arrays, stream.native_handle)
+        keep.extend(arrays)  # the driver reads them at the call; kept until the batch is over
 
     def load_events(self) -> list[tuple[int, Any]]:
         """``(end region, event)`` per group of the last load batch (``load_groups`` > 1), in
@@ -204,11 +234,13 @@ class PageCopies:
 
     def _launch_indices(
         self, plan: Plan, scattered: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         """Device-side index tensors of a batch (on the current stream): device blocks, the
         slots when GPU kernels address the pinned pool directly, and a checksum buffer."""
         slot_idx = None
-        if scattered and self.scatter in ("uva", "kernel"):  # both in one host-to-device copy
+        if scattered and self.scatter == "batch":  # addresses, not indices: only checksums
+            idx = self._to_device(plan.device_blocks) if self.checksums else None
+        elif scattered and self.scatter in ("uva", "kernel"):  # both in one host-to-device copy
             both = np.stack((plan.device_blocks, plan.slots))
             idx, slot_idx = self._to_device(both).unbind(0)
         else:
@@ -246,7 +278,12 @@ class PageCopies:
             idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
             kernel = scattered and self.scatter == "kernel"
-            if kernel:
+            dma = scattered and self.scatter == "batch"
+            if dma:
+                if sums is not None:
+                    self._device_sums(idx, sums)
+                self._batch_copy(stream, plan, 0, self.layout.num_regions, True, keep)
+            elif kernel:
                 assert self._tables is not None and slot_idx is not None
                 if sums is not None:
                     self._device_sums(idx, sums)
@@ -266,7 +303,9 @@ class PageCopies:
                         torch.sum(staging, 2, dtype=torch.int64, out=sums[a:b])
                     dst = [self._host_views[k][s0 : s0 + n] for k in range(a, b)]
                     torch._foreach_copy_(dst, parts, non_blocking=True)
-            for r, region in enumerate(() if kernel else self._regions_unbatched(single, scattered)):
+            for r, region in enumerate(
+                () if kernel or dma else self._regions_unbatched(single, scattered)
+            ):
                 staging = torch.index_select(region.pages, 0, idx)
                 if sums is not None:
                     torch.sum(staging, 1, dtype=torch.int64, out=sums[r])
@@ -322,7 +361,14 @@ class PageCopies:
             idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
             kernel = scattered and self.scatter == "kernel"
-            if kernel:
+            dma = scattered and self.scatter == "batch"
+            if dma:
+                for a, b in self._groups():
+                    self._batch_copy(stream, plan, a, b - a, False, keep)
+                    self._landed(stream, b)
+                if sums is not None:
+                    self._device_sums(idx, sums)
+            elif kernel:
                 assert self._tables is not None and slot_idx is not None
                 for a, b in self._groups():
                     page_kernel.copy_pages(
@@ -352,7 +398,7 @@ class PageCopies:
                     self._landed(stream, gb)
             ends = {b for _, b in self._groups()}
             for r, region in enumerate(
-                () if kernel else self._regions_unbatched(single, scattered)
+                () if kernel or dma else self._regions_unbatched(single, scattered)
             ):
                 host = self._host_views[r]
                 if not scattered:

@@ -125,8 +125,10 @@ class TorchExecutor(PageCopies):
                 f"{copy_programs}"
             )
         self._fail_job_ids = frozenset(int(j) for j in fail_job_ids)
-        if scatter not in ("auto", "runs", "host", "uva", "kernel"):
-            raise ConfigError(f"scatter must be auto, runs, host, uva or kernel, not {scatter!r}")
+        if scatter not in ("auto", "runs", "host", "uva", "kernel", "batch"):
+            raise ConfigError(
+                f"scatter must be auto, runs, host, uva, kernel or batch, not {scatter!r}"
+            )
         if scatter == "uva" and self.device.type != "cuda":
             raise ConfigError(
                 "scatter='uva' needs a CUDA device (kernels reading pinned host memory)"

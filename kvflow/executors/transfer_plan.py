@@ -10,6 +10,7 @@ context.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,6 +101,49 @@ def plan_jobs(
     fail_now: Callable[[TransferJob, str], None],
 ) -> Plan | None:
     """Validate and merge a direction's jobs; bad jobs fail now, alone (through ``fail_now``)."""
+    whole = _plan_if_all_valid(direction, jobs, num_blocks, cpu_blocks)
+    if whole is not None:
+        return whole
+    return _plan_job_by_job(direction, jobs, num_blocks, cpu_blocks, fail_now)
+
+
+def _plan_if_all_valid(
+    direction: str, jobs: list[TransferJob], num_blocks: int, cpu_blocks: int
+) -> Plan | None:
+    """The plan when every job is valid, checked for the whole submit at once (a few numpy
+    calls instead of a dozen per job: a step of 40 small jobs took 1.5 ms job by job); None
+    when any job is not, so that ``_plan_job_by_job`` names the culprits and fails them alone."""
+    counts = [len(j.slots) for j in jobs]
+    if not jobs or any(len(j.device_blocks) != c for j, c in zip(jobs, counts, strict=True)):
+        return None
+    total = sum(counts)
+    try:
+        dev = np.fromiter(itertools.chain.from_iterable(j.device_blocks for j in jobs), np.int64, total)
+        slots = np.fromiter(itertools.chain.from_iterable(j.slots for j in jobs), np.int64, total)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if total and (
+        dev.min() < 0 or dev.max() >= num_blocks or slots.min() < 0 or slots.max() >= cpu_blocks
+    ):
+        return None
+    key = np.sort(slots if direction == STORE else dev)
+    if total > 1 and (key[1:] == key[:-1]).any():  # a repeat inside a job or across jobs
+        return None
+    owner = np.repeat(np.arange(len(jobs)), counts)
+    if total > 1 and not (slots[1:] > slots[:-1]).all():
+        order = np.argsort(slots, kind="stable")
+        dev, slots, owner = dev[order], slots[order], owner[order]
+    return Plan(list(jobs), dev, slots, owner)
+
+
+def _plan_job_by_job(
+    direction: str,
+    jobs: list[TransferJob],
+    num_blocks: int,
+    cpu_blocks: int,
+    fail_now: Callable[[TransferJob, str], None],
+) -> Plan | None:
+    """Check each job in order: a bad one, or one clashing with an earlier kept job, fails."""
     kept: list[TransferJob] = []
     devs: list[np.ndarray] = []
     slots: list[np.ndarray] = []

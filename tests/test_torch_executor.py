@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -374,7 +375,7 @@ def kernel_device(device: str, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_kernel_moves_every_region_of_scattered_batches(kernel_device: str, groups: int) -> None:
     kv = make_kv("stacked", kernel_device)
     with TorchExecutor(kv, 24, scatter="kernel", checksums=True, load_groups=groups) as ex:
-        assert ex.max_runs == 1 and ex._tables is not None
+        assert ex.max_runs == 0 and ex._tables is not None
         src_a, slots_a = [8, 1, 30, 12], (11, 2, 7, 19)
         src_b, slots_b = [4, 22], (0, 23)
         before = pages(ex, src_a + src_b)
@@ -411,13 +412,33 @@ def test_kernel_load_of_a_corrupted_slot_fails_its_checksum(kernel_device: str) 
 
 
 def test_auto_picks_the_kernel_for_small_pages_and_the_copy_engines_for_large_ones() -> None:
-    from kvflow.executors.page_copies import KERNEL_MAX_PAGE, auto_scatter
+    from kvflow.executors.page_copies import BATCH_MIN_PAGE, KERNEL_MAX_PAGE, auto_scatter
 
-    assert auto_scatter(kernel=True, uva=True, page_bytes=32 << 10) == "kernel"
-    assert auto_scatter(kernel=True, uva=True, page_bytes=KERNEL_MAX_PAGE) == "uva"
-    assert auto_scatter(kernel=True, uva=False, page_bytes=2 << 20) == "host"
-    assert auto_scatter(kernel=False, uva=True, page_bytes=16 << 10) == "uva"
-    assert auto_scatter(kernel=False, uva=False, page_bytes=16 << 10) == "host"
+    def pick(page: int, kernel: bool = True, uva: bool = True, batch: bool = False) -> str:
+        return auto_scatter(kernel=kernel, uva=uva, batch=batch, page_bytes=page)
+
+    assert pick(32 << 10) == "kernel"
+    assert pick(32 << 10, batch=True) == "kernel"  # the driver's cost per copy would bound it
+    assert pick(BATCH_MIN_PAGE, batch=True) == "batch"
+    assert pick(2 << 20, batch=True) == "batch"
+    assert pick(KERNEL_MAX_PAGE) == "uva"
+    assert pick(2 << 20, uva=False) == "host"
+    assert pick(16 << 10, kernel=False) == "uva"
+    assert pick(16 << 10, kernel=False, uva=False) == "host"
+
+
+def test_batch_descriptors_name_every_page_of_every_region() -> None:
+    from kvflow.executors.batch_copy import RegionAddresses
+
+    addr = RegionAddresses([1000, 5000], [64, 128], [90000, 70000], [64, 32])
+    blocks, slots = np.array([3, 0]), np.array([1, 4])
+    dst, src, sizes = addr.descriptors(blocks, slots, 0, 2, store=True)
+    assert src.tolist() == [1000 + 3 * 64, 1000, 5000 + 3 * 128, 5000]  # device pages
+    assert dst.tolist() == [90000 + 64, 90000 + 4 * 64, 70000 + 32, 70000 + 4 * 32]  # pool slots
+    assert sizes.tolist() == [64, 64, 32, 32]
+    dst, src, sizes = addr.descriptors(blocks, slots, 1, 1, store=False)  # region 1 alone
+    assert dst.tolist() == [5000 + 3 * 128, 5000] and src.tolist() == [70000 + 32, 70000 + 4 * 32]
+    assert sizes.tolist() == [32, 32]
 
 
 def test_kernel_mode_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:

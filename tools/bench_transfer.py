@@ -326,12 +326,15 @@ def bench_kvflow(
             return jobs, lambda: same_pages(ex, a, dst)
 
         one("both", both, 2 * n * block)
-        if ex._tables is not None:  # the same contiguous jobs through the page kernel
-            ex.scatter, ex.max_runs = "kernel", 0  # type: ignore[assignment]
-            one("store kernel", store, n * block)
-            one("load kernel", load, n * block)
-            one("both kernel", both, 2 * n * block)
-            ex.max_runs = 1
+        default = (ex.scatter, ex.max_runs)  # the same contiguous jobs through each other path
+        for variant, scatter, runs in (("kernel", "kernel", 0), ("engines", "runs", 16)):
+            if variant == "kernel" and ex._tables is None:
+                continue
+            ex.scatter, ex.max_runs = scatter, runs  # type: ignore[assignment]
+            one(f"store {variant}", store, n * block)
+            one(f"load {variant}", load, n * block)
+            one(f"both {variant}", both, 2 * n * block)
+        ex.scatter, ex.max_runs = default
         scattered = rng.permutation(2 * n)[:n].astype(np.int64)
         for mode in scatter_modes:
             ex.scatter = mode  # type: ignore[assignment]
@@ -502,16 +505,18 @@ def main(argv: list[str] | None = None) -> int:
                 note=f"wall {res['both'][1]:.1f}",
             ),
         ]
-        for key, ref in (("store", link["d2h"]), ("load", link["h2d"]), ("both", link["both"])):
-            if f"{key} kernel" in res:
-                rows.append(
-                    Row(
-                        f"kvflow {key} {label}, contiguous slots through the page kernel",
-                        res[f"{key} kernel"][0],
-                        ref=ref,
-                        note=f"wall {res[f'{key} kernel'][1]:.1f}",
+        for variant, what in (("kernel", "through the page kernel"),
+                              ("engines", "one copy per region (copy engines)")):
+            for key, ref in (("store", link["d2h"]), ("load", link["h2d"]), ("both", link["both"])):
+                if f"{key} {variant}" in res:
+                    rows.append(
+                        Row(
+                            f"kvflow {key} {label}, contiguous slots {what}",
+                            res[f"{key} {variant}"][0],
+                            ref=ref,
+                            note=f"wall {res[f'{key} {variant}'][1]:.1f}",
+                        )
                     )
-                )
         for mode in scatter_modes:
             for d, ref in (("store", link["d2h"]), ("load", link["h2d"])):
                 key = f"{d} scat/{mode}"

@@ -49,18 +49,23 @@ Finish = Callable[[], Failures]
 
 
 KERNEL_MAX_PAGE = 512 << 10  # bytes; at larger pages the copy engines move a run faster
+BATCH_MIN_PAGE = 64 << 10  # bytes; below, the driver's cost per copy bounds the batched path
 
 
-def auto_scatter(*, kernel: bool, uva: bool, page_bytes: int) -> ScatterMode:
+def auto_scatter(*, kernel: bool, uva: bool, batch: bool, page_bytes: int) -> ScatterMode:
     """What ``scatter="auto"`` picks for batches of several runs, from what this executor can
     use and its largest page.
 
-    Measured on an H100 replaying a churned tier (tools/bench_churn_results.md): at 16-64 KiB
-    pages over 32 regions the page kernel's one launch moves 0.66-0.82 of the link where the
-    region-by-region paths move 0.10-0.79; at 2 MiB pages (runs of several MiB) one copy per run
-    or the UVA kernels move 0.88-0.93 and the page kernel 0.82-0.83. Host staging (a CPU gather
-    per byte) is the portable fallback: NPU, CPU, unpinned pools.
+    Measured on an H200 replaying a churned tier (tools/bench_churn_results.md): the batched
+    copy engines (``batch``) move 64 KiB - 2 MiB pages at 0.99-1.00 of the link each way and
+    both ways at once, but each copy costs the host 0.4-2 us in the driver, so 16-32 KiB pages
+    are bound by the host; there the page kernel's one launch moves 0.81-0.88 each way (0.5 of
+    the bidirectional link). Without the batch call (drivers before 12.8): the page kernel up
+    to 512 KiB pages, UVA kernels above. Host staging (a CPU gather per byte) is the portable
+    fallback: NPU, CPU, unpinned pools.
     """
+    if batch and page_bytes >= BATCH_MIN_PAGE:
+        return "batch"
     if kernel and page_bytes < KERNEL_MAX_PAGE:
         return "kernel"
     return "uva" if uva else "host"
@@ -106,12 +111,15 @@ class PageCopies:
             self.scatter = auto_scatter(
                 kernel=self._tables is not None,
                 uva=bool(self._uva_views),
+                batch=self._addresses is not None,
                 page_bytes=max(r.page_bytes for r in self.layout.regions),
             )
-        # The kernel moves any number of runs in one launch: only a single run (one copy per
-        # region on the copy engines, 0.94-0.95 of the link) stays off it.
+        # The page kernel moves every batch in one launch, a single run too (0.93-0.95 of the
+        # link, as the copy engines; one launch where one copy per region cost 3 ms of host
+        # time at 64 regions). The batched copy engines take every batch of two runs or more:
+        # a single run is one copy per region already.
         self.max_runs = int(max_runs) if max_runs is not None else (
-            1 if self.scatter == "kernel" else 0 if self.scatter == "batch" else 16
+            0 if self.scatter == "kernel" else 1 if self.scatter == "batch" else 16
         )
         self._cs_mult = None
         self._cs_table = np.zeros(max(pool.cpu_blocks, 0), dtype=np.int64)
@@ -159,10 +167,16 @@ class PageCopies:
         self._max_words = max(r.page_bytes for r in regions) // 8
 
     def _init_batch(self) -> None:
-        """The region addresses the batched copy-engine path builds its descriptors from."""
-        if self.scatter != "batch":
+        """The region addresses the batched copy-engine path builds its descriptors from, when
+        this device and mode can use it."""
+        wanted = self.scatter == "batch" or (
+            self.scatter == "auto" and self.device.type == "cuda" and self.pool.pinned
+        )
+        if not wanted:
             return
         if not (batch_copy.available(self.device.type) and self.pool.pinned):
+            if self.scatter == "auto":
+                return
             raise ConfigError(
                 "scatter='batch' needs a CUDA driver with cuMemcpyBatchAsync (12.8 or later) "
                 "and a pinned pool"

@@ -12,7 +12,9 @@ sorted by slot, see ``transfer_plan``):
   with Triton, the default there; ``max_runs`` 1) copies every region's pages in ONE launch
   straight between the device cache and the pinned pool (``page_kernel``), optionally split
   into ``load_groups`` launches with one event each so an engine can start a layer once its
-  pages landed; ``"uva"`` (CUDA) lets torch kernels gather/scatter the pinned pool region by
+  pages landed; ``"batch"`` (CUDA 12.8+, the default there for pages of 64 KiB and up) hands
+  every page of the batch to the copy engines in one ``cuMemcpyBatchAsync`` call
+  (``batch_copy``); ``"uva"`` (CUDA) lets torch kernels gather/scatter the pinned pool region by
   region through unified addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host
   memory and gathers or scatters on the CPU region by region (stores scatter in the completion
   thread, loads gather in the caller, each region's copy overlapping the next one's gather).
@@ -302,7 +304,8 @@ class PageCopies:
                 if sums is not None:
                     self._device_sums(idx, sums)
                 page_kernel.copy_pages(
-                    self._tables[0], idx, slot_idx, self._max_words, programs=self.copy_programs
+                    self._tables[0], idx, slot_idx, self._max_words,
+                    programs=self.copy_programs or page_kernel.store_programs(self.device),
                 )
             elif single and not scattered and self._batched:
                 s0 = runs[0][2]

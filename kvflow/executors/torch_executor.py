@@ -81,13 +81,17 @@ class TorchExecutor(PageCopies):
     load. ``fail_job_ids``: fault injection for tests: a batch holding one of these jobs raises
     inside the copy path, as a real copy error would. ``max_runs``: above this many runs of
     consecutive slots per batch, use ``scatter`` instead of one copy per run and region (default
-    1 for the ``kernel`` scatter, 16 for the others). ``staging_bytes``: the most device staging
-    memory one batch allocates at a time. ``load_groups``: the kernel path launches a load in
-    this many groups of consecutive regions (e.g. one per layer), each with its own event
-    (``load_events``), so an engine can run layer ``i`` once its pages have landed.
-    ``copy_programs``: programs (thread blocks) of the page kernel; 0 (the default): one per
-    multiprocessor, which both directions at once need to fill the link (each program is 4
-    warps waiting on the link, so compute kernels still share every multiprocessor).
+    0 for the ``kernel`` scatter: every batch in one launch; 1 for ``batch``; 16 for the others).
+    ``scatter``: ``auto`` (default: ``batch``, one cuMemcpyBatchAsync call on the copy engines,
+    for pages of 64 KiB and up where the driver has it; the Triton page ``kernel`` below; UVA
+    kernels or ``host`` staging otherwise), or one of ``runs``, ``host``, ``uva``, ``kernel``,
+    ``batch``. ``staging_bytes``: the most device staging memory one batch allocates at a time.
+    ``load_groups``: a scattered load is launched in this many groups of consecutive regions
+    (e.g. one per layer), each with its own event (``load_events``), so an engine can run layer
+    ``i`` once its pages have landed. ``copy_programs``: programs (thread blocks) of the page
+    kernel; 0 (the default): one per multiprocessor for loads and half that for stores, which
+    both directions at once need to fill the link (each program is 4 warps waiting on the
+    link, so compute kernels still share every multiprocessor).
     """
 
     def __init__(

@@ -401,6 +401,60 @@ def test_kernel_moves_every_region_of_scattered_batches(kernel_device: str, grou
             assert events == []
 
 
+@pytest.mark.parametrize("kind", ["separate", "cross"])
+@pytest.mark.parametrize("staging_blocks,groups", [(64, 1), (2, 1), (3, 3)])
+def test_staged_path_moves_whole_blocks_through_runs(
+    kernel_device: str, kind: str, staging_blocks: int, groups: int
+) -> None:
+    """Page-first pool: each run of slots is one copy of whole blocks; chunks of a few staging
+    rows, a load reading one slot twice, a store and a load in one submit, grouped loads."""
+    kv = make_kv(kind, kernel_device)
+    block = KVLayout.from_caches(kv).block_bytes
+    with TorchExecutor(
+        kv, 24, scatter="staged", checksums=True, staging_bytes=staging_blocks * block,
+        load_groups=groups,
+    ) as ex:
+        assert ex.pool.spec.page_first and ex.max_runs == 0
+        src, slots = [8, 1, 30, 12, 4, 22, 5], (11, 2, 3, 4, 19, 0, 23)  # runs 2-4 and single
+        before = pages(ex, src)
+        assert run(ex, [TransferJob(1, "store", tuple(src), slots)])[1].ok
+        for r, region in enumerate(ex.layout.regions):  # the pool holds the pages, slot by slot
+            view = ex.pool.region(r, region.word_dtype)
+            assert torch.equal(view[torch.tensor(slots)].cpu(), before[r])
+        refill(kv, seed=5)
+        moved = pages(ex, [9, 10])
+        dst = [29, 3, 14, 0, 7, 17, 13, 31]  # slot 2 loaded into two blocks
+        res = run(
+            ex,
+            [
+                TransferJob(2, "store", (9, 10), (20, 21)),
+                TransferJob(3, "load", tuple(dst), (*slots, 2)),
+            ],
+        )
+        assert res[2].ok and res[3].ok, res
+        assert same(pages(ex, dst), [torch.cat((p, p[1:2])) for p in before])
+        assert run(ex, [TransferJob(4, "load", (1, 2), (20, 21))])[4].ok
+        assert same(pages(ex, [1, 2]), moved)
+
+
+def test_page_first_pool_views_agree_with_its_blocks() -> None:
+    pool = HostPool.create([64, 32, 128], 5, page_first=True)
+    try:
+        assert pool.spec.block_bytes == 224 and pool.blocks().shape == (5, 224)
+        for r, (off, page) in enumerate(zip(pool.spec.offsets, (64, 32, 128), strict=True)):
+            view = pool.region(r, torch.int64)
+            assert view.shape == (5, page // 8)
+            view[3].fill_(r + 1)
+            raw = pool.blocks()[3, off : off + page].view(torch.int64)
+            assert bool((raw == r + 1).all())
+        with pytest.raises(ConfigError, match="shared host pool is laid out region by region"):
+            HostPool.create([64], 4, shared=True, page_first=True)
+    finally:
+        pool.close()
+    with pytest.raises(ConfigError, match="needs a page-first pool"):
+        HostPool.create([64], 4).blocks()
+
+
 def test_kernel_load_of_a_corrupted_slot_fails_its_checksum(kernel_device: str) -> None:
     kv = make_kv("separate", kernel_device)
     with TorchExecutor(kv, 16, scatter="kernel", checksums=True) as ex:
@@ -430,7 +484,7 @@ def test_auto_picks_the_kernel_for_small_pages_and_the_copy_engines_for_large_on
 def test_batch_descriptors_name_every_page_of_every_region() -> None:
     from kvflow.executors.batch_copy import RegionAddresses
 
-    addr = RegionAddresses([1000, 5000], [64, 128], [90000, 70000], [64, 32])
+    addr = RegionAddresses([1000, 5000], [64, 128], [90000, 70000], [64, 32], [64, 32])
     blocks, slots = np.array([3, 0]), np.array([1, 4])
     dst, src, sizes = addr.descriptors(blocks, slots, 0, 2, store=True)
     assert src.tolist() == [1000 + 3 * 64, 1000, 5000 + 3 * 128, 5000]  # device pages

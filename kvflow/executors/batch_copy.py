@@ -94,12 +94,13 @@ class RegionAddresses:
         device_base: list[int],
         device_stride: list[int],
         host_base: list[int],
+        host_stride: list[int],
         page_bytes: list[int],
     ) -> None:
         self.device_base = np.asarray(device_base, dtype=np.uint64)[:, None]
         self.device_stride = np.asarray(device_stride, dtype=np.uint64)[:, None]
         self.host_base = np.asarray(host_base, dtype=np.uint64)[:, None]
-        self.host_stride = np.asarray(page_bytes, dtype=np.uint64)[:, None]
+        self.host_stride = np.asarray(host_stride, dtype=np.uint64)[:, None]
         self.page_bytes = np.asarray(page_bytes, dtype=np.uint64)
 
     def descriptors(

@@ -58,6 +58,7 @@ class PoolSpec:
     page_bytes: tuple[int, ...]
     cpu_blocks: int
     path: str | None
+    page_first: bool = False  # slot-major: a slot's pages of every region back to back
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -65,11 +66,18 @@ class PoolSpec:
         out, at = [], 0
         for pb in self.page_bytes:
             out.append(at)
-            at += _align(pb * self.cpu_blocks)
+            at += pb if self.page_first else _align(pb * self.cpu_blocks)
         return tuple(out)
 
     @property
+    def block_bytes(self) -> int:
+        """Bytes of one slot over every region."""
+        return sum(self.page_bytes)
+
+    @property
     def nbytes(self) -> int:
+        if self.page_first:
+            return _align(self.block_bytes * self.cpu_blocks)
         return sum(_align(pb * self.cpu_blocks) for pb in self.page_bytes)
 
 
@@ -122,14 +130,20 @@ class HostPool:
         device: torch.device | str = "cpu",
         shared: bool = False,
         path: str | None = None,
+        page_first: bool = False,
     ) -> HostPool:
-        """Allocate (and pin, for an accelerator) the whole pool once."""
+        """Allocate (and pin, for an accelerator) the whole pool once. ``page_first``: lay it
+        out slot by slot (a slot's pages of every region back to back, ``blocks()``), so that a
+        run of consecutive slots is one contiguous range over every region: one copy moves it
+        (the staged copy path). Private pools only: ranks sharing a pool pin their own regions."""
         pages = _check_sizes(page_bytes, cpu_blocks)
         dev = torch.device(device)
         traits = traits_for(dev.type)
+        if page_first and shared:
+            raise ConfigError("a shared host pool is laid out region by region (page_first=False)")
         if cpu_blocks == 0:
             return cls(PoolSpec(pages, 0, None), None)
-        spec = PoolSpec(pages, cpu_blocks, None)
+        spec = PoolSpec(pages, cpu_blocks, None, page_first)
         nbytes = spec.nbytes
         if shared:
             path = path or f"/dev/shm/kvflow-pool-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -268,10 +282,29 @@ class HostPool:
         if view is None:
             g = self.first_region + index
             off, pb = self._offsets[g], self.spec.page_bytes[g]
-            raw = self._buffer[off : off + pb * self.spec.cpu_blocks]
-            view = raw.view(dtype).view(self.spec.cpu_blocks, -1)
+            if self.spec.page_first:  # every block_bytes, one page
+                word = torch.empty((), dtype=dtype).element_size()
+                if pb % word or self.spec.block_bytes % word or off % word:
+                    raise ConfigError(f"region {index}: pages of {pb} B are not {dtype} words")
+                flat = self._buffer[off:].view(dtype)
+                view = flat.as_strided(
+                    (self.spec.cpu_blocks, pb // word), (self.spec.block_bytes // word, 1)
+                )
+            else:
+                raw = self._buffer[off : off + pb * self.spec.cpu_blocks]
+                view = raw.view(dtype).view(self.spec.cpu_blocks, -1)
             self._views[key] = view
         return view
+
+    def blocks(self) -> torch.Tensor:
+        """``[cpu_blocks, block_bytes]`` bytes of a page-first pool: row ``s`` is slot ``s``'s
+        pages of every region, at ``spec.offsets`` within the row."""
+        if self._buffer is None:
+            raise ConfigError("host pool is disabled (cpu_blocks=0)")
+        if not self.spec.page_first:
+            raise ConfigError("blocks() needs a page-first pool (create it with page_first=True)")
+        n = self.spec.cpu_blocks * self.spec.block_bytes
+        return self._buffer[:n].view(self.spec.cpu_blocks, self.spec.block_bytes)
 
     def close(self) -> None:
         """Unpin what this process pinned; the creator also removes the shared file."""

@@ -30,6 +30,7 @@ benchmarks and tests also switch directly (``scatter``, ``_batched``, ``_uva_vie
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -41,10 +42,10 @@ from kvflow.executors.host_pool import HostPool
 from kvflow.executors.layout import KVLayout, word_bytes
 from kvflow.executors.npu import DeviceTraits
 from kvflow.executors.streams import on_stream, pinned_empty, record_event, wait_for
-from kvflow.executors.transfer_plan import Plan
+from kvflow.executors.transfer_plan import Plan, run_bounds
 from kvflow.executors.uva import device_alias
 
-ScatterMode = Literal["auto", "runs", "host", "uva", "kernel", "batch"]
+ScatterMode = Literal["auto", "runs", "host", "uva", "kernel", "batch", "staged"]
 # What a batch's host-side finish reports: job id -> (error, hashes whose host copy is bad)
 Failures = dict[int, tuple[str, tuple[int, ...]]]
 Finish = Callable[[], Failures]
@@ -54,7 +55,9 @@ KERNEL_MAX_PAGE = 512 << 10  # bytes; at larger pages the copy engines move a ru
 BATCH_MIN_PAGE = 64 << 10  # bytes; below, the driver's cost per copy bounds the batched path
 
 
-def auto_scatter(*, kernel: bool, uva: bool, batch: bool, page_bytes: int) -> ScatterMode:
+def auto_scatter(
+    *, kernel: bool, uva: bool, batch: bool, page_bytes: int, staged: bool = False
+) -> ScatterMode:
     """What ``scatter="auto"`` picks for batches of several runs, from what this executor can
     use and its largest page.
 
@@ -64,13 +67,39 @@ def auto_scatter(*, kernel: bool, uva: bool, batch: bool, page_bytes: int) -> Sc
     are bound by the host; there the page kernel's one launch moves 0.81-0.88 each way (0.5 of
     the bidirectional link). Without the batch call (drivers before 12.8): the page kernel up
     to 512 KiB pages, UVA kernels above. Host staging (a CPU gather per byte) is the portable
-    fallback: NPU, CPU, unpinned pools.
+    fallback: NPU, CPU, unpinned pools. ``staged`` (a page-first pool and the page kernel) is
+    preferred to all of them: whole blocks move on the copy engines, one copy per run.
     """
+    if staged:
+        return "staged"
     if batch and page_bytes >= BATCH_MIN_PAGE:
         return "batch"
     if kernel and page_bytes < KERNEL_MAX_PAGE:
         return "kernel"
     return "uva" if uva else "host"
+
+
+@dataclass(frozen=True)
+class _StageTables:
+    """The fixed parts of the staged path's kernel tables, and what its copies address."""
+
+    device_base: np.ndarray  # int64 [R]: each region's first device page
+    device_stride: np.ndarray  # int64 [R]: bytes between device blocks
+    offsets: np.ndarray  # int64 [R]: each region's page within a pool block (and staging row)
+    words: np.ndarray  # int64 [R]: 8-byte words per page
+    block_bytes: int
+    capacity: int  # staging rows per chunk
+    positions: torch.Tensor  # arange(capacity) on the device
+    host_blocks: torch.Tensor  # the pool as [cpu_blocks, block_bytes]
+    engines: bool  # batched copy-engine call available
+
+    def table(self, staging: int, *, gather: bool) -> np.ndarray:
+        """The page kernel's ``[5, R]`` table between the device pages and staging rows."""
+        rows = staging + self.offsets
+        stride = np.full_like(self.offsets, self.block_bytes)
+        if gather:
+            return np.stack((self.device_base, self.device_stride, rows, stride, self.words))
+        return np.stack((rows, stride, self.device_base, self.device_stride, self.words))
 
 
 class PageCopies:
@@ -94,6 +123,7 @@ class PageCopies:
         self._uva_views: list[torch.Tensor] = []
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._addresses: batch_copy.RegionAddresses | None = None
+        self._stage: _StageTables | None = None
         self._load_events: list[tuple[int, Any]] = []
         if pool.enabled:
             self._host_views = [
@@ -101,6 +131,7 @@ class PageCopies:
             ]
             self._init_kernel()
             self._init_batch()
+            self._init_staged(staging_bytes)
             if self.scatter == "uva" or (
                 self.scatter == "auto" and self.device.type == "cuda" and pool.pinned
             ):
@@ -109,19 +140,25 @@ class PageCopies:
                 except ConfigError:
                     if self.scatter == "uva":
                         raise
+        if pool.spec.page_first and self.scatter not in ("auto", "staged", "kernel"):
+            raise ConfigError(
+                f"scatter={self.scatter!r} copies region by region: it needs a host pool laid "
+                "out region by region (page_first=False)"
+            )
         if self.scatter == "auto":
             self.scatter = auto_scatter(
                 kernel=self._tables is not None,
                 uva=bool(self._uva_views),
                 batch=self._addresses is not None,
                 page_bytes=max(r.page_bytes for r in self.layout.regions),
+                staged=self._stage is not None,
             )
         # The page kernel moves every batch in one launch, a single run too (0.93-0.95 of the
         # link, as the copy engines; one launch where one copy per region cost 3 ms of host
         # time at 64 regions). The batched copy engines take every batch of two runs or more:
         # a single run is one copy per region already.
         self.max_runs = int(max_runs) if max_runs is not None else (
-            0 if self.scatter == "kernel" else 1 if self.scatter == "batch" else 16
+            0 if self.scatter in ("kernel", "staged") else 1 if self.scatter == "batch" else 16
         )
         self._cs_mult = None
         self._cs_table = np.zeros(max(pool.cpu_blocks, 0), dtype=np.int64)
@@ -142,7 +179,7 @@ class PageCopies:
 
     def _init_kernel(self) -> None:
         """The page kernel's region tables, when this device and mode can use it."""
-        wanted = self.scatter == "kernel" or (
+        wanted = self.scatter in ("kernel", "staged") or (
             self.scatter == "auto" and self.device.type == "cuda" and self.pool.pinned
         )
         if not wanted:
@@ -168,6 +205,89 @@ class PageCopies:
             )
         self._max_words = max(r.page_bytes for r in regions) // 8
 
+    def _init_staged(self, staging_bytes: int) -> None:
+        """What the staged path needs: a page-first pool and the page kernel's tables."""
+        wanted = self.scatter == "staged" or (self.scatter == "auto" and self.pool.spec.page_first)
+        if not wanted:
+            return
+        if not (self.pool.spec.page_first and self._tables is not None):
+            if self.scatter == "auto":
+                return
+            raise ConfigError(
+                "scatter='staged' needs a page-first host pool and the page kernel (Triton on "
+                "CUDA, pages of whole 8-byte words)"
+            )
+        regions = self.layout.regions
+        block = self.pool.spec.block_bytes
+        capacity = max(1, min(self.pool.cpu_blocks, staging_bytes // block))
+        self._stage = _StageTables(
+            device_base=np.array([r.pages.data_ptr() for r in regions], dtype=np.int64),
+            device_stride=np.array([r.block_stride_bytes for r in regions], dtype=np.int64),
+            offsets=np.array(self.pool.spec.offsets, dtype=np.int64),
+            words=np.array([r.page_bytes // 8 for r in regions], dtype=np.int64),
+            block_bytes=block,
+            capacity=capacity,
+            # staging rows of a chunk are its pairs in slot order: kernel index i -> row i
+            positions=torch.arange(capacity, dtype=torch.int64, device=self.device),
+            host_blocks=self.pool.blocks(),
+            engines=batch_copy.available(self.device.type),
+        )
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)  # positions are written before any use
+
+    def _staged(
+        self, stream: Any, plan: Plan, idx: torch.Tensor, store: bool, keep: list[Any]
+    ) -> None:
+        """Whole blocks through device staging, in chunks of ``staging_bytes``: a store gathers
+        the batch's pages of every region into staging rows laid out as the pool's slots (one
+        kernel launch), then copies each run of consecutive slots in one copy-engine transfer;
+        a load does the reverse. Copy engines move both directions at once at the link's speed,
+        which kernels reading or writing pinned memory do not (see ``batch_copy``)."""
+        st = self._stage
+        assert st is not None
+        n = len(plan.slots)
+        for a in range(0, n, st.capacity):
+            b = min(n, a + st.capacity)
+            staging = torch.empty((b - a, st.block_bytes), dtype=torch.uint8, device=self.device)
+            gather = self._to_device(st.table(staging.data_ptr(), gather=True)) if store else None
+            if store:
+                page_kernel.copy_pages(
+                    gather, idx[a:b], st.positions[: b - a], self._max_words,
+                    programs=self.copy_programs,
+                )
+            self._run_copies(stream, staging, plan.slots[a:b], store, keep)
+            if not store:
+                scatter = self._to_device(st.table(staging.data_ptr(), gather=False))
+                page_kernel.copy_pages(
+                    scatter, st.positions[: b - a], idx[a:b], self._max_words,
+                    programs=self.copy_programs,
+                )
+
+    def _run_copies(
+        self, stream: Any, staging: torch.Tensor, slots: np.ndarray, to_host: bool,
+        keep: list[Any],
+    ) -> None:
+        """One transfer per run of consecutive slots between staging rows and pool slots: all
+        in one batched call where the driver has it, else one ``copy_`` each."""
+        st = self._stage
+        assert st is not None
+        starts, lengths = run_bounds(slots)
+        if st.engines and stream is not None:
+            block = np.uint64(st.block_bytes)
+            rows = np.uint64(staging.data_ptr()) + starts.astype(np.uint64) * block
+            host = np.uint64(st.host_blocks.data_ptr()) + slots[starts].astype(np.uint64) * block
+            sizes = lengths.astype(np.uint64) * block
+            dst, src = (host, rows) if to_host else (rows, host)
+            batch_copy.copy(dst, src, sizes, stream.native_handle)
+            keep.extend((dst, src, sizes))
+            return
+        for a, length in zip(starts.tolist(), lengths.tolist(), strict=True):
+            s0 = int(slots[a])
+            if to_host:
+                st.host_blocks[s0 : s0 + length].copy_(staging[a : a + length], non_blocking=True)
+            else:
+                staging[a : a + length].copy_(st.host_blocks[s0 : s0 + length], non_blocking=True)
+
     def _init_batch(self) -> None:
         """The region addresses the batched copy-engine path builds its descriptors from, when
         this device and mode can use it."""
@@ -188,6 +308,7 @@ class PageCopies:
             [r.pages.data_ptr() for r in regions],
             [r.block_stride_bytes for r in regions],
             [v.data_ptr() for v in self._host_views],
+            [v.stride(0) * v.element_size() for v in self._host_views],
             [r.page_bytes for r in regions],
         )
 
@@ -256,7 +377,7 @@ class PageCopies:
         slot_idx = None
         if scattered and self.scatter == "batch":  # addresses, not indices: only checksums
             idx = self._to_device(plan.device_blocks) if self.checksums else None
-        elif scattered and self.scatter in ("uva", "kernel"):  # both in one host-to-device copy
+        elif scattered and self.scatter in ("uva", "kernel", "staged"):  # one host-to-device copy
             both = np.stack((plan.device_blocks, plan.slots))
             idx, slot_idx = self._to_device(both).unbind(0)
         else:
@@ -278,6 +399,8 @@ class PageCopies:
         return host.to(self.device, non_blocking=True)
 
     def _scattered(self, plan: Plan) -> bool:
+        if self.scatter == "staged":  # a page-first pool: the per-region paths cannot slice it
+            return True
         return self.scatter != "runs" and plan.num_runs > self.max_runs
 
     def _launch_store(
@@ -295,7 +418,12 @@ class PageCopies:
             single = len(runs) == 1
             kernel = scattered and self.scatter == "kernel"
             dma = scattered and self.scatter == "batch"
-            if dma:
+            whole_blocks = scattered and self.scatter == "staged"
+            if whole_blocks:
+                if sums is not None:
+                    self._device_sums(idx, sums)
+                self._staged(stream, plan, idx, True, keep)
+            elif dma:
                 if sums is not None:
                     self._device_sums(idx, sums)
                 self._batch_copy(stream, plan, 0, self.layout.num_regions, True, keep)
@@ -321,7 +449,7 @@ class PageCopies:
                     dst = [self._host_views[k][s0 : s0 + n] for k in range(a, b)]
                     torch._foreach_copy_(dst, parts, non_blocking=True)
             for r, region in enumerate(
-                () if kernel or dma else self._regions_unbatched(single, scattered)
+                () if kernel or dma or whole_blocks else self._regions_unbatched(single, scattered)
             ):
                 staging = torch.index_select(region.pages, 0, idx)
                 if sums is not None:
@@ -377,9 +505,16 @@ class PageCopies:
             wait_for(stream, after)
             idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
-            kernel = scattered and self.scatter == "kernel"
+            whole_blocks = scattered and self.scatter == "staged" and self.load_groups == 1
+            kernel = scattered and (
+                self.scatter == "kernel" or (self.scatter == "staged" and not whole_blocks)
+            )
             dma = scattered and self.scatter == "batch"
-            if dma:
+            if whole_blocks:
+                self._staged(stream, plan, idx, False, keep)
+                if sums is not None:
+                    self._device_sums(idx, sums)
+            elif dma:
                 for a, b in self._groups():
                     self._batch_copy(stream, plan, a, b - a, False, keep)
                     self._landed(stream, b)
@@ -415,7 +550,7 @@ class PageCopies:
                     self._landed(stream, gb)
             ends = {b for _, b in self._groups()}
             for r, region in enumerate(
-                () if kernel or dma else self._regions_unbatched(single, scattered)
+                () if kernel or dma or whole_blocks else self._regions_unbatched(single, scattered)
             ):
                 host = self._host_views[r]
                 if not scattered:

@@ -130,12 +130,13 @@ def region_table(
         return None
     dev_base = [p.data_ptr() for p in device_pages]
     host_base = [p.data_ptr() for p in host_pages]
+    host_strides = [p.stride(0) * 8 for p in host_pages]  # page_bytes, or a page-first block
     words = [pb // 8 for pb in page_bytes]
     store = torch.tensor(
-        [dev_base, list(device_strides), host_base, list(page_bytes), words], dtype=torch.int64
+        [dev_base, list(device_strides), host_base, host_strides, words], dtype=torch.int64
     )
     load = torch.tensor(
-        [host_base, list(page_bytes), dev_base, list(device_strides), words], dtype=torch.int64
+        [host_base, host_strides, dev_base, list(device_strides), words], dtype=torch.int64
     )
     return store.to(device), load.to(device)
 

@@ -40,6 +40,7 @@ from kvflow.executors import npu as adapter
 from kvflow.executors.host_pool import HostPool
 from kvflow.executors.layout import KVCaches, KVLayout
 from kvflow.executors.page_copies import Failures, Finish, PageCopies, ScatterMode
+from kvflow.executors import page_kernel
 from kvflow.executors.page_kernel import DEFAULT_PROGRAMS
 from kvflow.executors.streams import new_stream, record_event, wait_event
 from kvflow.executors.transfer_plan import Plan, overlaps, plan_jobs
@@ -129,9 +130,9 @@ class TorchExecutor(PageCopies):
                 f"{copy_programs}"
             )
         self._fail_job_ids = frozenset(int(j) for j in fail_job_ids)
-        if scatter not in ("auto", "runs", "host", "uva", "kernel", "batch"):
+        if scatter not in ("auto", "runs", "host", "uva", "kernel", "batch", "staged"):
             raise ConfigError(
-                f"scatter must be auto, runs, host, uva, kernel or batch, not {scatter!r}"
+                f"scatter must be auto, runs, host, uva, kernel, batch or staged, not {scatter!r}"
             )
         if scatter == "uva" and self.device.type != "cuda":
             raise ConfigError(
@@ -140,7 +141,10 @@ class TorchExecutor(PageCopies):
         self.scatter: ScatterMode = scatter
 
         if pool is None:
-            pool = HostPool.create(self.layout.page_bytes, cpu_blocks, device=self.device)
+            pool = HostPool.create(
+                self.layout.page_bytes, cpu_blocks, device=self.device,
+                page_first=self._wants_page_first(scatter),
+            )
             self._owns_pool = True
         else:
             self._owns_pool = False
@@ -168,6 +172,17 @@ class TorchExecutor(PageCopies):
             "submissions": 0,
         }
         self._lanes: dict[str, _Lane] = {d: self._start_lane(d) for d in (STORE, LOAD)}
+
+    def _wants_page_first(self, scatter: str) -> bool:
+        """Lay the pool out slot by slot for the staged path (CUDA with the page kernel)."""
+        if scatter == "staged":
+            return True
+        return (
+            scatter == "auto"
+            and page_kernel.available(self.device)
+            and self.traits.pin_strategy == "cuda_host_register"
+            and all(r.word_dtype == torch.int64 for r in self.layout.regions)
+        )
 
     # --- lanes: one stream and one completion thread per direction ----------------------------
 

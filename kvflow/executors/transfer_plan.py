@@ -56,6 +56,15 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(a), int(b - a), int(slots[a])) for a, b in zip(starts, ends, strict=True)]
 
 
+def run_bounds(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first pair, length) of each maximal run of consecutive slots in a sorted array."""
+    n = len(slots)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(slots) != 1) + 1))
+    return starts, np.diff(np.concatenate((starts, [n])))
+
+
 def check_job(
     job: TransferJob, num_blocks: int, cpu_blocks: int
 ) -> tuple[np.ndarray, np.ndarray] | str:

@@ -81,25 +81,38 @@ def auto_scatter(
 
 @dataclass(frozen=True)
 class _StageTables:
-    """The fixed parts of the staged path's kernel tables, and what its copies address."""
+    """The staged path's device buffers and the page kernel's tables over them."""
 
-    device_base: np.ndarray  # int64 [R]: each region's first device page
-    device_stride: np.ndarray  # int64 [R]: bytes between device blocks
-    offsets: np.ndarray  # int64 [R]: each region's page within a pool block (and staging row)
-    words: np.ndarray  # int64 [R]: 8-byte words per page
+    capacity: int  # staging rows (blocks) per chunk
     block_bytes: int
-    capacity: int  # staging rows per chunk
-    positions: torch.Tensor  # arange(capacity) on the device
+    positions: torch.Tensor  # arange(capacity) on the device: row i of a chunk is its pair i
+    rows: dict[bool, torch.Tensor]  # store (True) / load (False): [capacity, block_bytes]
+    tables: dict[bool, torch.Tensor]  # store: device pages -> rows; load: rows -> device pages
     host_blocks: torch.Tensor  # the pool as [cpu_blocks, block_bytes]
     engines: bool  # batched copy-engine call available
 
-    def table(self, staging: int, *, gather: bool) -> np.ndarray:
-        """The page kernel's ``[5, R]`` table between the device pages and staging rows."""
-        rows = staging + self.offsets
-        stride = np.full_like(self.offsets, self.block_bytes)
-        if gather:
-            return np.stack((self.device_base, self.device_stride, rows, stride, self.words))
-        return np.stack((rows, stride, self.device_base, self.device_stride, self.words))
+
+def _stage_table(
+    device_pages: Sequence[torch.Tensor],
+    device_strides: Sequence[int],
+    rows: torch.Tensor,
+    offsets: Sequence[int],
+    page_bytes: Sequence[int],
+    *,
+    gather: bool,
+) -> torch.Tensor:
+    """The page kernel's ``[5, R]`` table between the device pages and staging rows laid out
+    as the pool's blocks (region ``r`` at ``offsets[r]`` of each row)."""
+    dev = [p.data_ptr() for p in device_pages]
+    stage = [rows.data_ptr() + o for o in offsets]
+    block = [rows.stride(0)] * len(offsets)
+    words = [pb // 8 for pb in page_bytes]
+    table = (
+        [dev, list(device_strides), stage, block, words]
+        if gather
+        else [stage, block, dev, list(device_strides), words]
+    )
+    return torch.tensor(table, dtype=torch.int64).to(rows.device)
 
 
 class PageCopies:
@@ -220,48 +233,62 @@ class PageCopies:
         regions = self.layout.regions
         block = self.pool.spec.block_bytes
         capacity = max(1, min(self.pool.cpu_blocks, staging_bytes // block))
+        rows = {
+            d: torch.empty((capacity, block), dtype=torch.uint8, device=self.device)
+            for d in (True, False)
+        }
+        args = (
+            [r.pages for r in regions],
+            [r.block_stride_bytes for r in regions],
+        )
+        offsets, pages = self.pool.spec.offsets, [r.page_bytes for r in regions]
         self._stage = _StageTables(
-            device_base=np.array([r.pages.data_ptr() for r in regions], dtype=np.int64),
-            device_stride=np.array([r.block_stride_bytes for r in regions], dtype=np.int64),
-            offsets=np.array(self.pool.spec.offsets, dtype=np.int64),
-            words=np.array([r.page_bytes // 8 for r in regions], dtype=np.int64),
-            block_bytes=block,
             capacity=capacity,
-            # staging rows of a chunk are its pairs in slot order: kernel index i -> row i
+            block_bytes=block,
             positions=torch.arange(capacity, dtype=torch.int64, device=self.device),
+            rows=rows,
+            tables={d: _stage_table(*args, rows[d], offsets, pages, gather=d) for d in rows},
             host_blocks=self.pool.blocks(),
             engines=batch_copy.available(self.device.type),
         )
         if self.device.type != "cpu":
-            torch.accelerator.synchronize(self.device)  # positions are written before any use
+            torch.accelerator.synchronize(self.device)  # written before any lane reads them
 
     def _staged(
         self, stream: Any, plan: Plan, idx: torch.Tensor, store: bool, keep: list[Any]
     ) -> None:
-        """Whole blocks through device staging, in chunks of ``staging_bytes``: a store gathers
-        the batch's pages of every region into staging rows laid out as the pool's slots (one
-        kernel launch), then copies each run of consecutive slots in one copy-engine transfer;
-        a load does the reverse. Copy engines move both directions at once at the link's speed,
-        which kernels reading or writing pinned memory do not (see ``batch_copy``)."""
+        """Whole blocks through device staging rows, a chunk of ``capacity`` blocks at a time: a
+        store gathers the batch's pages of every region into rows laid out as the pool's slots
+        (one kernel launch), then copies each run of consecutive slots in one copy-engine
+        transfer; a load does the reverse. The copy engines move both directions at once at the
+        link's speed, which kernels reading or writing pinned memory do not (``batch_copy``).
+        Each direction has its own rows, reused chunk after chunk in its stream's order."""
         st = self._stage
         assert st is not None
+        rows, table = st.rows[store], st.tables[store]
         n = len(plan.slots)
         for a in range(0, n, st.capacity):
             b = min(n, a + st.capacity)
-            staging = torch.empty((b - a, st.block_bytes), dtype=torch.uint8, device=self.device)
-            gather = self._to_device(st.table(staging.data_ptr(), gather=True)) if store else None
+            here = st.positions[: b - a]
             if store:
-                page_kernel.copy_pages(
-                    gather, idx[a:b], st.positions[: b - a], self._max_words,
-                    programs=self.copy_programs,
-                )
-            self._run_copies(stream, staging, plan.slots[a:b], store, keep)
+                page_kernel.copy_pages(table, idx[a:b], here, self._max_words,
+                                       programs=self.copy_programs)
+            self._run_copies(stream, rows[: b - a], plan.slots[a:b], store, keep)
             if not store:
-                scatter = self._to_device(st.table(staging.data_ptr(), gather=False))
-                page_kernel.copy_pages(
-                    scatter, st.positions[: b - a], idx[a:b], self._max_words,
-                    programs=self.copy_programs,
-                )
+                page_kernel.copy_pages(table, here, idx[a:b], self._max_words,
+                                       programs=self.copy_programs)
+
+    def _host_index(self, array: np.ndarray, keep: list[Any]) -> torch.Tensor:
+        """A store's device block ids for the page kernel to read from pinned host memory
+        (UVA): uploading them on the copy engines would queue them behind the loads' transfers
+        (one engine per direction moves every host-to-device copy in order), and the store
+        would wait for the loads: both directions at once fell to 0.71-0.73 of the link."""
+        host = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        host = host.pin_memory()
+        keep.append(host)  # until the batch is over: the kernel reads it in place
+        return device_alias(host, self.device)
 
     def _run_copies(
         self, stream: Any, staging: torch.Tensor, slots: np.ndarray, to_host: bool,
@@ -382,11 +409,13 @@ class PageCopies:
             idx, slot_idx = self._to_device(both).unbind(0)
         else:
             idx = self._to_device(plan.device_blocks)
-        sums = None
-        if self.checksums:
-            n = len(plan.slots)
-            sums = torch.empty((self.layout.num_regions, n), dtype=torch.int64, device=self.device)
-        return idx, slot_idx, sums
+        return idx, slot_idx, self._sums_buffer(len(plan.slots))
+
+    def _sums_buffer(self, n: int) -> torch.Tensor | None:
+        """Per region and pair, the checksum words (with ``checksums``)."""
+        if not self.checksums:
+            return None
+        return torch.empty((self.layout.num_regions, n), dtype=torch.int64, device=self.device)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A batch's index array on the device, through pinned memory where copies are async:
@@ -414,11 +443,15 @@ class PageCopies:
         cs_host = None
         with on_stream(stream, self.device):
             wait_for(stream, compute_done)
-            idx, slot_idx, sums = self._launch_indices(plan, scattered)
+            whole_blocks = scattered and self.scatter == "staged"
+            if whole_blocks:
+                idx, slot_idx = self._host_index(plan.device_blocks, keep), None
+                sums = self._sums_buffer(n)
+            else:
+                idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
             kernel = scattered and self.scatter == "kernel"
             dma = scattered and self.scatter == "batch"
-            whole_blocks = scattered and self.scatter == "staged"
             if whole_blocks:
                 if sums is not None:
                     self._device_sums(idx, sums)

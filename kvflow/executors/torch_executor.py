@@ -86,7 +86,8 @@ class TorchExecutor(PageCopies):
     ``scatter``: ``auto`` (default: ``batch``, one cuMemcpyBatchAsync call on the copy engines,
     for pages of 64 KiB and up where the driver has it; the Triton page ``kernel`` below; UVA
     kernels or ``host`` staging otherwise), or one of ``runs``, ``host``, ``uva``, ``kernel``,
-    ``batch``. ``staging_bytes``: the most device staging memory one batch allocates at a time.
+    ``batch``, ``staged``. ``staging_bytes``: the most device staging memory one batch allocates
+    at a time (the ``staged`` path keeps that much per direction, allocated once).
     ``load_groups``: a scattered load is launched in this many groups of consecutive regions
     (e.g. one per layer), each with its own event (``load_events``), so an engine can run layer
     ``i`` once its pages have landed. ``copy_programs``: programs (thread blocks) of the page
@@ -107,7 +108,7 @@ class TorchExecutor(PageCopies):
         block_dim: int | None = None,
         max_runs: int | None = None,
         scatter: ScatterMode = "auto",
-        staging_bytes: int = 256 << 20,
+        staging_bytes: int = 64 << 20,
         load_groups: int = 1,
         copy_programs: int = DEFAULT_PROGRAMS,
         fail_job_ids: Collection[int] = (),

@@ -109,7 +109,7 @@ def test_scattered_slots(device: str, scatter: str, max_runs: int) -> None:
     kv = make_kv("stacked", device)
     with TorchExecutor(kv, 24, scatter=scatter, max_runs=max_runs, checksums=True) as ex:
         if scatter == "auto":
-            expected = "host" if device == "cpu" else "kernel" if page_kernel.available(ex.device) else "uva"
+            expected = "host" if device == "cpu" else "staged" if page_kernel.available(ex.device) else "uva"
             assert ex.scatter == expected
         src, slots = [8, 1, 30, 12, 4, 22], (11, 2, 7, 19, 0, 5)
         before = pages(ex, src)
@@ -403,11 +403,14 @@ def test_kernel_moves_every_region_of_scattered_batches(kernel_device: str, grou
 
 @pytest.mark.parametrize("kind", ["separate", "cross"])
 @pytest.mark.parametrize("staging_blocks,groups", [(64, 1), (2, 1), (3, 3)])
+@pytest.mark.parametrize("both_ways", [True, False])
 def test_staged_path_moves_whole_blocks_through_runs(
-    kernel_device: str, kind: str, staging_blocks: int, groups: int
+    kernel_device: str, kind: str, staging_blocks: int, groups: int, both_ways: bool
 ) -> None:
     """Page-first pool: each run of slots is one copy of whole blocks; chunks of a few staging
-    rows, a load reading one slot twice, a store and a load in one submit, grouped loads."""
+    rows, a load reading one slot twice, a store and a load in one submit, grouped loads. With
+    the other direction busy (``both_ways``) every batch takes the copy engines, else the page
+    kernel; both read and write the same page-first pool."""
     kv = make_kv(kind, kernel_device)
     block = KVLayout.from_caches(kv).block_bytes
     with TorchExecutor(
@@ -415,6 +418,9 @@ def test_staged_path_moves_whole_blocks_through_runs(
         load_groups=groups,
     ) as ex:
         assert ex.pool.spec.page_first and ex.max_runs == 0
+        if both_ways:  # as if the other direction always had a batch running
+            for lane in ex._lanes.values():
+                lane.batches_running += 1
         src, slots = [8, 1, 30, 12, 4, 22, 5], (11, 2, 3, 4, 19, 0, 23)  # runs 2-4 and single
         before = pages(ex, src)
         assert run(ex, [TransferJob(1, "store", tuple(src), slots)])[1].ok
@@ -435,6 +441,9 @@ def test_staged_path_moves_whole_blocks_through_runs(
         assert same(pages(ex, dst), [torch.cat((p, p[1:2])) for p in before])
         assert run(ex, [TransferJob(4, "load", (1, 2), (20, 21))])[4].ok
         assert same(pages(ex, [1, 2]), moved)
+        if both_ways:
+            for lane in ex._lanes.values():
+                lane.batches_running -= 1
 
 
 def test_page_first_pool_views_agree_with_its_blocks() -> None:

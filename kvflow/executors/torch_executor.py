@@ -71,6 +71,7 @@ class _Lane:
     pending: queue.SimpleQueue[_Batch | None]
     thread: threading.Thread | None = None
     last_event: Any | None = None
+    batches_running: int = 0  # launched, not yet reported (under the executor's lock)
 
 
 class TorchExecutor(PageCopies):
@@ -381,6 +382,10 @@ class TorchExecutor(PageCopies):
     ) -> Any | None:
         """Enqueue one direction's copies; a raise here fails the batch, never the caller (F2)."""
         lane = self._lanes[direction]
+        other = self._lanes[LOAD if direction == STORE else STORE]
+        with self._lock:
+            both_ways = other.batches_running > 0  # the other direction is copying now
+            lane.batches_running += 1
         batch = _Batch(direction, plan.jobs, None)
         try:
             injected = [j.job_id for j in plan.jobs if j.job_id in self._fail_job_ids]
@@ -389,10 +394,12 @@ class TorchExecutor(PageCopies):
             if len(plan.slots) == 0:
                 batch.finish = None
             elif direction == STORE:
-                batch.finish = self._launch_store(lane.stream, plan, compute_done, batch.keepalive)
+                batch.finish = self._launch_store(
+                    lane.stream, plan, compute_done, batch.keepalive, both_ways
+                )
             else:
                 batch.finish = self._launch_load(
-                    lane.stream, plan, compute_done, after, batch.keepalive
+                    lane.stream, plan, compute_done, after, batch.keepalive, both_ways
                 )
             batch.event = record_event(
                 lane.stream, self.device, blocking=self.traits.wait_mode == "blocking"
@@ -426,6 +433,7 @@ class TorchExecutor(PageCopies):
             batch.keepalive.clear()
             ok_bytes = 0
             with self._lock:
+                lane.batches_running -= 1
                 for job in batch.jobs:
                     if job.job_id in errors:
                         self._counters["jobs_failed"] += 1

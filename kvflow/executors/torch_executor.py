@@ -237,13 +237,14 @@ class TorchExecutor(PageCopies):
 
         store_plan, load_plan = plans[STORE], plans[LOAD]
         store_event = None
+        both = store_plan is not None and load_plan is not None  # both directions copy at once
         if store_plan is not None:
-            store_event = self._launch(STORE, store_plan, compute_done, None)
+            store_event = self._launch(STORE, store_plan, compute_done, None, both)
         if load_plan is not None:
             after = None
             if store_plan is not None and overlaps(store_plan, load_plan):
                 after = store_event  # same blocks or slots in both directions: load after store
-            self._launch(LOAD, load_plan, compute_done, after)
+            self._launch(LOAD, load_plan, compute_done, after, both)
 
     def poll(self) -> list[JobResult]:
         """Every result that arrived since the last poll (each exactly once); never blocks."""
@@ -378,13 +379,18 @@ class TorchExecutor(PageCopies):
     # --- launching ----------------------------------------------------------------------------
 
     def _launch(
-        self, direction: str, plan: Plan, compute_done: Any | None, after: Any | None
+        self,
+        direction: str,
+        plan: Plan,
+        compute_done: Any | None,
+        after: Any | None,
+        both: bool = False,
     ) -> Any | None:
         """Enqueue one direction's copies; a raise here fails the batch, never the caller (F2)."""
         lane = self._lanes[direction]
         other = self._lanes[LOAD if direction == STORE else STORE]
         with self._lock:
-            both_ways = other.batches_running > 0  # the other direction is copying now
+            both_ways = both or other.batches_running > 0  # the other direction copies too
             lane.batches_running += 1
         batch = _Batch(direction, plan.jobs, None)
         try:

@@ -480,8 +480,9 @@ def test_auto_picks_the_kernel_for_small_pages_and_the_copy_engines_for_large_on
     def pick(page: int, kernel: bool = True, uva: bool = True, batch: bool = False) -> str:
         return auto_scatter(kernel=kernel, uva=uva, batch=batch, page_bytes=page)
 
+    assert auto_scatter(kernel=True, uva=True, batch=True, page_bytes=16 << 10, staged=True) == "staged"
     assert pick(32 << 10) == "kernel"
-    assert pick(32 << 10, batch=True) == "kernel"  # the driver's cost per copy would bound it
+    assert pick(64 << 10, batch=True) == "kernel"  # the driver's cost per copy would bound it
     assert pick(BATCH_MIN_PAGE, batch=True) == "batch"
     assert pick(2 << 20, batch=True) == "batch"
     assert pick(KERNEL_MAX_PAGE) == "uva"

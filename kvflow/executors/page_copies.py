@@ -51,8 +51,8 @@ Failures = dict[int, tuple[str, tuple[int, ...]]]
 Finish = Callable[[], Failures]
 
 
-KERNEL_MAX_PAGE = 512 << 10  # bytes; at larger pages the copy engines move a run faster
-BATCH_MIN_PAGE = 64 << 10  # bytes; below, the driver's cost per copy bounds the batched path
+KERNEL_MAX_PAGE = 512 << 10  # bytes; at larger pages the copy engines move a page faster
+BATCH_MIN_PAGE = 512 << 10  # bytes; below, the driver's cost per page copy bounds ``batch``
 
 
 def auto_scatter(
@@ -61,14 +61,14 @@ def auto_scatter(
     """What ``scatter="auto"`` picks for batches of several runs, from what this executor can
     use and its largest page.
 
-    Measured on an H200 replaying a churned tier (tools/bench_churn_results.md): the batched
-    copy engines (``batch``) move 64 KiB - 2 MiB pages at 0.99-1.00 of the link each way and
-    both ways at once, but each copy costs the host 0.4-2 us in the driver, so 16-32 KiB pages
-    are bound by the host; there the page kernel's one launch moves 0.81-0.88 each way (0.5 of
-    the bidirectional link). Without the batch call (drivers before 12.8): the page kernel up
-    to 512 KiB pages, UVA kernels above. Host staging (a CPU gather per byte) is the portable
-    fallback: NPU, CPU, unpinned pools. ``staged`` (a page-first pool and the page kernel) is
-    preferred to all of them: whole blocks move on the copy engines, one copy per run.
+    Measured on an H200 replaying a churned tier (tools/bench_churn_results.md) and with one
+    1 GiB submit (tools/bench_transfer_results.md): ``staged`` (a page-first pool; the page
+    kernel for one direction alone, whole blocks on the copy engines while both directions
+    copy) moves 0.91-0.95 of the link each way and 0.86-0.91 both ways at 16 KiB - 2 MiB
+    pages. Without it: the page kernel (0.90-0.95 each way, 0.69-0.78 both ways) below 512 KiB;
+    above, ``batch`` (each page a copy-engine transfer, 0.97; the driver costs the host about
+    1 us a page, 0.5-4 us at small pages, so it is no choice below) or the UVA kernels. Host
+    staging (a CPU gather per byte) is the portable fallback: NPU, CPU, unpinned pools.
     """
     if staged:
         return "staged"

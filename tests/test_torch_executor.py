@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -401,49 +403,73 @@ def test_kernel_moves_every_region_of_scattered_batches(kernel_device: str, grou
             assert events == []
 
 
+def _staged_scenario(ex: TorchExecutor, kv: list[torch.Tensor] | torch.Tensor) -> None:
+    """Runs of 2-4 slots and single ones, a load reading one slot twice, a store and a load in
+    one submit; the pool holds each stored page at its slot, slot by slot."""
+    assert ex.pool.spec.page_first and ex.max_runs == 0
+    src, slots = [8, 1, 30, 12, 4, 22, 5], (11, 2, 3, 4, 19, 0, 23)
+    before = pages(ex, src)
+    assert run(ex, [TransferJob(1, "store", tuple(src), slots)])[1].ok
+    for r, region in enumerate(ex.layout.regions):
+        view = ex.pool.region(r, region.word_dtype)
+        assert torch.equal(view[torch.tensor(slots)].cpu(), before[r])
+    refill(kv, seed=5)
+    moved = pages(ex, [9, 10])
+    dst = [29, 3, 14, 0, 7, 17, 13, 31]  # slot 2 loaded into two blocks
+    res = run(
+        ex,
+        [TransferJob(2, "store", (9, 10), (20, 21)), TransferJob(3, "load", tuple(dst), (*slots, 2))],
+    )
+    assert res[2].ok and res[3].ok, res
+    assert same(pages(ex, dst), [torch.cat((p, p[1:2])) for p in before])
+    assert run(ex, [TransferJob(4, "load", (1, 2), (20, 21))])[4].ok
+    assert same(pages(ex, [1, 2]), moved)
+
+
 @pytest.mark.parametrize("kind", ["separate", "cross"])
 @pytest.mark.parametrize("staging_blocks,groups", [(64, 1), (2, 1), (3, 3)])
 @pytest.mark.parametrize("both_ways", [True, False])
 def test_staged_path_moves_whole_blocks_through_runs(
     kernel_device: str, kind: str, staging_blocks: int, groups: int, both_ways: bool
 ) -> None:
-    """Page-first pool: each run of slots is one copy of whole blocks; chunks of a few staging
-    rows, a load reading one slot twice, a store and a load in one submit, grouped loads. With
-    the other direction busy (``both_ways``) every batch takes the copy engines, else the page
-    kernel; both read and write the same page-first pool."""
+    """Page-first pool with the page kernel: with the other direction busy (``both_ways``)
+    every batch takes the copy engines in chunks of a few staging rows, else the page kernel;
+    both read and write the same page-first pool."""
     kv = make_kv(kind, kernel_device)
     block = KVLayout.from_caches(kv).block_bytes
     with TorchExecutor(
         kv, 24, scatter="staged", checksums=True, staging_bytes=staging_blocks * block,
         load_groups=groups,
     ) as ex:
-        assert ex.pool.spec.page_first and ex.max_runs == 0
+        assert ex._stage is not None and ex._stage.tables is not None
         if both_ways:  # as if the other direction always had a batch running
             for lane in ex._lanes.values():
                 lane.batches_running += 1
-        src, slots = [8, 1, 30, 12, 4, 22, 5], (11, 2, 3, 4, 19, 0, 23)  # runs 2-4 and single
-        before = pages(ex, src)
-        assert run(ex, [TransferJob(1, "store", tuple(src), slots)])[1].ok
-        for r, region in enumerate(ex.layout.regions):  # the pool holds the pages, slot by slot
-            view = ex.pool.region(r, region.word_dtype)
-            assert torch.equal(view[torch.tensor(slots)].cpu(), before[r])
-        refill(kv, seed=5)
-        moved = pages(ex, [9, 10])
-        dst = [29, 3, 14, 0, 7, 17, 13, 31]  # slot 2 loaded into two blocks
-        res = run(
-            ex,
-            [
-                TransferJob(2, "store", (9, 10), (20, 21)),
-                TransferJob(3, "load", tuple(dst), (*slots, 2)),
-            ],
-        )
-        assert res[2].ok and res[3].ok, res
-        assert same(pages(ex, dst), [torch.cat((p, p[1:2])) for p in before])
-        assert run(ex, [TransferJob(4, "load", (1, 2), (20, 21))])[4].ok
-        assert same(pages(ex, [1, 2]), moved)
+        _staged_scenario(ex, kv)
         if both_ways:
             for lane in ex._lanes.values():
                 lane.batches_running -= 1
+
+
+@pytest.mark.parametrize("staging_blocks,groups", [(64, 1), (2, 3)])
+def test_staged_path_without_the_kernel_gathers_region_by_region(
+    device: str, staging_blocks: int, groups: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the page kernel cannot run (the NPU, no Triton) torch gathers and scatters the
+    staging rows region by region; grouped loads still mark each group."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kv = make_kv("stacked", device)
+    block = KVLayout.from_caches(kv).block_bytes
+    with TorchExecutor(
+        kv, 24, scatter="staged", checksums=True, staging_bytes=staging_blocks * block,
+        load_groups=groups,
+    ) as ex:
+        if ex._stage is not None and ex._stage.tables is not None:  # CUDA: as if no Triton
+            ex._tables = None
+            ex._stage = dataclasses.replace(ex._stage, tables=None)
+        _staged_scenario(ex, kv)
+        events = ex.load_events()
+        assert [end for end, _ in events] == ([2, 4, 6] if groups == 3 else [])
 
 
 def test_page_first_pool_views_agree_with_its_blocks() -> None:

@@ -87,7 +87,10 @@ class _StageTables:
     block_bytes: int
     positions: torch.Tensor  # arange(capacity) on the device: row i of a chunk is its pair i
     rows: dict[bool, torch.Tensor]  # store (True) / load (False): [capacity, block_bytes]
-    tables: dict[bool, torch.Tensor]  # store: device pages -> rows; load: rows -> device pages
+    # the page kernel's tables (store: device pages -> rows; load: rows -> device pages), or
+    # None where it cannot run (NPU, no Triton): torch gathers and scatters region by region
+    tables: dict[bool, torch.Tensor] | None
+    views: dict[bool, list[torch.Tensor]]  # per direction, each region's [capacity, words]
     host_blocks: torch.Tensor  # the pool as [cpu_blocks, block_bytes]
     engines: bool  # batched copy-engine call available
 
@@ -219,16 +222,17 @@ class PageCopies:
         self._max_words = max(r.page_bytes for r in regions) // 8
 
     def _init_staged(self, staging_bytes: int) -> None:
-        """What the staged path needs: a page-first pool and the page kernel's tables."""
+        """What the staged path needs: a page-first pool (and the page kernel where it runs)."""
         wanted = self.scatter == "staged" or (self.scatter == "auto" and self.pool.spec.page_first)
         if not wanted:
             return
-        if not (self.pool.spec.page_first and self._tables is not None):
+        if not (self.pool.spec.page_first and self.pool.pinned and self.traits.has_streams) and (
+            not (self.pool.spec.page_first and self.device.type == "cpu")
+        ):
             if self.scatter == "auto":
                 return
             raise ConfigError(
-                "scatter='staged' needs a page-first host pool and the page kernel (Triton on "
-                "CUDA, pages of whole 8-byte words)"
+                "scatter='staged' needs a pinned page-first host pool on a device with streams"
             )
         regions = self.layout.regions
         block = self.pool.spec.block_bytes
@@ -247,7 +251,16 @@ class PageCopies:
             block_bytes=block,
             positions=torch.arange(capacity, dtype=torch.int64, device=self.device),
             rows=rows,
-            tables={d: _stage_table(*args, rows[d], offsets, pages, gather=d) for d in rows},
+            tables=None
+            if self._tables is None
+            else {d: _stage_table(*args, rows[d], offsets, pages, gather=d) for d in rows},
+            views={
+                d: [
+                    rows[d][:, o : o + r.page_bytes].view(r.word_dtype)
+                    for o, r in zip(offsets, regions, strict=True)
+                ]
+                for d in rows
+            },
             host_blocks=self.pool.blocks(),
             engines=batch_copy.available(self.device.type),
         )
@@ -259,24 +272,35 @@ class PageCopies:
     ) -> None:
         """Whole blocks through device staging rows, a chunk of ``capacity`` blocks at a time: a
         store gathers the batch's pages of every region into rows laid out as the pool's slots
-        (one kernel launch), then copies each run of consecutive slots in one copy-engine
-        transfer; a load does the reverse. The copy engines move both directions at once at the
-        link's speed, which kernels reading or writing pinned memory do not (``batch_copy``).
-        Each direction has its own rows, reused chunk after chunk in its stream's order."""
+        (one page-kernel launch, or a gather per region where the kernel cannot run), then
+        copies each run of consecutive slots in one copy-engine transfer; a load does the
+        reverse. The copy engines move both directions at once at the link's speed, which
+        kernels reading or writing pinned memory do not (``batch_copy``). Each direction has its
+        own rows, reused chunk after chunk in its stream's order. A grouped load (torch
+        scatters) marks each group of regions once its last chunk is scattered."""
         st = self._stage
         assert st is not None
-        rows, table = st.rows[store], st.tables[store]
+        rows, views = st.rows[store], st.views[store]
         n = len(plan.slots)
         for a in range(0, n, st.capacity):
             b = min(n, a + st.capacity)
-            here = st.positions[: b - a]
-            if store:
-                page_kernel.copy_pages(table, idx[a:b], here, self._max_words,
+            here, chunk = st.positions[: b - a], idx[a:b]
+            if store and st.tables is not None:
+                page_kernel.copy_pages(st.tables[True], chunk, here, self._max_words,
                                        programs=self.copy_programs)
+            elif store:
+                for region, view in zip(self._pages, views, strict=True):
+                    torch.index_select(region, 0, chunk, out=view[: b - a])
             self._run_copies(stream, rows[: b - a], plan.slots[a:b], store, keep)
-            if not store:
-                page_kernel.copy_pages(table, here, idx[a:b], self._max_words,
+            if not store and st.tables is not None:
+                page_kernel.copy_pages(st.tables[False], here, chunk, self._max_words,
                                        programs=self.copy_programs)
+            elif not store:
+                ends = {g for _, g in self._groups()} if b == n else set()
+                for r, (region, view) in enumerate(zip(self._pages, views, strict=True)):
+                    region.index_copy_(0, chunk, view[: b - a])
+                    if r + 1 in ends:
+                        self._landed(stream, r + 1)
 
     def _host_index(self, array: np.ndarray, keep: list[Any]) -> torch.Tensor:
         """A store's device block ids for the page kernel to read from pinned host memory
@@ -285,7 +309,7 @@ class PageCopies:
         would wait for the loads: both directions at once fell to 0.71-0.73 of the link."""
         host = torch.from_numpy(array)
         if self.device.type != "cuda":
-            return host.to(self.device)
+            return self._to_device(array)
         host = host.pin_memory()
         keep.append(host)  # until the batch is over: the kernel reads it in place
         return device_alias(host, self.device)
@@ -448,7 +472,9 @@ class PageCopies:
         cs_host = None
         with on_stream(stream, self.device):
             wait_for(stream, compute_done)
-            whole_blocks = scattered and self.scatter == "staged" and both_ways
+            whole_blocks = (
+                scattered and self.scatter == "staged" and (both_ways or self._tables is None)
+            )
             if whole_blocks:
                 idx, slot_idx = self._host_index(plan.device_blocks, keep), None
                 sums = self._sums_buffer(n)
@@ -546,8 +572,8 @@ class PageCopies:
             wait_for(stream, after)
             idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
-            whole_blocks = (
-                scattered and self.scatter == "staged" and self.load_groups == 1 and both_ways
+            whole_blocks = scattered and self.scatter == "staged" and (
+                self._tables is None or (self.load_groups == 1 and both_ways)
             )
             kernel = scattered and (
                 self.scatter == "kernel" or (self.scatter == "staged" and not whole_blocks)

@@ -300,7 +300,13 @@ def run(args: argparse.Namespace) -> int:
             if scatter == "kernel" and option.split(":")[0]:
                 kwargs["copy_programs"] = int(option.split(":")[0])
             try:
-                ex = TorchExecutor(kv, pat.cpu_blocks, scatter=scatter, **kwargs)  # type: ignore[arg-type]
+                if scatter == "torch-staged":  # the NPU's staged path (no page kernel), on CUDA
+                    ex = TorchExecutor(kv, pat.cpu_blocks, scatter="staged")
+                    if ex._stage is not None:
+                        ex._tables = None
+                        ex._stage = dataclasses.replace(ex._stage, tables=None)
+                else:
+                    ex = TorchExecutor(kv, pat.cpu_blocks, scatter=scatter, **kwargs)  # type: ignore[arg-type]
             except Exception as e:  # noqa: BLE001 - one mode missing must not cost the run
                 print(f"  {label:<22} {mode:<10} unavailable: {e}", flush=True)
                 continue
@@ -367,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--pages", default=None, help="KiB per layer page to run, e.g. 16,32 (and "
                     "'cross' for 2 MiB cross-layer blocks); default all")
     rp.add_argument("--modes", default="kernel,uva,host,runs",
-                    help="executor scatter modes to compare; kernel:N sets the kernel's programs "
+                    help="executor scatter modes to compare (torch-staged: the staged path "
+                         "without the page kernel, as on an NPU); kernel:N sets the kernel's programs "
                          "(0: one per multiprocessor); a :poll suffix makes the completion threads "
                          "poll their events instead of sleeping on them")
     rp.add_argument("--out", default=None, help="also write the table as markdown here")

@@ -138,11 +138,7 @@ def _plan_if_all_valid(
     key = np.sort(slots if direction == STORE else dev)
     if total > 1 and (key[1:] == key[:-1]).any():  # a repeat inside a job or across jobs
         return None
-    owner = np.repeat(np.arange(len(jobs)), counts)
-    if total > 1 and not (slots[1:] > slots[:-1]).all():
-        order = np.argsort(slots, kind="stable")
-        dev, slots, owner = dev[order], slots[order], owner[order]
-    return Plan(list(jobs), dev, slots, owner)
+    return _by_slot(list(jobs), dev, slots, counts)
 
 
 def _plan_job_by_job(
@@ -180,13 +176,16 @@ def _plan_job_by_job(
         slots.append(sl)
     if not kept:
         return None
-    dev_all = np.concatenate(devs)
-    slot_all = np.concatenate(slots)
-    owner = np.repeat(np.arange(len(kept)), [len(d) for d in devs])
-    if len(slot_all) > 1 and not (slot_all[1:] > slot_all[:-1]).all():
-        order = np.argsort(slot_all, kind="stable")
-        dev_all, slot_all, owner = dev_all[order], slot_all[order], owner[order]
-    return Plan(kept, dev_all, slot_all, owner)
+    return _by_slot(kept, np.concatenate(devs), np.concatenate(slots), [len(d) for d in devs])
+
+
+def _by_slot(jobs: list[TransferJob], dev: np.ndarray, slots: np.ndarray, counts: list[int]) -> Plan:
+    """The plan of these jobs' pairs (in job order, ``counts`` each), sorted by slot."""
+    owner = np.repeat(np.arange(len(jobs)), counts)
+    if len(slots) > 1 and not (slots[1:] > slots[:-1]).all():
+        order = np.argsort(slots, kind="stable")
+        dev, slots, owner = dev[order], slots[order], owner[order]
+    return Plan(jobs, dev, slots, owner)
 
 
 def overlaps(store: Plan, load: Plan) -> bool:

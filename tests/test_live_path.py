@@ -7,7 +7,8 @@ always check. These tests pin that the shortcut never changes a result:
 * Twin state machines: every command the Hypothesis machines of test_stateful.py issue runs
   through a live manager and a paranoid one (``check=True`` on every event); answers,
   events, refusals (type and message) and state digests must be equal after every command,
-  and folding the log (checked) must rebuild the live state.
+  and folding the log (checked) must rebuild the live state. The twins are where those
+  machines run: each inherits all of its machine's rules and invariants.
 * Every golden trace folds to the same canonical state, event by event, checked and not.
 * An illegal event raises and leaves the state exactly as it was.
 * The engine boundary's normalisation of block ids and hashes.
@@ -24,6 +25,8 @@ from test_stateful import (
     OffloadMachine,
     OffloadMachineARC,
     OffloadMachineLazyTwoRanks,
+    OffloadMachineRemote,
+    OffloadMachineRemoteAheadTwoRanks,
     OffloadMachineTwoRanks,
 )
 
@@ -111,14 +114,32 @@ class TwinTinyTier(TwinMixin, OffloadMachine):
     CPU_BLOCKS = 4  # the smallest tier the machine warms: evictions and rejections often
 
 
+class TwinRemote(TwinMixin, OffloadMachineRemote):
+    pass
+
+
+class TwinRemoteAheadTwoRanks(TwinMixin, OffloadMachineRemoteAheadTwoRanks):
+    pass
+
+
 TestTwinOneRank = TwinOneRank.TestCase
 TestTwinTwoRanks = TwinTwoRanks.TestCase
 TestTwinARC = TwinARC.TestCase
 TestTwinLazyTwoRanks = TwinLazyTwoRanks.TestCase
 TestTwinTinyTier = TwinTinyTier.TestCase
-for _case in (TestTwinOneRank, TestTwinTwoRanks, TestTwinARC, TestTwinLazyTwoRanks, TestTwinTinyTier):
+TestTwinRemote = TwinRemote.TestCase
+TestTwinRemoteAheadTwoRanks = TwinRemoteAheadTwoRanks.TestCase
+for _case in (
+    TestTwinOneRank,
+    TestTwinTwoRanks,
+    TestTwinARC,
+    TestTwinLazyTwoRanks,
+    TestTwinTinyTier,
+    TestTwinRemote,
+    TestTwinRemoteAheadTwoRanks,
+):
     _case.settings = TWIN_SETTINGS
-del _case  # (left in the module, pytest collected it as a sixth machine: the tiny tier twice)
+del _case  # (left in the module, pytest collected it as another machine: the last one twice)
 
 
 GOLDEN = sorted((ROOT / "traces").glob("*.jsonl"))

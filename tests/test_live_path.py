@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_stateful
 from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine
 from test_stateful import (
     OffloadMachine,
     OffloadMachineARC,
@@ -140,6 +142,19 @@ for _case in (
 ):
     _case.settings = TWIN_SETTINGS
 del _case  # (left in the module, pytest collected it as another machine: the last one twice)
+
+
+
+def test_every_machine_of_test_stateful_runs_as_a_twin() -> None:
+    """test_stateful.py runs no machine itself: each must have a twin here, or it never runs."""
+    machines = {
+        obj
+        for obj in vars(test_stateful).values()
+        if isinstance(obj, type) and issubclass(obj, RuleBasedStateMachine) and obj.__module__ == "test_stateful"
+    }
+    run = [globals()[case.__qualname__.removesuffix(".TestCase")] for k, case in globals().items() if k.startswith("Test")]
+    twinned = {twin.__bases__[1] for twin in run if twin.__bases__[0] is TwinMixin}
+    assert len(machines) == 6 and machines <= twinned, sorted(m.__name__ for m in machines - twinned)
 
 
 GOLDEN = sorted((ROOT / "traces").glob("*.jsonl"))

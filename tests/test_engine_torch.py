@@ -59,11 +59,15 @@ def merge(into: StepReport, r: StepReport) -> None:
 
 
 def step_until_idle(engine: SyncEngine, timeout_s: float = 30.0) -> StepReport:
-    """Step (real clock) until no job is live; every report merged."""
+    """Step (real clock) until no job is live and no fence is left; every report merged.
+
+    A job that failed on one rank while another rank still copies is no longer live, but it
+    is fenced (F15): its device blocks come back only once the last rank reports. With two
+    rank processes that order is up to the scheduler, so idle must wait for the fences too."""
     merged = engine.step()
     deadline = time.monotonic() + timeout_s
-    while engine.has_live_jobs():
-        assert time.monotonic() < deadline, "jobs never finished"
+    while engine.has_live_jobs() or engine.fences():
+        assert time.monotonic() < deadline, "jobs never finished or their fences never lifted"
         time.sleep(0.001)
         merge(merged, engine.step())
     return merged

@@ -7,7 +7,8 @@ always check. These tests pin that the shortcut never changes a result:
 * Twin state machines: every command the Hypothesis machines of test_stateful.py issue runs
   through a live manager and a paranoid one (``check=True`` on every event); answers,
   events, refusals (type and message) and state digests must be equal after every command,
-  and folding the log (checked) must rebuild the live state.
+  and folding the log (checked) must rebuild the live state. The twins are where those
+  machines run: each inherits all of its machine's rules and invariants.
 * Every golden trace folds to the same canonical state, event by event, checked and not.
 * An illegal event raises and leaves the state exactly as it was.
 * The engine boundary's normalisation of block ids and hashes.
@@ -19,11 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_stateful
 from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine
 from test_stateful import (
     OffloadMachine,
     OffloadMachineARC,
     OffloadMachineLazyTwoRanks,
+    OffloadMachineRemote,
+    OffloadMachineRemoteAheadTwoRanks,
     OffloadMachineTwoRanks,
 )
 
@@ -111,14 +116,45 @@ class TwinTinyTier(TwinMixin, OffloadMachine):
     CPU_BLOCKS = 4  # the smallest tier the machine warms: evictions and rejections often
 
 
+class TwinRemote(TwinMixin, OffloadMachineRemote):
+    pass
+
+
+class TwinRemoteAheadTwoRanks(TwinMixin, OffloadMachineRemoteAheadTwoRanks):
+    pass
+
+
 TestTwinOneRank = TwinOneRank.TestCase
 TestTwinTwoRanks = TwinTwoRanks.TestCase
 TestTwinARC = TwinARC.TestCase
 TestTwinLazyTwoRanks = TwinLazyTwoRanks.TestCase
 TestTwinTinyTier = TwinTinyTier.TestCase
-for _case in (TestTwinOneRank, TestTwinTwoRanks, TestTwinARC, TestTwinLazyTwoRanks, TestTwinTinyTier):
+TestTwinRemote = TwinRemote.TestCase
+TestTwinRemoteAheadTwoRanks = TwinRemoteAheadTwoRanks.TestCase
+for _case in (
+    TestTwinOneRank,
+    TestTwinTwoRanks,
+    TestTwinARC,
+    TestTwinLazyTwoRanks,
+    TestTwinTinyTier,
+    TestTwinRemote,
+    TestTwinRemoteAheadTwoRanks,
+):
     _case.settings = TWIN_SETTINGS
-del _case  # (left in the module, pytest collected it as a sixth machine: the tiny tier twice)
+del _case  # (left in the module, pytest collected it as another machine: the last one twice)
+
+
+
+def test_every_machine_of_test_stateful_runs_as_a_twin() -> None:
+    """test_stateful.py runs no machine itself: each must have a twin here, or it never runs."""
+    machines = {
+        obj
+        for obj in vars(test_stateful).values()
+        if isinstance(obj, type) and issubclass(obj, RuleBasedStateMachine) and obj.__module__ == "test_stateful"
+    }
+    run = [globals()[case.__qualname__.removesuffix(".TestCase")] for k, case in globals().items() if k.startswith("Test")]
+    twinned = {twin.__bases__[1] for twin in run if twin.__bases__[0] is TwinMixin}
+    assert len(machines) == 6 and machines <= twinned, sorted(m.__name__ for m in machines - twinned)
 
 
 GOLDEN = sorted((ROOT / "traces").glob("*.jsonl"))

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvflow.errors import IllegalTransition
+from kvflow.errors import IllegalTransition, TraceError
 from kvflow.events import COMMAND_TYPES, EVENT_TYPES
 from kvflow.redecide import redecide as redecide_trace
 from kvflow.replay_result import Divergence, ReplayResult, apply_event, check_point
@@ -55,6 +55,12 @@ def replay(
                         break
                     except _CheckEverything as again:  # again, checking more (at last, all)
                         trusted = again.trusted if again.trusted < trusted else 0
+                    except TraceError:
+                        if trusted < float("inf"):
+                            raise
+                        # the first fold numbers lines by their records (TraceReader.record_chunks):
+                        # read again, counting lines after the last verified checkpoint
+                        trusted = result.checked_through
                     reader.close()
                     reader = TraceReader(path)
                     result = ReplayResult(path=str(path), state=State(reader.config))

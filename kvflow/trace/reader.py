@@ -190,10 +190,16 @@ class TraceReader:
         (``JOB_ENDS_WITHOUT_PAYLOAD``) and its integers' widths unchecked; it is walked line by
         line as above unless it gave one record per newline and holds no checkpoint. Its lines
         are held like the commands', so lines the record chain does not vouch for (two records
-        on one line beside a blank one included) are decoded in full, one by one."""
+        on one line beside a blank one included) are decoded in full, one by one. Where it is
+        infinite (the replay's first fold), the newlines are not counted: the line numbers
+        follow from the records, which is exact wherever the record chain verifies (a writer
+        puts one record on each line). Where it does not, the caller must not report what this
+        pass found (a line number, a TraceError, a warning) but read again with a finite
+        ``trusted_through`` (kvflow.replay does)."""
         skim = skim_commands and self.version >= CHAINED_SINCE
         decode = (_SKIM_DECODER if skim else self._decoder).decode
         decode_trusted = _TRUSTED_DECODER.decode_lines if skim else None
+        trust_all = trusted_through == float("inf")
         self._held = [] if skim else None
         upcast = UPCASTS.get(self.version)
         world = self.config.world_size
@@ -204,25 +210,26 @@ class TraceReader:
         ended = False
         try:
             for block, complete in blocks:
-                count = block.count(b"\n") + (not complete)  # (a last line without newline)
-                numbers: Sequence[int] = range(lineno + 1, lineno + 1 + count)
                 recs: list[Any] | None = None
                 torn = False
                 lines: list[bytes] | None = None
-                if decode_trusted is not None and lineno + count <= trusted_through:
-                    try:
-                        recs = decode_trusted(block)
-                    except DECODE_ERRORS:
-                        pass
-                    if recs is not None and (len(recs) != count or Checkpoint in set(map(type, recs))):
-                        # a blank line, or two records on one: found line by line; so are the
-                        # lines of a block with a checkpoint, whose record digest covers the
-                        # bytes before its own line (a few blocks per trace)
-                        recs = None
+                count = -1  # the block's lines, counted only where a number may be reported
+                if decode_trusted is not None:
+                    if trust_all:
+                        # the numbers follow from the records (see trusted_through)
+                        recs = self._decode_trusted(decode_trusted, block, complete)
+                        count = -1 if recs is None else len(recs)
+                    else:
+                        count = block.count(b"\n") + (not complete)  # (a last line without newline)
+                        if lineno + count <= trusted_through:
+                            recs = self._decode_trusted(decode_trusted, block, complete, count)
+                numbers: Sequence[int] = range(lineno + 1, lineno + 1 + count)
                 if recs is None:
                     lines = block.split(b"\n")
                     if complete:
                         lines.pop()  # the empty rest after the last newline
+                    count = len(lines)
+                    numbers = range(lineno + 1, lineno + 1 + count)
                     try:
                         recs = list(map(decode, lines))
                     except DECODE_ERRORS:
@@ -256,6 +263,20 @@ class TraceReader:
                 "have no checkpoint after them, so they are not verified (a writer that was not "
                 "closed, or a cut trace)"
             )
+
+    @staticmethod
+    def _decode_trusted(decode: Any, block: bytes, complete: bool, count: int = -1) -> list[Any] | None:
+        """The block's records in one call, or None if it must be walked line by line: a bad
+        line, fewer or more records than ``count`` lines (a blank line, two records on one),
+        a line without newline, or a checkpoint (its record digest covers the bytes before
+        its own line)."""
+        try:
+            recs: list[Any] = decode(block)
+        except DECODE_ERRORS:
+            return None
+        if not complete or (count >= 0 and len(recs) != count) or Checkpoint in set(map(type, recs)):
+            return None
+        return recs
 
     def _chain_block(
         self, block: bytes, lines: list[bytes] | None, first: int, numbers: Sequence[int], recs: list[Any], torn: bool

@@ -108,9 +108,13 @@ def _may_hold_negative(block: bytes) -> bool:
 
 def _ranks_fit(recs: list[Any], types: list[type], world: int) -> bool:
     """Every rank below ``world`` (ranks are known to be >= 0 here)."""
-    ranked = list(compress(recs, map(_RANKED.__contains__, types)))
-    if ranked and max(map(_rank_of, ranked)) >= world:
-        return False
+    kinds = set(types)
+    if not kinds.isdisjoint(_RANKED):
+        ranked = compress(recs, map(_RANKED.__contains__, types))
+        if max(map(_rank_of, ranked)) >= world:
+            return False
+    if kinds.isdisjoint(_NESTING):
+        return True
     for rec in compress(recs, map(_NESTING.__contains__, types)):
         for name, kind, _low, _high in _INT_FIELDS[type(rec)]:
             if kind == _NESTED and not all(

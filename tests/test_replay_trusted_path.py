@@ -17,8 +17,8 @@ from click.testing import CliRunner, Result
 from kvflow.cli import main
 from kvflow.events import JobCompleted, JobFailed, JobTimedOut
 from kvflow.replay import replay
-from kvflow.trace.format import JOB_ENDS_WITHOUT_PAYLOAD, JOB_PAYLOAD, TrustedUnion
 from kvflow.trace import reader as reader_module
+from kvflow.trace.format import JOB_ENDS_WITHOUT_PAYLOAD, JOB_PAYLOAD, TrustedUnion
 from kvflow.trace.reader import TraceReader
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"

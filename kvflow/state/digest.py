@@ -8,8 +8,8 @@ state exactly when their digests are equal; trace checkpoints carry the digest a
 from __future__ import annotations
 
 import hashlib
-from itertools import repeat
 from collections.abc import Iterable
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import msgspec

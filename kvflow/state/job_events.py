@@ -26,7 +26,6 @@ from kvflow.events import (
     RemoteLoadQueued,
     RemoteStoreQueued,
     StoreQueued,
-    event_name,
 )
 from kvflow.state import legality as lg
 from kvflow.state.model import Job, State
@@ -43,7 +42,9 @@ from kvflow.state.tables import (
 
 # (module constants: reading a member off an Enum class costs about 15 times a global's)
 _NEW, _QUEUED, _ABANDONED = JobState.NEW, JobState.QUEUED, JobState.ABANDONED
-_END_TAGS: dict[type, str] = {t: t.__struct_config__.tag for t in (JobCompleted, JobFailed, JobTimedOut)}  # type: ignore[attr-defined]
+_END_TAGS: dict[type, str] = {
+    t: t.__struct_config__.tag for t in (JobCompleted, JobFailed, JobTimedOut)  # type: ignore[attr-defined]
+}
 
 # --- jobs -----------------------------------------------------------------------------------
 

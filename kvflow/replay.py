@@ -137,7 +137,8 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, t
     checking every event after that line. What it reports then is what a checked fold reports;
     the one thing only a checked fold (``--strict``) would see is an event the checks refuse
     in a stretch whose checkpoint still matches the state the recording engine reached (the
-    recording engine applied it unchecked too)."""
+    recording engine applied it unchecked too). The reader decodes the chunks up to ``trusted``
+    faster (``TraceReader.record_chunks``' ``trusted_through``)."""
     limit = until if until is not None else float("inf")
     if reader.version < CHAINED_SINCE:
         trusted = 0

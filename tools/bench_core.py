@@ -10,7 +10,7 @@ Prints, measured in this one run:
 kvflow has one core, in Python. The engine step runs an ``OffloadManager`` with its default
 in-memory log. (Side-by-side figures against vLLM's own bookkeeping: tools/bench_vs_vllm.py.)
 
-Usage: python tools/bench_core.py [--requests N] [--quick]
+Usage: python tools/bench_core.py [--requests N] [--quick] [--only fold|replay|step]
 """
 
 from __future__ import annotations
@@ -160,25 +160,38 @@ def bench_step(
     return statistics.median(per_block[1:] or per_block), blocks_involved
 
 
-def measure(requests: int, steps: int) -> list[tuple[str, str, str, float, float, str]]:
-    rate, changes, events = bench_fold(requests)
-    rrate, revents, size = bench_replay(requests)
-    us_per_block, blocks = bench_step(steps)
-    return [
-        ("fold", f"{rate:,.0f} block changes/s", f"({changes:,} changes in {events:,} events)", 1_500_000, rate, ">="),
-        ("trace replay", f"{rrate:,.0f} events/s", f"({revents:,} events, {size / 1e6:.1f} MB)", 300_000, rrate, ">="),
-        ("engine step", f"{us_per_block:.3f} µs/block", f"(256 requests, {blocks:,} blocks)", 1.0, us_per_block, "<="),
-    ]
+MEASURES = ("fold", "replay", "step")
+
+
+def measure(requests: int, steps: int, only: str | None = None) -> list[tuple[str, str, str, float, float, str]]:
+    rows = []
+    if only in (None, "fold"):
+        rate, changes, events = bench_fold(requests)
+        rows.append(
+            ("fold", f"{rate:,.0f} block changes/s", f"({changes:,} changes in {events:,} events)", 1_500_000, rate, ">=")
+        )
+    if only in (None, "replay"):
+        rrate, revents, size = bench_replay(requests)
+        rows.append(
+            ("trace replay", f"{rrate:,.0f} events/s", f"({revents:,} events, {size / 1e6:.1f} MB)", 300_000, rrate, ">=")
+        )
+    if only in (None, "step"):
+        us_per_block, blocks = bench_step(steps)
+        rows.append(
+            ("engine step", f"{us_per_block:.3f} µs/block", f"(256 requests, {blocks:,} blocks)", 1.0, us_per_block, "<=")
+        )
+    return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    parser.add_argument("--only", choices=MEASURES, help="run one measure (e.g. side by side with another checkout)")
     args = parser.parse_args()
     requests = 1_000 if args.quick else args.requests
     steps = 3 if args.quick else 12
-    rows = measure(requests, steps)
+    rows = measure(requests, steps, args.only)
     print(f"kvflow bench_core · python {sys.version.split()[0]} · one core")
     print(f"{'measure':<14} {'result':<28} {'target':<14} {'ratio':>7}  detail")
     ok = True

@@ -8,6 +8,7 @@ state exactly when their digests are equal; trace checkpoints carry the digest a
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
@@ -28,22 +29,14 @@ def canonical(state: State) -> tuple[Any, ...]:
     pending, pins, live, slot_of = state.pending, state.pin_count, state.jobs, state.slot_of
     hashes = sorted(slot_of)
     n = len(hashes)
+    # (an empty column is a run of zeros: no lookup per hash)
+    job_of: Iterable[int] = repeat(0, n)
+    states: Iterable[int] = repeat(3, n)
     if pending:
-        states = [
-            3 if j == 0 else (1 if live[j].state is _QUEUED else 2)
-            for j in map(pending.get, hashes, repeat(0, n))
-        ]
-    else:
-        states = [3] * n
-    entries = list(
-        zip(
-            hashes,
-            states,
-            map(slot_of.__getitem__, hashes),
-            map(pins.get, hashes, repeat(0, n)),
-            map(pending.get, hashes, repeat(0, n)),
-        )
-    )
+        job_of = list(map(pending.get, hashes, job_of))
+        states = [3 if j == 0 else (1 if live[j].state is _QUEUED else 2) for j in job_of]
+    pinned = map(pins.get, hashes, repeat(0, n)) if pins else repeat(0, n)
+    entries = list(zip(hashes, states, map(slot_of.__getitem__, hashes), pinned, job_of))
     # (a job's ``reported`` ranks differ from its ``acks`` only while it is fenced: added
     # then only, so the digests of traces recorded before fences are unchanged)
     jobs = [

@@ -70,6 +70,9 @@ class EntriesView(Mapping[int, Entry]):
         return len(self._state.slot_of)
 
 
+_QUEUED = JobState.QUEUED  # (a global: reading a member off an Enum class is slow)
+
+
 class Job:
     """A live transfer job (terminal jobs leave the state; their events stay in the log)."""
 
@@ -101,7 +104,7 @@ class Job:
         self.hashes = hashes
         self.device_blocks = device_blocks
         self.slots = slots
-        self.state = JobState.QUEUED
+        self.state = _QUEUED
         self.deadline_ms = 0.0
         self.acks = 0  # bit mask of ranks that reported success
         self.reported = 0  # bit mask of ranks that reported at all: their copy is over

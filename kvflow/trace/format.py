@@ -12,11 +12,21 @@ text, a request id, a time, the header) is found too.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any, Union
 
 import msgspec
 
-from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Command, Event, Touch
+from kvflow.events import (
+    COMMAND_TYPES,
+    EVENT_TYPES,
+    Command,
+    Event,
+    JobCompleted,
+    JobFailed,
+    JobTimedOut,
+    Touch,
+)
 
 TRACE_FORMAT = "kvflow-trace"
 TRACE_VERSION = 3
@@ -55,6 +65,71 @@ SKIMMED_COMMANDS: tuple[type, ...] = tuple(map(_skimmed, COMMAND_TYPES))
 SkimUnion = Union[(*SKIMMED_COMMANDS, *EVENT_TYPES, Checkpoint)]  # type: ignore[valid-type]
 """Events and checkpoints in full, commands skimmed: what a plain fold needs from a chained
 trace, whose record digests vouch for the commands' bytes (``TraceReader``)."""
+
+JOB_PAYLOAD = ("hashes", "device_blocks", "slots")
+"""The fields a job's end repeats from the job the state holds (its queued event's)."""
+
+
+def _without_payload(event: type) -> type:
+    """``event``'s tag and fields less ``JOB_PAYLOAD``: decoding a line into it checks the
+    payload's JSON and skips it without building three tuples of integers."""
+    fields: list[Any] = []
+    for f in msgspec.structs.fields(event):
+        if f.name in JOB_PAYLOAD:
+            continue
+        fields.append((f.name, f.type) if f.required else (f.name, f.type, f.default))
+    tag = event.__struct_config__.tag  # type: ignore[attr-defined]
+    return msgspec.defstruct(
+        f"{event.__name__}WithoutPayload", fields, tag=tag, tag_field="type", frozen=True, kw_only=True, gc=False
+    )
+
+
+# Each job end made whole again from the job its payload repeats (kvflow.replay); a field
+# added to an end must be added here too (tests/test_tamper_evident.py round-trips each).
+def _completed(end: Any, job: Any) -> JobCompleted:
+    return JobCompleted(
+        seq=end.seq, job_id=end.job_id, direction=end.direction, request_id=end.request_id,
+        hashes=job.hashes, device_blocks=job.device_blocks, slots=job.slots, abandoned=end.abandoned,
+        rank=end.rank,
+    )  # fmt: skip
+
+
+def _failed(end: Any, job: Any) -> JobFailed:
+    return JobFailed(
+        seq=end.seq, job_id=end.job_id, direction=end.direction, request_id=end.request_id,
+        hashes=job.hashes, device_blocks=job.device_blocks, slots=job.slots, abandoned=end.abandoned,
+        rank=end.rank, error=end.error, fenced=end.fenced,
+    )  # fmt: skip
+
+
+def _timed_out(end: Any, job: Any) -> JobTimedOut:
+    return JobTimedOut(
+        seq=end.seq, job_id=end.job_id, direction=end.direction, request_id=end.request_id,
+        hashes=job.hashes, device_blocks=job.device_blocks, slots=job.slots, abandoned=end.abandoned,
+        now_ms=end.now_ms, deadline_ms=end.deadline_ms, fenced=end.fenced,
+    )  # fmt: skip
+
+
+JOB_ENDS_WITHOUT_PAYLOAD: dict[type, Callable[[Any, Any], Any]] = {
+    _without_payload(JobCompleted): _completed,
+    _without_payload(JobFailed): _failed,
+    _without_payload(JobTimedOut): _timed_out,
+}
+"""Job ends read without their payload -> ``whole(end, job)``: the event, with the payload of
+``job`` (a ``kvflow.state.Job``) (``TrustedUnion``)."""
+_WHOLE_TYPES = (JobCompleted, JobFailed, JobTimedOut)
+TrustedUnion = Union[  # type: ignore[valid-type]
+    (
+        *SKIMMED_COMMANDS,
+        *(t for t in EVENT_TYPES if t not in _WHOLE_TYPES),
+        *JOB_ENDS_WITHOUT_PAYLOAD,
+        Checkpoint,
+    )
+]
+"""``SkimUnion`` with the job ends read without their payload: what the fold needs where it
+applies events unchecked, as the live engine did, and lets the checkpoints judge (kvflow.replay):
+there the job in the state holds the payload, and the record digest vouches that the line
+carried the same."""
 
 
 class Header(msgspec.Struct, frozen=True, kw_only=True):

@@ -22,7 +22,7 @@ import msgspec
 from kvflow.boundary import HASH_MIN, ID_LIMIT
 from kvflow.errors import TraceError
 from kvflow.events import JobFailed
-from kvflow.trace.format import RECORD_TYPES
+from kvflow.trace.format import JOB_ENDS_WITHOUT_PAYLOAD, RECORD_TYPES
 
 _ONE, _MANY, _NESTED = 0, 1, 2
 _HASH_FIELDS = frozenset({"hashes", "block_hashes", "corrupt"})
@@ -49,7 +49,8 @@ def _int_fields(cls: type) -> tuple[tuple[str, int, int, int], ...]:
         if f.name in _HASH_FIELDS:
             low, high = HASH_MIN, ID_LIMIT
         elif f.name == "rank":
-            low, high = (-1 if cls is JobFailed else 0), _WORLD
+            cancelled = cls.__struct_config__.tag == JobFailed.__struct_config__.tag  # type: ignore[attr-defined]
+            low, high = (-1 if cancelled else 0), _WORLD  # (a job_failed read without payload too)
         else:
             low, high = 0, ID_LIMIT
         out.append((f.name, kind, low, high))
@@ -57,7 +58,7 @@ def _int_fields(cls: type) -> tuple[tuple[str, int, int, int], ...]:
 
 
 _INT_FIELDS: dict[type, tuple[tuple[str, int, int, int], ...]] = {
-    t: _int_fields(t) for t in RECORD_TYPES
+    t: _int_fields(t) for t in (*RECORD_TYPES, *JOB_ENDS_WITHOUT_PAYLOAD)
 }
 _RANKED = frozenset(t for t, fields in _INT_FIELDS.items() if any(f[0] == "rank" for f in fields))
 _NESTING = frozenset(t for t, fields in _INT_FIELDS.items() if any(f[1] == _NESTED for f in fields))
@@ -107,9 +108,13 @@ def _may_hold_negative(block: bytes) -> bool:
 
 def _ranks_fit(recs: list[Any], types: list[type], world: int) -> bool:
     """Every rank below ``world`` (ranks are known to be >= 0 here)."""
-    ranked = list(compress(recs, map(_RANKED.__contains__, types)))
-    if ranked and max(map(_rank_of, ranked)) >= world:
-        return False
+    kinds = set(types)
+    if not kinds.isdisjoint(_RANKED):
+        ranked = compress(recs, map(_RANKED.__contains__, types))
+        if max(map(_rank_of, ranked)) >= world:
+            return False
+    if kinds.isdisjoint(_NESTING):
+        return True
     for rec in compress(recs, map(_NESTING.__contains__, types)):
         for name, kind, _low, _high in _INT_FIELDS[type(rec)]:
             if kind == _NESTED and not all(
@@ -120,11 +125,24 @@ def _ranks_fit(recs: list[Any], types: list[type], world: int) -> bool:
 
 
 
-def check_ranges(path: str, block: bytes, numbers: Sequence[int], recs: list[Any], world: int, scratch: bytearray) -> None:
+def check_ranges(
+    path: str,
+    block: bytes,
+    numbers: Sequence[int],
+    recs: list[Any],
+    world: int,
+    scratch: bytearray,
+    widths_vouched: bool = False,
+) -> None:
     """Raise TraceError naming the first record of ``recs`` (read from ``block``, lines
-    ``numbers``) with an integer out of its range; ``scratch`` is reused to encode into."""
+    ``numbers``) with an integer out of its range; ``scratch`` is reused to encode into.
+
+    ``widths_vouched``: the 64-bit check is left to the record chain (kvflow.trace.reader
+    holds these lines and decodes in full those it does not vouch for); the ranks are still
+    checked, since an unchecked fold shifts by them."""
     try:
-        _encode_msgpack_into(recs, scratch)  # raises for an integer outside 64 bits
+        if not widths_vouched:
+            _encode_msgpack_into(recs, scratch)  # raises for an integer outside 64 bits
         suspect = _may_hold_negative(block) or not _ranks_fit(recs, list(map(type, recs)), world)
     except (OverflowError, ValueError, TypeError):
         suspect = True

@@ -32,6 +32,7 @@ from kvflow.trace.format import (
     RecordChain,
     RecordUnion,
     SkimUnion,
+    TrustedUnion,
 )
 from kvflow.trace.problems import (
     DECODE_ERRORS,
@@ -42,7 +43,12 @@ from kvflow.trace.problems import (
 )
 from kvflow.trace.ranges import check_ranges
 
+CHUNK_BYTES = 1 << 16
+"""How much a reader reads at a time (unless told): records come in chunks of whole lines of
+about this size (tests make it small to cut a trace into many chunks)."""
+
 _SKIM_DECODER = msgspec.json.Decoder(SkimUnion)
+_TRUSTED_DECODER = msgspec.json.Decoder(TrustedUnion)
 
 
 class TraceReader:
@@ -57,7 +63,7 @@ class TraceReader:
     ``cpu_blocks`` at most ``MAX_CPU_BLOCKS``, and every record's integers are range-checked.
     """
 
-    def __init__(self, path: str | os.PathLike[str], chunk_bytes: int = 1 << 16) -> None:
+    def __init__(self, path: str | os.PathLike[str], chunk_bytes: int | None = None) -> None:
         self.path = str(path)
         self.warnings: list[str] = []
         self.mismatch: tuple[int, str] | None = None
@@ -66,7 +72,7 @@ class TraceReader:
         self._checked_line = 1  # the last line the record chain vouches for (the header)
         self._file = source.open_bytes(self.path)
         try:
-            size = min(chunk_bytes, MAX_LINE_BYTES)  # so a line within one read is short enough
+            size = min(chunk_bytes or CHUNK_BYTES, MAX_LINE_BYTES)  # so a line within one read is short enough
             unzip = source.gzip_data if self.path.endswith(".gz") else source.plain_data
             self._data = unzip(self._file, size)
             first = self._read_header_line()
@@ -89,9 +95,9 @@ class TraceReader:
         self._chain = RecordChain(first)
         self._decoder = msgspec.json.Decoder(RecordUnion)
         self._scratch = bytearray()  # where check_ranges encodes a chunk as msgpack
-        # skimming: (first line number, lines) whose commands the record chain has not vouched
-        # for yet, and their size (see record_chunks)
-        self._held: list[tuple[int, list[bytes]]] | None = None
+        # skimming: (first line number, whole lines) whose commands the record chain has not
+        # vouched for yet, and their size (see record_chunks)
+        self._held: list[tuple[int, bytes]] | None = None
         self._held_bytes = 0
 
     def _read_header_line(self) -> bytes:
@@ -163,7 +169,9 @@ class TraceReader:
             out.append(f"{self.path}:{self.mismatch[0]}: {self.mismatch[1]}")
         return out
 
-    def record_chunks(self, skim_commands: bool = False) -> Iterator[tuple[Sequence[int], list[Any]]]:
+    def record_chunks(
+        self, skim_commands: bool = False, trusted_through: float = 0
+    ) -> Iterator[tuple[Sequence[int], list[Any]]]:
         """The records in chunks ``(line_numbers, records)``: a chunk is decoded and
         range-checked in C-level passes, and only a chunk holding a bad, blank or torn line (or
         a value that may be out of range) is walked line by line to name it.
@@ -174,9 +182,24 @@ class TraceReader:
         vouches for their bytes (a kvflow writer wrote them, so they are valid); lines it cannot
         vouch for (before a checkpoint that does not verify, after the last one, or more than
         MAX_LINE_BYTES of them) are decoded in full before reading goes on, so a bad command
-        still raises its TraceError."""
+        still raises its TraceError.
+
+        ``trusted_through`` (while skimming): the caller applies the events up to this line
+        unchecked and lets the checkpoints judge (kvflow.replay). A chunk within it is decoded
+        in one call for all its lines, its job ends without their payload
+        (``JOB_ENDS_WITHOUT_PAYLOAD``) and its integers' widths unchecked; it is walked line by
+        line as above unless it gave one record per newline and holds no checkpoint. Its lines
+        are held like the commands', so lines the record chain does not vouch for (two records
+        on one line beside a blank one included) are decoded in full, one by one. Where it is
+        infinite (the replay's first fold), the newlines are not counted: the line numbers
+        follow from the records, which is exact wherever the record chain verifies (a writer
+        puts one record on each line). Where it does not, the caller must not report what this
+        pass found (a line number, a TraceError, a warning) but read again with a finite
+        ``trusted_through`` (kvflow.replay does)."""
         skim = skim_commands and self.version >= CHAINED_SINCE
         decode = (_SKIM_DECODER if skim else self._decoder).decode
+        decode_trusted = _TRUSTED_DECODER.decode_lines if skim else None
+        trust_all = trusted_through == float("inf")
         self._held = [] if skim else None
         upcast = UPCASTS.get(self.version)
         world = self.config.world_size
@@ -187,20 +210,34 @@ class TraceReader:
         ended = False
         try:
             for block, complete in blocks:
-                lines = block.split(b"\n")
-                if complete:
-                    lines.pop()  # the empty rest after the last newline
-                numbers: Sequence[int]
-                try:
-                    recs = list(map(decode, lines))
-                    numbers = range(lineno + 1, lineno + 1 + len(lines))
-                    torn = False
-                except DECODE_ERRORS:
-                    numbers, recs, torn = self._decode_lines(lines, lineno, complete)
+                recs: list[Any] | None = None
+                torn = False
+                lines: list[bytes] | None = None
+                count = -1  # the block's lines, counted only where a number may be reported
+                if decode_trusted is not None:
+                    if trust_all:
+                        # the numbers follow from the records (see trusted_through)
+                        recs = self._decode_trusted(decode_trusted, block, complete)
+                        count = -1 if recs is None else len(recs)
+                    else:
+                        count = block.count(b"\n") + (not complete)  # (a last line without newline)
+                        if lineno + count <= trusted_through:
+                            recs = self._decode_trusted(decode_trusted, block, complete, count)
+                numbers: Sequence[int] = range(lineno + 1, lineno + 1 + count)
+                if recs is None:
+                    lines = block.split(b"\n")
+                    if complete:
+                        lines.pop()  # the empty rest after the last newline
+                    count = len(lines)
+                    numbers = range(lineno + 1, lineno + 1 + count)
+                    try:
+                        recs = list(map(decode, lines))
+                    except DECODE_ERRORS:
+                        numbers, recs, torn = self._decode_lines(lines, lineno, complete)
                 self._chain_block(block, lines, lineno + 1, numbers, recs, torn)
-                lineno += len(lines)
+                lineno += count
                 if recs:
-                    check_ranges(self.path, block, numbers, recs, world, self._scratch)
+                    check_ranges(self.path, block, numbers, recs, world, self._scratch, lines is None)
                     if upcast is not None:
                         recs = [upcast(rec) for rec in recs]
                     yield numbers, recs
@@ -227,22 +264,37 @@ class TraceReader:
                 "closed, or a cut trace)"
             )
 
+    @staticmethod
+    def _decode_trusted(decode: Any, block: bytes, complete: bool, count: int = -1) -> list[Any] | None:
+        """The block's records in one call, or None if it must be walked line by line: a bad
+        line, fewer or more records than ``count`` lines (a blank line, two records on one),
+        a line without newline, or a checkpoint (its record digest covers the bytes before
+        its own line)."""
+        try:
+            recs: list[Any] = decode(block)
+        except DECODE_ERRORS:
+            return None
+        if not complete or (count >= 0 and len(recs) != count) or Checkpoint in set(map(type, recs)):
+            return None
+        return recs
+
     def _chain_block(
-        self, block: bytes, lines: list[bytes], first: int, numbers: Sequence[int], recs: list[Any], torn: bool
+        self, block: bytes, lines: list[bytes] | None, first: int, numbers: Sequence[int], recs: list[Any], torn: bool
     ) -> None:
-        """Feed ``block`` (lines ``first``...) to the record chain, checking each checkpoint's
-        record digest against the bytes before its line; hold the lines to vouch for."""
+        """Feed ``block`` (lines ``first``..., split into ``lines`` unless each gave one record)
+        to the record chain, checking each checkpoint's record digest against the bytes before
+        its line; hold the lines to vouch for."""
         chain = self._chain
-        whole = len(lines) - 1 if torn else len(lines)  # (a torn last line is no record)
-        if Checkpoint not in set(map(type, recs)):  # (most blocks: cheaper than a byte search)
+        end = len(block) - len(lines[-1]) if torn and lines else len(block)  # (a torn line is no record)
+        if lines is None or Checkpoint not in set(map(type, recs)):  # (most blocks: cheaper than a byte search)
             chain.update(block)
             self.unverified += len(recs)
-            self._hold(first, lines, 0, whole, len(block))
+            self._hold(first, block if end == len(block) else block[:end])
             return
         view = memoryview(block)
         done = 0
         last = -1
-        held_from = 0
+        held_line, held_from = first, 0
         for k, rec in enumerate(recs):
             if type(rec) is not Checkpoint:
                 continue
@@ -251,25 +303,25 @@ class TraceReader:
             start = sum(map(len, lines[:i])) + i
             chain.update(view[done:start])
             done = start
-            self._hold(first, lines, held_from, i, start)
+            self._hold(held_line, block[held_from:start])
             if not self._check_checkpoint(line, rec):
                 self._vouch()  # the chain cannot vouch for them: every line must decode in full
             elif self._held is not None:
                 self._held.clear()
                 self._held_bytes = 0
-            held_from = i + 1  # (the checkpoint itself is decoded in full)
+            held_line, held_from = line + 1, start + len(lines[i]) + 1  # (the checkpoint is decoded in full)
             last = k
         chain.update(view[done:])
-        self._hold(first, lines, held_from, whole, len(block) - done)
+        self._hold(held_line, block[held_from:end])
         self.unverified = len(recs) - last - 1 if last >= 0 else self.unverified + len(recs)
 
-    def _hold(self, first: int, lines: list[bytes], start: int, stop: int, size: int) -> None:
-        """While skimming: keep ``lines[start:stop]`` (``size`` bytes) until a checkpoint
-        vouches for them, at most about MAX_LINE_BYTES of them."""
-        if self._held is None or start >= stop:
+    def _hold(self, first: int, data: bytes) -> None:
+        """While skimming: keep the whole lines ``data`` (from line ``first``) until a
+        checkpoint vouches for them, at most about MAX_LINE_BYTES of them."""
+        if self._held is None or not data:
             return
-        self._held.append((first + start, lines[start:stop]))
-        self._held_bytes += size
+        self._held.append((first, data))
+        self._held_bytes += len(data)
         if self._held_bytes > MAX_LINE_BYTES:
             self._vouch()
 
@@ -278,7 +330,10 @@ class TraceReader:
         if not self._held:
             return
         decode = self._decoder.decode
-        for first, lines in self._held:
+        for first, data in self._held:
+            lines = data.split(b"\n")
+            if data.endswith(b"\n"):
+                lines.pop()
             numbers: Sequence[int]
             try:
                 recs = list(map(decode, lines))
@@ -286,7 +341,7 @@ class TraceReader:
             except DECODE_ERRORS:
                 numbers, recs, _ = self._decode_lines(lines, first - 1, True)
             if recs:
-                check_ranges(self.path, b"\n".join(lines), numbers, recs, self.config.world_size, self._scratch)
+                check_ranges(self.path, data, numbers, recs, self.config.world_size, self._scratch)
         self._held.clear()
         self._held_bytes = 0
 

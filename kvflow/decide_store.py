@@ -293,15 +293,28 @@ def names_corrupt_blocks(cmd: Any) -> bool:
     return results is not None and any(r.corrupt for r in results)
 
 
-def then_evict_bad(decider: Callable[[State, Any], Decision]) -> Callable[[State, Any], Decision]:
+def then_evict_bad(
+    decider: Callable[[State, Any], Decision], reports_corrupt: bool = True
+) -> Callable[[State, Any], Decision]:
     """``decider``, followed by the eviction of remembered bad blocks it unpinned (F17).
     With no bad block remembered and none reported by the command, there is nothing to
-    follow up: the decider runs alone (the hot path pays no extra generator per event)."""
+    follow up: the decider runs alone (the hot path pays no extra generator per event).
+    ``reports_corrupt=False``: the command type never names corrupt blocks (only executor
+    outcomes do), so only the remembered ones are looked at."""
 
-    def decide_then_evict(state: State, cmd: Any) -> Decision:
-        if not state.bad and not names_corrupt_blocks(cmd):
-            return decider(state, cmd)
-        return _decide_then_evict(decider, state, cmd)
+    if reports_corrupt:
+
+        def decide_then_evict(state: State, cmd: Any) -> Decision:
+            if not state.bad and not names_corrupt_blocks(cmd):
+                return decider(state, cmd)
+            return _decide_then_evict(decider, state, cmd)
+
+    else:
+
+        def decide_then_evict(state: State, cmd: Any) -> Decision:
+            if not state.bad:
+                return decider(state, cmd)
+            return _decide_then_evict(decider, state, cmd)
 
     decide_then_evict.__name__ = decider.__name__
     return decide_then_evict

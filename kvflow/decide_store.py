@@ -106,9 +106,12 @@ def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequenc
     flight; F3), each hash once, in prefix order, takes a free slot, else evicts the policy's
     next victim, never a block of this store's own chain (F16); when nothing else can be
     evicted, it and every later block are rejected."""
+    # the blocks eviction must spare (F16): those of the store already on the tier
+    protected: Sequence[int] = ()
     if state.slot_of.keys().isdisjoint(block_hashes):  # (the common case: none is there yet)
         new_hashes, new_blocks = list(block_hashes), list(device_blocks)
     else:
+        protected = block_hashes
         absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
         new_hashes = list(compress(block_hashes, absent))
         new_blocks = list(compress(device_blocks, absent))
@@ -118,7 +121,7 @@ def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequenc
             firsts.setdefault(h, d)
         new_hashes, new_blocks = list(firsts), list(firsts.values())
     need = len(new_hashes) - len(state.free_slots)
-    victims = _victims_up_to(state, need, block_hashes) if need > 0 else []
+    victims = _victims_up_to(state, need, protected) if need > 0 else []
     admitted = len(new_hashes) - max(0, need - len(victims))
     return new_hashes[:admitted], new_blocks[:admitted], victims, new_hashes[admitted:], new_blocks[admitted:]
 

@@ -122,7 +122,7 @@ def ensure_request(state: State, request_id: str | None) -> Request | None:
 def pin(state: State, hashes: tuple[int, ...]) -> None:
     pins = state.pin_count
     ones = dict.fromkeys(hashes, 1)
-    if len(ones) == len(hashes) and pins.keys().isdisjoint(ones):
+    if len(ones) == len(hashes) and (not pins or pins.keys().isdisjoint(ones)):
         pins.update(ones)  # the common case: no other pin on them, each named once
         return
     for h in hashes:

@@ -28,12 +28,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import compress, filterfalse, islice
+from itertools import compress, filterfalse, islice, repeat
 from operator import not_
 from typing import Any
 
 from kvflow.errors import ConfigError
-from kvflow.policies.ghosts import Ghosts
 
 
 class ARCPolicy:
@@ -52,8 +51,8 @@ class ARCPolicy:
         # end is found in O(1) (a plain dict leaves holes at the front that iteration skips).
         self._t1: OrderedDict[int, None] = OrderedDict()
         self._t2: OrderedDict[int, None] = OrderedDict()
-        self._b1 = Ghosts()  # (a dict and a deque: see kvflow.policies.ghosts)
-        self._b2 = Ghosts()
+        self._b1: OrderedDict[int, None] = OrderedDict()
+        self._b2: OrderedDict[int, None] = OrderedDict()
         self._p = 0
 
     @property
@@ -97,11 +96,11 @@ class ARCPolicy:
         if block_hash in t1:
             del t1[block_hash]
             if ghost:
-                self._b1.add(block_hash)
+                self._b1[block_hash] = None
         else:
             del t2[block_hash]
             if ghost:
-                self._b2.add(block_hash)
+                self._b2[block_hash] = None
         # Moving T -> B keeps L1 and L1 + L2, so the bounds still hold unless the residents
         # alone exceeded the capacity (a state that overfilled the tier).
         if ghost and len(t1) + len(t2) >= self.capacity:
@@ -111,12 +110,12 @@ class ARCPolicy:
         """Drop the oldest ghosts until the directory bounds hold (see module docstring)."""
         capacity = self.capacity
         t1, b1, b2 = self._t1, self._b1, self._b2
-        b1.drop_oldest(len(t1) + len(b1) - capacity)
+        while b1 and len(t1) + len(b1) > capacity:
+            b1.popitem(last=False)
         excess = len(t1) + len(self._t2) + len(b1) + len(b2) - 2 * capacity
-        if excess > 0:  # B2's oldest first, then B1's
-            from_b2 = min(excess, len(b2))
-            b2.drop_oldest(from_b2)
-            b1.drop_oldest(excess - from_b2)
+        while excess > 0 and (b1 or b2):
+            (b2 or b1).popitem(last=False)
+            excess -= 1
 
     def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
         """The paper's REPLACE choice made ``num_blocks`` times, skipping ``pinned``
@@ -192,20 +191,20 @@ class ARCPolicy:
             and len(t1) + len(t2) + len(hashes) <= capacity
             and len(t1) + len(b1) <= capacity
             and len(t1) + len(t2) + len(b1) + len(b2) <= 2 * capacity
-            and b1.isdisjoint(hashes)
-            and b2.isdisjoint(hashes)
+            and b1.keys().isdisjoint(hashes)
+            and b2.keys().isdisjoint(hashes)
             and t2.keys().isdisjoint(hashes)
             and self._join_t1(hashes)
         ):
             # First sightings only, and they fit: all joined T1; the ghosts the loop below
             # would trim one by one are the oldest ones, the same number of each kind (each
             # insert grows both bounds by one), so they go in two bulk steps.
-            b1.drop_oldest(len(t1) + len(b1) - capacity)
+            _drop_oldest(b1, len(t1) + len(b1) - capacity)
             excess = len(t1) + len(t2) + len(b1) + len(b2) - 2 * capacity
             if excess > 0:
                 from_b2 = min(excess, len(b2))
-                b2.drop_oldest(from_b2)
-                b1.drop_oldest(excess - from_b2)
+                _drop_oldest(b2, from_b2)
+                _drop_oldest(b1, excess - from_b2)
             return
         p = self._p
         try:
@@ -214,11 +213,11 @@ class ARCPolicy:
                 if h in b1:
                     # Step computed with the hit still counted in B1, as in the paper.
                     p = min(capacity, p + max(1, len(b2) // len(b1)))
-                    b1.discard(h)
+                    del b1[h]
                     t2[h] = None
                 elif h in b2:
                     p = max(0, p - max(1, len(b1) // len(b2)))
-                    b2.discard(h)
+                    del b2[h]
                     t2[h] = None
                 elif h in t1 or h in t2:
                     raise ValueError(f"block hash {h} is already resident in the arc policy")
@@ -227,9 +226,9 @@ class ARCPolicy:
                     # L1 and L1 + L2 grew by one and the bounds held before, so at most one
                     # ghost of each kind has to go (_trim_ghosts, unrolled).
                     if b1 and len(t1) + len(b1) > capacity:
-                        b1.drop_oldest(1)
+                        b1.popitem(last=False)
                     if (b1 or b2) and len(t1) + len(t2) + len(b1) + len(b2) > 2 * capacity:
-                        (b2 or b1).drop_oldest(1)
+                        (b2 or b1).popitem(last=False)
         finally:
             self._p = p
 
@@ -241,8 +240,7 @@ class ARCPolicy:
         looked up once, not once for the check and once for the insert.)"""
         t1 = self._t1
         before = len(t1)
-        for h in hashes:
-            t1[h] = None
+        t1.update(zip(hashes, repeat(None)))  # (C-level: OrderedDict.update of pairs)
         if len(t1) == before + len(hashes):
             return True
         for _ in range(len(t1) - before):
@@ -253,11 +251,10 @@ class ARCPolicy:
         """``touch`` for each hash (resident; repeats allowed): each becomes the most recent
         of T2, in order."""
         t1, t2 = self._t1, self._t2
-        in_t1 = list(map(t1.__contains__, hashes))  # (one hashing pass; the rest reads flags)
-        if True in in_t1:
+        if not t1.keys().isdisjoint(hashes):
             # T1's ones join T2 first (anywhere: the moves below put every touched hash at
             # T2's end in touch order, which is where the one-by-one touches leave them)
-            promoted = dict.fromkeys(compress(hashes, in_t1))
+            promoted = dict.fromkeys(filter(t1.__contains__, hashes))
             deque(map(t1.pop, promoted), 0)
             t2.update(promoted)
         deque(map(t2.move_to_end, hashes), 0)
@@ -266,12 +263,12 @@ class ARCPolicy:
         """``refresh`` for each hash (resident; repeats allowed). T1's and T2's orders are
         independent: each list's members move to its end, in order."""
         t1, t2 = self._t1, self._t2
-        in_t1 = list(map(t1.__contains__, hashes))
-        if True not in in_t1:
+        if t1.keys().isdisjoint(hashes):  # (C-level passes: a chain is often all in one list)
             deque(map(t2.move_to_end, hashes), 0)
-        elif False not in in_t1:
+        elif t2.keys().isdisjoint(hashes):
             deque(map(t1.move_to_end, hashes), 0)
         else:
+            in_t1 = list(map(t1.__contains__, hashes))
             deque(map(t1.move_to_end, compress(hashes, in_t1)), 0)
             deque(map(t2.move_to_end, compress(hashes, map(not_, in_t1))), 0)
 
@@ -284,15 +281,16 @@ class ARCPolicy:
             return
         # each becomes its list's newest ghost, in order; the residents only shrink, so no
         # trimming. (Ghosts are never resident, so each is new to its ghost list.)
-        in_t1 = list(map(t1.__contains__, hashes))
-        from_t1: Any = hashes
-        if False in in_t1:
+        if t2.keys().isdisjoint(hashes):
+            from_t1: Any = hashes
+        else:
+            in_t1 = list(map(t1.__contains__, hashes))
             from_t1 = list(compress(hashes, in_t1))
             from_t2 = list(compress(hashes, map(not_, in_t1)))
             deque(map(t2.pop, from_t2), 0)
-            self._b2.add_many(from_t2)
+            self._b2.update(zip(from_t2, repeat(None)))
         deque(map(t1.pop, from_t1), 0)
-        self._b1.add_many(from_t1)
+        self._b1.update(zip(from_t1, repeat(None)))
 
     def resident(self) -> list[int]:
         """Resident hashes: ``T1`` then ``T2``, each coldest first."""
@@ -323,3 +321,8 @@ class ARCPolicy:
             f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
         )
 
+
+def _drop_oldest(ghosts: OrderedDict[int, None], count: int) -> None:
+    """Forget the ``count`` oldest ghosts (at most all of them)."""
+    if count > 0:
+        deque(map(ghosts.popitem, repeat(False, min(count, len(ghosts)))), 0)

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import compress, filterfalse, islice, repeat
-from operator import not_
-from typing import Any
+from itertools import filterfalse, islice, repeat
 
 from kvflow.errors import ConfigError
 
@@ -240,7 +238,8 @@ class ARCPolicy:
         looked up once, not once for the check and once for the insert.)"""
         t1 = self._t1
         before = len(t1)
-        t1.update(zip(hashes, repeat(None)))  # (C-level: OrderedDict.update of pairs)
+        for h in hashes:
+            t1[h] = None
         if len(t1) == before + len(hashes):
             return True
         for _ in range(len(t1) - before):
@@ -251,26 +250,22 @@ class ARCPolicy:
         """``touch`` for each hash (resident; repeats allowed): each becomes the most recent
         of T2, in order."""
         t1, t2 = self._t1, self._t2
-        if not t1.keys().isdisjoint(hashes):
-            # T1's ones join T2 first (anywhere: the moves below put every touched hash at
-            # T2's end in touch order, which is where the one-by-one touches leave them)
-            promoted = dict.fromkeys(filter(t1.__contains__, hashes))
-            deque(map(t1.pop, promoted), 0)
-            t2.update(promoted)
-        deque(map(t2.move_to_end, hashes), 0)
+        for h in hashes:
+            if h in t1:
+                del t1[h]
+                t2[h] = None
+            else:
+                t2.move_to_end(h)
 
     def refresh_many(self, hashes: tuple[int, ...]) -> None:
         """``refresh`` for each hash (resident; repeats allowed). T1's and T2's orders are
         independent: each list's members move to its end, in order."""
         t1, t2 = self._t1, self._t2
-        if t1.keys().isdisjoint(hashes):  # (C-level passes: a chain is often all in one list)
-            deque(map(t2.move_to_end, hashes), 0)
-        elif t2.keys().isdisjoint(hashes):
-            deque(map(t1.move_to_end, hashes), 0)
-        else:
-            in_t1 = list(map(t1.__contains__, hashes))
-            deque(map(t1.move_to_end, compress(hashes, in_t1)), 0)
-            deque(map(t2.move_to_end, compress(hashes, map(not_, in_t1))), 0)
+        for h in hashes:
+            if h in t1:
+                t1.move_to_end(h)
+            else:
+                t2.move_to_end(h)
 
     def remove_many(self, hashes: tuple[int, ...]) -> None:
         """``remove`` (an eviction: ghosts kept) for each hash (distinct, resident)."""
@@ -279,18 +274,15 @@ class ARCPolicy:
             for h in hashes:
                 self.remove(h)
             return
-        # each becomes its list's newest ghost, in order; the residents only shrink, so no
-        # trimming. (Ghosts are never resident, so each is new to its ghost list.)
-        if t2.keys().isdisjoint(hashes):
-            from_t1: Any = hashes
-        else:
-            in_t1 = list(map(t1.__contains__, hashes))
-            from_t1 = list(compress(hashes, in_t1))
-            from_t2 = list(compress(hashes, map(not_, in_t1)))
-            deque(map(t2.pop, from_t2), 0)
-            self._b2.update(zip(from_t2, repeat(None)))
-        deque(map(t1.pop, from_t1), 0)
-        self._b1.update(zip(from_t1, repeat(None)))
+        # each becomes its list's newest ghost; the residents only shrink, so no trimming
+        b1, b2 = self._b1, self._b2
+        for h in hashes:
+            if h in t1:
+                del t1[h]
+                b1[h] = None
+            else:
+                del t2[h]
+                b2[h] = None
 
     def resident(self) -> list[int]:
         """Resident hashes: ``T1`` then ``T2``, each coldest first."""

@@ -113,6 +113,15 @@ def result(value: Any) -> JobResult:
     (a bad one is the decisions' to refuse, naming it); an ``ok`` that is not a bool or an
     ``error`` that is not a string makes the result a failure with a clear error, never a
     success (``ok="false"`` is truthy)."""
+    if (
+        type(value) is JobResult
+        and type(value.job_id) is int
+        and type(value.rank) is int
+        and type(value.ok) is bool
+        and (value.error is None or type(value.error) is str)
+        and value.corrupt == ()
+    ):
+        return value  # (an executor's own well-formed result: nothing to normalise)
     job_id: Any = getattr(value, "job_id", None)
     rank: Any = getattr(value, "rank", None)
     try:

@@ -85,7 +85,8 @@ DECIDERS: dict[type, Callable[[State, Any], Decision]] = {
 # a decision that can release pins is followed by the eviction of bad blocks it unpinned
 # (F17); the others (stores, touches, planning: the hot path) are left as they are
 _UNPINNING = (Lookup, AcceptHits, JobResult, JobResults, Tick, FinishRequest)
-DECIDERS.update({kind: then_evict_bad(DECIDERS[kind]) for kind in _UNPINNING})
+_REPORTS_CORRUPT = (JobResult, JobResults)  # (executor outcomes: the only ones that name bad blocks)
+DECIDERS.update({kind: then_evict_bad(DECIDERS[kind], kind in _REPORTS_CORRUPT) for kind in _UNPINNING})
 
 
 def decide(state: State, command: Command) -> Decision:

@@ -106,9 +106,12 @@ def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequenc
     flight; F3), each hash once, in prefix order, takes a free slot, else evicts the policy's
     next victim, never a block of this store's own chain (F16); when nothing else can be
     evicted, it and every later block are rejected."""
+    # the blocks eviction must spare (F16): those of the store already on the tier
+    protected: Sequence[int] = ()
     if state.slot_of.keys().isdisjoint(block_hashes):  # (the common case: none is there yet)
         new_hashes, new_blocks = list(block_hashes), list(device_blocks)
     else:
+        protected = block_hashes
         absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
         new_hashes = list(compress(block_hashes, absent))
         new_blocks = list(compress(device_blocks, absent))
@@ -118,7 +121,7 @@ def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequenc
             firsts.setdefault(h, d)
         new_hashes, new_blocks = list(firsts), list(firsts.values())
     need = len(new_hashes) - len(state.free_slots)
-    victims = _victims_up_to(state, need, block_hashes) if need > 0 else []
+    victims = _victims_up_to(state, need, protected) if need > 0 else []
     admitted = len(new_hashes) - max(0, need - len(victims))
     return new_hashes[:admitted], new_blocks[:admitted], victims, new_hashes[admitted:], new_blocks[admitted:]
 
@@ -293,15 +296,28 @@ def names_corrupt_blocks(cmd: Any) -> bool:
     return results is not None and any(r.corrupt for r in results)
 
 
-def then_evict_bad(decider: Callable[[State, Any], Decision]) -> Callable[[State, Any], Decision]:
+def then_evict_bad(
+    decider: Callable[[State, Any], Decision], reports_corrupt: bool = True
+) -> Callable[[State, Any], Decision]:
     """``decider``, followed by the eviction of remembered bad blocks it unpinned (F17).
     With no bad block remembered and none reported by the command, there is nothing to
-    follow up: the decider runs alone (the hot path pays no extra generator per event)."""
+    follow up: the decider runs alone (the hot path pays no extra generator per event).
+    ``reports_corrupt=False``: the command type never names corrupt blocks (only executor
+    outcomes do), so only the remembered ones are looked at."""
 
-    def decide_then_evict(state: State, cmd: Any) -> Decision:
-        if not state.bad and not names_corrupt_blocks(cmd):
-            return decider(state, cmd)
-        return _decide_then_evict(decider, state, cmd)
+    if reports_corrupt:
+
+        def decide_then_evict(state: State, cmd: Any) -> Decision:
+            if not state.bad and not names_corrupt_blocks(cmd):
+                return decider(state, cmd)
+            return _decide_then_evict(decider, state, cmd)
+
+    else:
+
+        def decide_then_evict(state: State, cmd: Any) -> Decision:
+            if not state.bad:
+                return decider(state, cmd)
+            return _decide_then_evict(decider, state, cmd)
 
     decide_then_evict.__name__ = decider.__name__
     return decide_then_evict

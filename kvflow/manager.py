@@ -49,7 +49,8 @@ from kvflow.events import (
 )
 from kvflow.log import MemoryLog, NullLog
 from kvflow.notices import ABANDONED_BY_RESET, NOTICE_TYPES, Fence, LoadFailure, Notices
-from kvflow.state import JobState, State, evolve
+from kvflow.state import JobState, State
+from kvflow.state.apply import apply_decision
 
 
 class OffloadManager:
@@ -96,44 +97,34 @@ class OffloadManager:
                 f"{type(command).__name__} while another call is being decided: call kvflow from one thread"
             )
         try:
-            return self._handle(command)
+            state = self.state
+            gen = DECIDERS[type(command)](state, command)
+            try:
+                event = next(gen)  # validation happens here: a Rejected leaves everything as is
+            except StopIteration as stop:
+                if self._recording:
+                    self._log.record_command(command)
+                    self._log.after_command(state)
+                return stop.value, []
+            recording = self._recording
+            if recording:
+                self._log.record_command(command)
+            events: list[Event] = []
+            try:
+                answer = apply_decision(state, event, gen, self.paranoid, events.append)
+            finally:
+                # what was applied is recorded and observed, even if a paranoid check raised
+                if recording:
+                    self._log.record_events(events)
+                dispatch = self._dispatch
+                for applied in events:
+                    for callback in dispatch[type(applied)]:
+                        callback(applied)
+            if recording:
+                self._log.after_command(state)
+            return answer, events
         finally:
             self._deciding.release()
-
-    def _handle(self, command: Command) -> tuple[Any, list[Event]]:
-        state = self.state
-        gen = DECIDERS[type(command)](state, command)
-        try:
-            event = next(gen)  # validation happens here: a Rejected leaves everything as is
-        except StopIteration as stop:
-            if self._recording:
-                self._log.record_command(command)
-                self._log.after_command(state)
-            return stop.value, []
-        recording = self._recording
-        if recording:
-            self._log.record_command(command)
-        events: list[Event] = []
-        append = events.append
-        check = self.paranoid
-        try:
-            while True:
-                evolve(state, event, check)
-                append(event)
-                event = gen.send(None)
-        except StopIteration as stop:
-            answer = stop.value
-        finally:
-            # what was applied is recorded and observed, even if a paranoid check raised
-            if recording:
-                self._log.record_events(events)
-            dispatch = self._dispatch
-            for applied in events:
-                for callback in dispatch[type(applied)]:
-                    callback(applied)
-        if recording:
-            self._log.after_command(state)
-        return answer, events
 
     def subscribe(self, callback: Callable[[Any], None], event_types: Sequence[type] | None = None) -> None:
         """Call ``callback(event)`` for every event applied from now on whose type is in

@@ -46,6 +46,7 @@ class SyncEngine:
         deadline) without accepting or releasing them is counted in ``pins_overdue`` and
         logged once as ``kvflow.pins_held`` (those pinned blocks cannot be evicted)."""
         self.config = config
+        self._remote = config.remote  # (read on every step)
         self.executor = executor
         self.clock = clock
         pool = getattr(executor, "pool", None)  # an executor with a host pool exposes it (F11)
@@ -96,7 +97,7 @@ class SyncEngine:
         (``accept_hits(request_id, [])``), or the request finishes. ``block_hashes`` are the
         request's full-block hashes in prefix order; at most ``num_tokens - 1`` tokens hit."""
         hits = self.manager.lookup(request_id, block_hashes, num_tokens, device_hit_blocks)
-        if self.config.remote:
+        if self._remote:
             self._probe_remote(block_hashes, num_tokens, device_hit_blocks, hits)
         self.counters.lookups += 1
         self.counters.lookup_tokens += num_tokens
@@ -202,7 +203,7 @@ class SyncEngine:
         if results is None:
             results = self._poll()
         self.apply_results(results)
-        if self.config.remote and hasattr(self.executor, "take_found"):
+        if self._remote and hasattr(self.executor, "take_found"):
             found = self.executor.take_found()
             if found:
                 self.manager.remote_found(found)

@@ -17,7 +17,8 @@ here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
+from typing import Any
 
 from kvflow.errors import IllegalTransition
 from kvflow.events import (
@@ -238,10 +239,33 @@ def evolve(state: State, event: Event, check: bool = True) -> State:
     them); folds and replays of recorded logs always check.
     """
     if event.seq != state.next_seq:
-        raise IllegalTransition(f"SEQ {state.next_seq}", f"{event_name(event)}#{event.seq}", "events must be gapless")
+        raise _gap(state, event)
     _EVOLVERS[type(event)](state, event, check)
     state.next_seq += 1
     return state
+
+
+def _gap(state: State, event: Event) -> IllegalTransition:
+    return IllegalTransition(f"SEQ {state.next_seq}", f"{event_name(event)}#{event.seq}", "events must be gapless")
+
+
+def apply_decision(
+    state: State, event: Event, decision: Generator[Event, None, Any], check: bool, applied: Callable[[Event], Any]
+) -> Any:
+    """``evolve`` each event of a decision as it is yielded, from ``event`` (its first), and
+    hand each to ``applied`` once applied; returns the decision's answer. (The live path's
+    loop: ``evolve`` inlined, one Python call per event fewer.)"""
+    evolvers = _EVOLVERS
+    try:
+        while True:
+            if event.seq != state.next_seq:
+                raise _gap(state, event)
+            evolvers[type(event)](state, event, check)
+            state.next_seq += 1
+            applied(event)
+            event = decision.send(None)
+    except StopIteration as stop:
+        return stop.value
 
 
 def fold(state: State, events: Iterable[Event]) -> State:

@@ -59,9 +59,7 @@ def _add_job(
     state.jobs[event.job_id] = job
     state.queued[event.job_id] = None
     state.last_job_id = event.job_id
-    held, job_id = state.held, event.job_id
-    for d in device_blocks:
-        held[d] = job_id
+    state.held.update(dict.fromkeys(device_blocks, event.job_id))  # (into an empty dict: one copy)
     req = ensure_request(state, request_id)
     if req is not None:
         req.jobs[event.job_id] = None
@@ -74,8 +72,11 @@ def _end_job(state: State, job: Job, abandoned: bool) -> None:
     del state.jobs[job.job_id]
     state.queued.pop(job.job_id, None)
     held = state.held
-    for d in job.device_blocks:
-        del held[d]
+    if len(held) == len(job.device_blocks):
+        held.clear()  # the usual case, one job at a time: its blocks are all that is held
+    else:
+        for d in job.device_blocks:
+            del held[d]
     if job.request_id is not None and not abandoned:
         del state.requests[job.request_id].jobs[job.job_id]
 

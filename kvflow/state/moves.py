@@ -27,9 +27,7 @@ def _admit(state: State, hashes: tuple[int, ...], job: Job) -> None:
     free = state.free_slots
     del free[len(free) - len(job.slots) :]
     state.slot_of.update(zip(hashes, job.slots))
-    pending, job_id = state.pending, job.job_id
-    for h in hashes:
-        pending[h] = job_id
+    state.pending.update(dict.fromkeys(hashes, job.job_id))  # (into an empty dict: one copy)
 
 
 def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
@@ -37,9 +35,7 @@ def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
 
     F14: a touch that named these entries while they were being stored is applied now, so
     a chain's order is the engine's touch whatever order its stores land in."""
-    pending = state.pending
-    for h in hashes:
-        del pending[h]
+    _unpend(state.pending, hashes)
     state.policy.insert_many(hashes)
     if state.deferred_touches:
         deferred = state.deferred_touches.pop(job.job_id, None)
@@ -51,6 +47,15 @@ def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
                 state.policy.touch_many(resident)
             else:
                 state.policy.refresh_many(resident)
+
+
+def _unpend(pending: dict[int, int], hashes: tuple[int, ...]) -> None:
+    """The job's hashes (distinct, each pending on it) are pending no more."""
+    if len(pending) == len(hashes):
+        pending.clear()  # the usual case, one store at a time: they are all there is
+    else:
+        for h in hashes:
+            del pending[h]
 
 
 def _free(state: State, hashes: tuple[int, ...]) -> None:
@@ -69,9 +74,7 @@ def _drop_pending(state: State, hashes: tuple[int, ...], job: Job) -> None:
     when the job's copy may still be writing them)."""
     if state.deferred_touches:
         state.deferred_touches.pop(job.job_id, None)
-    pending = state.pending
-    for h in hashes:
-        del pending[h]
+    _unpend(state.pending, hashes)
     _free(state, hashes)
 
 
@@ -119,7 +122,7 @@ def ensure_request(state: State, request_id: str | None) -> Request | None:
 def pin(state: State, hashes: tuple[int, ...]) -> None:
     pins = state.pin_count
     ones = dict.fromkeys(hashes, 1)
-    if len(ones) == len(hashes) and pins.keys().isdisjoint(ones):
+    if len(ones) == len(hashes) and (not pins or pins.keys().isdisjoint(ones)):
         pins.update(ones)  # the common case: no other pin on them, each named once
         return
     for h in hashes:
@@ -128,6 +131,11 @@ def pin(state: State, hashes: tuple[int, ...]) -> None:
 
 def unpin(state: State, hashes: tuple[int, ...]) -> None:
     pins = state.pin_count
+    if len(pins) == len(hashes) and max(pins.values(), default=0) == 1:
+        # each pinned once, all by these hashes (which the caller's pins include): the
+        # usual end of the one load in flight
+        pins.clear()
+        return
     for h in hashes:
         left = pins[h] - 1
         if left:

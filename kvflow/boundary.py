@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 
+from kvflow.commands import JobResult
 from kvflow.errors import Rejected
-from kvflow.events import JobResult
 
 HASH_MIN = -(2**63)  # block hashes are 64-bit, signed or unsigned
 ID_LIMIT = 2**64  # device block ids and hashes stay below this (traces and digests encode them)

@@ -19,6 +19,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvflow.commands import (
+    AcceptHits,
+    BlocksComputed,
+    Command,
+    DeviceBlocksEvicting,
+    EndFences,
+    Evict,
+    FinishRequest,
+    Invalidate,
+    JobResult,
+    JobResults,
+    Lookup,
+    PlanStep,
+    RemoteFound,
+    ResetAll,
+    Tick,
+    Touch,
+)
 from kvflow.decide_checks import Decision
 from kvflow.decide_jobs import (
     CANCELLED_BY_RESET,
@@ -41,26 +59,7 @@ from kvflow.decide_store import (
     decide_touch,
     then_evict_bad,
 )
-from kvflow.events import (
-    LOAD,
-    STORE,
-    AcceptHits,
-    BlocksComputed,
-    Command,
-    DeviceBlocksEvicting,
-    EndFences,
-    Evict,
-    FinishRequest,
-    Invalidate,
-    JobResult,
-    JobResults,
-    Lookup,
-    PlanStep,
-    RemoteFound,
-    ResetAll,
-    Tick,
-    Touch,
-)
+from kvflow.jobs import LOAD, STORE
 from kvflow.state import State
 
 DECIDERS: dict[type, Callable[[State, Any], Decision]] = {

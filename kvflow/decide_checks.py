@@ -6,7 +6,8 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from kvflow.errors import BlockHeld, Rejected
-from kvflow.events import STORE, Event
+from kvflow.events import Event
+from kvflow.jobs import STORE
 from kvflow.state import State
 
 # a decider: yields the events to apply, returns the command's answer (see kvflow.decide)

@@ -6,33 +6,33 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.commands import (
+    EndFences,
+    FinishRequest,
+    JobResult,
+    JobResults,
+    PlanStep,
+    ResetAll,
+    Tick,
+)
 from kvflow.decide_checks import Decision, whole
 from kvflow.decide_remote import push_ahead_of_eviction, write_through
 from kvflow.decide_store import chain_touch, drop_corrupt
 from kvflow.errors import Rejected, UnknownJob
 from kvflow.events import (
-    LOAD,
-    STORE,
-    EndFences,
     FenceLifted,
-    FinishRequest,
     JobCompleted,
     JobFailed,
-    JobResult,
-    JobResults,
     JobsSubmitted,
     JobTimedOut,
     LateResultIgnored,
     PinsReleased,
-    PlanStep,
     RankSucceeded,
     RequestClosed,
     RequestFinished,
     Reset,
-    ResetAll,
-    Tick,
-    TransferJob,
 )
+from kvflow.jobs import LOAD, STORE, TransferJob
 from kvflow.state import Job, JobState, State
 
 CANCELLED_BY_RESET = "cancelled by reset before submission"

@@ -6,19 +6,12 @@ from __future__ import annotations
 import operator
 from itertools import compress, count
 
+from kvflow.commands import AcceptHits, Lookup
 from kvflow.decide_checks import Decision, check_device_blocks, check_not_finished, whole
 from kvflow.decide_remote import remote_loads
 from kvflow.decide_store import extend_chain
 from kvflow.errors import Rejected, UnknownRequest
-from kvflow.events import (
-    AcceptHits,
-    BlocksTouched,
-    LoadQueued,
-    Lookup,
-    PinsAcquired,
-    PinsReleased,
-    RequestResumed,
-)
+from kvflow.events import BlocksTouched, LoadQueued, PinsAcquired, PinsReleased, RequestResumed
 from kvflow.state import State
 
 

@@ -16,16 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvflow.commands import RemoteFound
 from kvflow.decide_checks import Decision
 from kvflow.decide_store import _admission
-from kvflow.events import (
-    REMOTE_STORE,
-    BlocksEvicted,
-    RemoteFound,
-    RemoteIndexed,
-    RemoteLoadQueued,
-    RemoteStoreQueued,
-)
+from kvflow.events import BlocksEvicted, RemoteIndexed, RemoteLoadQueued, RemoteStoreQueued
+from kvflow.jobs import REMOTE_STORE
 from kvflow.state import State
 
 

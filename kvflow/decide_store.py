@@ -8,25 +8,20 @@ from collections.abc import Callable, Sequence
 from itertools import compress, filterfalse
 from typing import Any
 
+from kvflow.commands import BlocksComputed, DeviceBlocksEvicting, Evict, Invalidate, Touch
 from kvflow.decide_checks import Decision, check_device_blocks, check_not_finished, whole
 from kvflow.errors import Rejected
 from kvflow.events import (
-    LOAD,
-    REMOTE_STORE,
-    BlocksComputed,
     BlocksCorrupt,
     BlocksEvicted,
     BlocksTouched,
     ChainExtended,
-    DeviceBlocksEvicting,
-    Evict,
-    Invalidate,
     RequestOpened,
     RequestResumed,
     StoreQueued,
     StoreRejected,
-    Touch,
 )
+from kvflow.jobs import LOAD, REMOTE_STORE
 from kvflow.state import Request, State
 
 

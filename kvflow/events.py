@@ -1,4 +1,5 @@
-"""The vocabulary: events (facts that happened), commands (requests to decide) and jobs.
+"""Events: the facts that happened, what a log and a trace are made of. (Commands, the
+requests to decide, are in ``commands.py``; jobs and their directions in ``jobs.py``.)
 
 Events are frozen msgspec Structs forming one tagged union (`type` field). Each carries a
 gapless ``seq`` assigned by the state it is appended to; order is always ``seq``, never time.
@@ -18,21 +19,14 @@ from typing import Literal, Union
 
 import msgspec
 
+# (JobResult and TransferJob, the executor's side of the vocabulary, are documented as
+# ``kvflow.events`` imports, docs/executor.md: they stay importable from here; kvflow's own
+# modules import them from their homes, ``kvflow.commands`` and ``kvflow.jobs``)
+from kvflow.commands import JobResult as JobResult
+from kvflow.jobs import Blocks, Direction, Hashes
+from kvflow.jobs import TransferJob as TransferJob
+
 EVENT_VERSION = 1
-
-# store / load: device <-> host slots. remote_load: the remote tier -> host slots (a CPU-tier
-# entry filled like a store: visible when it completes); remote_store: host slots -> the remote
-# tier (the entries stay resident, pinned by the job while it reads their slots).
-Direction = Literal["store", "load", "remote_store", "remote_load"]
-STORE: Direction = "store"
-LOAD: Direction = "load"
-REMOTE_STORE: Direction = "remote_store"
-REMOTE_LOAD: Direction = "remote_load"
-# jobs whose entries are pending (STORE_QUEUED / STORING) until they complete
-FILLING: tuple[str, ...] = (STORE, REMOTE_LOAD)
-
-Hashes = tuple[int, ...]
-Blocks = tuple[int, ...]
 
 
 # gc=False: events, commands and jobs hold only scalars and tuples of them, so they can never
@@ -329,152 +323,6 @@ Event = Union[
 
 EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
 TERMINAL_TYPES = (JobCompleted, JobFailed, JobTimedOut)
-
-
-# --- commands: what the engine asks (recorded in traces, re-run by replay --redecide) --------
-
-
-class _Command(msgspec.Struct, frozen=True, tag_field="type", kw_only=True, gc=False):
-    pass
-
-
-class Lookup(_Command, frozen=True, tag="lookup"):
-    """How many blocks after ``device_hit_blocks`` can be loaded from the CPU tier?"""
-
-    request_id: str
-    block_hashes: Hashes
-    num_tokens: int
-    device_hit_blocks: int = 0
-
-
-class AcceptHits(_Command, frozen=True, tag="accept_hits"):
-    """The engine allocated ``device_blocks`` for the first ``len(device_blocks)`` hits."""
-
-    request_id: str
-    device_blocks: Blocks
-
-
-class BlocksComputed(_Command, frozen=True, tag="blocks_computed"):
-    """Eager mode: these full blocks were computed; store the ones not on the tier."""
-
-    request_id: str | None
-    block_hashes: Hashes
-    device_blocks: Blocks
-
-
-class DeviceBlocksEvicting(_Command, frozen=True, tag="device_blocks_evicting"):
-    """Lazy mode: the device cache is about to drop these blocks; store the missing ones."""
-
-    block_hashes: Hashes
-    device_blocks: Blocks
-
-
-class Touch(_Command, frozen=True, tag="touch"):
-    """Recency for the hashes on the tier, in order (put the head of a chain last, F14).
-    ``reuse=False``: ordering only, not a new use (see BlocksTouched). ``keep_pending``: a
-    block still being stored keeps the touch until it lands (F14); traces of version 1,
-    recorded before, read False (such blocks were skipped)."""
-
-    block_hashes: Hashes
-    reuse: bool = True
-    keep_pending: bool = True
-
-
-class Evict(_Command, frozen=True, tag="evict"):
-    """Free ``num_blocks`` slots through the policy, all or nothing (F8)."""
-
-    num_blocks: int
-
-
-class PlanStep(_Command, frozen=True, tag="plan_step"):
-    """Hand every queued job to the executor exactly once (F5)."""
-
-    now_ms: float
-
-
-# omit_defaults: a success is recorded as just its job (and rank); the common case stays short
-class JobResult(_Command, frozen=True, tag="job_result", omit_defaults=True):
-    """An executor outcome for one rank of one job. A failed load whose host copy failed its
-    integrity check names the bad blocks in ``corrupt`` (F17: they are evicted, so the
-    engine's recompute stores them again)."""
-
-    job_id: int
-    rank: int = 0
-    ok: bool = True
-    error: str | None = None
-    corrupt: Hashes = ()
-
-
-class JobResults(_Command, frozen=True, tag="job_results"):
-    """Several executor outcomes, applied in order (what one engine step collected)."""
-
-    results: tuple[JobResult, ...]
-
-
-class Tick(_Command, frozen=True, tag="tick"):
-    """Time passes: in-flight jobs past their deadline time out (F2)."""
-
-    now_ms: float
-
-
-class FinishRequest(_Command, frozen=True, tag="finish_request"):
-    """The request finished or was preempted: release exactly its pins."""
-
-    request_id: str
-    preempted: bool = False
-
-
-class ResetAll(_Command, frozen=True, tag="reset_all"):
-    """Drop everything; abandon in-flight work safely."""
-
-
-class Invalidate(_Command, frozen=True, tag="invalidate"):
-    """The engine learned that these blocks' bytes are bad: evict the resident, unpinned
-    ones (F17), so nothing offers them again."""
-
-    block_hashes: Hashes
-
-
-class EndFences(_Command, frozen=True, tag="end_fences"):
-    """The executor is closed and its copies have stopped: every fence ends (F15)."""
-
-
-class RemoteFound(_Command, frozen=True, tag="remote_found"):
-    """A probe of the remote tier found these hashes there (remember them for lookups)."""
-
-    block_hashes: Hashes
-
-
-Command = Union[
-    Lookup,
-    AcceptHits,
-    BlocksComputed,
-    DeviceBlocksEvicting,
-    Touch,
-    Evict,
-    PlanStep,
-    JobResult,
-    JobResults,
-    Tick,
-    FinishRequest,
-    ResetAll,
-    Invalidate,
-    EndFences,
-    RemoteFound,
-]
-
-COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]
-
-
-class TransferJob(msgspec.Struct, frozen=True, gc=False):
-    """What an executor is asked to do: copy ``device_blocks[i]`` <-> host ``slots[i]``."""
-
-    job_id: int
-    direction: Direction
-    device_blocks: Blocks
-    slots: Blocks
-    hashes: Hashes = ()
-    request_id: str | None = None
 
 
 def event_name(event: object) -> str:

@@ -19,7 +19,8 @@ from typing import Any, Union
 
 import msgspec
 
-from kvflow.events import FILLING, BlocksEvicted, Event, JobCompleted, Reset
+from kvflow.events import BlocksEvicted, Event, JobCompleted, Reset
+from kvflow.jobs import FILLING
 
 MEDIUM_CPU = "CPU"
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from kvflow.commands import COMMAND_TYPES, Command
 from kvflow.config import MAX_CPU_BLOCKS, Config
-from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Command, Event
+from kvflow.events import EVENT_TYPES, Event
 from kvflow.trace.format import (
     DEFAULT_CHECKPOINT_EVERY,
     MAX_LINE_BYTES,

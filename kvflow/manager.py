@@ -17,36 +17,30 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow import boundary as bd
-from kvflow.config import Config
-from kvflow.decide import DECIDERS, expired_jobs, hit_cap_blocks
-from kvflow.decide_remote import probe_candidates
-from kvflow.errors import ConcurrentCall, EngineClosed
-from kvflow.events import (
-    EVENT_TYPES,
-    LOAD,
+from kvflow.commands import (
     AcceptHits,
     BlocksComputed,
-    BlocksEvicted,
     Command,
     DeviceBlocksEvicting,
     EndFences,
-    Event,
     Evict,
     FinishRequest,
     Invalidate,
     JobResult,
     JobResults,
-    JobsSubmitted,
     Lookup,
     PlanStep,
     RemoteFound,
-    Reset,
     ResetAll,
-    StoreRejected,
     Tick,
     Touch,
-    TransferJob,
 )
+from kvflow.config import Config
+from kvflow.decide import DECIDERS, expired_jobs, hit_cap_blocks
+from kvflow.decide_remote import probe_candidates
+from kvflow.errors import ConcurrentCall, EngineClosed
+from kvflow.events import EVENT_TYPES, BlocksEvicted, Event, JobsSubmitted, Reset, StoreRejected
+from kvflow.jobs import LOAD, TransferJob
 from kvflow.log import MemoryLog, NullLog
 from kvflow.notices import ABANDONED_BY_RESET, NOTICE_TYPES, Fence, LoadFailure, Notices
 from kvflow.state import JobState, State

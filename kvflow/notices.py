@@ -9,8 +9,6 @@ from dataclasses import dataclass
 import msgspec
 
 from kvflow.events import (
-    LOAD,
-    STORE,
     Event,
     FenceLifted,
     JobCompleted,
@@ -19,6 +17,7 @@ from kvflow.events import (
     Reset,
     StoreRejected,
 )
+from kvflow.jobs import LOAD, STORE
 
 ABANDONED_BY_RESET = "abandoned by a reset: recompute these device blocks once they are released"
 

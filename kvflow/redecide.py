@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, cast
 
+from kvflow.commands import COMMAND_TYPES
 from kvflow.decide import decide
 from kvflow.errors import IllegalTransition, KvflowError
-from kvflow.events import COMMAND_TYPES, EVENT_TYPES, Event, event_name
+from kvflow.events import EVENT_TYPES, Event, event_name
 from kvflow.replay_result import Divergence, ReplayResult, apply_event, check_point
 from kvflow.state import check_invariants, evolve
 from kvflow.trace.format import Checkpoint

@@ -12,8 +12,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvflow.commands import COMMAND_TYPES
 from kvflow.errors import IllegalTransition, TraceError
-from kvflow.events import COMMAND_TYPES, EVENT_TYPES
+from kvflow.events import EVENT_TYPES
 from kvflow.redecide import redecide as redecide_trace
 from kvflow.replay_result import Divergence, ReplayResult, apply_event, check_point
 from kvflow.state import State, check_invariants, evolve

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
+from kvflow.commands import JobResult
 from kvflow.config import MAX_WORLD_SIZE, Config
 from kvflow.engine import SyncEngine
 from kvflow.errors import ConfigError, Rejected
-from kvflow.events import JobCompleted, JobFailed, JobResult
+from kvflow.events import JobCompleted, JobFailed
 from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
 from kvflow.log import TraceWriter
 from kvflow.manager import OffloadManager

@@ -17,11 +17,13 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
+from kvflow.commands import JobResult
 from kvflow.config import Config
 from kvflow.engine import Counters, Engine, Latencies, StepReport, SyncEngine, percentile
 from kvflow.errors import BlockHeld, Rejected
-from kvflow.events import LOAD, STORE, FenceLifted, JobResult, LateResultIgnored, TransferJob
+from kvflow.events import FenceLifted, LateResultIgnored
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
+from kvflow.jobs import LOAD, STORE, TransferJob
 from kvflow.replay import replay
 from kvflow.state import check_invariants
 

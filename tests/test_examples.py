@@ -35,3 +35,12 @@ def test_bench_core_quick_runs_and_prints_every_measure() -> None:
     assert out.returncode in (0, 1), out.stderr
     for measure in ("fold", "trace replay", "engine step"):
         assert measure in out.stdout
+
+
+def test_the_documented_executor_imports_work() -> None:
+    """docs/executor.md imports TransferJob and names JobResult from ``kvflow.events``."""
+    import kvflow.events
+    from kvflow.commands import JobResult
+    from kvflow.jobs import TransferJob
+
+    assert kvflow.events.TransferJob is TransferJob and kvflow.events.JobResult is JobResult

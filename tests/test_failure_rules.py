@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from core_helpers import BT, DEADLINE_MS, consistent, manager, store, tokens
 
+from kvflow.commands import JobResult
 from kvflow.config import Config, config_from_dict
 from kvflow.errors import (
     BlockHeld,
@@ -27,15 +28,14 @@ from kvflow.events import (
     FenceLifted,
     JobCompleted,
     JobFailed,
-    JobResult,
     JobsSubmitted,
     JobTimedOut,
     LateResultIgnored,
     RankSucceeded,
     StoreQueued,
     StoreRejected,
-    TransferJob,
 )
+from kvflow.jobs import TransferJob
 from kvflow.manager import OffloadManager
 from kvflow.state import BlockState, State, evolve
 
@@ -691,7 +691,8 @@ def test_F14_touching_a_chain_deepest_first_evicts_tails_before_heads(
 
 
 def test_F17_an_integrity_failure_evicts_the_entries_it_names() -> None:
-    from kvflow.events import BlocksEvicted, JobFailed, JobResult
+    from kvflow.commands import JobResult
+    from kvflow.events import BlocksEvicted, JobFailed
     from kvflow.kvevents import BlockRemoved, KVEventPublisher
 
     m = manager(cpu_blocks=8)
@@ -718,7 +719,8 @@ def test_F17_an_integrity_failure_evicts_the_entries_it_names() -> None:
 
 
 def test_F17_an_entry_another_request_still_pins_is_not_evicted() -> None:
-    from kvflow.events import BlocksEvicted, JobResult
+    from kvflow.commands import JobResult
+    from kvflow.events import BlocksEvicted
 
     m = manager(cpu_blocks=8)
     store(m, "w", [A, B], [1, 2])
@@ -749,7 +751,7 @@ def test_F17_invalidate_evicts_resident_unpinned_blocks_and_nothing_else() -> No
 
 
 def test_F17_a_trace_with_integrity_failures_replays_and_redecides(tmp_path: Any) -> None:
-    from kvflow.events import JobResult
+    from kvflow.commands import JobResult
     from kvflow.log import TraceWriter
     from kvflow.replay import replay
 

@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvflow"
 
 PURE_MODULES = [
+    "kvflow.jobs",
     "kvflow.events",
+    "kvflow.commands",
     *(f"kvflow.{p.stem}" for p in sorted(PACKAGE.glob("decide*.py"))),
     "kvflow.config",
     "kvflow.kvevents",  # "a function of the events" (its docstring)
@@ -129,7 +131,7 @@ IMPORT_CHECK = textwrap.dedent(
     import kvflow
     after_package = "torch" in sys.modules
     import kvflow.manager, kvflow.replay, kvflow.log
-    import kvflow.events, kvflow.state, kvflow.decide, kvflow.config, kvflow.policies
+    import kvflow.jobs, kvflow.events, kvflow.commands, kvflow.state, kvflow.decide, kvflow.config, kvflow.policies
     import kvflow.kvevents
     print(after_package, "torch" in sys.modules)
     """

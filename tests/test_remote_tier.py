@@ -11,13 +11,8 @@ from core_helpers import DEADLINE_MS, config, consistent, manager, store, tokens
 
 from kvflow.config import Config, config_from_dict
 from kvflow.errors import ConfigError
-from kvflow.events import (
-    EVENT_TYPES,
-    REMOTE_LOAD,
-    REMOTE_STORE,
-    RemoteLoadQueued,
-    RemoteStoreQueued,
-)
+from kvflow.events import EVENT_TYPES, RemoteLoadQueued, RemoteStoreQueued
+from kvflow.jobs import REMOTE_LOAD, REMOTE_STORE
 from kvflow.log import TraceReader, TraceWriter
 from kvflow.manager import OffloadManager
 from kvflow.replay import replay

@@ -26,17 +26,11 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvflow.commands import JobResult
 from kvflow.config import Config
 from kvflow.errors import BlockHeld, Rejected
-from kvflow.events import (
-    EVENT_TYPES,
-    TERMINAL_TYPES,
-    BlocksEvicted,
-    FenceLifted,
-    JobResult,
-    LateResultIgnored,
-    TransferJob,
-)
+from kvflow.events import EVENT_TYPES, TERMINAL_TYPES, BlocksEvicted, FenceLifted, LateResultIgnored
+from kvflow.jobs import TransferJob
 from kvflow.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 from kvflow.manager import OffloadManager
 from kvflow.state import RESIDENT, JobState, State, check_invariants, fold

@@ -223,8 +223,9 @@ def test_a_vouched_event_today_s_code_cannot_apply_is_an_illegal_divergence_not_
     """A trace whose digests verify but whose event today's code refuses (a writer's bug, or
     rules changed since it was recorded): the unchecked fold falls back to checking every event
     of that stretch, and reports the event's own line."""
+    from kvflow.commands import Evict
     from kvflow.config import Config
-    from kvflow.events import BlocksEvicted, Evict
+    from kvflow.events import BlocksEvicted
 
     class Recorded:  # the state a buggy engine reported at the checkpoint
         last_seq = 1

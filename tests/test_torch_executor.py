@@ -10,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvflow.errors import ConfigError, Rejected, UnknownJob  # noqa: E402
-from kvflow.events import TransferJob  # noqa: E402
 from kvflow.executors import batch_copy, page_kernel  # noqa: E402
 from kvflow.executors.host_pool import HostPool  # noqa: E402
 from kvflow.executors.layout import KVLayout  # noqa: E402
 from kvflow.executors.torch_executor import TorchExecutor  # noqa: E402
+from kvflow.jobs import TransferJob  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 N_BLOCKS, LAYERS, BS, HEADS, DIM = 32, 3, 4, 2, 8

@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvflow.events import TransferJob
 from kvflow.executors.transfer_plan import _plan_job_by_job, plan_jobs
+from kvflow.jobs import TransferJob
 
 NB, CB = 12, 10
 

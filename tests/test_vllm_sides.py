@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvflow.commands import JobResult
 from kvflow.errors import ConfigError
-from kvflow.events import JobResult
 from kvflow.integrations.vllm_sides import ConnectorConfig, SchedulerSide, kvflow_hash
 
 B = 32

@@ -23,13 +23,13 @@ import sys
 import tempfile
 import time
 
+from kvflow.commands import JobResult
 from kvflow.config import Config
 from kvflow.events import (
     BlocksEvicted,
     BlocksTouched,
     JobCompleted,
     JobFailed,
-    JobResult,
     JobsSubmitted,
     JobTimedOut,
     LoadQueued,

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from kvflow.errors import ConfigError
-from kvflow.events import TransferJob
 from kvflow.executors import batch_copy
 from kvflow.executors.torch_executor import TorchExecutor
+from kvflow.jobs import TransferJob
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _ids = itertools.count(1)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.config import Config
-from kvflow.events import LOAD, STORE, TransferJob
+from kvflow.jobs import LOAD, STORE, TransferJob
 from kvflow.log import TraceWriter
 from kvflow.manager import OffloadManager
 

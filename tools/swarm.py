@@ -69,27 +69,23 @@ from typing import Any
 
 import msgspec
 
+from kvflow.commands import COMMAND_TYPES, BlocksComputed, DeviceBlocksEvicting, JobResult
 from kvflow.config import Config
 from kvflow.engine import StepReport, SyncEngine
 from kvflow.events import (
-    COMMAND_TYPES,
-    LOAD,
-    BlocksComputed,
     BlocksEvicted,
-    DeviceBlocksEvicting,
     FenceLifted,
     JobCompleted,
     JobFailed,
-    JobResult,
     JobTimedOut,
     LateResultIgnored,
     LoadQueued,
     Reset,
     StoreQueued,
-    TransferJob,
     event_name,
 )
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
+from kvflow.jobs import LOAD, TransferJob
 from kvflow.log import Checkpoint, TraceReader
 from kvflow.replay import replay
 from kvflow.state import check_invariants

@@ -11,7 +11,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvflow.events import LOAD, JobResult, TransferJob
+from kvflow.commands import JobResult
+from kvflow.jobs import LOAD, TransferJob
 from kvflow.manager import LoadFailure
 
 

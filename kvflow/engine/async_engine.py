@@ -8,10 +8,10 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from kvflow.commands import JobResult
 from kvflow.config import Config
 from kvflow.engine.api import Counters, Executor, Latencies, StepReport, merge_reports, monotonic_ms
 from kvflow.engine.sync import SyncEngine
-from kvflow.events import JobResult
 from kvflow.manager import OffloadManager
 
 

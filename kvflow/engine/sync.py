@@ -10,11 +10,12 @@ from typing import Any
 
 import structlog
 
+from kvflow.commands import JobResult
 from kvflow.config import Config
 from kvflow.engine.api import Executor, StepReport, merge_reports, monotonic_ms
 from kvflow.engine.watch import EngineWatch
 from kvflow.errors import ConfigError, Rejected
-from kvflow.events import JobResult, TransferJob
+from kvflow.jobs import TransferJob
 from kvflow.log import MemoryLog, NullLog, TraceWriter
 from kvflow.manager import Fence, OffloadManager
 

@@ -9,10 +9,6 @@ from typing import Any
 from kvflow.config import Config
 from kvflow.engine.api import Counters, Latencies
 from kvflow.events import (
-    LOAD,
-    REMOTE_LOAD,
-    REMOTE_STORE,
-    STORE,
     TERMINAL_TYPES,
     BlocksEvicted,
     Event,
@@ -25,9 +21,9 @@ from kvflow.events import (
     PinsAcquired,
     Reset,
     StoreRejected,
-    TransferJob,
     event_name,
 )
+from kvflow.jobs import LOAD, REMOTE_LOAD, REMOTE_STORE, STORE, TransferJob
 from kvflow.manager import OffloadManager
 
 

@@ -32,10 +32,11 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
+from kvflow.commands import JobResult
 from kvflow.errors import ConfigError, KvflowError, Rejected, UnknownJob
-from kvflow.events import JobResult, TransferJob
 from kvflow.executors.host_pool import HostPool, PoolSpec
 from kvflow.executors.layout import KVCaches, KVLayout
+from kvflow.jobs import TransferJob
 
 _JOBS = msgspec.msgpack.Decoder(list[TransferJob])
 _ENCODE = msgspec.msgpack.Encoder()

@@ -26,8 +26,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.commands import JobResult
 from kvflow.errors import ConfigError, Rejected, UnknownJob
-from kvflow.events import JobResult, TransferJob
+from kvflow.jobs import TransferJob
 
 
 class VirtualClock:

@@ -34,17 +34,18 @@ from typing import Any
 
 import torch
 
+from kvflow.commands import JobResult
 from kvflow.errors import ConfigError, KvflowError, Rejected, TransferError, UnknownJob, one_line
-from kvflow.events import LOAD, STORE, JobResult, TransferJob
 from kvflow.executors import npu as adapter
+from kvflow.executors import page_kernel
 from kvflow.executors.host_pool import HostPool
 from kvflow.executors.layout import KVCaches, KVLayout
 from kvflow.executors.page_copies import Failures, Finish, PageCopies, ScatterMode
-from kvflow.executors import page_kernel
 from kvflow.executors.page_kernel import DEFAULT_PROGRAMS
 from kvflow.executors.streams import new_stream, record_event, wait_event
 from kvflow.executors.transfer_plan import Plan, overlaps, plan_jobs
 from kvflow.executors.uva import device_alias
+from kvflow.jobs import LOAD, STORE, TransferJob
 
 # tools/bench_transfer.py builds UVA views itself when it switches scatter modes on a live executor
 _device_alias = device_alias

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvflow.errors import one_line
-from kvflow.events import STORE, TransferJob
+from kvflow.jobs import STORE, TransferJob
 
 
 @dataclass

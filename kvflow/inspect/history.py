@@ -10,12 +10,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.commands import COMMAND_TYPES, JobResult
 from kvflow.errors import KvflowError
 from kvflow.events import (
-    COMMAND_TYPES,
     JobCompleted,
     JobFailed,
-    JobResult,
     JobsSubmitted,
     JobTimedOut,
     LateResultIgnored,

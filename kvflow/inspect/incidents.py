@@ -11,19 +11,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.commands import COMMAND_TYPES
 from kvflow.decide import CANCELLED_BY_RESET
-from kvflow.events import (
-    COMMAND_TYPES,
-    FILLING,
-    LOAD,
-    REMOTE_LOAD,
-    BlocksEvicted,
-    FenceLifted,
-    JobFailed,
-    JobTimedOut,
-    LateResultIgnored,
-)
+from kvflow.events import BlocksEvicted, FenceLifted, JobFailed, JobTimedOut, LateResultIgnored
 from kvflow.inspect.walk import JobInfo, _Walk
+from kvflow.jobs import FILLING, LOAD, REMOTE_LOAD
 from kvflow.state import State
 from kvflow.trace.format import Checkpoint
 

@@ -9,29 +9,34 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvflow.events import (
+from kvflow.commands import (
     AcceptHits,
     BlocksComputed,
+    DeviceBlocksEvicting,
+    Evict,
+    FinishRequest,
+    JobResult,
+    Lookup,
+    PlanStep,
+    RemoteFound,
+    ResetAll,
+    Tick,
+    Touch,
+)
+from kvflow.events import (
     BlocksEvicted,
     BlocksTouched,
     ChainExtended,
-    DeviceBlocksEvicting,
-    Evict,
     FenceLifted,
-    FinishRequest,
     JobCompleted,
     JobFailed,
-    JobResult,
     JobsSubmitted,
     JobTimedOut,
     LateResultIgnored,
     LoadQueued,
-    Lookup,
     PinsAcquired,
     PinsReleased,
-    PlanStep,
     RankSucceeded,
-    RemoteFound,
     RemoteIndexed,
     RemoteLoadQueued,
     RemoteStoreQueued,
@@ -40,11 +45,8 @@ from kvflow.events import (
     RequestOpened,
     RequestResumed,
     Reset,
-    ResetAll,
     StoreQueued,
     StoreRejected,
-    Tick,
-    Touch,
     event_name,
 )
 from kvflow.trace.format import Checkpoint

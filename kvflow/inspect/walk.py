@@ -11,26 +11,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.commands import PlanStep, Tick
 from kvflow.errors import IllegalTransition
 from kvflow.events import (
-    LOAD,
-    REMOTE_LOAD,
-    REMOTE_STORE,
-    STORE,
     FenceLifted,
     JobCompleted,
     JobFailed,
     JobsSubmitted,
     JobTimedOut,
     LoadQueued,
-    PlanStep,
     RankSucceeded,
     RemoteLoadQueued,
     RemoteStoreQueued,
     Reset,
     StoreQueued,
-    Tick,
 )
+from kvflow.jobs import LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.state import State, evolve
 from kvflow.trace.reader import TraceReader
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.events import JobResult
+from kvflow.commands import JobResult
 from kvflow.integrations.vllm_sides import (
     ConnectorConfig,
     SchedulerSide,

@@ -22,9 +22,10 @@ from typing import Any
 
 import msgspec
 
+from kvflow.commands import JobResult
 from kvflow.config import Config
 from kvflow.errors import ConfigError
-from kvflow.events import LOAD, STORE, JobResult, TransferJob
+from kvflow.jobs import LOAD, STORE, TransferJob
 from kvflow.kvevents import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
 from kvflow.log import NullLog, TraceWriter
 from kvflow.manager import OffloadManager

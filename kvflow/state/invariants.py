@@ -8,7 +8,7 @@ as exact as a per-item loop) and walks item by item only to name the offenders.
 
 from __future__ import annotations
 
-from kvflow.events import FILLING, REMOTE_STORE
+from kvflow.jobs import FILLING, REMOTE_STORE
 from kvflow.state.model import State
 from kvflow.state.tables import LIVE_JOB_STATES, JobState
 

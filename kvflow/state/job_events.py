@@ -9,11 +9,6 @@ from collections.abc import Callable
 
 from kvflow.errors import IllegalTransition
 from kvflow.events import (
-    FILLING,
-    LOAD,
-    REMOTE_LOAD,
-    REMOTE_STORE,
-    STORE,
     FenceLifted,
     JobCompleted,
     JobFailed,
@@ -27,6 +22,7 @@ from kvflow.events import (
     RemoteStoreQueued,
     StoreQueued,
 )
+from kvflow.jobs import FILLING, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.state import legality as lg
 from kvflow.state.model import Job, State
 from kvflow.state.moves import ensure_request, move, pin, unpin

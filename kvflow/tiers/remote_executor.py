@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.events import REMOTE_LOAD, REMOTE_STORE, JobResult, TransferJob
+from kvflow.commands import JobResult
+from kvflow.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
 from kvflow.tiers.entry import Miss
 
 REMOTE_DIRECTIONS = (REMOTE_STORE, REMOTE_LOAD)

@@ -16,7 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvflow.events import REMOTE_LOAD, REMOTE_STORE, JobResult, TransferJob
+from kvflow.commands import JobResult
+from kvflow.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
 
 
 class SimulatedRemoteStore:

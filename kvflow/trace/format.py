@@ -17,16 +17,8 @@ from typing import Any, Union
 
 import msgspec
 
-from kvflow.events import (
-    COMMAND_TYPES,
-    EVENT_TYPES,
-    Command,
-    Event,
-    JobCompleted,
-    JobFailed,
-    JobTimedOut,
-    Touch,
-)
+from kvflow.commands import COMMAND_TYPES, Command, Touch
+from kvflow.events import EVENT_TYPES, Event, JobCompleted, JobFailed, JobTimedOut
 
 TRACE_FORMAT = "kvflow-trace"
 TRACE_VERSION = 3

@@ -23,8 +23,9 @@ from typing import IO, Any, cast
 import msgspec
 
 from kvflow._version import __version__
+from kvflow.commands import Command
 from kvflow.config import Config
-from kvflow.events import Command, Event
+from kvflow.events import Event
 from kvflow.trace.format import (
     DEFAULT_CHECKPOINT_EVERY,
     TRACE_FORMAT,

@@ -8,13 +8,15 @@ sorted by slot, see ``transfer_plan``):
   consecutive slots straight into the pool's range.
 * **load**: the load stream waits on the compute-done event (F9); per region one copy per run
   into a device staging buffer, then one ``index_copy_`` into the engine's device blocks.
-* Slots that do not form a few runs (``max_runs``) go through ``scatter``: ``"kernel"`` (CUDA
-  with Triton, the default there; ``max_runs`` 1) copies every region's pages in ONE launch
-  straight between the device cache and the pinned pool (``page_kernel``), optionally split
-  into ``load_groups`` launches with one event each so an engine can start a layer once its
-  pages landed; ``"batch"`` (CUDA 12.8+, the default there for pages of 64 KiB and up) hands
-  every page of the batch to the copy engines in one ``cuMemcpyBatchAsync`` call
-  (``batch_copy``); ``"uva"`` (CUDA) lets torch kernels gather/scatter the pinned pool region by
+* Slots that do not form a few runs (``max_runs``) go through ``scatter``: ``"staged"`` (CUDA
+  with Triton, the default there; every batch) moves whole blocks of a page-first pool through
+  device staging rows, one copy-engine transfer per run of slots, while both directions copy,
+  and takes the page kernel when one direction copies alone; ``"kernel"`` (``max_runs`` 0)
+  copies every region's pages in ONE launch straight between the device cache and the pinned
+  pool (``page_kernel``), optionally split into ``load_groups`` launches with one event each
+  so an engine can start a layer once its pages landed; ``"batch"`` (CUDA 12.8+, the default
+  without Triton for pages of 512 KiB and up) hands every page of the batch to the copy
+  engines in one ``cuMemcpyBatchAsync`` call (``batch_copy``); ``"uva"`` (CUDA) lets torch kernels gather/scatter the pinned pool region by
   region through unified addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host
   memory and gathers or scatters on the CPU region by region (stores scatter in the completion
   thread, loads gather in the caller, each region's copy overlapping the next one's gather).
@@ -226,9 +228,8 @@ class PageCopies:
         wanted = self.scatter == "staged" or (self.scatter == "auto" and self.pool.spec.page_first)
         if not wanted:
             return
-        if not (self.pool.spec.page_first and self.pool.pinned and self.traits.has_streams) and (
-            not (self.pool.spec.page_first and self.device.type == "cpu")
-        ):
+        usable = self.device.type == "cpu" or (self.pool.pinned and self.traits.has_streams)
+        if not (self.pool.spec.page_first and usable):
             if self.scatter == "auto":
                 return
             raise ConfigError(
@@ -307,10 +308,9 @@ class PageCopies:
         (UVA): uploading them on the copy engines would queue them behind the loads' transfers
         (one engine per direction moves every host-to-device copy in order), and the store
         would wait for the loads: both directions at once fell to 0.71-0.73 of the link."""
-        host = torch.from_numpy(array)
         if self.device.type != "cuda":
             return self._to_device(array)
-        host = host.pin_memory()
+        host = torch.from_numpy(array).pin_memory()
         keep.append(host)  # until the batch is over: the kernel reads it in place
         return device_alias(host, self.device)
 

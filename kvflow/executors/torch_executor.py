@@ -85,10 +85,11 @@ class TorchExecutor(PageCopies):
     inside the copy path, as a real copy error would. ``max_runs``: above this many runs of
     consecutive slots per batch, use ``scatter`` instead of one copy per run and region (default
     0 for the ``kernel`` scatter: every batch in one launch; 1 for ``batch``; 16 for the others).
-    ``scatter``: ``auto`` (default: ``batch``, one cuMemcpyBatchAsync call on the copy engines,
-    for pages of 64 KiB and up where the driver has it; the Triton page ``kernel`` below; UVA
-    kernels or ``host`` staging otherwise), or one of ``runs``, ``host``, ``uva``, ``kernel``,
-    ``batch``, ``staged``. ``staging_bytes``: the most device staging memory one batch allocates
+    ``scatter``: ``auto`` (default: ``staged`` on CUDA with Triton, over a page-first pool: the
+    page kernel for one direction alone, whole blocks on the copy engines while both copy;
+    without Triton ``batch``, one cuMemcpyBatchAsync call per batch, for pages of 512 KiB and up
+    where the driver has it, UVA kernels otherwise; ``host`` staging on NPU and CPU), or one of
+    ``runs``, ``host``, ``uva``, ``kernel``, ``batch``, ``staged``. ``staging_bytes``: the most device staging memory one batch allocates
     at a time (the ``staged`` path keeps that much per direction, allocated once).
     ``load_groups``: a scattered load is launched in this many groups of consecutive regions
     (e.g. one per layer), each with its own event (``load_events``), so an engine can run layer

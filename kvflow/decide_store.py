@@ -291,6 +291,10 @@ def names_corrupt_blocks(cmd: Any) -> bool:
     return results is not None and any(r.corrupt for r in results)
 
 
+def _names_none(cmd: Any) -> bool:
+    return False
+
+
 def then_evict_bad(
     decider: Callable[[State, Any], Decision], reports_corrupt: bool = True
 ) -> Callable[[State, Any], Decision]:
@@ -300,19 +304,12 @@ def then_evict_bad(
     ``reports_corrupt=False``: the command type never names corrupt blocks (only executor
     outcomes do), so only the remembered ones are looked at."""
 
-    if reports_corrupt:
+    names_bad = names_corrupt_blocks if reports_corrupt else _names_none
 
-        def decide_then_evict(state: State, cmd: Any) -> Decision:
-            if not state.bad and not names_corrupt_blocks(cmd):
-                return decider(state, cmd)
-            return _decide_then_evict(decider, state, cmd)
-
-    else:
-
-        def decide_then_evict(state: State, cmd: Any) -> Decision:
-            if not state.bad:
-                return decider(state, cmd)
-            return _decide_then_evict(decider, state, cmd)
+    def decide_then_evict(state: State, cmd: Any) -> Decision:
+        if not state.bad and not names_bad(cmd):
+            return decider(state, cmd)
+        return _decide_then_evict(decider, state, cmd)
 
     decide_then_evict.__name__ = decider.__name__
     return decide_then_evict

@@ -239,29 +239,21 @@ def evolve(state: State, event: Event, check: bool = True) -> State:
     them); folds and replays of recorded logs always check.
     """
     if event.seq != state.next_seq:
-        raise _gap(state, event)
+        raise IllegalTransition(f"SEQ {state.next_seq}", f"{event_name(event)}#{event.seq}", "events must be gapless")
     _EVOLVERS[type(event)](state, event, check)
     state.next_seq += 1
     return state
-
-
-def _gap(state: State, event: Event) -> IllegalTransition:
-    return IllegalTransition(f"SEQ {state.next_seq}", f"{event_name(event)}#{event.seq}", "events must be gapless")
 
 
 def apply_decision(
     state: State, event: Event, decision: Generator[Event, None, Any], check: bool, applied: Callable[[Event], Any]
 ) -> Any:
     """``evolve`` each event of a decision as it is yielded, from ``event`` (its first), and
-    hand each to ``applied`` once applied; returns the decision's answer. (The live path's
-    loop: ``evolve`` inlined, one Python call per event fewer.)"""
-    evolvers = _EVOLVERS
+    hand each to ``applied`` once applied; returns the decision's answer (the live path's
+    loop)."""
     try:
         while True:
-            if event.seq != state.next_seq:
-                raise _gap(state, event)
-            evolvers[type(event)](state, event, check)
-            state.next_seq += 1
+            evolve(state, event, check)
             applied(event)
             event = decision.send(None)
     except StopIteration as stop:

@@ -501,7 +501,7 @@ def test_kernel_load_of_a_corrupted_slot_fails_its_checksum(kernel_device: str) 
 
 
 def test_auto_picks_the_kernel_for_small_pages_and_the_copy_engines_for_large_ones() -> None:
-    from kvflow.executors.page_copies import BATCH_MIN_PAGE, KERNEL_MAX_PAGE, auto_scatter
+    from kvflow.executors.copy_setup import BATCH_MIN_PAGE, KERNEL_MAX_PAGE, auto_scatter
 
     def pick(page: int, kernel: bool = True, uva: bool = True, batch: bool = False) -> str:
         return auto_scatter(kernel=kernel, uva=uva, batch=batch, page_bytes=page)

@@ -9,7 +9,8 @@ completion threads. The rest is split by job:
   all of its load jobs together, sorted by slot (a job with a bad index fails alone, before
   anything is launched: on CUDA an out-of-range index would kill the context);
 * ``page_copies``: the copy kernels that move one such batch per direction (runs, UVA or host
-  scatter, checksums);
+  scatter, checksums); ``copy_setup`` picks the path and builds its tables, ``staged_copies``
+  holds the staged path;
 * ``streams``: the streams and events the copies are ordered with; ``uva``: device aliases of
   the pinned pool.
 

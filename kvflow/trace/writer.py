@@ -1,9 +1,9 @@
 """Writing a trace as the engine runs (DESIGN §5).
 
 Deterministic: the same run gives the same bytes (no timestamps in the header; events carry only
-injected time). Records (frozen structs) are kept as they are recorded and encoded together at
-the next checkpoint or flush, in one call; each checkpoint records the digest of every byte
-before it (``RecordChain``).
+injected time). Records (frozen structs) are kept as they are recorded and encoded in batches
+(``SEAL_RECORDS``, and at each checkpoint and flush), one call per batch; each checkpoint
+records the digest of every byte before it (``RecordChain``).
 
 What a trace guarantees after a crash (the writer's process killed at any point): everything up
 to its last flush is on disk and reads back, plain or gzip (each flush ends a gzip sync point, so
@@ -32,6 +32,11 @@ from kvflow.trace.format import (
     Header,
     RecordChain,
 )
+
+SEAL_RECORDS = 512
+"""Records are encoded (and fed to the record chain) in batches of about this many: one C call
+for many records, while the records are still in the CPU's caches and before they would live
+long enough to keep Python's garbage collector busy (their tuples are tracked until then)."""
 
 
 class TraceWriter:
@@ -70,6 +75,7 @@ class TraceWriter:
         self._sealed: list[bytes] = []  # fed to the chain, not yet written
         self._sealed_records = 0  # records in ``_sealed`` (checkpoints not counted)
         self._flush_at = self.flush_records if auto_flush else 1 << 62  # pending records that flush
+        self._seal_at = min(SEAL_RECORDS, self._flush_at)  # pending records that are encoded now
         self._last_checkpoint_seq = 0
         self._checkpoint_after = self.checkpoint_every  # the last seq that needs no checkpoint yet
         self.closed = False
@@ -89,8 +95,11 @@ class TraceWriter:
         # (one comparison each when nothing is due: this runs after every command)
         if state.next_seq > self._checkpoint_after:
             self.checkpoint(state)
-        if len(self._pending) >= self._flush_at:
-            self.flush()
+        if len(self._pending) >= self._seal_at:
+            if len(self._pending) >= self._flush_at:
+                self.flush()
+            else:
+                self._seal()
 
     def _seal(self) -> None:
         """Encode the pending records (one C call for all of them) and feed the lines to the
@@ -103,6 +112,7 @@ class TraceWriter:
             self._sealed_records += len(pending)
             if self.auto_flush:
                 self._flush_at = self.flush_records - self._sealed_records
+                self._seal_at = min(SEAL_RECORDS, self._flush_at)
             pending.clear()  # (the same list: record_command and record_events are its methods)
 
     def take_pending(self) -> bytes:
@@ -114,6 +124,7 @@ class TraceWriter:
         self._sealed_records = 0
         if self.auto_flush:
             self._flush_at = self.flush_records
+            self._seal_at = min(SEAL_RECORDS, self._flush_at)
         return blob
 
     def write_bytes(self, blob: bytes) -> None:

@@ -1,9 +1,9 @@
 """Writing a trace as the engine runs (DESIGN §5).
 
 Deterministic: the same run gives the same bytes (no timestamps in the header; events carry only
-injected time). Records (frozen structs) are kept as they are recorded and encoded together at
-the next checkpoint or flush, in one call; each checkpoint records the digest of every byte
-before it (``RecordChain``).
+injected time). Records (frozen structs) are kept as they are recorded and encoded in batches
+(``SEAL_RECORDS``, and at each checkpoint and flush), one call per batch; each checkpoint
+records the digest of every byte before it (``RecordChain``).
 
 What a trace guarantees after a crash (the writer's process killed at any point): everything up
 to its last flush is on disk and reads back, plain or gzip (each flush ends a gzip sync point, so
@@ -23,9 +23,7 @@ from typing import IO, Any, cast
 import msgspec
 
 from kvflow._version import __version__
-from kvflow.commands import Command
 from kvflow.config import Config
-from kvflow.events import Event
 from kvflow.trace.format import (
     DEFAULT_CHECKPOINT_EVERY,
     TRACE_FORMAT,
@@ -34,6 +32,11 @@ from kvflow.trace.format import (
     Header,
     RecordChain,
 )
+
+SEAL_RECORDS = 512
+"""Records are encoded (and fed to the record chain) in batches of about this many: one C call
+for many records, while the records are still in the CPU's caches and before they would live
+long enough to keep Python's garbage collector busy (their tuples are tracked until then)."""
 
 
 class TraceWriter:
@@ -63,10 +66,18 @@ class TraceWriter:
             raw = open(self.path, "wb")
         self._file = raw
         self._pending: list[Any] = []  # records not yet encoded (they are frozen structs)
-        self._unwritten = 0  # records encoded and not yet handed to the file
+        # The manager calls the two record methods once per command: they are the pending
+        # list's own C methods, so recording runs no Python code. What after_command needs to
+        # know follows from the list's length and the state's seq (events are numbered without
+        # gaps from the first, so the events since a checkpoint are the seqs after it).
+        self.record_command = self._pending.append
+        self.record_events = self._pending.extend
         self._sealed: list[bytes] = []  # fed to the chain, not yet written
-        self._since_checkpoint = 0
+        self._sealed_records = 0  # records in ``_sealed`` (checkpoints not counted)
+        self._flush_at = self.flush_records if auto_flush else 1 << 62  # pending records that flush
+        self._seal_at = min(SEAL_RECORDS, self._flush_at)  # pending records that are encoded now
         self._last_checkpoint_seq = 0
+        self._checkpoint_after = self.checkpoint_every  # the last seq that needs no checkpoint yet
         self.closed = False
         header = Header(
             format=TRACE_FORMAT,
@@ -80,29 +91,29 @@ class TraceWriter:
         self._file.write(first)
         self._file.flush()  # on disk at once: a writer killed before its first flush leaves a readable trace
 
-    def record_command(self, command: Command) -> None:
-        self._pending.append(command)
-        self._unwritten += 1
-
-    def record_events(self, events: list[Event]) -> None:
-        self._pending.extend(events)
-        self._unwritten += len(events)
-        self._since_checkpoint += len(events)
-
     def after_command(self, state: Any) -> None:
-        if self._since_checkpoint >= self.checkpoint_every:
+        # (one comparison each when nothing is due: this runs after every command)
+        if state.next_seq > self._checkpoint_after:
             self.checkpoint(state)
-        if self.auto_flush and self._unwritten >= self.flush_records:
-            self.flush()
+        if len(self._pending) >= self._seal_at:
+            if len(self._pending) >= self._flush_at:
+                self.flush()
+            else:
+                self._seal()
 
     def _seal(self) -> None:
         """Encode the pending records (one C call for all of them) and feed the lines to the
         record chain."""
-        if self._pending:
-            blob = self._encode_lines(self._pending)
+        pending = self._pending
+        if pending:
+            blob = self._encode_lines(pending)
             self._chain.update(blob)
             self._sealed.append(blob)
-            self._pending.clear()
+            self._sealed_records += len(pending)
+            if self.auto_flush:
+                self._flush_at = self.flush_records - self._sealed_records
+                self._seal_at = min(SEAL_RECORDS, self._flush_at)
+            pending.clear()  # (the same list: record_command and record_events are its methods)
 
     def take_pending(self) -> bytes:
         """Detach the encoded lines not yet written (the async engine writes them from a
@@ -110,7 +121,10 @@ class TraceWriter:
         self._seal()
         blob = b"".join(self._sealed)
         self._sealed.clear()
-        self._unwritten = 0
+        self._sealed_records = 0
+        if self.auto_flush:
+            self._flush_at = self.flush_records
+            self._seal_at = min(SEAL_RECORDS, self._flush_at)
         return blob
 
     def write_bytes(self, blob: bytes) -> None:
@@ -127,8 +141,8 @@ class TraceWriter:
         ) + b"\n"
         self._chain.update(line)
         self._sealed.append(line)
-        self._since_checkpoint = 0
         self._last_checkpoint_seq = state.last_seq
+        self._checkpoint_after = state.last_seq + self.checkpoint_every
 
     def flush(self) -> None:
         """Hand every recorded line to the operating system (a crash of this process loses

@@ -112,8 +112,10 @@ class OffloadManager:
                     self._log.record_events(events)
                 dispatch = self._dispatch
                 for applied in events:
-                    for callback in dispatch[type(applied)]:
-                        callback(applied)
+                    callbacks = dispatch[type(applied)]
+                    if callbacks:  # (most events have none: no loop set up for them)
+                        for callback in callbacks:
+                            callback(applied)
             if recording:
                 self._log.after_command(state)
             return answer, events

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import operator
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from typing import Any
 from kvflow.commands import JobResult
 from kvflow.errors import ConfigError, Rejected, UnknownJob
 from kvflow.jobs import TransferJob
+
+_job_id = operator.attrgetter("job_id")
 
 
 class VirtualClock:
@@ -177,7 +180,7 @@ class SimulatedExecutor:
         across directions, not within one)."""
         now = self.clock.now_ms
         known = self._known
-        ids = [job.job_id for job in jobs]
+        ids = list(map(_job_id, jobs))
         if len(set(ids)) != len(ids) or not known.isdisjoint(ids):
             # refuse the whole call: nothing launched, no fault drawn (F5)
             repeated = [j for j in ids if j in known] or [j for j in ids if ids.count(j) > 1]

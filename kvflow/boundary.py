@@ -60,8 +60,11 @@ def device_blocks(values: Sequence[int]) -> tuple[int, ...]:
     """Device block ids: integers below 2**64 (negative ids are refused by the decisions,
     which also check them against the blocks live jobs hold)."""
     out = ints(values, "device blocks")
-    if out and max(out) >= ID_LIMIT:
-        raise Rejected(f"device block {max(out)} does not fit in 64 bits")
+    try:
+        _encode_ints(out)  # (every one in [-2**63, 2**64): below ID_LIMIT; cheaper than max())
+    except OverflowError:
+        if max(out) >= ID_LIMIT:  # (else one below -2**63: the decisions refuse negative ids)
+            raise Rejected(f"device block {max(out)} does not fit in 64 bits") from None
     return out
 
 

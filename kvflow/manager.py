@@ -84,9 +84,9 @@ class OffloadManager:
         """Decide and apply one command; returns (answer, events appended). Refused, changing
         nothing, after ``close()`` (``EngineClosed``) or while another call is being decided
         (``ConcurrentCall``: kvflow is called from one thread)."""
-        if self.closed:
-            raise EngineClosed(f"{type(command).__name__}: the engine is closed")
         if not self._deciding.acquire(False):  # (positional: half the cost of blocking=False)
+            if self.closed:  # (close() keeps the lock: a closed manager is found here)
+                raise EngineClosed(f"{type(command).__name__}: the engine is closed")
             raise ConcurrentCall(
                 f"{type(command).__name__} while another call is being decided: call kvflow from one thread"
             )
@@ -112,8 +112,10 @@ class OffloadManager:
                     self._log.record_events(events)
                 dispatch = self._dispatch
                 for applied in events:
-                    for callback in dispatch[type(applied)]:
-                        callback(applied)
+                    callbacks = dispatch[type(applied)]
+                    if callbacks:  # (most events have none: no loop set up for them)
+                        for callback in callbacks:
+                            callback(applied)
             if recording:
                 self._log.after_command(state)
             return answer, events
@@ -223,11 +225,20 @@ class OffloadManager:
 
         With nothing queued there is nothing to decide, and no command is recorded (an
         engine calls this every step)."""
+        return self.advance(now_ms, tick=False)[1]
+
+    def advance(self, now_ms: float, *, tick: bool = True, plan: bool = True) -> tuple[int, list[TransferJob]]:
+        """One engine step's decisions at ``now_ms``: ``tick`` (the timeouts, how many), then
+        ``plan_step`` (the jobs to hand over), with one check of ``now_ms``."""
         now_ms = bd.time_ms(now_ms, "now_ms")
-        if not self.state.queued:
-            return []
-        answer, _ = self.handle(PlanStep(now_ms=now_ms))
-        return answer  # type: ignore[no-any-return]
+        timed_out = 0
+        if tick and now_ms >= self._no_deadline_before_ms:  # (before: no job can be due)
+            if expired_jobs(self.state, now_ms):
+                timed_out = int(self.handle(Tick(now_ms=now_ms))[0])
+            self._no_deadline_before_ms = self._earliest_deadline()
+        if plan and self.state.queued:  # (nothing queued: nothing to decide, nothing recorded)
+            return timed_out, self.handle(PlanStep(now_ms=now_ms))[0]
+        return timed_out, []
 
     def job_result(
         self, job_id: int, rank: int = 0, ok: bool = True, error: str | None = None, corrupt: Sequence[int] = ()
@@ -248,15 +259,7 @@ class OffloadManager:
 
         When no job is due there is nothing to decide, and no command is recorded (an
         engine calls this every step)."""
-        now_ms = bd.time_ms(now_ms, "now_ms")
-        if now_ms < self._no_deadline_before_ms:
-            return 0
-        if not expired_jobs(self.state, now_ms):
-            self._no_deadline_before_ms = self._earliest_deadline()
-            return 0
-        answer, _ = self.handle(Tick(now_ms=now_ms))
-        self._no_deadline_before_ms = self._earliest_deadline()
-        return int(answer)
+        return self.advance(now_ms, plan=False)[0]
 
     def next_deadline_ms(self) -> float | None:
         """The earliest deadline of an in-flight job (when the next timeout can come)."""
@@ -322,9 +325,10 @@ class OffloadManager:
         Idempotent."""
         if self.closed:
             return
-        with self._deciding:  # (waits for a call in progress)
-            self.closed = True
-            self.log.close(self.state)
+        # waits for a call in progress, and is kept: every later call is refused (handle)
+        self._deciding.acquire()
+        self.closed = True
+        self.log.close(self.state)
 
     # -- views ---------------------------------------------------------------------------
 

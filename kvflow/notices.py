@@ -78,29 +78,31 @@ class Notices(msgspec.Struct):
 
     def observe(self, event: Event) -> None:
         kind = type(event)
-        if kind is JobCompleted or kind is JobFailed or kind is JobTimedOut:
-            fenced = kind is not JobCompleted and event.fenced  # type: ignore[union-attr]
+        if kind is JobCompleted:  # (the common notice, first)
+            self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
+            if event.abandoned:  # type: ignore[union-attr]
+                return  # a reset already told the engine; only the holds end now
+            if event.direction == LOAD:  # type: ignore[union-attr]
+                if event.request_id is not None:  # type: ignore[union-attr]
+                    self.loads_finished.append((event.request_id, event.job_id))  # type: ignore[union-attr]
+            elif event.direction == STORE:  # type: ignore[union-attr]
+                self.stores_finished.append(event.job_id)  # type: ignore[union-attr]
+        elif kind is JobFailed or kind is JobTimedOut:
+            fenced = event.fenced  # type: ignore[union-attr]
             if not fenced:  # (a fenced job's device blocks come back at its FenceLifted)
                 self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
             if event.abandoned:  # type: ignore[union-attr]
                 return  # a reset already told the engine; only the holds end now
-            error = None
             if kind is JobFailed:
                 error = event.error  # type: ignore[union-attr]
-            elif kind is JobTimedOut:
+            else:
                 error = f"timed out at {event.now_ms} ms (deadline {event.deadline_ms} ms)"  # type: ignore[union-attr]
             if event.direction == LOAD and event.request_id is not None:  # type: ignore[union-attr]
-                if error is None:
-                    self.loads_finished.append((event.request_id, event.job_id))  # type: ignore[union-attr]
-                else:
-                    self.loads_failed.append(
-                        LoadFailure(event.request_id, event.job_id, event.device_blocks, error, fenced)  # type: ignore[union-attr,arg-type]
-                    )
+                self.loads_failed.append(
+                    LoadFailure(event.request_id, event.job_id, event.device_blocks, error, fenced)  # type: ignore[union-attr,arg-type]
+                )
             elif event.direction == STORE:  # type: ignore[union-attr]
-                if error is None:
-                    self.stores_finished.append(event.job_id)  # type: ignore[union-attr]
-                else:
-                    self.stores_failed.append((event.job_id, error))  # type: ignore[union-attr]
+                self.stores_failed.append((event.job_id, error))  # type: ignore[union-attr]
         elif kind is FenceLifted:
             self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
         elif kind is StoreRejected:

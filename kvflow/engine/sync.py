@@ -203,13 +203,14 @@ class SyncEngine:
         now = self.clock()
         if results is None:
             results = self._poll()
-        self.apply_results(results)
+        if results:
+            self.apply_results(results)
+        manager = self.manager
         if self._remote and hasattr(self.executor, "take_found"):
             found = self.executor.take_found()
             if found:
-                self.manager.remote_found(found)
-        timed_out = self.manager.tick(now)
-        jobs = self.manager.plan_step(now)
+                manager.remote_found(found)
+        timed_out, jobs = manager.advance(now)
         if jobs:
             self._submit(jobs, compute_done, now)
         watch = self.watch
@@ -217,9 +218,9 @@ class SyncEngine:
             watch.watch_fences(now)
         if watch.pinned_since:
             watch.watch_pins(now)
-        if not self.manager.has_notices():
+        if not manager.has_notices():
             return StepReport(now_ms=now, submitted=jobs, timed_out=timed_out)
-        notices = self.manager.take_notices()
+        notices = manager.take_notices()
         return StepReport(
             now_ms=now,
             submitted=jobs,

@@ -118,7 +118,8 @@ class EngineWatch:
     def _subscribe(self) -> None:
         on = self.manager.subscribe
         on(self._on_submitted, (JobsSubmitted,))
-        on(self._on_terminal, TERMINAL_TYPES)
+        on(self._on_completed, (JobCompleted,))  # (apart: the common end, kept short)
+        on(self._on_ended, tuple(t for t in TERMINAL_TYPES if t is not JobCompleted))
         on(self._on_evicted, (BlocksEvicted,))
         on(self._on_rejected, (StoreRejected,))
         on(self._on_late, (LateResultIgnored,))
@@ -151,49 +152,60 @@ class EngineWatch:
             self.counters.fences_lifted += 1
             self._overdue.discard(job_id)
 
-    def _on_terminal(self, event: JobCompleted | JobFailed | JobTimedOut) -> None:
+    def _on_completed(self, event: JobCompleted) -> None:
         started = self._submitted_at.pop(event.job_id, None)
-        fenced = type(event) is not JobCompleted and event.fenced  # type: ignore[union-attr]
-        if fenced:
+        if event.abandoned:
+            self._unfence(event.job_id)  # every rank of the abandoned job reported
+            return  # a reset already told the engine; only the holds end now
+        c = self.counters
+        c.jobs_completed += 1
+        n = len(event.hashes)
+        direction = event.direction
+        if direction == STORE:
+            c.blocks_stored += n
+            c.bytes_stored += n * self.bytes_per_block
+        elif direction == LOAD:
+            c.blocks_loaded += n
+            c.bytes_loaded += n * self.bytes_per_block
+            c.hit_tokens += n * self.config.block_tokens  # only loads that landed
+        elif direction == REMOTE_STORE:
+            c.remote_blocks_stored += n
+            c.remote_bytes_stored += n * self.bytes_per_block
+        else:
+            c.remote_blocks_loaded += n
+            c.remote_bytes_loaded += n * self.bytes_per_block
+        if started is not None:
+            self._latency(direction, started)
+
+    def _on_ended(self, event: JobFailed | JobTimedOut) -> None:
+        """A job failed or timed out."""
+        started = self._submitted_at.pop(event.job_id, None)
+        if event.fenced:
             self._fence(event.job_id)
         elif event.abandoned:
             self._unfence(event.job_id)  # every rank of the abandoned job reported
         if event.abandoned:
             return  # a reset already told the engine; only the holds end now
         c = self.counters
-        n = len(event.hashes)
-        kind = type(event)
-        if kind is JobCompleted:
-            c.jobs_completed += 1
-            if event.direction == STORE:
-                c.blocks_stored += n
-                c.bytes_stored += n * self.bytes_per_block
-            elif event.direction == REMOTE_STORE:
-                c.remote_blocks_stored += n
-                c.remote_bytes_stored += n * self.bytes_per_block
-            elif event.direction == REMOTE_LOAD:
-                c.remote_blocks_loaded += n
-                c.remote_bytes_loaded += n * self.bytes_per_block
-            else:
-                c.blocks_loaded += n
-                c.bytes_loaded += n * self.bytes_per_block
-                c.hit_tokens += n * self.config.block_tokens  # only loads that landed
+        if type(event) is JobFailed:
+            c.jobs_failed += 1
         else:
-            if kind is JobFailed:
-                c.jobs_failed += 1
-            else:
-                c.jobs_timed_out += 1
-            if self.debug:
-                self.log.warning(
-                    f"kvflow.{event_name(event)}",
-                    job=event.job_id,
-                    request=event.request_id,
-                    direction=event.direction,
-                    blocks=n,
-                    error=getattr(event, "error", "deadline passed"),
-                )
-        if started is not None and event.direction in (STORE, LOAD):  # (device copies only)
-            self.latencies.add(event.direction, self.clock() - started)
+            c.jobs_timed_out += 1
+        if self.debug:
+            self.log.warning(
+                f"kvflow.{event_name(event)}",
+                job=event.job_id,
+                request=event.request_id,
+                direction=event.direction,
+                blocks=len(event.hashes),
+                error=getattr(event, "error", "deadline passed"),
+            )
+        if started is not None:
+            self._latency(event.direction, started)
+
+    def _latency(self, direction: str, started: float) -> None:
+        if direction == STORE or direction == LOAD:  # (device copies only)
+            self.latencies.add(direction, self.clock() - started)
 
     def _on_evicted(self, event: BlocksEvicted) -> None:
         self.counters.blocks_evicted += len(event.hashes)

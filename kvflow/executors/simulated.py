@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import operator
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from typing import Any
 from kvflow.commands import JobResult
 from kvflow.errors import ConfigError, Rejected, UnknownJob
 from kvflow.jobs import TransferJob
+
+_job_id = operator.attrgetter("job_id")
 
 
 class VirtualClock:
@@ -86,7 +89,15 @@ class _IdSet:
         i = bisect.bisect_right(self._starts, job_id) - 1
         return i >= 0 and job_id <= self._ends[i]
 
-    def isdisjoint(self, ids: Iterable[int]) -> bool:
+    def isdisjoint(self, ids: Sequence[int]) -> bool:
+        ends = self._ends
+        if not ends or not ids:
+            return True
+        try:
+            if min(ids) > ends[-1]:  # the common case: ids newer than any submitted
+                return True
+        except TypeError:
+            pass  # (not all comparable: asked one by one)
         return not any(j in self for j in ids)
 
     def add(self, job_id: int) -> None:
@@ -109,16 +120,6 @@ class _IdSet:
 
     def ranges(self) -> int:
         return len(self._starts)
-
-
-@dataclass
-class _Pending:
-    job: TransferJob
-    ordinal: int
-    submitted_ms: float
-    done_ms: float
-    fails: bool
-    error: str = ""
 
 
 @dataclass
@@ -170,7 +171,7 @@ class SimulatedExecutor:
         self._ordinal = 0
         self._stream_free_ms = {"store": 0.0, "load": 0.0}
         self._heap: list[tuple[float, int, int]] = []  # (done_ms, ordinal, job_id)
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, tuple[float, bool]] = {}  # job -> (done_ms, fails)
         self._known = _IdSet()  # every id ever submitted (F5), in bounded memory
         self._ready: list[JobResult] = []
 
@@ -178,34 +179,39 @@ class SimulatedExecutor:
         """Queue jobs; each starts when its direction's stream is free (copies overlap
         across directions, not within one)."""
         now = self.clock.now_ms
-        ids = [job.job_id for job in jobs]
-        if len(set(ids)) != len(ids) or not self._known.isdisjoint(ids):
+        known = self._known
+        ids = list(map(_job_id, jobs))
+        if len(set(ids)) != len(ids) or not known.isdisjoint(ids):
             # refuse the whole call: nothing launched, no fault drawn (F5)
-            repeated = [j for j in ids if j in self._known] or [j for j in ids if ids.count(j) > 1]
+            repeated = [j for j in ids if j in known] or [j for j in ids if ids.count(j) > 1]
             raise Rejected(f"job {repeated[0]} submitted twice (F5)")
+        stats, stream_free, model = self.stats, self._stream_free_ms, self.model
+        # (sets are empty but in fault tests: their lookups are skipped then)
+        picked = bool(self.fail_jobs or self.hang_jobs or self.slow_jobs)
         for job in jobs:
-            self._known.add(job.job_id)
-            self._ordinal += 1
-            fails = self._ordinal in self.fail_jobs
+            job_id, direction, blocks = job.job_id, job.direction, len(job.device_blocks)
+            known.add(job_id)
+            self._ordinal = ordinal = self._ordinal + 1
+            fails = picked and ordinal in self.fail_jobs
             if self.fault_rate > 0.0:
                 fails = (self.rng.random() < self.fault_rate) or fails
-            start = max(now, self._stream_free_ms[job.direction])
-            duration = self.model.duration_ms(len(job.device_blocks))
-            done = start + duration
-            if self._ordinal in self.slow_jobs:
+            free = stream_free[direction]
+            duration = model.duration_ms(blocks)
+            done = (now if now >= free else free) + duration  # (max(now, free), inlined)
+            if picked and ordinal in self.slow_jobs:
                 done += self.slow_by_ms  # (it holds its stream that long too)
-            self._stream_free_ms[job.direction] = done
-            self.stats.jobs += 1
-            self.stats.blocks += len(job.device_blocks)
-            self.stats.bytes += len(job.device_blocks) * self.model.bytes_per_block
-            self.stats.busy_ms[job.direction] += duration
-            if self._ordinal in self.hang_jobs:
-                self.stats.hung += 1
+            stream_free[direction] = done
+            stats.jobs += 1
+            stats.blocks += blocks
+            stats.bytes += blocks * model.bytes_per_block
+            stats.busy_ms[direction] += duration
+            if picked and ordinal in self.hang_jobs:
+                stats.hung += 1
                 continue  # never completes: the engine's deadline must catch it
             if fails:
-                self.stats.faults_injected += 1
-            self._pending[job.job_id] = _Pending(job, self._ordinal, now, done, fails)
-            heapq.heappush(self._heap, (done, self._ordinal, job.job_id))
+                stats.faults_injected += 1
+            self._pending[job_id] = (done, fails)
+            heapq.heappush(self._heap, (done, ordinal, job_id))
 
     def next_completion_ms(self) -> float | None:
         """Virtual time of the next result, or None when nothing will complete."""
@@ -213,20 +219,28 @@ class SimulatedExecutor:
 
     def poll(self) -> list[JobResult]:
         """Results whose completion time has come, in completion order (all ranks)."""
-        now = self.clock.now_ms
-        out, self._ready = self._ready, []
         heap = self._heap
+        if self._ready:
+            out, self._ready = self._ready, []
+        elif heap and heap[0][0] <= self.clock.now_ms:
+            out = []
+        else:
+            return []  # (nothing due: the common poll)
+        now = self.clock.now_ms
+        pending = self._pending
         while heap and heap[0][0] <= now:
-            _, _, job_id = heapq.heappop(heap)
-            pending = self._pending.pop(job_id)
-            out.extend(self._results(pending))
+            job_id = heapq.heappop(heap)[2]
+            fails = pending.pop(job_id)[1]
+            if fails or self.world_size != 1:
+                out.extend(self._results(job_id, fails))
+            else:
+                out.append(JobResult(job_id=job_id))  # (one rank, a success)
         return out
 
-    def _results(self, pending: _Pending) -> list[JobResult]:
-        job_id = pending.job.job_id
+    def _results(self, job_id: int, fails: bool) -> list[JobResult]:
         results = []
         for rank in range(self.world_size):
-            if pending.fails and rank == self.fail_rank:
+            if fails and rank == self.fail_rank:
                 results.append(JobResult(job_id=job_id, rank=rank, ok=False, error=self.error_text))
             else:
                 results.append(JobResult(job_id=job_id, rank=rank, ok=True))
@@ -240,7 +254,7 @@ class SimulatedExecutor:
         pending = self._pending.get(job_id)
         if pending is None:
             return []
-        self.clock.advance_to(pending.done_ms)
+        self.clock.advance_to(pending[0])
         due = self.poll()
         mine = [r for r in due if r.job_id == job_id]
         self._ready = [r for r in due if r.job_id != job_id]  # kept for the next poll()

@@ -28,7 +28,8 @@ fuzz = _load_fuzz()
 
 
 def test_a_few_hundred_seeded_inputs_give_no_traceback_and_no_hang() -> None:
-    started = time.perf_counter()
+    # (a hang is each input's own timeout; no wall-time bound on the whole run: a slower CI
+    # machine must not fail a test that checks behaviour)
     summary = fuzz.fuzz(400, seed=20261123, jobs=2, timeout=10.0)
     out = io.StringIO()
     fuzz.report(summary, out)
@@ -39,7 +40,6 @@ def test_a_few_hundred_seeded_inputs_give_no_traceback_and_no_hang() -> None:
     # the inputs reach every outcome: read fine, diverge, refused with one line
     total = sum((c for c in summary.runs.values()), start=fuzz.Counter())
     assert total["exit 0"] > 100 and total["exit 1"] > 20 and total["exit 2"] > 100, total
-    assert time.perf_counter() - started < 60
 
 
 def test_inputs_are_deterministic() -> None:

@@ -41,6 +41,11 @@ def _fenced_slot_owners(state: State) -> list[int]:
     ]
 
 
+# what blocks eviction when no entry is pinned: ``callable`` is False for every int hash, and
+# answers without hashing it (an empty dict's ``__contains__`` hashes every key it is asked)
+_NONE_BLOCKED: Callable[[int], bool] = callable
+
+
 def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> list[int]:
     """As many victims as the policy can give, up to ``wanted``, in eviction order, never a
     pinned block nor one of ``protected`` (F16: a store's own chain)."""
@@ -48,18 +53,20 @@ def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> 
         return []
     pin_count, slot_of = state.pin_count, state.slot_of
     if slot_of.keys().isdisjoint(protected) and not state.quarantine:
-        blocked: Any = pin_count  # the policy orders exactly the RESIDENT entries
+        # the policy orders exactly the RESIDENT entries: only pins block them
+        is_blocked = pin_count.__contains__ if pin_count else _NONE_BLOCKED
     else:
         blocked = set(pin_count)
         blocked.update(protected)
         blocked.update(_fenced_slot_owners(state))
-    victims = state.policy.victims(wanted, blocked.__contains__)
+        is_blocked = blocked.__contains__
+    victims = state.policy.victims(wanted, is_blocked)
     if victims is not None:
         return victims
-    evictable = sum(1 for h in state.policy.resident() if h not in blocked)
+    evictable = sum(1 for h in state.policy.resident() if not is_blocked(h))
     if evictable <= 0:
         return []
-    return state.policy.victims(evictable, blocked.__contains__) or []
+    return state.policy.victims(evictable, is_blocked) or []
 
 
 def extend_chain(state: State, request_id: str, req: Request | None, hashes: Sequence[int]) -> ChainExtended | None:
@@ -224,11 +231,12 @@ def decide_evict(state: State, cmd: Evict) -> Decision:
         raise Rejected(f"evict: num_blocks must be >= 0, got {cmd.num_blocks!r}")
     if cmd.num_blocks == 0:
         return 0
-    blocked: Any = state.pin_count
+    is_blocked = state.pin_count.__contains__ if state.pin_count else _NONE_BLOCKED
     if state.quarantine:  # (an entry whose slot stays fenced would free nothing)
         blocked = set(state.pin_count)
         blocked.update(_fenced_slot_owners(state))
-    victims = state.policy.victims(cmd.num_blocks, blocked.__contains__)
+        is_blocked = blocked.__contains__
+    victims = state.policy.victims(cmd.num_blocks, is_blocked)
     if victims is None:
         raise Rejected(f"evict: fewer than {cmd.num_blocks} unpinned resident blocks (all-or-nothing)")
     yield BlocksEvicted(
@@ -291,10 +299,6 @@ def names_corrupt_blocks(cmd: Any) -> bool:
     return results is not None and any(r.corrupt for r in results)
 
 
-def _names_none(cmd: Any) -> bool:
-    return False
-
-
 def then_evict_bad(
     decider: Callable[[State, Any], Decision], reports_corrupt: bool = True
 ) -> Callable[[State, Any], Decision]:
@@ -304,12 +308,19 @@ def then_evict_bad(
     ``reports_corrupt=False``: the command type never names corrupt blocks (only executor
     outcomes do), so only the remembered ones are looked at."""
 
-    names_bad = names_corrupt_blocks if reports_corrupt else _names_none
+    if reports_corrupt:
 
-    def decide_then_evict(state: State, cmd: Any) -> Decision:
-        if not state.bad and not names_bad(cmd):
-            return decider(state, cmd)
-        return _decide_then_evict(decider, state, cmd)
+        def decide_then_evict(state: State, cmd: Any) -> Decision:
+            if not state.bad and not names_corrupt_blocks(cmd):
+                return decider(state, cmd)
+            return _decide_then_evict(decider, state, cmd)
+
+    else:
+
+        def decide_then_evict(state: State, cmd: Any) -> Decision:
+            if not state.bad:
+                return decider(state, cmd)
+            return _decide_then_evict(decider, state, cmd)
 
     decide_then_evict.__name__ = decider.__name__
     return decide_then_evict

@@ -109,9 +109,12 @@ def _fence_lifted(state: State, job: Job, reason: str) -> FenceLifted:
     )
 
 
-def _apply_result(state: State, cmd: JobResult) -> Decision:
-    """The events of one checked result: the job's end, a rank's success, or a late result
-    (which, for a fenced job, says that rank's copy is over: the last one lifts the fence)."""
+def _apply_result(state: State, cmd: JobResult, check: bool = False) -> Decision:
+    """The events of one result: the job's end, a rank's success, or a late result (which,
+    for a fenced job, says that rank's copy is over: the last one lifts the fence). ``check``:
+    the result is checked first (before any event); else the caller checked it."""
+    if check:
+        _check_result(state, cmd)
     job = state.jobs.get(cmd.job_id)
     bit = 1 << cmd.rank
     every_rank = (1 << state.config.world_size) - 1
@@ -153,17 +156,22 @@ def _apply_result(state: State, cmd: JobResult) -> Decision:
 
 
 def decide_job_result(state: State, cmd: JobResult) -> Decision:
-    _check_result(state, cmd)
-    yield from _apply_result(state, cmd)
-    return None
+    return _apply_result(state, cmd, check=True)
 
 
 def decide_job_results(state: State, cmd: JobResults) -> Decision:
     """Many executor outcomes at once (one command per engine step instead of one per job).
-    All are checked before anything is applied, so a bad one refuses the whole batch."""
-    for r in cmd.results:
+    All are checked before anything is applied, so a bad one refuses the whole batch. (One
+    result, the usual step's, is its own decision: no generator around it.)"""
+    if len(cmd.results) == 1:
+        return _apply_result(state, cmd.results[0], check=True)
+    return _apply_results(state, cmd.results)
+
+
+def _apply_results(state: State, results: tuple[JobResult, ...]) -> Decision:
+    for r in results:
         _check_result(state, r)
-    for r in cmd.results:
+    for r in results:
         yield from _apply_result(state, r)
     return None
 

@@ -190,21 +190,27 @@ def _decide_store(
 
 
 def decide_blocks_computed(state: State, cmd: BlocksComputed) -> Decision:
+    # (returns the store's own generator: no generator around it on the hot path)
     if state.config.store_mode != "eager":
-        # lazy: nothing is stored now, but the request is known (and back, if preempted) (F18)
-        req = state.requests.get(cmd.request_id) if cmd.request_id is not None else None
-        check_not_finished(req, cmd.request_id, "blocks_computed: request")  # type: ignore[arg-type]
-        check_device_blocks(state, cmd.device_blocks, dict(zip(cmd.device_blocks, cmd.block_hashes)))
-        if cmd.request_id is not None and state.config.enabled:
-            if req is not None and req.finished:
-                yield RequestResumed(seq=state.next_seq, request_id=cmd.request_id)
-            extension = extend_chain(state, cmd.request_id, req, cmd.block_hashes)
-            if extension is not None:
-                yield extension
-            elif req is None:
-                yield RequestOpened(seq=state.next_seq, request_id=cmd.request_id)
-        return None
-    return (yield from _decide_store(state, cmd.request_id, cmd.block_hashes, cmd.device_blocks))
+        return _computed_lazy(state, cmd)
+    return _decide_store(state, cmd.request_id, cmd.block_hashes, cmd.device_blocks)
+
+
+def _computed_lazy(state: State, cmd: BlocksComputed) -> Decision:
+    """Lazy mode: nothing is stored now, but the request is known (and back, if preempted)
+    (F18)."""
+    req = state.requests.get(cmd.request_id) if cmd.request_id is not None else None
+    check_not_finished(req, cmd.request_id, "blocks_computed: request")  # type: ignore[arg-type]
+    check_device_blocks(state, cmd.device_blocks, dict(zip(cmd.device_blocks, cmd.block_hashes)))
+    if cmd.request_id is not None and state.config.enabled:
+        if req is not None and req.finished:
+            yield RequestResumed(seq=state.next_seq, request_id=cmd.request_id)
+        extension = extend_chain(state, cmd.request_id, req, cmd.block_hashes)
+        if extension is not None:
+            yield extension
+        elif req is None:
+            yield RequestOpened(seq=state.next_seq, request_id=cmd.request_id)
+    return None
 
 
 def decide_device_evicting(state: State, cmd: DeviceBlocksEvicting) -> Decision:

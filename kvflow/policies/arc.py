@@ -205,28 +205,44 @@ class ARCPolicy:
                 _drop_oldest(b1, excess - from_b2)
             return
         p = self._p
+        # the four lengths, kept in locals as the loop changes them (a len() call per bound
+        # and hash cost more than the dict operations themselves)
+        n1, n2, g1, g2 = len(t1), len(t2), len(b1), len(b2)
         try:
             for h in hashes:
                 # Ghosts are never resident, so a ghost hit needs no residency check.
                 if h in b1:
                     # Step computed with the hit still counted in B1, as in the paper.
-                    p = min(capacity, p + max(1, len(b2) // len(b1)))
+                    p = min(capacity, p + max(1, g2 // g1))
                     del b1[h]
+                    g1 -= 1
                     t2[h] = None
+                    n2 += 1
                 elif h in b2:
-                    p = max(0, p - max(1, len(b1) // len(b2)))
+                    p = max(0, p - max(1, g1 // g2))
                     del b2[h]
+                    g2 -= 1
                     t2[h] = None
-                elif h in t1 or h in t2:
+                    n2 += 1
+                elif h in t2:
                     raise ValueError(f"block hash {h} is already resident in the arc policy")
                 else:
-                    t1[h] = None
+                    t1[h] = None  # (a hash already in T1 keeps its place: T1 does not grow)
+                    if len(t1) == n1:
+                        raise ValueError(f"block hash {h} is already resident in the arc policy")
+                    n1 += 1
                     # L1 and L1 + L2 grew by one and the bounds held before, so at most one
                     # ghost of each kind has to go (_trim_ghosts, unrolled).
-                    if b1 and len(t1) + len(b1) > capacity:
-                        b1.popitem(last=False)
-                    if (b1 or b2) and len(t1) + len(t2) + len(b1) + len(b2) > 2 * capacity:
-                        (b2 or b1).popitem(last=False)
+                    if g1 and n1 + g1 > capacity:
+                        b1.popitem(False)
+                        g1 -= 1
+                    if (g1 or g2) and n1 + n2 + g1 + g2 > 2 * capacity:
+                        if g2:
+                            b2.popitem(False)
+                            g2 -= 1
+                        else:
+                            b1.popitem(False)
+                            g1 -= 1
         finally:
             self._p = p
 

@@ -46,20 +46,24 @@ def _fenced_slot_owners(state: State) -> list[int]:
 _NONE_BLOCKED: Callable[[int], bool] = callable
 
 
+def _eviction_blocker(state: State, protected: Sequence[int] = ()) -> Callable[[int], bool]:
+    """Which resident entries eviction passes over: the pinned ones, ``protected`` (F16: a
+    store's own chain) and those whose slot a fence keeps (F15)."""
+    if state.quarantine or not state.slot_of.keys().isdisjoint(protected):
+        blocked = set(state.pin_count)
+        blocked.update(protected)
+        blocked.update(_fenced_slot_owners(state))
+        return blocked.__contains__
+    # the policy orders exactly the RESIDENT entries: only pins block them
+    return state.pin_count.__contains__ if state.pin_count else _NONE_BLOCKED
+
+
 def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> list[int]:
     """As many victims as the policy can give, up to ``wanted``, in eviction order, never a
     pinned block nor one of ``protected`` (F16: a store's own chain)."""
     if wanted <= 0:
         return []
-    pin_count, slot_of = state.pin_count, state.slot_of
-    if slot_of.keys().isdisjoint(protected) and not state.quarantine:
-        # the policy orders exactly the RESIDENT entries: only pins block them
-        is_blocked = pin_count.__contains__ if pin_count else _NONE_BLOCKED
-    else:
-        blocked = set(pin_count)
-        blocked.update(protected)
-        blocked.update(_fenced_slot_owners(state))
-        is_blocked = blocked.__contains__
+    is_blocked = _eviction_blocker(state, protected)
     victims = state.policy.victims(wanted, is_blocked)
     if victims is not None:
         return victims
@@ -237,12 +241,8 @@ def decide_evict(state: State, cmd: Evict) -> Decision:
         raise Rejected(f"evict: num_blocks must be >= 0, got {cmd.num_blocks!r}")
     if cmd.num_blocks == 0:
         return 0
-    is_blocked = state.pin_count.__contains__ if state.pin_count else _NONE_BLOCKED
-    if state.quarantine:  # (an entry whose slot stays fenced would free nothing)
-        blocked = set(state.pin_count)
-        blocked.update(_fenced_slot_owners(state))
-        is_blocked = blocked.__contains__
-    victims = state.policy.victims(cmd.num_blocks, is_blocked)
+    # (an entry whose slot stays fenced would free nothing)
+    victims = state.policy.victims(cmd.num_blocks, _eviction_blocker(state))
     if victims is None:
         raise Rejected(f"evict: fewer than {cmd.num_blocks} unpinned resident blocks (all-or-nothing)")
     yield BlocksEvicted(

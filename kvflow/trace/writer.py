@@ -74,8 +74,7 @@ class TraceWriter:
         self.record_events = self._pending.extend
         self._sealed: list[bytes] = []  # fed to the chain, not yet written
         self._sealed_records = 0  # records in ``_sealed`` (checkpoints not counted)
-        self._flush_at = self.flush_records if auto_flush else 1 << 62  # pending records that flush
-        self._seal_at = min(SEAL_RECORDS, self._flush_at)  # pending records that are encoded now
+        self._rearm()
         self._last_checkpoint_seq = 0
         self._checkpoint_after = self.checkpoint_every  # the last seq that needs no checkpoint yet
         self.closed = False
@@ -110,9 +109,7 @@ class TraceWriter:
             self._chain.update(blob)
             self._sealed.append(blob)
             self._sealed_records += len(pending)
-            if self.auto_flush:
-                self._flush_at = self.flush_records - self._sealed_records
-                self._seal_at = min(SEAL_RECORDS, self._flush_at)
+            self._rearm()
             pending.clear()  # (the same list: record_command and record_events are its methods)
 
     def take_pending(self) -> bytes:
@@ -122,10 +119,14 @@ class TraceWriter:
         blob = b"".join(self._sealed)
         self._sealed.clear()
         self._sealed_records = 0
-        if self.auto_flush:
-            self._flush_at = self.flush_records
-            self._seal_at = min(SEAL_RECORDS, self._flush_at)
+        self._rearm()
         return blob
+
+    def _rearm(self) -> None:
+        """How many pending records make ``after_command`` flush (the records not yet written
+        reach ``flush_records``) or encode a batch (``SEAL_RECORDS``, or fewer to flush sooner)."""
+        self._flush_at = self.flush_records - self._sealed_records if self.auto_flush else 1 << 62
+        self._seal_at = min(SEAL_RECORDS, self._flush_at)
 
     def write_bytes(self, blob: bytes) -> None:
         if blob:

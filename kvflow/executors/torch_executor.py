@@ -17,18 +17,17 @@ completion threads. The rest is split by job:
 When a submit stores and loads the same blocks or slots, the load waits for the store's event.
 
 Completion (F6): a thread per direction waits for each batch's event (``synchronize`` on a
-blocking-sync event on CUDA, ``synchronize`` on NPU, nothing on CPU where copies are synchronous), runs the batch's host
-side (host scatter, checksum check) and puts one ``JobResult`` per job on ONE ``SimpleQueue``;
-``poll``/``wait`` read it from the engine's thread. Any exception in a copy becomes a failed
-result for the jobs of that batch and the executor keeps serving (F2).
+blocking-sync event on CUDA, ``synchronize`` on NPU, nothing on CPU where copies are
+synchronous), runs the batch's host side (host scatter, checksum check) and reports one
+``JobResult`` per job on ONE channel (``result_channel``); ``poll``/``wait`` read it from the
+engine's thread. Any exception in a copy becomes a failed result for the jobs of that batch and
+the executor keeps serving (F2).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,13 +35,14 @@ from typing import Any
 import torch
 
 from kvflow.commands import JobResult
-from kvflow.errors import ConfigError, KvflowError, Rejected, TransferError, UnknownJob, one_line
+from kvflow.errors import ConfigError, KvflowError, TransferError, one_line
 from kvflow.executors import npu as adapter
 from kvflow.executors import page_kernel
 from kvflow.executors.host_pool import HostPool
 from kvflow.executors.layout import KVCaches, KVLayout
 from kvflow.executors.page_copies import Failures, Finish, PageCopies, ScatterMode
 from kvflow.executors.page_kernel import DEFAULT_PROGRAMS
+from kvflow.executors.result_channel import ResultChannel
 from kvflow.executors.streams import new_stream, record_event, wait_event
 from kvflow.executors.transfer_plan import Plan, overlaps, plan_jobs
 from kvflow.executors.uva import device_alias
@@ -50,8 +50,6 @@ from kvflow.jobs import LOAD, STORE, TransferJob
 
 # tools/bench_transfer.py builds UVA views itself when it switches scatter modes on a live executor
 _device_alias = device_alias
-
-HISTORY = 100_000  # finished results kept for wait() and duplicate detection
 
 
 @dataclass
@@ -162,11 +160,8 @@ class TorchExecutor(PageCopies):
         self.pool = pool
         self._init_copies(staging_bytes, max_runs)
 
-        self._channel: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._in_flight: set[int] = set()
-        self._finished: OrderedDict[int, JobResult] = OrderedDict()
-        self._ready: list[JobResult] = []
+        self._results = ResultChannel(rank)
+        self._lock = threading.Lock()  # the counters and the lanes' running batches
         self._closed = False
         self._counters = {
             "bytes_stored": 0,
@@ -217,16 +212,8 @@ class TorchExecutor(PageCopies):
                 "offload is disabled (cpu_blocks=0): there is no host pool to copy to"
             )
         jobs = list(jobs)
+        self._results.claim(jobs)
         with self._lock:
-            seen: set[int] = set()
-            for job in jobs:
-                if not isinstance(job, TransferJob):
-                    raise TypeError(f"submit() takes TransferJob objects, not {type(job).__name__}")
-                jid = job.job_id
-                if jid in seen or jid in self._in_flight or jid in self._finished:
-                    raise Rejected(f"job {jid} was already submitted; a job is submitted once (F5)")
-                seen.add(jid)
-            self._in_flight.update(seen)
             self._counters["jobs_submitted"] += len(jobs)
             self._counters["submissions"] += 1
         plans: dict[str, Plan | None] = {}
@@ -251,51 +238,18 @@ class TorchExecutor(PageCopies):
 
     def poll(self) -> list[JobResult]:
         """Every result that arrived since the last poll (each exactly once); never blocks."""
-        with self._lock:
-            self._drain()
-            out, self._ready = self._ready, []
-        return out
+        return self._results.poll()
 
     def wait(self, job_id: int, timeout_s: float | None = None) -> JobResult:
         """Block until ``job_id`` is terminal and return its result (``poll`` still reports it).
 
         Raises ``UnknownJob`` for an id never submitted (F12), ``TimeoutError`` after ``timeout_s``.
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                self._drain()
-                done = self._finished.get(job_id)
-                if done is not None:
-                    return done
-                if job_id not in self._in_flight:
-                    raise UnknownJob(f"wait: job {job_id} was never submitted to this executor")
-            remaining = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
-            if remaining <= 0:
-                raise TimeoutError(f"job {job_id} not finished after {timeout_s} s")
-            try:
-                result = self._channel.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            with self._lock:
-                self._accept(result)
+        return self._results.wait(job_id, timeout_s)
 
     def wait_any(self, timeout_s: float | None = None) -> list[JobResult]:
         """Block until at least one result is ready (or ``timeout_s``), then poll."""
-        with self._lock:
-            self._drain()
-            if self._ready:
-                out, self._ready = self._ready, []
-                return out
-        try:
-            first = self._channel.get(timeout=timeout_s)
-        except queue.Empty:
-            return []
-        with self._lock:
-            self._accept(first)
-            self._drain()
-            out, self._ready = self._ready, []
-        return out
+        return self._results.wait_any(timeout_s)
 
     def close(self) -> None:
         """Finish in-flight copies, stop the completion threads and free the host pool we own."""
@@ -352,32 +306,13 @@ class TorchExecutor(PageCopies):
         its compute stream wait on the last load instead of waiting for the result on the host."""
         return self._lanes[direction].last_event
 
-    # --- results channel ----------------------------------------------------------------------
-
-    def _emit(self, job: TransferJob, ok: bool, error: str | None, corrupt: tuple[int, ...] = ()) -> None:
-        self._channel.put(JobResult(job_id=job.job_id, rank=self.rank, ok=ok, error=error, corrupt=corrupt))
+    # --- results ---------------------------------------------------------------------------
 
     def _fail_now(self, job: TransferJob, error: str) -> None:
         """A job refused before launch: counted, then reported like any failure."""
         with self._lock:
             self._counters["jobs_failed"] += 1
-        self._emit(job, False, error)
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                result = self._channel.get_nowait()
-            except queue.Empty:
-                return
-            self._accept(result)
-
-    def _accept(self, result: JobResult) -> None:
-        """Caller holds the lock."""
-        self._in_flight.discard(result.job_id)
-        self._finished[result.job_id] = result
-        if len(self._finished) > HISTORY:
-            self._finished.popitem(last=False)
-        self._ready.append(result)
+        self._results.put(job, False, error)
 
     # --- launching ----------------------------------------------------------------------------
 
@@ -454,6 +389,6 @@ class TorchExecutor(PageCopies):
             for job in batch.jobs:
                 failure = errors.get(job.job_id)
                 if failure is None:
-                    self._emit(job, True, None)
+                    self._results.put(job, True, None)
                 else:
-                    self._emit(job, False, failure[0], failure[1])
+                    self._results.put(job, False, failure[0], failure[1])

@@ -126,7 +126,9 @@ class EngineWatch:
     def _on_submitted(self, event: JobsSubmitted) -> None:
         """The jobs go to the executor at the event's time: their latency counts from there."""
         self.counters.jobs_submitted += len(event.job_ids)
-        self._submitted_at.update(dict.fromkeys(event.job_ids, event.now_ms))
+        submitted_at, now = self._submitted_at, event.now_ms
+        for job_id in event.job_ids:  # (a loop: a batch is a job or two, dict.fromkeys costs 3x)
+            submitted_at[job_id] = now
 
     def _on_pins(self, event: PinsAcquired) -> None:
         if event.hashes and event.request_id not in self.pinned_since:

@@ -247,7 +247,7 @@ class SimulatedExecutor:
             job_id = heappop(heap)[2]
             fails = pending.pop(job_id)[1]
             if one_rank and not fails:
-                out.append(JobResult(job_id=job_id))  # (one rank, a success)
+                out.append(JobResult(job_id))  # (one rank, a success; positional: cheaper)
             else:
                 out.extend(self._results(job_id, fails))
         return out

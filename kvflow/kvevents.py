@@ -88,7 +88,8 @@ def kv_event(event: Event, block_tokens: int) -> KVEvent | None:
             return None
         # (positional, in vLLM's field order: block_hashes, parent_block_hash, token_ids,
         # block_size, lora_id, medium, lora_name; a quarter cheaper than by keyword)
-        return BlockStored(list(event.hashes), None, [], block_tokens, None, MEDIUM_CPU, None, seq=event.seq)  # type: ignore[union-attr]
+        hashes = list(event.hashes)  # type: ignore[union-attr]
+        return BlockStored(hashes, None, [], block_tokens, None, MEDIUM_CPU, None, seq=event.seq)
     if kind is BlocksEvicted:
         return BlockRemoved(block_hashes=list(event.hashes), medium=MEDIUM_CPU, seq=event.seq)  # type: ignore[union-attr]
     if kind is Reset:

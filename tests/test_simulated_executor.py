@@ -368,4 +368,3 @@ def test_a_million_submissions_in_order_take_one_range() -> None:
     for job_id in range(1, 1_000_001):
         ids.add(job_id)
     assert ids.ranges() == 1 and 1 in ids and 1_000_000 in ids and 1_000_001 not in ids
-

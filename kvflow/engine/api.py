@@ -96,8 +96,9 @@ class Latencies:
     listeners: list[Callable[[str, float], None]] = field(default_factory=list)
 
     def add(self, direction: str, latency_ms: float) -> None:
-        for listener in self.listeners:
-            listener(direction, latency_ms)
+        if self.listeners:  # (most have none: no loop set up then)
+            for listener in self.listeners:
+                listener(direction, latency_ms)
         values = self.load_ms if direction == LOAD else self.store_ms
         values.append(latency_ms)
         if len(values) > 2 * self.window:

@@ -182,9 +182,11 @@ class SyncEngine:
             return
         try:
             self.manager.job_results(results)
-            return
         except Rejected:
-            pass  # isolate the bad result(s): apply one by one
+            self._apply_one_by_one(results)
+
+    def _apply_one_by_one(self, results: Sequence[JobResult]) -> None:
+        """A batch the decisions refused: isolate the bad result(s), apply the others."""
         for result in results:
             try:
                 # (with its integrity report: dropping it left a bad host copy on offer, F17)
@@ -200,19 +202,29 @@ class SyncEngine:
         time out jobs past their deadline, hand the queued jobs to the executor (after
         ``compute_done``, an event the copies wait for), and report what the engine must act
         on: loads finished or failed, stores finished or failed, device blocks released."""
+        # (the executor calls and the batch of results are inlined here rather than calling
+        # _poll / apply_results / a submit helper: this runs several times per request)
         now = self.clock()
         if results is None:
-            results = self._poll()
-        if results:
-            self.apply_results(results)
+            try:
+                results = self.executor.poll()
+            except Exception as exc:  # an executor bug must not kill the engine (F2)
+                results = self._poll_failed(exc)
         manager = self.manager
-        if self._remote and hasattr(self.executor, "take_found"):
-            found = self.executor.take_found()
-            if found:
-                manager.remote_found(found)
+        if results:
+            try:
+                manager.job_results(results)
+            except Rejected:
+                self._apply_one_by_one(results)
+        if self._remote:
+            self._take_remote_found()
         timed_out, jobs = manager.advance(now)
         if jobs:
-            self._submit(jobs, compute_done, now)
+            # (the watch times each job from its JobsSubmitted event, applied just now)
+            try:
+                self.executor.submit(jobs, compute_done)
+            except Exception as exc:  # F2: becomes a failed outcome for every job of the batch
+                self._submit_failed(jobs, exc)
         watch = self.watch
         if watch.fenced_at:
             watch.watch_fences(now)
@@ -234,26 +246,34 @@ class SyncEngine:
             all_blocks_cleared=notices.all_blocks_cleared,
         )
 
+    def _take_remote_found(self) -> None:
+        """What the remote tier's probes found since the last step goes to the decisions."""
+        take_found = getattr(self.executor, "take_found", None)
+        if take_found is not None:
+            found = take_found()
+            if found:
+                self.manager.remote_found(found)
+
     def _poll(self) -> list[JobResult]:
+        """The executor's results; never raises (F2). (For the async engine's pump; ``step``
+        inlines it.)"""
         try:
             return self.executor.poll()
         except Exception as exc:  # an executor bug must not kill the engine (F2)
-            self.counters.executor_errors += 1
-            self.watch.log.error("kvflow.executor_poll_failed", error=repr(exc))
-            return []
+            return self._poll_failed(exc)
 
-    def _submit(self, jobs: list[TransferJob], compute_done: Any, now: float) -> None:
-        self.watch.jobs_handed_over(jobs, now)
-        try:
-            self.executor.submit(jobs, compute_done)
-        except Exception as exc:  # F2: becomes a failed outcome for every job of the batch
-            self.counters.executor_errors += 1
-            self.watch.log.error("kvflow.executor_submit_failed", jobs=len(jobs), error=repr(exc))
-            # one failed rank fails the job, whatever the world size
-            failures = [
-                JobResult(job_id=j.job_id, rank=0, ok=False, error=f"submit failed: {exc!r}") for j in jobs
-            ]
-            self.apply_results(failures)
+    def _poll_failed(self, exc: Exception) -> list[JobResult]:
+        self.counters.executor_errors += 1
+        self.watch.log.error("kvflow.executor_poll_failed", error=repr(exc))
+        return []
+
+    def _submit_failed(self, jobs: list[TransferJob], exc: Exception) -> None:
+        """The executor refused the batch: every job of it fails (one failed rank fails the
+        job, whatever the world size)."""
+        self.counters.executor_errors += 1
+        self.watch.log.error("kvflow.executor_submit_failed", jobs=len(jobs), error=repr(exc))
+        failures = [JobResult(job_id=j.job_id, rank=0, ok=False, error=f"submit failed: {exc!r}") for j in jobs]
+        self.apply_results(failures)
 
     # -- teardown ------------------------------------------------------------------------
 

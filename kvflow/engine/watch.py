@@ -23,7 +23,7 @@ from kvflow.events import (
     StoreRejected,
     event_name,
 )
-from kvflow.jobs import LOAD, REMOTE_LOAD, REMOTE_STORE, STORE, TransferJob
+from kvflow.jobs import LOAD, REMOTE_STORE, STORE
 from kvflow.manager import OffloadManager
 
 
@@ -61,11 +61,6 @@ class EngineWatch:
         self._pins_warned: set[str] = set()
         self.pin_warn_ms = pin_warn_ms
         self._subscribe()
-
-    def jobs_handed_over(self, jobs: list[TransferJob], now: float) -> None:
-        """The jobs go to the executor now (their latency counts from here)."""
-        for job in jobs:
-            self._submitted_at[job.job_id] = now
 
     # -- memory kept too long ------------------------------------------------------------
 
@@ -129,7 +124,11 @@ class EngineWatch:
             on(self._log_event)
 
     def _on_submitted(self, event: JobsSubmitted) -> None:
+        """The jobs go to the executor at the event's time: their latency counts from there."""
         self.counters.jobs_submitted += len(event.job_ids)
+        submitted_at, now = self._submitted_at, event.now_ms
+        for job_id in event.job_ids:  # (a loop: a batch is a job or two, dict.fromkeys costs 3x)
+            submitted_at[job_id] = now
 
     def _on_pins(self, event: PinsAcquired) -> None:
         if event.hashes and event.request_id not in self.pinned_since:
@@ -168,14 +167,16 @@ class EngineWatch:
             c.blocks_loaded += n
             c.bytes_loaded += n * self.bytes_per_block
             c.hit_tokens += n * self.config.block_tokens  # only loads that landed
-        elif direction == REMOTE_STORE:
-            c.remote_blocks_stored += n
-            c.remote_bytes_stored += n * self.bytes_per_block
-        else:
-            c.remote_blocks_loaded += n
-            c.remote_bytes_loaded += n * self.bytes_per_block
+        else:  # the remote tier's jobs (no device copy: no latency sample)
+            if direction == REMOTE_STORE:
+                c.remote_blocks_stored += n
+                c.remote_bytes_stored += n * self.bytes_per_block
+            else:
+                c.remote_blocks_loaded += n
+                c.remote_bytes_loaded += n * self.bytes_per_block
+            return
         if started is not None:
-            self._latency(direction, started)
+            self.latencies.add(direction, self.clock() - started)
 
     def _on_ended(self, event: JobFailed | JobTimedOut) -> None:
         """A job failed or timed out."""

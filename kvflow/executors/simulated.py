@@ -19,12 +19,12 @@ Deterministic for a seed. Reads time only from the clock it is given.
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 import operator
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 from typing import Any
 
 from kvflow.commands import JobResult
@@ -165,6 +165,8 @@ class SimulatedExecutor:
         if not math.isfinite(slow_by_ms) or slow_by_ms < 0:
             raise ConfigError(f"slow_by_ms must be a finite number >= 0, got {slow_by_ms}")
         self.slow_by_ms = float(slow_by_ms)
+        # (fixed from here on; none configured but in fault tests: submit skips the draws then)
+        self._injects_faults = fault_rate > 0.0 or bool(self.fail_jobs or self.hang_jobs or self.slow_jobs)
         self.fail_rank = fail_rank
         self.error_text = error_text
         self.stats = SimStats()
@@ -185,33 +187,46 @@ class SimulatedExecutor:
             # refuse the whole call: nothing launched, no fault drawn (F5)
             repeated = [j for j in ids if j in known] or [j for j in ids if ids.count(j) > 1]
             raise Rejected(f"job {repeated[0]} submitted twice (F5)")
-        stats, stream_free, model = self.stats, self._stream_free_ms, self.model
-        # (sets are empty but in fault tests: their lookups are skipped then)
-        picked = bool(self.fail_jobs or self.hang_jobs or self.slow_jobs)
+        stream_free, model, busy_ms = self._stream_free_ms, self.model, self.stats.busy_ms
+        injects_faults = self._injects_faults
+        blocks_total = 0
         for job in jobs:
             job_id, direction, blocks = job.job_id, job.direction, len(job.device_blocks)
             known.add(job_id)
+            blocks_total += blocks
             self._ordinal = ordinal = self._ordinal + 1
-            fails = picked and ordinal in self.fail_jobs
-            if self.fault_rate > 0.0:
-                fails = (self.rng.random() < self.fault_rate) or fails
             free = stream_free[direction]
             duration = model.duration_ms(blocks)
             done = (now if now >= free else free) + duration  # (max(now, free), inlined)
-            if picked and ordinal in self.slow_jobs:
-                done += self.slow_by_ms  # (it holds its stream that long too)
+            if injects_faults:
+                fails, slow, hangs = self._faults(ordinal)
+                if slow:
+                    done += self.slow_by_ms  # (it holds its stream that long too)
+                if hangs:
+                    stream_free[direction] = done
+                    busy_ms[direction] += duration
+                    self.stats.hung += 1
+                    continue  # never completes: the engine's deadline must catch it
+                if fails:
+                    self.stats.faults_injected += 1
+            else:
+                fails = False
             stream_free[direction] = done
-            stats.jobs += 1
-            stats.blocks += blocks
-            stats.bytes += blocks * model.bytes_per_block
-            stats.busy_ms[direction] += duration
-            if picked and ordinal in self.hang_jobs:
-                stats.hung += 1
-                continue  # never completes: the engine's deadline must catch it
-            if fails:
-                stats.faults_injected += 1
+            busy_ms[direction] += duration
             self._pending[job_id] = (done, fails)
-            heapq.heappush(self._heap, (done, ordinal, job_id))
+            heappush(self._heap, (done, ordinal, job_id))
+        stats = self.stats
+        stats.jobs += len(jobs)
+        stats.blocks += blocks_total
+        stats.bytes += blocks_total * model.bytes_per_block
+
+    def _faults(self, ordinal: int) -> tuple[bool, bool, bool]:
+        """Whether the ``ordinal``-th submitted job fails, runs slow, hangs. The random draw
+        is made for every job, in submission order, so a seed gives the same faults."""
+        fails = ordinal in self.fail_jobs
+        if self.fault_rate > 0.0:
+            fails = (self.rng.random() < self.fault_rate) or fails
+        return fails, ordinal in self.slow_jobs, ordinal in self.hang_jobs
 
     def next_completion_ms(self) -> float | None:
         """Virtual time of the next result, or None when nothing will complete."""
@@ -220,21 +235,21 @@ class SimulatedExecutor:
     def poll(self) -> list[JobResult]:
         """Results whose completion time has come, in completion order (all ranks)."""
         heap = self._heap
+        now = self.clock.now_ms
         if self._ready:
             out, self._ready = self._ready, []
-        elif heap and heap[0][0] <= self.clock.now_ms:
+        elif heap and heap[0][0] <= now:
             out = []
         else:
             return []  # (nothing due: the common poll)
-        now = self.clock.now_ms
-        pending = self._pending
+        pending, one_rank = self._pending, self.world_size == 1
         while heap and heap[0][0] <= now:
-            job_id = heapq.heappop(heap)[2]
+            job_id = heappop(heap)[2]
             fails = pending.pop(job_id)[1]
-            if fails or self.world_size != 1:
-                out.extend(self._results(job_id, fails))
+            if one_rank and not fails:
+                out.append(JobResult(job_id))  # (one rank, a success; positional: cheaper)
             else:
-                out.append(JobResult(job_id=job_id))  # (one rank, a success)
+                out.extend(self._results(job_id, fails))
         return out
 
     def _results(self, job_id: int, fails: bool) -> list[JobResult]:

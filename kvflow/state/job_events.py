@@ -86,16 +86,18 @@ def _add_job(
 def _end_job(state: State, job: Job, abandoned: bool) -> None:
     """A terminal job leaves the state: its holds end, its request forgets it (a job
     abandoned by a reset was already forgotten by its request)."""
-    del state.jobs[job.job_id]
-    state.queued.pop(job.job_id, None)
+    job_id, device_blocks = job.job_id, job.device_blocks
+    del state.jobs[job_id]
+    if state.queued:  # (a job cancelled before submission; usually none is queued)
+        state.queued.pop(job_id, None)
     held = state.held
-    if len(held) == len(job.device_blocks):
+    if len(held) == len(device_blocks):
         held.clear()  # the usual case, one job at a time: its blocks are all that is held
     else:
-        for d in job.device_blocks:
+        for d in device_blocks:
             del held[d]
     if job.request_id is not None and not abandoned:
-        del state.requests[job.request_id].jobs[job.job_id]
+        del state.requests[job.request_id].jobs[job_id]
 
 
 def _quarantine(state: State, job: Job) -> None:

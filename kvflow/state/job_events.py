@@ -263,9 +263,13 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
     kind = type(event)
     tag = _END_TAGS[kind]
     fenced = kind is not JobCompleted and event.fenced  # type: ignore[union-attr]
-    job, nxt = lg.check_job(state, event, _FENCED_TAGS[tag] if fenced else tag, event.job_id)
+    job_tag = _FENCED_TAGS[tag] if fenced else tag
     if check:
+        job, nxt = lg.check_job(state, event, job_tag, event.job_id)
         _check_terminal(state, event, job)
+    else:  # (the decider's own event, or a trusted replay: its job is live, the table allows it)
+        job = state.jobs[event.job_id]
+        nxt = JOB_TRANSITIONS[job.state][job_tag]
     was = job.state
     if nxt not in OUTCOME_JOB_STATES:
         raise IllegalTransition(was.name, f"{tag}#{event.seq}", "the job table must end or fence the job here")

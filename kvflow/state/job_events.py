@@ -144,7 +144,8 @@ def _store_queued(state: State, event: StoreQueued, check: bool) -> None:
         if req is not None and req.finished:
             raise lg.illegal(state, event, "FINISHED", f"request {request_id} is finished")
     job = _add_job(state, event, STORE, "store_queued", request_id, event.device_blocks)
-    _QUEUE_STORE(state, event.hashes, job)  # type: ignore[misc]  (ABSENT -> STORE_QUEUED)
+    if _QUEUE_STORE is not None:
+        _QUEUE_STORE(state, event.hashes, job)
 
 
 def _load_queued(state: State, event: LoadQueued, check: bool) -> None:
@@ -163,7 +164,7 @@ def _load_queued(state: State, event: LoadQueued, check: bool) -> None:
     # the request's pins move from "offered" to the job (counts are unchanged)
     req.offered = req.offered[n:]
     req.loading[event.job_id] = event.hashes
-    job = _add_job(state, event, LOAD, "load_queued", req.request_id, event.device_blocks)
+    job = _add_job(state, event, LOAD, "load_queued", event.request_id, event.device_blocks)
     if _QUEUE_LOAD is not None:
         _QUEUE_LOAD(state, event.hashes, job)
 
@@ -180,7 +181,8 @@ def _remote_load_queued(state: State, event: RemoteLoadQueued, check: bool) -> N
         _check_remote_job(state, event)
         lg.check_new_entries(state, event)
     job = _add_job(state, event, REMOTE_LOAD, "remote_load_queued", None, ())
-    _QUEUE_REMOTE_LOAD(state, event.hashes, job)  # type: ignore[misc]  (ABSENT -> STORE_QUEUED)
+    if _QUEUE_REMOTE_LOAD is not None:
+        _QUEUE_REMOTE_LOAD(state, event.hashes, job)
 
 
 def _remote_store_queued(state: State, event: RemoteStoreQueued, check: bool) -> None:

@@ -166,47 +166,55 @@ def _fold_chunk(
     reader: TraceReader, result: ReplayResult, limit: float, numbers: Sequence[int], recs: list[Any], check: bool
 ) -> bool:
     """Fold one chunk of records; False at a divergence or at ``limit`` (``--until``). Job ends
-    without their payload come only in chunks the reader was told are trusted (unchecked)."""
+    without their payload come only in chunks the reader was told are trusted (unchecked).
+
+    The loop touches each record once: a record's index is looked up only when a line number
+    is needed, and the events applied are counted by the state's own ``seq`` (each applied
+    event advances it by one)."""
     state = result.state
     events = _EVENT_TYPE_SET
     without_payload = JOB_ENDS_WITHOUT_PAYLOAD
-    i = -1
-    applied = commands = 0
+    rec: Any = None
+    applied_from = state.next_seq
+    commands = 0
     try:
         for rec in recs:
-            i += 1
             kind = type(rec)
             if kind in events:
                 if rec.seq > limit:
                     result.stopped_at = state.last_seq
                     return False
                 evolve(state, rec, check)
-                applied += 1
             elif kind is Checkpoint:
-                result.events += applied
-                applied = 0
-                if not check_point(result, numbers[i], rec, reader):
+                result.events += state.next_seq - applied_from
+                applied_from = state.next_seq
+                if not check_point(result, _line_of(numbers, recs, rec), rec, reader):
                     return False
             elif kind in without_payload:
                 if check:  # (a checked event must be read whole: its payload is compared)
-                    raise AssertionError(f"line {numbers[i]}: a job end without its payload in a checked chunk")
+                    raise AssertionError(
+                        f"line {_line_of(numbers, recs, rec)}: a job end without its payload in a checked chunk"
+                    )
                 if rec.seq > limit:
                     result.stopped_at = state.last_seq
                     return False
                 # the payload is its job's, which the recording engine's event repeated (the
                 # record digest vouches for the line; no such job: KeyError, checked again)
                 evolve(state, without_payload[kind](rec, state.jobs[rec.job_id]), False)
-                applied += 1
             else:
                 commands += 1
     except IllegalTransition as exc:
-        rec = recs[i]
-        result.divergence = Divergence("illegal", rec.seq, numbers[i], str(exc), recorded=rec)
+        result.divergence = Divergence("illegal", rec.seq, _line_of(numbers, recs, rec), str(exc), recorded=rec)
         return False
     finally:
-        result.events += applied
+        result.events += state.next_seq - applied_from
         result.commands += commands
     return True
+
+
+def _line_of(numbers: Sequence[int], recs: list[Any], rec: Any) -> int:
+    """The line number of ``rec``, one of ``recs`` (by identity: records are distinct objects)."""
+    return numbers[next(i for i, other in enumerate(recs) if other is rec)]
 
 
 def repro_command(path: str, divergence: Divergence, redecide: bool, strict: bool = False) -> str:

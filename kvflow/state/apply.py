@@ -40,7 +40,7 @@ from kvflow.events import (
 from kvflow.state import legality as lg
 from kvflow.state.job_events import JOB_EVOLVERS
 from kvflow.state.model import Request, State
-from kvflow.state.moves import ensure_request, move, pin, unpin
+from kvflow.state.moves import ensure_request, entry_move, pin, unpin
 from kvflow.state.tables import (
     ABSENT,
     BLOCK_TRANSITIONS,
@@ -50,6 +50,14 @@ from kvflow.state.tables import (
 )
 
 # --- one function per entry, pin and request event -------------------------------------------
+
+# What each event does to the entries it names, read from BLOCK_TRANSITIONS once (see
+# moves.entry_move; None: they stay RESIDENT, the event's own effect does the rest)
+_EVICT = entry_move(RESIDENT, "blocks_evicted")
+_TOUCH = entry_move(RESIDENT, "blocks_touched")
+_MARK_CORRUPT = entry_move(RESIDENT, "blocks_corrupt")
+_PIN = entry_move(RESIDENT, "pins_acquired")
+_UNPIN = entry_move(RESIDENT, "pins_released")
 
 
 def _evicted(state: State, event: BlocksEvicted, check: bool) -> None:
@@ -63,7 +71,8 @@ def _evicted(state: State, event: BlocksEvicted, check: bool) -> None:
             raise lg.illegal(state, event, "RESIDENT", "the evicted slots are not where the blocks live")
         if len(set(event.hashes)) != len(event.hashes):
             raise lg.illegal(state, event, "RESIDENT", "a block is evicted twice in one event")
-    move(state, RESIDENT, "blocks_evicted", event.hashes, None)
+    if _EVICT is not None:
+        _EVICT(state, event.hashes, None)
 
 
 def _touched(state: State, event: BlocksTouched, check: bool) -> None:
@@ -79,7 +88,8 @@ def _touched(state: State, event: BlocksTouched, check: bool) -> None:
         hashes = tuple(h for h in hashes if h not in pending)
     elif check:
         lg.check_resident(state, event, "blocks_touched", hashes)
-    move(state, RESIDENT, "blocks_touched", hashes, None)
+    if _TOUCH is not None:
+        _TOUCH(state, hashes, None)
     if event.reuse:
         state.policy.touch_many(hashes)
     else:
@@ -90,7 +100,8 @@ def _corrupt(state: State, event: BlocksCorrupt, check: bool) -> None:
     if not event.hashes:
         raise lg.illegal(state, event, "RESIDENT", "names no block")
     lg.check_resident(state, event, "blocks_corrupt", event.hashes)
-    move(state, RESIDENT, "blocks_corrupt", event.hashes, None)
+    if _MARK_CORRUPT is not None:
+        _MARK_CORRUPT(state, event.hashes, None)
     for h in event.hashes:
         state.bad[h] = None
 
@@ -110,7 +121,8 @@ def _pins_acquired(state: State, event: PinsAcquired, check: bool) -> None:
             lg.check_resident(state, event, "pins_acquired", event.hashes)
     if req is None:
         req = state.requests[event.request_id] = Request(event.request_id)
-    move(state, RESIDENT, "pins_acquired", event.hashes, None)
+    if _PIN is not None:
+        _PIN(state, event.hashes, None)
     pin(state, event.hashes)
     req.offered = event.hashes
 
@@ -125,7 +137,8 @@ def _pins_released(state: State, event: PinsReleased, check: bool) -> None:
     # a load job's pins are released by its terminal event.
     if offered[len(offered) - n :] != event.hashes or n == 0:
         raise lg.illegal(state, event, "PINS", f"request {event.request_id} does not hold these offered pins")
-    move(state, RESIDENT, "pins_released", event.hashes, None)
+    if _UNPIN is not None:
+        _UNPIN(state, event.hashes, None)
     req.offered = offered[: len(offered) - n]
     unpin(state, event.hashes)
 
@@ -147,7 +160,7 @@ def _chain_extended(state: State, event: ChainExtended, check: bool) -> None:
     elif req.finished:
         raise lg.illegal(state, event, "FINISHED", f"request {event.request_id}")
     chain = req.chain
-    if check and chain.keys() >= set(event.hashes):
+    if check and all(map(chain.__contains__, event.hashes)):  # (stops at the first new hash)
         raise lg.illegal(state, event, "CHAIN", f"request {event.request_id}: names no hash new to its chain")
     if chain:
         chain.update(dict.fromkeys(event.hashes))  # (the new ones go to its end, in order)

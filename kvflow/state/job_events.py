@@ -25,7 +25,8 @@ from kvflow.events import (
 from kvflow.jobs import FILLING, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.state import legality as lg
 from kvflow.state.model import Job, State
-from kvflow.state.moves import ensure_request, move, pin, unpin
+from kvflow.state.model import Request
+from kvflow.state.moves import WRITERS, entry_move, pin, unpin
 from kvflow.state.tables import (
     ABSENT,
     JOB_TRANSITIONS,
@@ -41,40 +42,62 @@ _NEW, _QUEUED, _ABANDONED = JobState.NEW, JobState.QUEUED, JobState.ABANDONED
 _END_TAGS: dict[type, str] = {
     t: t.__struct_config__.tag for t in (JobCompleted, JobFailed, JobTimedOut)  # type: ignore[attr-defined]
 }
+# an outcome with ``fenced`` set reads as "<tag>:fenced" in JOB_TRANSITIONS
+_FENCED_TAGS = {tag: tag + ":fenced" for tag in _END_TAGS.values()}
+
+# What the queue events do to their entries, read from BLOCK_TRANSITIONS once (see
+# moves.entry_move; None: the entries stay as they are)
+_QUEUE_STORE = entry_move(ABSENT, "store_queued")
+_QUEUE_REMOTE_LOAD = entry_move(ABSENT, "remote_load_queued")
+_QUEUE_LOAD = entry_move(RESIDENT, "load_queued")
+_QUEUE_REMOTE_STORE = entry_move(RESIDENT, "remote_store_queued")
+# submitting a job: a filling job's entries are STORE_QUEUED, any other's RESIDENT
+_SUBMIT_FILLING = entry_move(STORE_QUEUED, "jobs_submitted")
+_SUBMIT_OTHER = entry_move(RESIDENT, "jobs_submitted")
 
 # --- jobs -----------------------------------------------------------------------------------
 
 
 def _add_job(
-    state: State, event: StoreQueued | LoadQueued | RemoteLoadQueued | RemoteStoreQueued, direction: str, tag: str
+    state: State,
+    event: StoreQueued | LoadQueued | RemoteLoadQueued | RemoteStoreQueued,
+    direction: str,
+    tag: str,
+    request_id: str | None,
+    device_blocks: tuple[int, ...],
 ) -> Job:
-    request_id = getattr(event, "request_id", None)  # (remote jobs belong to no request)
-    device_blocks = getattr(event, "device_blocks", ())
-    job = Job(event.job_id, direction, request_id, event.hashes, device_blocks, event.slots)
-    job.state = JOB_TRANSITIONS[_NEW][tag]
-    state.jobs[event.job_id] = job
-    state.queued[event.job_id] = None
-    state.last_job_id = event.job_id
-    state.held.update(dict.fromkeys(device_blocks, event.job_id))  # (into an empty dict: one copy)
-    req = ensure_request(state, request_id)
-    if req is not None:
-        req.jobs[event.job_id] = None
+    """The job the event queues (in the state the table gives it), holding its device blocks;
+    its request (``None`` for remote jobs and lazy stores) is created if new and lists it."""
+    job_id = event.job_id
+    job = Job(job_id, direction, request_id, event.hashes, device_blocks, event.slots, JOB_TRANSITIONS[_NEW][tag])
+    state.jobs[job_id] = job
+    state.queued[job_id] = None
+    state.last_job_id = job_id
+    if device_blocks:
+        state.held.update(dict.fromkeys(device_blocks, job_id))  # (into an empty dict: one copy)
+    if request_id is not None:
+        req = state.requests.get(request_id)
+        if req is None:
+            req = state.requests[request_id] = Request(request_id)
+        req.jobs[job_id] = None
     return job
 
 
 def _end_job(state: State, job: Job, abandoned: bool) -> None:
     """A terminal job leaves the state: its holds end, its request forgets it (a job
     abandoned by a reset was already forgotten by its request)."""
-    del state.jobs[job.job_id]
-    state.queued.pop(job.job_id, None)
+    job_id, device_blocks = job.job_id, job.device_blocks
+    del state.jobs[job_id]
+    if state.queued:  # (a job cancelled before submission; usually none is queued)
+        state.queued.pop(job_id, None)
     held = state.held
-    if len(held) == len(job.device_blocks):
+    if len(held) == len(device_blocks):
         held.clear()  # the usual case, one job at a time: its blocks are all that is held
     else:
-        for d in job.device_blocks:
+        for d in device_blocks:
             del held[d]
     if job.request_id is not None and not abandoned:
-        del state.requests[job.request_id].jobs[job.job_id]
+        del state.requests[job.request_id].jobs[job_id]
 
 
 def _quarantine(state: State, job: Job) -> None:
@@ -113,15 +136,16 @@ def _release_quarantine(state: State, job: Job) -> None:
 
 
 def _store_queued(state: State, event: StoreQueued, check: bool) -> None:
+    request_id = event.request_id
     if check:
         lg.check_new_job(state, event)
-        lg.check_absent(state, event)
-        lg.check_free_slots(state, event, event.slots)
-        req = state.requests.get(event.request_id) if event.request_id is not None else None
+        lg.check_new_entries(state, event)
+        req = state.requests.get(request_id) if request_id is not None else None
         if req is not None and req.finished:
-            raise lg.illegal(state, event, "FINISHED", f"request {event.request_id} is finished")
-    job = _add_job(state, event, STORE, "store_queued")
-    move(state, ABSENT, "store_queued", event.hashes, job)
+            raise lg.illegal(state, event, "FINISHED", f"request {request_id} is finished")
+    job = _add_job(state, event, STORE, "store_queued", request_id, event.device_blocks)
+    if _QUEUE_STORE is not None:
+        _QUEUE_STORE(state, event.hashes, job)
 
 
 def _load_queued(state: State, event: LoadQueued, check: bool) -> None:
@@ -140,8 +164,9 @@ def _load_queued(state: State, event: LoadQueued, check: bool) -> None:
     # the request's pins move from "offered" to the job (counts are unchanged)
     req.offered = req.offered[n:]
     req.loading[event.job_id] = event.hashes
-    job = _add_job(state, event, LOAD, "load_queued")
-    move(state, RESIDENT, "load_queued", event.hashes, job)
+    job = _add_job(state, event, LOAD, "load_queued", event.request_id, event.device_blocks)
+    if _QUEUE_LOAD is not None:
+        _QUEUE_LOAD(state, event.hashes, job)
 
 
 def _check_remote_job(state: State, event: RemoteLoadQueued | RemoteStoreQueued) -> None:
@@ -154,10 +179,10 @@ def _check_remote_job(state: State, event: RemoteLoadQueued | RemoteStoreQueued)
 def _remote_load_queued(state: State, event: RemoteLoadQueued, check: bool) -> None:
     if check:
         _check_remote_job(state, event)
-        lg.check_absent(state, event)
-        lg.check_free_slots(state, event, event.slots)
-    job = _add_job(state, event, REMOTE_LOAD, "remote_load_queued")
-    move(state, ABSENT, "remote_load_queued", event.hashes, job)
+        lg.check_new_entries(state, event)
+    job = _add_job(state, event, REMOTE_LOAD, "remote_load_queued", None, ())
+    if _QUEUE_REMOTE_LOAD is not None:
+        _QUEUE_REMOTE_LOAD(state, event.hashes, job)
 
 
 def _remote_store_queued(state: State, event: RemoteStoreQueued, check: bool) -> None:
@@ -168,8 +193,9 @@ def _remote_store_queued(state: State, event: RemoteStoreQueued, check: bool) ->
             raise lg.illegal(state, event, "RESIDENT", "the remote store's slots are not where its blocks live")
         if len(set(event.hashes)) != len(event.hashes):
             raise lg.illegal(state, event, "RESIDENT", "a block is stored twice in one event")
-    job = _add_job(state, event, REMOTE_STORE, "remote_store_queued")
-    move(state, RESIDENT, "remote_store_queued", event.hashes, job)
+    job = _add_job(state, event, REMOTE_STORE, "remote_store_queued", None, ())
+    if _QUEUE_REMOTE_STORE is not None:
+        _QUEUE_REMOTE_STORE(state, event.hashes, job)
     pin(state, event.hashes)  # its slots are read until the job ends
 
 
@@ -189,27 +215,42 @@ def _remote_indexed(state: State, event: RemoteIndexed, check: bool) -> None:
     remember_remote(state, event.hashes)
 
 
+def _check_submission(state: State, event: JobsSubmitted) -> None:
+    """Each job is live, queued, the table lets it be submitted, and it is named once."""
+    job_ids = event.job_ids
+    for jid in job_ids:
+        job, _ = lg.check_job(state, event, "jobs_submitted", jid)
+        if jid not in state.queued:
+            raise lg.illegal(state, event, job.state.name, f"job {jid} is not queued")
+    if len(set(job_ids)) != len(job_ids):
+        raise lg.illegal(state, event, "IN_FLIGHT", "a job is submitted twice in one event")
+
+
 def _jobs_submitted(state: State, event: JobsSubmitted, check: bool) -> None:
-    jobs, queued = state.jobs, state.queued
-    if check:
-        for jid in event.job_ids:
-            job = lg.check_job(state, event, "jobs_submitted", jid)
-            if jid not in queued:
-                raise lg.illegal(state, event, job.state.name, f"job {jid} is not queued")
-        if len(set(event.job_ids)) != len(event.job_ids):
-            raise lg.illegal(state, event, "IN_FLIGHT", "a job is submitted twice in one event")
+    jobs, queued, job_ids = state.jobs, state.queued, event.job_ids
+    if check and not (
+        # the usual case at C level: every job in the queued index, which holds exactly the
+        # QUEUED jobs (an invariant every event keeps), and the table submits a QUEUED job;
+        # anything else is walked job by job, to name the offender
+        all(map(queued.__contains__, job_ids))
+        and len(set(job_ids)) == len(job_ids)
+        and "jobs_submitted" in JOB_TRANSITIONS[_QUEUED]
+    ):
+        _check_submission(state, event)
     deadline = event.deadline_ms
-    for jid in event.job_ids:
+    for jid in job_ids:
         job = jobs[jid]
         job.state = JOB_TRANSITIONS[job.state]["jobs_submitted"]
         job.deadline_ms = deadline
         del queued[jid]
-        # a store's entries follow their job: STORE_QUEUED -> STORING
-        move(state, STORE_QUEUED if job.direction in FILLING else RESIDENT, "jobs_submitted", (), job)
+        # a store's entries follow their job (STORE_QUEUED -> STORING: the job's state tells)
+        write = _SUBMIT_FILLING if job.direction in FILLING else _SUBMIT_OTHER
+        if write is not None:
+            write(state, (), job)
 
 
-def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, tag: str) -> Job:
-    job = lg.check_job(state, event, tag, event.job_id)
+def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, job: Job) -> None:
+    """The end describes ``job`` (whose table allows it: ``_terminal`` read that first)."""
     if type(event) is JobFailed and event.fenced:
         if not 0 <= event.rank < state.config.world_size:
             raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
@@ -221,7 +262,7 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
         or job.device_blocks != event.device_blocks
     ):
         raise lg.illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
-    if event.abandoned != job.abandoned:
+    if event.abandoned != (job.state is _ABANDONED):
         raise lg.illegal(state, event, job.state.name, f"job {job.job_id} abandoned is {job.abandoned}")
     # (Its entries need no check: a live store's hashes stay pending on it and a live load's
     # stay pinned, hence RESIDENT, until this event: the invariants every earlier event kept.)
@@ -231,21 +272,26 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
             raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
         if job.acks | (1 << event.rank) != (1 << world) - 1:
             raise lg.illegal(state, event, job.state.name, f"job {job.job_id} lacks rank results")
-    return job
 
 
 def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check: bool) -> None:
-    tag = _END_TAGS[type(event)]
-    fenced = type(event) is not JobCompleted and event.fenced  # type: ignore[union-attr]
-    job_tag = tag + ":fenced" if fenced else tag
-    job = _check_terminal(state, event, job_tag) if check else state.jobs[event.job_id]
+    kind = type(event)
+    tag = _END_TAGS[kind]
+    fenced = kind is not JobCompleted and event.fenced  # type: ignore[union-attr]
+    job_tag = _FENCED_TAGS[tag] if fenced else tag
+    if check:
+        job, nxt = lg.check_job(state, event, job_tag, event.job_id)
+        _check_terminal(state, event, job)
+    else:  # (the decider's own event, or a trusted replay: its job is live, the table allows it)
+        job = state.jobs[event.job_id]
+        nxt = JOB_TRANSITIONS[job.state][job_tag]
     was = job.state
-    job.state = JOB_TRANSITIONS[was][job_tag]
-    if job.state not in OUTCOME_JOB_STATES:
+    if nxt not in OUTCOME_JOB_STATES:
         raise IllegalTransition(was.name, f"{tag}#{event.seq}", "the job table must end or fence the job here")
+    job.state = nxt
     abandoned = was is _ABANDONED
     if fenced:
-        if type(event) is JobFailed:
+        if kind is JobFailed:
             job.reported |= 1 << event.rank
         if abandoned:
             return  # already fenced by the reset (its entries left the tier then)
@@ -256,25 +302,29 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
             # its entries left the tier at the reset; only its quarantined slots come back now
             _release_quarantine(state, job)
             return
-    if job.direction in FILLING:
-        move(state, STORE_QUEUED if was is _QUEUED else STORING, tag, job.hashes, job)
-        if job.direction == REMOTE_LOAD and type(event) is not JobCompleted:
+    direction = job.direction
+    if direction in FILLING:
+        write = WRITERS[STORE_QUEUED if was is _QUEUED else STORING][tag]
+        if write is not None:
+            write(state, job.hashes, job)
+        if direction == REMOTE_LOAD and kind is not JobCompleted:
             # a dead key never loops lookup -> load -> fail: it leaves the remote index now
             for h in job.hashes:
                 state.remote.pop(h, None)
-    elif job.direction == REMOTE_STORE:
-        move(state, RESIDENT, tag, job.hashes, job)
-        unpin(state, job.hashes)
-        if type(event) is JobCompleted:
+        return
+    write = WRITERS[RESIDENT][tag]
+    if write is not None:
+        write(state, job.hashes, job)
+    unpin(state, job.hashes)
+    if direction == REMOTE_STORE:
+        if kind is JobCompleted:
             remember_remote(state, job.hashes)
     else:
-        move(state, RESIDENT, tag, job.hashes, job)
         del state.requests[job.request_id].loading[job.job_id]  # type: ignore[index]
-        unpin(state, job.hashes)
 
 
 def _rank_succeeded(state: State, event: RankSucceeded, check: bool) -> None:
-    job = lg.check_job(state, event, "rank_succeeded", event.job_id)
+    job, nxt = lg.check_job(state, event, "rank_succeeded", event.job_id)
     world = state.config.world_size
     if not 0 <= event.rank < world:  # (before the shift: a negative rank cannot shift)
         raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
@@ -283,7 +333,7 @@ def _rank_succeeded(state: State, event: RankSucceeded, check: bool) -> None:
         raise lg.illegal(state, event, job.state.name, f"rank {event.rank} cannot report again")
     if job.acks | bit == (1 << world) - 1:
         raise lg.illegal(state, event, job.state.name, "the last rank's success is JobCompleted")
-    job.state = JOB_TRANSITIONS[job.state]["rank_succeeded"]
+    job.state = nxt
     job.acks |= bit
     job.reported |= bit
 
@@ -306,12 +356,12 @@ def _late(state: State, event: LateResultIgnored, check: bool) -> None:
 
 
 def _fence_lifted(state: State, event: FenceLifted, check: bool) -> None:
-    job = lg.check_job(state, event, "fence_lifted", event.job_id)
+    job, nxt = lg.check_job(state, event, "fence_lifted", event.job_id)
     if job.device_blocks != event.device_blocks or job.slots != event.slots:
         raise lg.illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
     if event.reason == "copy over" and job.reported != (1 << state.config.world_size) - 1:
         raise lg.illegal(state, event, job.state.name, f"job {job.job_id}: not every rank has reported")
-    job.state = lg.job_next(state, event, "fence_lifted", job)
+    job.state = nxt
     _end_job(state, job, abandoned=True)  # its request forgot it when it was fenced
     _release_quarantine(state, job)
 

@@ -48,15 +48,18 @@ def check_block(state: State, event: Event, tag: str, block_hash: int) -> None:
     block_next(state, event, tag, state.block_state(block_hash), block_hash)
 
 
-def check_job(state: State, event: Event, tag: str, job_id: int) -> Job:
-    """The live job ``job_id``, if ``tag`` is legal for it."""
+def check_job(state: State, event: Event, tag: str, job_id: int) -> tuple[Job, JobState]:
+    """The live job ``job_id`` and its next state under ``tag``, read from the table (the
+    caller applies that very state: the table is read once per job)."""
     job = state.jobs.get(job_id)
     if job is None:
         if 0 < job_id <= state.last_job_id:
             raise illegal(state, event, "TERMINAL", f"job {job_id} is already terminal")
         raise illegal(state, event, "NEW", f"job {job_id} was never queued")
-    job_next(state, event, tag, job)
-    return job
+    nxt = JOB_TRANSITIONS[job.state].get(tag)
+    if nxt is None:
+        raise illegal(state, event, job.state.name, f"job {job.job_id}")
+    return job, nxt
 
 
 def check_resident(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:
@@ -70,39 +73,35 @@ def check_resident(state: State, event: Event, tag: str, hashes: tuple[int, ...]
     raise illegal(state, event, "RESIDENT", f"event {tag} does not apply to resident blocks")
 
 
-def check_free_slots(state: State, event: Event, slots: tuple[int, ...]) -> None:
-    """A store takes the next free slots, in allocation order."""
-    n = len(slots)
-    free = state.free_slots
-    if n > len(free) or tuple(free[len(free) - n :][::-1]) != slots:
-        raise illegal(state, event, "SLOTS", f"slots {list(slots)[:8]} are not the next free slots")
-
-
-def check_device_blocks_free(state: State, event: Event, device_blocks: tuple[int, ...]) -> None:
+def check_new_job(state: State, event: StoreQueued | LoadQueued) -> None:
+    """The next job id, one device block and one slot per hash, device blocks no live job
+    holds, each named once."""
+    if event.job_id != state.last_job_id + 1:
+        raise illegal(state, event, "NEW", f"job id {event.job_id} is not {state.last_job_id + 1}")
+    device_blocks = event.device_blocks
+    if not (len(event.hashes) == len(device_blocks) == len(event.slots)) or not event.hashes:
+        raise illegal(state, event, "NEW", "hashes, device_blocks and slots must match, non-empty")
     held = state.held
     if held.keys().isdisjoint(device_blocks) and len(set(device_blocks)) == len(device_blocks):
         return
     for d in device_blocks:
         if d in held:
             raise illegal(state, event, "HELD", f"device block {d} is held by job {held[d]}")
-    if len(set(device_blocks)) != len(device_blocks):
-        raise illegal(state, event, "HELD", "device blocks repeat within one job")
+    raise illegal(state, event, "HELD", "device blocks repeat within one job")
 
 
-def check_new_job(state: State, event: StoreQueued | LoadQueued) -> None:
-    if event.job_id != state.last_job_id + 1:
-        raise illegal(state, event, "NEW", f"job id {event.job_id} is not {state.last_job_id + 1}")
-    if not (len(event.hashes) == len(event.device_blocks) == len(event.slots)) or not event.hashes:
-        raise illegal(state, event, "NEW", "hashes, device_blocks and slots must match, non-empty")
-    check_device_blocks_free(state, event, event.device_blocks)
-
-
-def check_absent(state: State, event: StoreQueued | RemoteLoadQueued) -> None:
-    """A store names blocks that are not on the tier, each once."""
-    slot_of = state.slot_of
-    if not slot_of.keys().isdisjoint(event.hashes) or len(set(event.hashes)) != len(event.hashes):
-        h = next((h for h in event.hashes if h in slot_of), event.hashes[0])
+def check_new_entries(state: State, event: StoreQueued | RemoteLoadQueued) -> None:
+    """A store names blocks that are not on the tier, each once, and takes the next free
+    slots, in allocation order."""
+    hashes, slot_of = event.hashes, state.slot_of
+    if not slot_of.keys().isdisjoint(hashes) or len(set(hashes)) != len(hashes):
+        h = next((h for h in hashes if h in slot_of), hashes[0])
         current = state.block_state(h)
         if current is ABSENT:  # repeated within the event
             raise illegal(state, event, "STORE_QUEUED", f"block {h} is stored twice in one event")
         raise illegal(state, event, current.name, f"block {h} is already on the tier")
+    slots = event.slots
+    n = len(slots)
+    free = state.free_slots
+    if n > len(free) or tuple(free[len(free) - n :][::-1]) != slots:
+        raise illegal(state, event, "SLOTS", f"slots {list(slots)[:8]} are not the next free slots")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping
 
+import msgspec
+
 from kvflow.config import Config
 from kvflow.policies import make_policy
 from kvflow.policies.base import Policy
@@ -73,41 +75,25 @@ class EntriesView(Mapping[int, Entry]):
 _QUEUED = JobState.QUEUED  # (a global: reading a member off an Enum class is slow)
 
 
-class Job:
-    """A live transfer job (terminal jobs leave the state; their events stay in the log)."""
+class Job(msgspec.Struct, eq=False, gc=False):
+    """A live transfer job (terminal jobs leave the state; their events stay in the log).
 
-    __slots__ = (
-        "job_id",
-        "direction",
-        "request_id",
-        "hashes",
-        "device_blocks",
-        "slots",
-        "state",
-        "deadline_ms",
-        "acks",
-        "reported",
-    )
+    A Struct rather than a class with ``__slots__``: one is built for every job queued, and
+    msgspec builds it in C (about a third of the time of a Python ``__init__``). ``eq=False``:
+    jobs compare (and hash) by identity, as before; ``gc=False``: it holds only scalars and
+    tuples of them, so it is never part of a reference cycle.
+    """
 
-    def __init__(
-        self,
-        job_id: int,
-        direction: str,
-        request_id: str | None,
-        hashes: tuple[int, ...],
-        device_blocks: tuple[int, ...],
-        slots: tuple[int, ...],
-    ) -> None:
-        self.job_id = job_id
-        self.direction = direction
-        self.request_id = request_id
-        self.hashes = hashes
-        self.device_blocks = device_blocks
-        self.slots = slots
-        self.state = _QUEUED
-        self.deadline_ms = 0.0
-        self.acks = 0  # bit mask of ranks that reported success
-        self.reported = 0  # bit mask of ranks that reported at all: their copy is over
+    job_id: int
+    direction: str
+    request_id: str | None
+    hashes: tuple[int, ...]
+    device_blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+    state: JobState = _QUEUED
+    deadline_ms: float = 0.0
+    acks: int = 0  # bit mask of ranks that reported success
+    reported: int = 0  # bit mask of ranks that reported at all: their copy is over
 
     @property
     def abandoned(self) -> bool:
@@ -261,9 +247,10 @@ class State:
         clone.quarantine = dict(self.quarantine)
         clone.jobs = {}
         for jid, j in self.jobs.items():
-            nj = Job(j.job_id, j.direction, j.request_id, j.hashes, j.device_blocks, j.slots)
-            nj.state, nj.deadline_ms, nj.acks, nj.reported = j.state, j.deadline_ms, j.acks, j.reported
-            clone.jobs[jid] = nj
+            clone.jobs[jid] = Job(
+                j.job_id, j.direction, j.request_id, j.hashes, j.device_blocks, j.slots,
+                j.state, j.deadline_ms, j.acks, j.reported,
+            )  # fmt: skip
         clone.queued = dict(self.queued)
         clone.held = dict(self.held)
         clone.requests = {}

@@ -99,18 +99,18 @@ _ENTRY_MOVES: dict[tuple[BlockState, BlockState], Callable[..., None] | None] = 
 
 # BLOCK_TRANSITIONS with each next state replaced by the writer of that move (None for a
 # self-loop or a move with nothing to write): built from the table, so the table decides
-_WRITERS: dict[BlockState, dict[str, Callable[..., None] | None]] = {
+WRITERS: dict[BlockState, dict[str, Callable[..., None] | None]] = {
     current: {tag: None if nxt is current else _ENTRY_MOVES[current, nxt] for tag, nxt in row.items()}
     for current, row in BLOCK_TRANSITIONS.items()
 }
 
 
-def move(state: State, current: BlockState, tag: str, hashes: tuple[int, ...], job: Job | None) -> None:
-    """Move entries that are all in ``current`` to where the table says ``tag`` takes them
-    (a self-loop leaves them as they are: the event's own effect does the rest)."""
-    write = _WRITERS[current][tag]
-    if write is not None:
-        write(state, hashes, job)
+def entry_move(current: BlockState, tag: str) -> Callable[..., None] | None:
+    """The writer that moves entries in ``current`` to where the table says ``tag`` takes
+    them, called ``write(state, hashes, job)``; None where they stay as they are (the event's
+    own effect does the rest). Read once, at import, by a call site whose ``current`` and
+    ``tag`` never vary: a per-event lookup would cost a call and two subscripts each time."""
+    return WRITERS[current][tag]
 
 
 # --- pins and requests --------------------------------------------------------------------

@@ -50,6 +50,10 @@ SEAL_RECORDS = 512
 call for many records, while the records are still in the CPU's caches and before they would
 live long enough to keep Python's garbage collector busy (their tuples are tracked until then)."""
 
+QUEUED_AT_MOST = 64
+"""Items (mostly batches of ``SEAL_RECORDS``) the worker may have queued before the engine's
+thread waits for it."""
+
 _WRITE = object()  # worker's queue: write what came before (a flush)
 _STOP = object()  # worker's queue: write what came before, then end
 
@@ -111,7 +115,8 @@ class TraceWriter:
         self._worker: threading.Thread | None = None
         self._stop_sent = False
         if auto_flush:
-            self._queue = queue.Queue()
+            # (bounded: an engine that outruns its disk waits for it, as it did writing itself)
+            self._queue = queue.Queue(maxsize=QUEUED_AT_MOST)
             self._worker = threading.Thread(target=self._work, name="kvflow-trace-writer", daemon=True)
             self._worker.start()
 

@@ -4,6 +4,7 @@ it, everything on disk when flush() returns, and a failed write raised in the en
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from kvflow.trace.reader import TraceReader
 CONFIG = Config(cpu_blocks=24, block_tokens=16)
 
 
-def run(manager: OffloadManager, requests: int, after_request=lambda: None) -> None:  # type: ignore[no-untyped-def]
+def run(manager: OffloadManager, requests: int, after_request: Callable[[], None] = lambda: None) -> None:
     rng = random.Random(7)
     device = 0
     for i in range(requests):
@@ -36,9 +37,10 @@ def run(manager: OffloadManager, requests: int, after_request=lambda: None) -> N
 
 
 @pytest.mark.parametrize("flush_records", [1, 7, 4096])
-def test_the_worker_writes_the_bytes_the_calling_thread_would(tmp_path: Path, flush_records: int) -> None:
+def test_the_worker_writes_what_the_calling_thread_would(tmp_path: Path, flush_records: int) -> None:
     threaded, inline = tmp_path / "threaded.jsonl", tmp_path / "inline.jsonl"
-    manager = OffloadManager(CONFIG, log=TraceWriter(threaded, CONFIG, checkpoint_every=9, flush_records=flush_records))
+    writer = TraceWriter(threaded, CONFIG, checkpoint_every=9, flush_records=flush_records)
+    manager = OffloadManager(CONFIG, log=writer)
     run(manager, 60)
     manager.close()
     by_hand = TraceWriter(inline, CONFIG, checkpoint_every=9, auto_flush=False)
@@ -57,7 +59,8 @@ def test_everything_recorded_is_in_the_file_when_flush_returns(tmp_path: Path) -
     run(manager, 30)
     writer.checkpoint(manager.state)
     writer.flush()
-    with TraceReader(path) as reader:  # read while the writer is open: the last line is a checkpoint
+    # read while the writer is open: its last line is the checkpoint
+    with TraceReader(path) as reader:
         records = [record for _, record in reader.records()]
     assert reader.mismatch is None and reader.unverified == 0
     assert type(records[-1]).__name__ == "Checkpoint" and records[-1].seq == manager.state.last_seq

@@ -117,7 +117,7 @@ class TraceWriter:
         if auto_flush:
             # (bounded: an engine that outruns its disk waits for it, as it did writing itself)
             self._queue = queue.Queue(maxsize=QUEUED_AT_MOST)
-            self._worker = threading.Thread(target=self._work, name="kvflow-trace-writer", daemon=True)
+            self._worker = threading.Thread(target=self._work, name="kvflow-trace", daemon=True)
             self._worker.start()
 
     def after_command(self, state: Any) -> None:
@@ -172,7 +172,8 @@ class TraceWriter:
                 batches = []
             if type(item) is tuple:
                 seq, digest = item
-                line = self._encoder.encode(Checkpoint(seq=seq, digest=digest, records=self._chain.value())) + b"\n"
+                checkpoint = Checkpoint(seq=seq, digest=digest, records=self._chain.value())
+                line = self._encoder.encode(checkpoint) + b"\n"
                 self._chain.update(line)
                 self._sealed.append(line)
             else:  # _WRITE, _STOP
@@ -217,7 +218,7 @@ class TraceWriter:
         worker thread with ``write_bytes``, keeping file I/O off the event loop). Only for a
         writer without its own worker (``auto_flush=False``)."""
         if self._queue is not None:
-            raise RuntimeError("take_pending: this writer writes from its own thread (auto_flush=True)")
+            raise RuntimeError("take_pending: this writer writes in its own thread (auto_flush)")
         self._seal()
         blob = b"".join(self._sealed)
         self._sealed.clear()

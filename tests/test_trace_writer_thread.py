@@ -18,7 +18,7 @@ from kvflow.trace.reader import TraceReader
 CONFIG = Config(cpu_blocks=24, block_tokens=16)
 
 
-def run(manager: OffloadManager, requests: int, after_request: Callable[[], None] = lambda: None) -> None:
+def run(manager: OffloadManager, requests: int, after: Callable[[], None] = lambda: None) -> None:
     rng = random.Random(7)
     device = 0
     for i in range(requests):
@@ -33,11 +33,11 @@ def run(manager: OffloadManager, requests: int, after_request: Callable[[], None
         for job in manager.plan_step(float(i)):
             manager.job_result(job.job_id, ok=rng.random() > 0.2, error="copy failed")
         manager.finish_request(rid)
-        after_request()
+        after()
 
 
 @pytest.mark.parametrize("flush_records", [1, 7, 4096])
-def test_the_worker_writes_what_the_calling_thread_would(tmp_path: Path, flush_records: int) -> None:
+def test_the_worker_writes_what_the_caller_would(tmp_path: Path, flush_records: int) -> None:
     threaded, inline = tmp_path / "threaded.jsonl", tmp_path / "inline.jsonl"
     writer = TraceWriter(threaded, CONFIG, checkpoint_every=9, flush_records=flush_records)
     manager = OffloadManager(CONFIG, log=writer)
@@ -45,7 +45,7 @@ def test_the_worker_writes_what_the_calling_thread_would(tmp_path: Path, flush_r
     manager.close()
     by_hand = TraceWriter(inline, CONFIG, checkpoint_every=9, auto_flush=False)
     manager = OffloadManager(CONFIG, log=by_hand)
-    run(manager, 60, after_request=lambda: by_hand.write_bytes(by_hand.take_pending()))
+    run(manager, 60, after=lambda: by_hand.write_bytes(by_hand.take_pending()))
     manager.close()
     assert threaded.read_bytes() == inline.read_bytes()
     result = replay(threaded)

@@ -197,7 +197,7 @@ class ARCPolicy:
             and t2.keys().isdisjoint(hashes)
             and self._join_t1(hashes)
         ):
-            # The usual store, first sightings only: all joined T1 (see _first_sightings).
+            # The usual store, first sightings only: all joined T1 (see _join_t1 on the trim).
             self._trim_ghosts()
             return
         self._check_new(hashes)

@@ -652,3 +652,15 @@ def test_bulk_forms_equal_the_one_by_one_methods(cls: PolicyClass, op: str) -> N
         assert policy.snapshot() == one_by_one.snapshot(), (op, hashes)
         compared += bool(hashes)
     assert compared > 500
+
+
+def test_arc_ghost_steps_equal_the_papers_step_per_hit() -> None:
+    """A run of ghost hits moves p by the sum of the paper's per-hit steps, whatever the
+    lengths (the quotient-0 shortcut included)."""
+    from kvflow.policies.arc import _ghost_steps
+
+    for other in range(0, 30):
+        for own in range(1, 30):
+            for hits in range(1, own + 1):
+                one_by_one = sum(max(1, other // length) for length in range(own - hits + 1, own + 1))
+                assert _ghost_steps(other, own, hits) == one_by_one, (other, own, hits)

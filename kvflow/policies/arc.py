@@ -381,8 +381,15 @@ def _drop_oldest(ghosts: OrderedDict[int, None], count: int) -> None:
 def _ghost_steps(other: int, own: int, hits: int) -> int:
     """How far ``hits`` ghost hits in a row in one ghost list move ``p`` in all:
     ``max(1, other // own)`` for each, ``own`` (that list's length, the hit included)
-    falling by one per hit and ``other`` (the other list's length) unchanged."""
-    return sum(map(max, repeat(1), map(other.__floordiv__, range(own - hits + 1, own + 1))))
+    falling by one per hit and ``other`` (the other list's length) unchanged.
+
+    A length above ``other`` makes the quotient 0, so the step 1: those are counted, and
+    only the quotients of the lengths up to ``other`` are summed (none, usually)."""
+    smallest = own - hits + 1
+    largest_summed = min(own, other)
+    if largest_summed < smallest:
+        return hits
+    return own - largest_summed + sum(map(other.__floordiv__, range(smallest, largest_summed + 1)))
 
 
 def _promote(ghosts: OrderedDict[int, None], t2: OrderedDict[int, None], hits: tuple[int, ...]) -> None:

@@ -95,10 +95,12 @@ def _closing(state: State, request_id: str | None) -> RequestClosed | None:
 
 def _check_result(state: State, result: JobResult) -> None:
     """A result must name a job issued and submitted, and a rank of the world (F12)."""
-    if not whole(result.job_id) or not 0 < result.job_id <= state.last_job_id:
-        raise UnknownJob(f"result for unknown job {result.job_id!r} (last issued: {state.last_job_id})")
+    job_id, rank = result.job_id, result.rank
+    # (``type(x) is int``: a plain int passes without a call)
+    if not (type(job_id) is int or whole(job_id)) or not 0 < job_id <= state.last_job_id:
+        raise UnknownJob(f"result for unknown job {job_id!r} (last issued: {state.last_job_id})")
     world = state.config.world_size
-    if not whole(result.rank) or not 0 <= result.rank < world:
+    if not (type(rank) is int or whole(rank)) or not 0 <= rank < world:
         raise Rejected(f"result for job {result.job_id}: rank {result.rank!r} outside world size {world}")
     job = state.jobs.get(result.job_id)
     if job is not None and job.state is JobState.QUEUED:
@@ -142,7 +144,7 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
             named = set(cmd.corrupt)
             bad = [h for h in job.hashes if h in named]
             drop_corrupt(state, bad, emit)
-    elif job.acks | bit == (1 << state.config.world_size) - 1:
+    elif job.acks | bit == every_rank:
         landed = job.direction == STORE and job.state is not JobState.ABANDONED
         emit(_terminal_event(JobCompleted, state, job, rank=cmd.rank))
         if landed and state.config.remote:

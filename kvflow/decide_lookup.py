@@ -21,25 +21,28 @@ def hit_cap_blocks(num_tokens: int, block_tokens: int) -> int:
 
 
 def decide_lookup(state: State, cmd: Lookup, emit: Emit) -> int:
-    if not whole(cmd.num_tokens) or cmd.num_tokens < 0:
-        raise Rejected(f"lookup of request {cmd.request_id}: num_tokens must be >= 0")
-    if not whole(cmd.device_hit_blocks) or cmd.device_hit_blocks < 0:
-        raise Rejected(f"lookup of request {cmd.request_id}: device_hit_blocks must be >= 0")
+    request_id, num_tokens, skip = cmd.request_id, cmd.num_tokens, cmd.device_hit_blocks
+    # (``type(x) is int``: the engine's plain int passes without a call)
+    if not (type(num_tokens) is int or whole(num_tokens)) or num_tokens < 0:
+        raise Rejected(f"lookup of request {request_id}: num_tokens must be >= 0")
+    if not (type(skip) is int or whole(skip)) or skip < 0:
+        raise Rejected(f"lookup of request {request_id}: device_hit_blocks must be >= 0")
     if not state.config.enabled:
         return 0
-    req = state.requests.get(cmd.request_id)
-    check_not_finished(req, cmd.request_id, "lookup of request")
-    cap = hit_cap_blocks(cmd.num_tokens, state.config.block_tokens)
-    if req is not None and req.finished:
-        emit(RequestResumed(seq=state.next_seq, request_id=cmd.request_id))  # F18
-    if req is not None and req.offered:
-        # A repeated lookup (the scheduler could not place the request last step) replaces the
-        # hits it offered before, so pins never pile up.
-        emit(PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered))
-    extension = extend_chain(state, cmd.request_id, req, cmd.block_hashes)
+    req = state.requests.get(request_id)
+    if req is not None:
+        check_not_finished(req, request_id, "lookup of request")
+        if req.finished:
+            emit(RequestResumed(seq=state.next_seq, request_id=request_id))  # F18
+        if req.offered:
+            # A repeated lookup (the scheduler could not place the request last step) replaces
+            # the hits it offered before, so pins never pile up.
+            emit(PinsReleased(seq=state.next_seq, request_id=request_id, hashes=req.offered))
+    cap = hit_cap_blocks(num_tokens, state.config.block_tokens)
+    extension = extend_chain(state, request_id, req, cmd.block_hashes)
     if extension is not None:
         emit(extension)
-    window = cmd.block_hashes[cmd.device_hit_blocks : cap]
+    window = cmd.block_hashes[skip:cap]
     # only RESIDENT entries are visible: on the tier and not pending. The scan is lazy and at
     # C level: it stops at the first block that is not visible (the position of the first
     # true "missing"), so a miss costs one probe however long the prompt
@@ -47,7 +50,7 @@ def decide_lookup(state: State, cmd: Lookup, emit: Emit) -> int:
     if state.pending:
         missing = map(operator.or_, missing, map(state.pending.__contains__, window))
     n = next(compress(count(), missing), len(window))
-    emit(PinsAcquired(seq=state.next_seq, request_id=cmd.request_id, hashes=window[:n], num_tokens=cmd.num_tokens))
+    emit(PinsAcquired(seq=state.next_seq, request_id=request_id, hashes=window[:n], num_tokens=num_tokens))
     if n < len(window) and state.remote:
         # what the remote tier holds beyond the hits comes to the CPU tier (a later lookup hits)
         remote_loads(state, window[n:], emit)

@@ -57,16 +57,14 @@ class OffloadManager:
         self.config = config
         self.paranoid = paranoid
         self.state = State(config)
-        self.log = log if log is not None else MemoryLog(config)
         self._notices = Notices()
         self._told_abandoned: set[int] = set()  # abandoned loads already reported failed
         # callables receiving the applied events, by event type (see subscribe)
         self._subscribers: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
         self._dispatch: dict[type, tuple[Callable[[Any], None], ...]] = {}
-        self._applied: list[Event] = []  # the events of the command being decided
-        self._emit: Callable[[Event], None] = self._applied.append  # (set by _rebuild_dispatch)
+        self._applied: list[Event] = []  # the events of the command being decided, for the log
         self._no_deadline_before_ms = math.inf  # no submitted job is due before this
-        self._rebuild_dispatch()
+        self.log = log if log is not None else MemoryLog(config)  # (builds the dispatch)
         # one call at a time: a second thread (or a callback calling back in) is refused
         self._deciding = threading.Lock()
         self.closed = False
@@ -82,6 +80,7 @@ class OffloadManager:
     def log(self, log: Any) -> None:
         self._log = log
         self._recording = not isinstance(log, NullLog)  # a NullLog's calls are skipped
+        self._rebuild_dispatch()  # (the events are kept only for a log that records them)
 
     def execute(self, command: Command) -> Any:
         """Decide and apply one command; returns its answer. Each event is applied, kept for
@@ -96,21 +95,23 @@ class OffloadManager:
                 f"{type(command).__name__} while another call is being decided: call kvflow from one thread"
             )
         try:
-            applied = self._applied
-            applied.clear()
             try:
                 answer = DECIDERS[type(command)](self.state, command, self._emit)
             except BaseException:
                 # what was applied is recorded (it was observed already), even if a paranoid
                 # check raised; a call refused before its first event leaves no record
-                if applied and self._recording:
+                applied = self._applied
+                if applied:
                     self._log.record_command(command)
                     self._log.record_events(applied)
+                    applied.clear()
                 raise
             if self._recording:
                 log = self._log
                 log.record_command(command)
+                applied = self._applied
                 log.record_events(applied)
+                applied.clear()
                 log.after_command(self.state)
             return answer
         finally:
@@ -118,8 +119,16 @@ class OffloadManager:
 
     def handle(self, command: Command) -> tuple[Any, list[Event]]:
         """``execute``, also returning the events the command appended."""
-        answer = self.execute(command)
-        return answer, self._applied.copy()
+        if self._recording:
+            return self.execute(command), self._applied.copy()
+        # (a NullLog keeps no events: this call has its own emit collect them)
+        events: list[Event] = []
+        emit = self._emit
+        self._emit = live_applier(self.state, self._dispatch, events, self.paranoid)
+        try:
+            return self.execute(command), events
+        finally:
+            self._emit = emit
 
     def subscribe(self, callback: Callable[[Any], None], event_types: Sequence[type] | None = None) -> None:
         """Call ``callback(event)`` for every event applied from now on whose type is in
@@ -140,8 +149,10 @@ class OffloadManager:
             )
             for kind in EVENT_TYPES
         }
-        # the deciders' emit: evolve (every check when paranoid), keep, hand to subscribers
-        self._emit = live_applier(self.state, self._dispatch, self._applied, self.paranoid)
+        # the deciders' emit: evolve (every check when paranoid), keep for a log that records,
+        # hand to the subscribers
+        kept = self._applied if self._recording else None
+        self._emit = live_applier(self.state, self._dispatch, kept, self.paranoid)
 
     def _observe_notice(self, event: Event) -> None:
         self._notices.observe(event)

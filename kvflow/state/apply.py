@@ -248,11 +248,11 @@ Observers = Mapping[type, tuple[Callable[[Any], Any], ...]]
 
 
 def live_applier(
-    state: State, observers: Observers, applied: list[Event], check: bool = False
+    state: State, observers: Observers, applied: list[Event] | None, check: bool = False
 ) -> Callable[[Event], None]:
     """The live path's ``emit`` (see kvflow.decide): apply one event a decider has just decided
-    from this very state, append it to ``applied``, then hand it to the callables
-    ``observers`` names for its type, in order.
+    from this very state, append it to ``applied`` (None: keep none), then hand it to the
+    callables ``observers`` names for its type, in order.
 
     By default the decider is trusted, as ``evolve(check=False)`` trusts it, and one step
     further: it numbered the event from ``state.next_seq`` an instant ago, so the gapless-seq
@@ -260,19 +260,30 @@ def live_applier(
     (one lookup per event). ``check=True`` (a paranoid manager) applies each event through
     ``evolve`` with every check.
     """
-    append = applied.append
     if check:
 
         def emit_checked(event: Event) -> None:
             evolve(state, event, True)
-            append(event)
+            if applied is not None:
+                applied.append(event)
             for callback in observers.get(type(event), ()):
                 callback(event)
 
         return emit_checked
     steps = {kind: (evolver, tuple(observers.get(kind, ()))) for kind, evolver in _EVOLVERS.items()}
+    if applied is None:
 
-    def emit(event: Event) -> None:
+        def emit(event: Event) -> None:
+            evolver, callbacks = steps[type(event)]
+            evolver(state, event, False)
+            state.next_seq += 1
+            for callback in callbacks:  # (most events have none)
+                callback(event)
+
+        return emit
+    append = applied.append
+
+    def emit_kept(event: Event) -> None:
         evolver, callbacks = steps[type(event)]
         evolver(state, event, False)
         state.next_seq += 1
@@ -280,7 +291,7 @@ def live_applier(
         for callback in callbacks:  # (most events have none)
             callback(event)
 
-    return emit
+    return emit_kept
 
 
 def fold(state: State, events: Iterable[Event]) -> State:

@@ -277,8 +277,9 @@ def live_applier(
             evolver, callbacks = steps[type(event)]
             evolver(state, event, False)
             state.next_seq += 1
-            for callback in callbacks:  # (most events have none)
-                callback(event)
+            if callbacks:  # (most events have none: no loop set up for them)
+                for callback in callbacks:
+                    callback(event)
 
         return emit
     append = applied.append
@@ -288,8 +289,9 @@ def live_applier(
         evolver(state, event, False)
         state.next_seq += 1
         append(event)
-        for callback in callbacks:  # (most events have none)
-            callback(event)
+        if callbacks:  # (most events have none: no loop set up for them)
+            for callback in callbacks:
+                callback(event)
 
     return emit_kept
 

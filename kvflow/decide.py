@@ -53,13 +53,13 @@ from kvflow.decide_jobs import (
 from kvflow.decide_lookup import decide_accept_hits, decide_lookup, hit_cap_blocks
 from kvflow.decide_remote import decide_remote_found
 from kvflow.decide_store import (
+    Decider,
     decide_blocks_computed,
     decide_device_evicting,
     decide_evict,
     decide_invalidate,
     decide_touch,
     then_evict_bad,
-    Decider,
 )
 from kvflow.jobs import LOAD, STORE
 from kvflow.state import State

@@ -53,7 +53,7 @@ class _Redecider:
 
     def run(self) -> None:
         """Every record in order; stops at the first divergence (``result.divergence``)."""
-        result, until = self.result, self.until
+        result = self.result
         state = result.state
         try:
             for line, rec in self.records:

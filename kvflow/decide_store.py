@@ -202,7 +202,8 @@ def _decide_store(
 
 def decide_blocks_computed(state: State, cmd: BlocksComputed, emit: Emit) -> int | None:
     if state.config.store_mode != "eager":
-        return _computed_lazy(state, cmd, emit)
+        _computed_lazy(state, cmd, emit)
+        return None
     return _decide_store(state, cmd.request_id, cmd.block_hashes, cmd.device_blocks, emit)
 
 

@@ -51,6 +51,8 @@ from kvflow.state.apply import live_applier
 class OffloadManager:
     """The offload decisions for one engine (all ranks): pure state + log + notices."""
 
+    _emit: Callable[[Event], None]  # the deciders' emit (see _rebuild_dispatch)
+
     def __init__(self, config: Config, log: Any = None, *, paranoid: bool = False) -> None:
         """``paranoid=True`` re-checks every event's legality as it is applied (tests,
         debugging); by default the decider's own validation is trusted on the live path."""

@@ -144,7 +144,8 @@ def _decide_store(
             f"store: {len(block_hashes)} hashes but {len(device_blocks)} device blocks"
         )
     req = state.requests.get(request_id) if request_id is not None else None
-    check_not_finished(req, request_id, "store: request")  # type: ignore[arg-type]
+    if req is not None:
+        check_not_finished(req, request_id, "store: request")  # type: ignore[arg-type]
     held = state.held
     same = dict(zip(device_blocks, block_hashes)) if held and not held.keys().isdisjoint(device_blocks) else {}
     check_device_blocks(state, device_blocks, same)

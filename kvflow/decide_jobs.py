@@ -55,7 +55,7 @@ def decide_plan_step(state: State, cmd: PlanStep, emit: Emit) -> list[TransferJo
     if not state.queued:
         return []
     job_ids = tuple(state.queued)
-    jobs = list(map(_transfer_job, map(state.jobs.__getitem__, job_ids)))
+    jobs = [_transfer_job(state.jobs[j]) for j in job_ids]
     emit(
         JobsSubmitted(
             seq=state.next_seq,

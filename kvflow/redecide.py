@@ -37,8 +37,14 @@ class _Redecider:
     recorded event, compares it with the one today's code decided and applies it, so the
     decision goes on against the state the recording reached (Temporal's replayer)."""
 
-    def __init__(self, result: ReplayResult, reader: TraceReader, until: int | None, strict: bool,
-                 on_event: Callable[[int, Any], None] | None) -> None:
+    def __init__(
+        self,
+        result: ReplayResult,
+        reader: TraceReader,
+        until: int | None,
+        strict: bool,
+        on_event: Callable[[int, Any], None] | None,
+    ) -> None:
         self.result = result
         self.reader = reader
         self.records = reader.records()
@@ -141,10 +147,11 @@ class _Redecider:
                 if not apply_event(result, line, recorded, False):
                     raise _Stop
                 self.matched += 1
-                if self.strict and check_invariants(result.state):
+                if self.strict:
                     problems = check_invariants(result.state)
-                    result.divergence = Divergence("invariant", recorded.seq, line, "; ".join(problems[:3]))
-                    raise _Stop
+                    if problems:
+                        result.divergence = Divergence("invariant", recorded.seq, line, "; ".join(problems[:3]))
+                        raise _Stop
                 if self.on_event is not None:
                     self.on_event(line, recorded)
                 return

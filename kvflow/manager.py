@@ -2,9 +2,9 @@
 
 ``OffloadManager`` is what a vLLM-like scheduler embeds. Every method builds a command, runs
 its decider, which applies, records and dispatches each event as it emits it, and returns the
-answer. Outcomes that
-arrive later (loads finished or failed, device blocks released) accumulate as *notices* that
-the engine collects with :meth:`take_notices` whenever it likes, many steps later included (F4).
+answer. Outcomes that arrive later (loads finished or failed, device blocks released)
+accumulate as *notices* that the engine collects with :meth:`take_notices` whenever it likes,
+many steps later included (F4).
 
 A refused call raises a :class:`~kvflow.errors.Rejected` subclass and changes nothing (F12).
 This module is pure apart from the log it is handed (the log decides whether to write a file).
@@ -97,23 +97,22 @@ class OffloadManager:
                 f"{type(command).__name__} while another call is being decided: call kvflow from one thread"
             )
         try:
+            applied = self._applied
+            if applied:  # (the events of the command before, kept for ``handle``)
+                applied.clear()
             try:
                 answer = DECIDERS[type(command)](self.state, command, self._emit)
             except BaseException:
                 # what was applied is recorded (it was observed already), even if a paranoid
                 # check raised; a call refused before its first event leaves no record
-                applied = self._applied
                 if applied:
                     self._log.record_command(command)
                     self._log.record_events(applied)
-                    applied.clear()
                 raise
             if self._recording:
                 log = self._log
                 log.record_command(command)
-                applied = self._applied
                 log.record_events(applied)
-                applied.clear()
                 log.after_command(self.state)
             return answer
         finally:

@@ -1,11 +1,13 @@
-"""Decisions: the business rules. ``decide(state, command)`` yields the events to append.
+"""Decisions: the business rules. ``decide(state, command, emit)`` hands each event to ``emit``.
 
-Each decider is a generator. The caller (``OffloadManager``, or ``replay --redecide``) applies
-every yielded event with ``evolve`` before resuming the generator, so a decision always reads
-the state its earlier events produced (an eviction frees the slots the next store takes).
-The generator's return value is the command's answer (hit count, job id, jobs to submit).
+Each decider is a plain function ``decide_x(state, cmd, emit) -> answer``. ``emit(event)``
+applies the event at once (the caller's: ``OffloadManager`` evolves, records and observes it;
+``replay --redecide`` compares it with the recorded one), so a decision always reads the state
+its earlier events produced (an eviction frees the slots the next store takes). The return
+value is the command's answer (hit count, job id, jobs to submit). A function call per event
+instead of a generator's resumption: the live path's cheapest form of the same protocol.
 
-Rule: a decider validates everything *before its first yield* and raises a
+Rule: a decider validates everything *before its first emit* and raises a
 :class:`~kvflow.errors.Rejected` subclass for a bad call (F12), so a refused command appends
 nothing. Pure: no I/O, no clock, no randomness, no logging.
 
@@ -16,7 +18,6 @@ eviction, bad blocks) and ``decide_jobs`` (planning, results, deadlines, finish,
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from kvflow.commands import (
@@ -37,7 +38,7 @@ from kvflow.commands import (
     Tick,
     Touch,
 )
-from kvflow.decide_checks import Decision
+from kvflow.decide_checks import Emit
 from kvflow.decide_jobs import (
     CANCELLED_BY_RESET,
     decide_end_fences,
@@ -52,6 +53,7 @@ from kvflow.decide_jobs import (
 from kvflow.decide_lookup import decide_accept_hits, decide_lookup, hit_cap_blocks
 from kvflow.decide_remote import decide_remote_found
 from kvflow.decide_store import (
+    Decider,
     decide_blocks_computed,
     decide_device_evicting,
     decide_evict,
@@ -62,7 +64,7 @@ from kvflow.decide_store import (
 from kvflow.jobs import LOAD, STORE
 from kvflow.state import State
 
-DECIDERS: dict[type, Callable[[State, Any], Decision]] = {
+DECIDERS: dict[type, Decider] = {
     Lookup: decide_lookup,
     AcceptHits: decide_accept_hits,
     BlocksComputed: decide_blocks_computed,
@@ -82,15 +84,15 @@ DECIDERS: dict[type, Callable[[State, Any], Decision]] = {
 
 
 # a decision that can release pins is followed by the eviction of bad blocks it unpinned
-# (F17); the others (stores, touches, planning: the hot path) are left as they are
+# (F17); the others (stores, touches, planning) are left as they are
 _UNPINNING = (Lookup, AcceptHits, JobResult, JobResults, Tick, FinishRequest)
-_REPORTS_CORRUPT = (JobResult, JobResults)  # (executor outcomes: the only ones that name bad blocks)
-DECIDERS.update({kind: then_evict_bad(DECIDERS[kind], kind in _REPORTS_CORRUPT) for kind in _UNPINNING})
+DECIDERS.update({kind: then_evict_bad(DECIDERS[kind]) for kind in _UNPINNING})
 
 
-def decide(state: State, command: Command) -> Decision:
-    """The decision generator for ``command`` (see the module docstring for the protocol)."""
-    return DECIDERS[type(command)](state, command)
+def decide(state: State, command: Command, emit: Emit) -> Any:
+    """Decide ``command``, handing each event to ``emit``; returns the answer (see the module
+    docstring for the protocol)."""
+    return DECIDERS[type(command)](state, command, emit)
 
 
 __all__ = ["decide", "DECIDERS", "expired_jobs", "hit_cap_blocks", "CANCELLED_BY_RESET", "LOAD", "STORE"]

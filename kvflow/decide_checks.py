@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow.errors import BlockHeld, Rejected
@@ -10,8 +10,9 @@ from kvflow.events import Event
 from kvflow.jobs import STORE
 from kvflow.state import State
 
-# a decider: yields the events to apply, returns the command's answer (see kvflow.decide)
-Decision = Generator[Event, None, Any]
+# how a decider hands over each event it decides: applied (and recorded, observed) at once,
+# so the decider's next line reads the state that event produced (see kvflow.decide)
+Emit = Callable[[Event], None]
 
 
 def whole(value: object) -> bool:

@@ -15,7 +15,7 @@ from kvflow.commands import (
     ResetAll,
     Tick,
 )
-from kvflow.decide_checks import Decision, whole
+from kvflow.decide_checks import Emit, whole
 from kvflow.decide_remote import push_ahead_of_eviction, write_through
 from kvflow.decide_store import chain_touch, drop_corrupt
 from kvflow.errors import Rejected, UnknownJob
@@ -49,18 +49,20 @@ def _transfer_job(job: Job) -> TransferJob:
     )
 
 
-def decide_plan_step(state: State, cmd: PlanStep) -> Decision:
+def decide_plan_step(state: State, cmd: PlanStep, emit: Emit) -> list[TransferJob]:
     if state.config.remote and state.config.remote_store_mode == "ahead_of_eviction":
-        yield from push_ahead_of_eviction(state)
+        push_ahead_of_eviction(state, emit)
     if not state.queued:
         return []
     job_ids = tuple(state.queued)
     jobs = [_transfer_job(state.jobs[j]) for j in job_ids]
-    yield JobsSubmitted(
-        seq=state.next_seq,
-        job_ids=job_ids,
-        now_ms=float(cmd.now_ms),
-        deadline_ms=float(cmd.now_ms + state.config.job_deadline_ms),
+    emit(
+        JobsSubmitted(
+            seq=state.next_seq,
+            job_ids=job_ids,
+            now_ms=float(cmd.now_ms),
+            deadline_ms=float(cmd.now_ms + state.config.job_deadline_ms),
+        )
     )
     return jobs
 
@@ -93,10 +95,12 @@ def _closing(state: State, request_id: str | None) -> RequestClosed | None:
 
 def _check_result(state: State, result: JobResult) -> None:
     """A result must name a job issued and submitted, and a rank of the world (F12)."""
-    if not whole(result.job_id) or not 0 < result.job_id <= state.last_job_id:
-        raise UnknownJob(f"result for unknown job {result.job_id!r} (last issued: {state.last_job_id})")
+    job_id, rank = result.job_id, result.rank
+    # (``type(x) is int``: a plain int passes without a call)
+    if not (type(job_id) is int or whole(job_id)) or not 0 < job_id <= state.last_job_id:
+        raise UnknownJob(f"result for unknown job {job_id!r} (last issued: {state.last_job_id})")
     world = state.config.world_size
-    if not whole(result.rank) or not 0 <= result.rank < world:
+    if not (type(rank) is int or whole(rank)) or not 0 <= rank < world:
         raise Rejected(f"result for job {result.job_id}: rank {result.rank!r} outside world size {world}")
     job = state.jobs.get(result.job_id)
     if job is not None and job.state is JobState.QUEUED:
@@ -109,7 +113,7 @@ def _fence_lifted(state: State, job: Job, reason: str) -> FenceLifted:
     )
 
 
-def _apply_result(state: State, cmd: JobResult, check: bool = False) -> Decision:
+def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False) -> None:
     """The events of one result: the job's end, a rank's success, or a late result (which,
     for a fenced job, says that rank's copy is over: the last one lifts the fence). ``check``:
     the result is checked first (before any event); else the caller checked it."""
@@ -119,61 +123,55 @@ def _apply_result(state: State, cmd: JobResult, check: bool = False) -> Decision
     bit = 1 << cmd.rank
     every_rank = (1 << state.config.world_size) - 1
     if job is None or job.acks & bit or job.state is JobState.FENCED:
-        yield LateResultIgnored(seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error)
+        emit(LateResultIgnored(seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error))
         if job is not None and job.state is JobState.FENCED:
             if cmd.corrupt and job.direction == LOAD and not cmd.ok:
                 # F17 also when the report comes after the outcome (a timeout, another rank's
                 # failure): the host copies it found bad leave the tier
-                yield from drop_corrupt(state, [h for h in job.hashes if h in set(cmd.corrupt)])
+                drop_corrupt(state, [h for h in job.hashes if h in set(cmd.corrupt)], emit)
             if job.reported == every_rank:
-                yield _fence_lifted(state, job, "copy over")
+                emit(_fence_lifted(state, job, "copy over"))
         return
     request_id = None if job.state is JobState.ABANDONED else job.request_id
     if not cmd.ok:
         # F15: while another rank has not reported, its copy may still run: fence the memory
         fenced = job.reported | bit != every_rank
-        yield _terminal_event(
-            JobFailed, state, job, rank=cmd.rank, error=cmd.error or "unknown error", fenced=fenced
-        )
+        emit(_terminal_event(JobFailed, state, job, rank=cmd.rank, error=cmd.error or "unknown error", fenced=fenced))
         if cmd.corrupt and job.direction == LOAD and job.state is not JobState.ABANDONED:
             # F17: bad bytes are never offered twice: the entries the load found corrupt
             # leave the tier now that its pins are released (those another request still
             # pins go when that load fails on them too)
             named = set(cmd.corrupt)
             bad = [h for h in job.hashes if h in named]
-            yield from drop_corrupt(state, bad)
-    elif job.acks | bit == (1 << state.config.world_size) - 1:
+            drop_corrupt(state, bad, emit)
+    elif job.acks | bit == every_rank:
         landed = job.direction == STORE and job.state is not JobState.ABANDONED
-        yield _terminal_event(JobCompleted, state, job, rank=cmd.rank)
+        emit(_terminal_event(JobCompleted, state, job, rank=cmd.rank))
         if landed and state.config.remote:
-            yield from write_through(state, job.hashes)
+            write_through(state, job.hashes, emit)
     else:
-        yield RankSucceeded(seq=state.next_seq, job_id=job.job_id, rank=cmd.rank)
+        emit(RankSucceeded(seq=state.next_seq, job_id=job.job_id, rank=cmd.rank))
         return
     closing = _closing(state, request_id)
     if closing is not None:
-        yield closing
+        emit(closing)
 
 
-def decide_job_result(state: State, cmd: JobResult) -> Decision:
-    return _apply_result(state, cmd, check=True)
+def decide_job_result(state: State, cmd: JobResult, emit: Emit) -> None:
+    _apply_result(state, cmd, emit, check=True)
 
 
-def decide_job_results(state: State, cmd: JobResults) -> Decision:
+def decide_job_results(state: State, cmd: JobResults, emit: Emit) -> None:
     """Many executor outcomes at once (one command per engine step instead of one per job).
-    All are checked before anything is applied, so a bad one refuses the whole batch. (One
-    result, the usual step's, is its own decision: no generator around it.)"""
-    if len(cmd.results) == 1:
-        return _apply_result(state, cmd.results[0], check=True)
-    return _apply_results(state, cmd.results)
-
-
-def _apply_results(state: State, results: tuple[JobResult, ...]) -> Decision:
+    All are checked before anything is applied, so a bad one refuses the whole batch."""
+    results = cmd.results
+    if len(results) == 1:  # (the usual step's: checked as it is applied)
+        _apply_result(state, results[0], emit, check=True)
+        return
     for r in results:
         _check_result(state, r)
     for r in results:
-        yield from _apply_result(state, r)
-    return None
+        _apply_result(state, r, emit)
 
 
 def expired_jobs(state: State, now_ms: float) -> list[Job]:
@@ -183,22 +181,24 @@ def expired_jobs(state: State, now_ms: float) -> list[Job]:
     return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is in_flight]
 
 
-def decide_tick(state: State, cmd: Tick) -> Decision:
+def decide_tick(state: State, cmd: Tick, emit: Emit) -> int:
     expired = expired_jobs(state, cmd.now_ms)
     for job in expired:
         request_id = job.request_id
         # F15: the engine learns of the timeout now; the copy may still run, so the job's
         # memory stays fenced until the executor reports it over
-        yield _terminal_event(
-            JobTimedOut, state, job, now_ms=float(cmd.now_ms), deadline_ms=float(job.deadline_ms), fenced=True
+        emit(
+            _terminal_event(
+                JobTimedOut, state, job, now_ms=float(cmd.now_ms), deadline_ms=float(job.deadline_ms), fenced=True
+            )
         )
         closing = _closing(state, request_id)
         if closing is not None:
-            yield closing
+            emit(closing)
     return len(expired)
 
 
-def decide_finish(state: State, cmd: FinishRequest) -> Decision:
+def decide_finish(state: State, cmd: FinishRequest, emit: Emit) -> bool:
     req = state.requests.get(cmd.request_id)
     if req is None:
         # F18: routine for an engine (a request kvflow never saw, or one already closed)
@@ -208,28 +208,27 @@ def decide_finish(state: State, cmd: FinishRequest) -> Decision:
     if not cmd.preempted:  # (a preempted request is not over: it may come back, F18)
         touch = chain_touch(state, req)
         if touch is not None:
-            yield touch
+            emit(touch)
     if req.offered:
-        yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
-    yield RequestFinished(seq=state.next_seq, request_id=cmd.request_id, preempted=cmd.preempted)
+        emit(PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered))
+    emit(RequestFinished(seq=state.next_seq, request_id=cmd.request_id, preempted=cmd.preempted))
     closing = _closing(state, cmd.request_id)
     if closing is not None:
-        yield closing
+        emit(closing)
     return True
 
 
-def decide_reset(state: State, cmd: ResetAll) -> Decision:
+def decide_reset(state: State, cmd: ResetAll, emit: Emit) -> None:
     for jid in list(state.queued):
         job = state.jobs[jid]
-        yield _terminal_event(JobFailed, state, job, rank=-1, error=CANCELLED_BY_RESET)
+        emit(_terminal_event(JobFailed, state, job, rank=-1, error=CANCELLED_BY_RESET))
     live = tuple(jid for jid, job in state.jobs.items() if job.state is not JobState.FENCED)
-    yield Reset(seq=state.next_seq, abandoned_job_ids=live, keeps_requests=True)
-    return None
+    emit(Reset(seq=state.next_seq, abandoned_job_ids=live, keeps_requests=True))
 
 
-def decide_end_fences(state: State, cmd: EndFences) -> Decision:
+def decide_end_fences(state: State, cmd: EndFences, emit: Emit) -> int:
     """The executor is closed, its copies stopped: every fenced job's memory comes back."""
     fenced = [job for job in state.jobs.values() if job.fenced]
     for job in fenced:
-        yield _fence_lifted(state, job, "executor closed")
+        emit(_fence_lifted(state, job, "executor closed"))
     return len(fenced)

@@ -7,7 +7,7 @@ import operator
 from itertools import compress, count
 
 from kvflow.commands import AcceptHits, Lookup
-from kvflow.decide_checks import Decision, check_device_blocks, check_not_finished, whole
+from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, whole
 from kvflow.decide_remote import remote_loads
 from kvflow.decide_store import extend_chain
 from kvflow.errors import Rejected, UnknownRequest
@@ -20,26 +20,29 @@ def hit_cap_blocks(num_tokens: int, block_tokens: int) -> int:
     return max(0, (num_tokens - 1) // block_tokens)
 
 
-def decide_lookup(state: State, cmd: Lookup) -> Decision:
-    if not whole(cmd.num_tokens) or cmd.num_tokens < 0:
-        raise Rejected(f"lookup of request {cmd.request_id}: num_tokens must be >= 0")
-    if not whole(cmd.device_hit_blocks) or cmd.device_hit_blocks < 0:
-        raise Rejected(f"lookup of request {cmd.request_id}: device_hit_blocks must be >= 0")
+def decide_lookup(state: State, cmd: Lookup, emit: Emit) -> int:
+    request_id, num_tokens, skip = cmd.request_id, cmd.num_tokens, cmd.device_hit_blocks
+    # (``type(x) is int``: the engine's plain int passes without a call)
+    if not (type(num_tokens) is int or whole(num_tokens)) or num_tokens < 0:
+        raise Rejected(f"lookup of request {request_id}: num_tokens must be >= 0")
+    if not (type(skip) is int or whole(skip)) or skip < 0:
+        raise Rejected(f"lookup of request {request_id}: device_hit_blocks must be >= 0")
     if not state.config.enabled:
         return 0
-    req = state.requests.get(cmd.request_id)
-    check_not_finished(req, cmd.request_id, "lookup of request")
-    cap = hit_cap_blocks(cmd.num_tokens, state.config.block_tokens)
-    if req is not None and req.finished:
-        yield RequestResumed(seq=state.next_seq, request_id=cmd.request_id)  # F18
-    if req is not None and req.offered:
-        # A repeated lookup (the scheduler could not place the request last step) replaces the
-        # hits it offered before, so pins never pile up.
-        yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
-    extension = extend_chain(state, cmd.request_id, req, cmd.block_hashes)
+    req = state.requests.get(request_id)
+    if req is not None:
+        check_not_finished(req, request_id, "lookup of request")
+        if req.finished:
+            emit(RequestResumed(seq=state.next_seq, request_id=request_id))  # F18
+        if req.offered:
+            # A repeated lookup (the scheduler could not place the request last step) replaces
+            # the hits it offered before, so pins never pile up.
+            emit(PinsReleased(seq=state.next_seq, request_id=request_id, hashes=req.offered))
+    cap = hit_cap_blocks(num_tokens, state.config.block_tokens)
+    extension = extend_chain(state, request_id, req, cmd.block_hashes)
     if extension is not None:
-        yield extension
-    window = cmd.block_hashes[cmd.device_hit_blocks : cap]
+        emit(extension)
+    window = cmd.block_hashes[skip:cap]
     # only RESIDENT entries are visible: on the tier and not pending. The scan is lazy and at
     # C level: it stops at the first block that is not visible (the position of the first
     # true "missing"), so a miss costs one probe however long the prompt
@@ -47,14 +50,14 @@ def decide_lookup(state: State, cmd: Lookup) -> Decision:
     if state.pending:
         missing = map(operator.or_, missing, map(state.pending.__contains__, window))
     n = next(compress(count(), missing), len(window))
-    yield PinsAcquired(seq=state.next_seq, request_id=cmd.request_id, hashes=window[:n], num_tokens=cmd.num_tokens)
+    emit(PinsAcquired(seq=state.next_seq, request_id=request_id, hashes=window[:n], num_tokens=num_tokens))
     if n < len(window) and state.remote:
         # what the remote tier holds beyond the hits comes to the CPU tier (a later lookup hits)
-        yield from remote_loads(state, window[n:])
+        remote_loads(state, window[n:], emit)
     return n
 
 
-def decide_accept_hits(state: State, cmd: AcceptHits) -> Decision:
+def decide_accept_hits(state: State, cmd: AcceptHits, emit: Emit) -> int | None:
     if not state.config.enabled:
         if cmd.device_blocks:
             raise Rejected(f"accept_hits: offload is disabled, request {cmd.request_id} was offered nothing")
@@ -73,18 +76,18 @@ def decide_accept_hits(state: State, cmd: AcceptHits) -> Decision:
     if n:
         hashes = req.offered[:n]
         job_id = state.last_job_id + 1
-        yield LoadQueued(
+        emit(LoadQueued(
             seq=state.next_seq,
             job_id=job_id,
             request_id=cmd.request_id,
             hashes=hashes,
             device_blocks=tuple(cmd.device_blocks),
             slots=tuple(map(state.slot_of.__getitem__, hashes)),
-        )
+        ))
     if req.offered:
-        yield PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered)
+        emit(PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered))
     if n and state.config.chain_recency:
         # DESIGN §7 rule 2: the hits it loads are used again now, deepest first, so that
         # the request's own stores never evict the prefix they extend
-        yield BlocksTouched(seq=state.next_seq, hashes=hashes[::-1], reuse=True)
+        emit(BlocksTouched(seq=state.next_seq, hashes=hashes[::-1], reuse=True))
     return job_id

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvflow.commands import RemoteFound
-from kvflow.decide_checks import Decision
+from kvflow.decide_checks import Emit
 from kvflow.decide_store import _admission
 from kvflow.events import BlocksEvicted, RemoteIndexed, RemoteLoadQueued, RemoteStoreQueued
 from kvflow.jobs import REMOTE_STORE
@@ -39,7 +39,7 @@ def remote_run(state: State, window: Sequence[int]) -> list[int]:
     return run
 
 
-def remote_loads(state: State, window: Sequence[int]) -> Decision:
+def remote_loads(state: State, window: Sequence[int], emit: Emit) -> int | None:
     """Queue the remote load of ``remote_run(window)``: each block takes a free slot, else
     evicts the policy's next victim, never a pinned block (the request's hits are pinned) nor
     one of the run (F16); what finds no slot is not loaded."""
@@ -50,26 +50,30 @@ def remote_loads(state: State, window: Sequence[int]) -> Decision:
         return None
     admitted, _, victims, _, _ = _admission(state, run, run)
     if victims:
-        yield BlocksEvicted(
-            seq=state.next_seq,
-            hashes=tuple(victims),
-            slots=tuple(map(state.slot_of.__getitem__, victims)),
-            reason="capacity",
+        emit(
+            BlocksEvicted(
+                seq=state.next_seq,
+                hashes=tuple(victims),
+                slots=tuple(map(state.slot_of.__getitem__, victims)),
+                reason="capacity",
+            )
         )
     if not admitted:
         return None
     free = state.free_slots
     job_id = state.last_job_id + 1
-    yield RemoteLoadQueued(
-        seq=state.next_seq,
-        job_id=job_id,
-        hashes=tuple(admitted),
-        slots=tuple(free[len(free) - len(admitted) :][::-1]),
+    emit(
+        RemoteLoadQueued(
+            seq=state.next_seq,
+            job_id=job_id,
+            hashes=tuple(admitted),
+            slots=tuple(free[len(free) - len(admitted) :][::-1]),
+        )
     )
     return job_id
 
 
-def write_through(state: State, hashes: Sequence[int]) -> Decision:
+def write_through(state: State, hashes: Sequence[int], emit: Emit) -> int | None:
     """``remote_store_mode="write_through"``: blocks whose CPU-tier store just completed are
     copied to the remote tier, unless it holds them already."""
     if not state.config.remote or state.config.remote_store_mode != "write_through":
@@ -78,15 +82,13 @@ def write_through(state: State, hashes: Sequence[int]) -> Decision:
     todo = [h for h in hashes if h not in remote and state.is_resident(h)]
     if not todo:
         return None
-    return (yield from _remote_store(state, todo))
+    return _remote_store(state, todo, emit)
 
 
-def _remote_store(state: State, hashes: Sequence[int]) -> Decision:
+def _remote_store(state: State, hashes: Sequence[int], emit: Emit) -> int:
     todo, slot_of = tuple(hashes), state.slot_of
     job_id = state.last_job_id + 1
-    yield RemoteStoreQueued(
-        seq=state.next_seq, job_id=job_id, hashes=todo, slots=tuple(map(slot_of.__getitem__, todo))
-    )
+    emit(RemoteStoreQueued(seq=state.next_seq, job_id=job_id, hashes=todo, slots=tuple(map(slot_of.__getitem__, todo))))
     return job_id
 
 
@@ -96,7 +98,7 @@ def coldest_window(state: State) -> int:
     return max(1, state.config.cpu_blocks // 8)
 
 
-def push_ahead_of_eviction(state: State) -> Decision:
+def push_ahead_of_eviction(state: State, emit: Emit) -> None:
     """``remote_store_mode="ahead_of_eviction"``: once the CPU tier has fewer free slots than
     ``coldest_window``, its coldest resident blocks that the remote tier lacks (and no live
     remote store is copying) are copied there. Pinned by that job, they are not evicted until
@@ -108,7 +110,7 @@ def push_ahead_of_eviction(state: State) -> Decision:
     pushing = {h for job in state.jobs.values() if job.direction == REMOTE_STORE for h in job.hashes}
     todo = [h for h in coldest if h not in state.remote and h not in pushing]
     if todo:
-        yield from _remote_store(state, todo)
+        _remote_store(state, todo, emit)
     return None
 
 
@@ -131,10 +133,10 @@ def probe_candidates(state: State, window: Sequence[int]) -> list[int]:
     return out
 
 
-def decide_remote_found(state: State, cmd: RemoteFound) -> Decision:
+def decide_remote_found(state: State, cmd: RemoteFound, emit: Emit) -> int:
     if not state.config.remote:
         return 0
     new = tuple(h for h in dict.fromkeys(cmd.block_hashes) if h not in state.remote)
     if new:
-        yield RemoteIndexed(seq=state.next_seq, hashes=new)
+        emit(RemoteIndexed(seq=state.next_seq, hashes=new))
     return len(new)

@@ -9,7 +9,7 @@ from itertools import compress, filterfalse
 from typing import Any
 
 from kvflow.commands import BlocksComputed, DeviceBlocksEvicting, Evict, Invalidate, Touch
-from kvflow.decide_checks import Decision, check_device_blocks, check_not_finished, whole
+from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, whole
 from kvflow.errors import Rejected
 from kvflow.events import (
     BlocksCorrupt,
@@ -137,70 +137,78 @@ def _decide_store(
     request_id: str | None,
     block_hashes: Sequence[int],
     device_blocks: Sequence[int],
-) -> Decision:
+    emit: Emit,
+) -> int | None:
     if len(block_hashes) != len(device_blocks):
         raise Rejected(
             f"store: {len(block_hashes)} hashes but {len(device_blocks)} device blocks"
         )
     req = state.requests.get(request_id) if request_id is not None else None
-    check_not_finished(req, request_id, "store: request")  # type: ignore[arg-type]
+    if req is not None:
+        check_not_finished(req, request_id, "store: request")  # type: ignore[arg-type]
     held = state.held
     same = dict(zip(device_blocks, block_hashes)) if held and not held.keys().isdisjoint(device_blocks) else {}
     check_device_blocks(state, device_blocks, same)
     if not state.config.enabled:
         return None
     if req is not None and req.finished:
-        yield RequestResumed(seq=state.next_seq, request_id=req.request_id)  # F18
+        emit(RequestResumed(seq=state.next_seq, request_id=req.request_id))  # F18
     if request_id is not None:
         extension = extend_chain(state, request_id, req, block_hashes)
         if extension is not None:
-            yield extension
+            emit(extension)
             req = state.requests[request_id]  # (known from now on)
     entries = state.slot_of
     admit_hashes, admit_blocks, victims, rejected_hashes, rejected_blocks = _admission(
         state, block_hashes, device_blocks
     )
     if victims:
-        yield BlocksEvicted(
-            seq=state.next_seq,
-            hashes=tuple(victims),
-            slots=tuple(map(entries.__getitem__, victims)),
-            reason="capacity",
+        emit(
+            BlocksEvicted(
+                seq=state.next_seq,
+                hashes=tuple(victims),
+                slots=tuple(map(entries.__getitem__, victims)),
+                reason="capacity",
+            )
         )
     job_id = None
     admitted = len(admit_hashes)
     if admitted:
         free = state.free_slots
         job_id = state.last_job_id + 1
-        yield StoreQueued(
-            seq=state.next_seq,
-            job_id=job_id,
-            request_id=request_id,
-            hashes=tuple(admit_hashes),
-            device_blocks=tuple(admit_blocks),
-            slots=tuple(free[len(free) - admitted :][::-1]),
+        emit(
+            StoreQueued(
+                seq=state.next_seq,
+                job_id=job_id,
+                request_id=request_id,
+                hashes=tuple(admit_hashes),
+                device_blocks=tuple(admit_blocks),
+                slots=tuple(free[len(free) - admitted :][::-1]),
+            )
         )
     elif request_id is not None and req is None and not rejected_hashes:
-        yield RequestOpened(seq=state.next_seq, request_id=request_id)  # F18: known from now on
+        emit(RequestOpened(seq=state.next_seq, request_id=request_id))  # F18: known from now on
     if rejected_hashes:
-        yield StoreRejected(
-            seq=state.next_seq,
-            request_id=request_id,
-            hashes=tuple(rejected_hashes),
-            device_blocks=tuple(rejected_blocks),
-            reason=f"tier full: {state.capacity} slots held by pinned, in-flight or own-chain entries",
+        emit(
+            StoreRejected(
+                seq=state.next_seq,
+                request_id=request_id,
+                hashes=tuple(rejected_hashes),
+                device_blocks=tuple(rejected_blocks),
+                reason=f"tier full: {state.capacity} slots held by pinned, in-flight or own-chain entries",
+            )
         )
     return job_id
 
 
-def decide_blocks_computed(state: State, cmd: BlocksComputed) -> Decision:
-    # (returns the store's own generator: no generator around it on the hot path)
+def decide_blocks_computed(state: State, cmd: BlocksComputed, emit: Emit) -> int | None:
     if state.config.store_mode != "eager":
-        return _computed_lazy(state, cmd)
-    return _decide_store(state, cmd.request_id, cmd.block_hashes, cmd.device_blocks)
+        _computed_lazy(state, cmd, emit)
+        return None
+    return _decide_store(state, cmd.request_id, cmd.block_hashes, cmd.device_blocks, emit)
 
 
-def _computed_lazy(state: State, cmd: BlocksComputed) -> Decision:
+def _computed_lazy(state: State, cmd: BlocksComputed, emit: Emit) -> None:
     """Lazy mode: nothing is stored now, but the request is known (and back, if preempted)
     (F18)."""
     req = state.requests.get(cmd.request_id) if cmd.request_id is not None else None
@@ -208,22 +216,22 @@ def _computed_lazy(state: State, cmd: BlocksComputed) -> Decision:
     check_device_blocks(state, cmd.device_blocks, dict(zip(cmd.device_blocks, cmd.block_hashes)))
     if cmd.request_id is not None and state.config.enabled:
         if req is not None and req.finished:
-            yield RequestResumed(seq=state.next_seq, request_id=cmd.request_id)
+            emit(RequestResumed(seq=state.next_seq, request_id=cmd.request_id))
         extension = extend_chain(state, cmd.request_id, req, cmd.block_hashes)
         if extension is not None:
-            yield extension
+            emit(extension)
         elif req is None:
-            yield RequestOpened(seq=state.next_seq, request_id=cmd.request_id)
+            emit(RequestOpened(seq=state.next_seq, request_id=cmd.request_id))
     return None
 
 
-def decide_device_evicting(state: State, cmd: DeviceBlocksEvicting) -> Decision:
+def decide_device_evicting(state: State, cmd: DeviceBlocksEvicting, emit: Emit) -> int | None:
     if state.config.store_mode != "lazy":
         return None
-    return (yield from _decide_store(state, None, cmd.block_hashes, cmd.device_blocks))
+    return _decide_store(state, None, cmd.block_hashes, cmd.device_blocks, emit)
 
 
-def decide_touch(state: State, cmd: Touch) -> Decision:
+def decide_touch(state: State, cmd: Touch, emit: Emit) -> int:
     """Recency for the blocks on the tier, in the given order. A block still being stored
     keeps the touch until it lands (F14: a touch is never lost to completion order)."""
     slot_of, pending, hashes = state.slot_of, state.pending, cmd.block_hashes
@@ -232,11 +240,11 @@ def decide_touch(state: State, cmd: Touch) -> Decision:
     else:  # (a version-1 trace's touch: blocks still being stored were skipped)
         touched = tuple(filterfalse(pending.__contains__, filter(slot_of.__contains__, hashes)))
     if touched:
-        yield BlocksTouched(seq=state.next_seq, hashes=touched, reuse=cmd.reuse)
+        emit(BlocksTouched(seq=state.next_seq, hashes=touched, reuse=cmd.reuse))
     return len(touched)
 
 
-def decide_evict(state: State, cmd: Evict) -> Decision:
+def decide_evict(state: State, cmd: Evict, emit: Emit) -> int:
     if not whole(cmd.num_blocks) or cmd.num_blocks < 0:
         raise Rejected(f"evict: num_blocks must be >= 0, got {cmd.num_blocks!r}")
     if cmd.num_blocks == 0:
@@ -245,11 +253,13 @@ def decide_evict(state: State, cmd: Evict) -> Decision:
     victims = state.policy.victims(cmd.num_blocks, _eviction_blocker(state))
     if victims is None:
         raise Rejected(f"evict: fewer than {cmd.num_blocks} unpinned resident blocks (all-or-nothing)")
-    yield BlocksEvicted(
-        seq=state.next_seq,
-        hashes=tuple(victims),
-        slots=tuple(map(state.slot_of.__getitem__, victims)),
-        reason="explicit",
+    emit(
+        BlocksEvicted(
+            seq=state.next_seq,
+            hashes=tuple(victims),
+            slots=tuple(map(state.slot_of.__getitem__, victims)),
+            reason="explicit",
+        )
     )
     return len(victims)
 
@@ -268,73 +278,48 @@ def _evict_resident(state: State, hashes: Sequence[int], reason: str) -> BlocksE
     )
 
 
-def drop_corrupt(state: State, hashes: Sequence[int]) -> Decision:
+def drop_corrupt(state: State, hashes: Sequence[int], emit: Emit) -> None:
     """F17: the resident, unpinned ones of ``hashes`` are evicted now; the ones another
     request still pins are remembered and evicted when their last pin goes."""
     eviction = _evict_resident(state, hashes, "corrupt")
     if eviction is not None:
-        yield eviction
+        emit(eviction)
     pinned = [h for h in dict.fromkeys(hashes) if h in state.pin_count and h not in state.bad and state.is_resident(h)]
     if pinned:
-        yield BlocksCorrupt(seq=state.next_seq, hashes=tuple(pinned))
+        emit(BlocksCorrupt(seq=state.next_seq, hashes=tuple(pinned)))
 
 
-def _evict_unpinned_bad(state: State) -> Decision:
+def _evict_unpinned_bad(state: State, emit: Emit) -> None:
     """After any decision: remembered bad blocks whose last pin went are evicted (F17)."""
     gone = [h for h in state.bad if h not in state.pin_count]
     if gone:
         eviction = _evict_resident(state, gone, "corrupt")
         if eviction is not None:
-            yield eviction
+            emit(eviction)
 
 
-def _decide_then_evict(decider: Callable[[State, Any], Decision], state: State, cmd: Any) -> Decision:
-    answer = yield from decider(state, cmd)
-    if state.bad:
-        yield from _evict_unpinned_bad(state)
-    return answer
+# a decider: decides ``cmd`` against ``state``, hands each event to ``emit``, returns the answer
+Decider = Callable[[State, Any, Emit], Any]
 
 
-def names_corrupt_blocks(cmd: Any) -> bool:
-    """Whether an executor outcome reports bad host copies (the only way blocks become
-    remembered bad, F17); every other command's answer is False."""
-    corrupt = getattr(cmd, "corrupt", None)
-    if corrupt is not None:
-        return bool(corrupt)
-    results = getattr(cmd, "results", None)
-    return results is not None and any(r.corrupt for r in results)
-
-
-def then_evict_bad(
-    decider: Callable[[State, Any], Decision], reports_corrupt: bool = True
-) -> Callable[[State, Any], Decision]:
+def then_evict_bad(decider: Decider) -> Decider:
     """``decider``, followed by the eviction of remembered bad blocks it unpinned (F17).
-    With no bad block remembered and none reported by the command, there is nothing to
-    follow up: the decider runs alone (the hot path pays no extra generator per event).
-    ``reports_corrupt=False``: the command type never names corrupt blocks (only executor
-    outcomes do), so only the remembered ones are looked at."""
+    Blocks become remembered bad only through an executor outcome that names them
+    (``drop_corrupt``), so with none remembered after the decision there is nothing to do."""
 
-    if reports_corrupt:
-
-        def decide_then_evict(state: State, cmd: Any) -> Decision:
-            if not state.bad and not names_corrupt_blocks(cmd):
-                return decider(state, cmd)
-            return _decide_then_evict(decider, state, cmd)
-
-    else:
-
-        def decide_then_evict(state: State, cmd: Any) -> Decision:
-            if not state.bad:
-                return decider(state, cmd)
-            return _decide_then_evict(decider, state, cmd)
+    def decide_then_evict(state: State, cmd: Any, emit: Emit) -> Any:
+        answer = decider(state, cmd, emit)
+        if state.bad:
+            _evict_unpinned_bad(state, emit)
+        return answer
 
     decide_then_evict.__name__ = decider.__name__
     return decide_then_evict
 
 
-def decide_invalidate(state: State, cmd: Invalidate) -> Decision:
+def decide_invalidate(state: State, cmd: Invalidate, emit: Emit) -> int:
     eviction = _evict_resident(state, cmd.block_hashes, "invalidated")
     if eviction is None:
         return 0
-    yield eviction
+    emit(eviction)
     return len(eviction.hashes)

@@ -1,9 +1,10 @@
 """The synchronous, engine-facing API: commands in, events applied, answers and notices out.
 
 ``OffloadManager`` is what a vLLM-like scheduler embeds. Every method builds a command, runs
-the decision generator, appends and applies each event, and returns the answer. Outcomes that
-arrive later (loads finished or failed, device blocks released) accumulate as *notices* that
-the engine collects with :meth:`take_notices` whenever it likes, many steps later included (F4).
+its decider, which applies, records and dispatches each event as it emits it, and returns the
+answer. Outcomes that arrive later (loads finished or failed, device blocks released)
+accumulate as *notices* that the engine collects with :meth:`take_notices` whenever it likes,
+many steps later included (F4).
 
 A refused call raises a :class:`~kvflow.errors.Rejected` subclass and changes nothing (F12).
 This module is pure apart from the log it is handed (the log decides whether to write a file).
@@ -44,11 +45,13 @@ from kvflow.jobs import LOAD, TransferJob
 from kvflow.log import MemoryLog, NullLog
 from kvflow.notices import ABANDONED_BY_RESET, NOTICE_TYPES, Fence, LoadFailure, Notices
 from kvflow.state import JobState, State
-from kvflow.state.apply import apply_decision
+from kvflow.state.apply import live_applier
 
 
 class OffloadManager:
     """The offload decisions for one engine (all ranks): pure state + log + notices."""
+
+    _emit: Callable[[Event], None]  # the deciders' emit (see _rebuild_dispatch)
 
     def __init__(self, config: Config, log: Any = None, *, paranoid: bool = False) -> None:
         """``paranoid=True`` re-checks every event's legality as it is applied (tests,
@@ -56,14 +59,14 @@ class OffloadManager:
         self.config = config
         self.paranoid = paranoid
         self.state = State(config)
-        self.log = log if log is not None else MemoryLog(config)
         self._notices = Notices()
         self._told_abandoned: set[int] = set()  # abandoned loads already reported failed
         # callables receiving the applied events, by event type (see subscribe)
         self._subscribers: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
         self._dispatch: dict[type, tuple[Callable[[Any], None], ...]] = {}
+        self._applied: list[Event] = []  # the events of the command being decided, for the log
         self._no_deadline_before_ms = math.inf  # no submitted job is due before this
-        self._rebuild_dispatch()
+        self.log = log if log is not None else MemoryLog(config)  # (builds the dispatch)
         # one call at a time: a second thread (or a callback calling back in) is refused
         self._deciding = threading.Lock()
         self.closed = False
@@ -79,11 +82,14 @@ class OffloadManager:
     def log(self, log: Any) -> None:
         self._log = log
         self._recording = not isinstance(log, NullLog)  # a NullLog's calls are skipped
+        self._rebuild_dispatch()  # (the events are kept only for a log that records them)
 
-    def handle(self, command: Command) -> tuple[Any, list[Event]]:
-        """Decide and apply one command; returns (answer, events appended). Refused, changing
-        nothing, after ``close()`` (``EngineClosed``) or while another call is being decided
-        (``ConcurrentCall``: kvflow is called from one thread)."""
+    def execute(self, command: Command) -> Any:
+        """Decide and apply one command; returns its answer. Each event is applied, kept for
+        the log and handed to its subscribers as the decider emits it (``_emit``, built once
+        per subscriber set). Refused, changing nothing, after ``close()`` (``EngineClosed``)
+        or while another call is being decided (``ConcurrentCall``: kvflow is called from
+        one thread)."""
         if not self._deciding.acquire(False):  # (positional: half the cost of blocking=False)
             if self.closed:  # (close() keeps the lock: a closed manager is found here)
                 raise EngineClosed(f"{type(command).__name__}: the engine is closed")
@@ -91,36 +97,39 @@ class OffloadManager:
                 f"{type(command).__name__} while another call is being decided: call kvflow from one thread"
             )
         try:
-            state = self.state
-            gen = DECIDERS[type(command)](state, command)
+            applied = self._applied
+            if applied:  # (the events of the command before, kept for ``handle``)
+                applied.clear()
             try:
-                event = next(gen)  # validation happens here: a Rejected leaves everything as is
-            except StopIteration as stop:
-                if self._recording:
+                answer = DECIDERS[type(command)](self.state, command, self._emit)
+            except BaseException:
+                # what was applied is recorded (it was observed already), even if a paranoid
+                # check raised; a call refused before its first event leaves no record
+                if applied:
                     self._log.record_command(command)
-                    self._log.after_command(state)
-                return stop.value, []
-            recording = self._recording
-            if recording:
-                self._log.record_command(command)
-            events: list[Event] = []
-            try:
-                answer = apply_decision(state, event, gen, self.paranoid, events.append)
-            finally:
-                # what was applied is recorded and observed, even if a paranoid check raised
-                if recording:
-                    self._log.record_events(events)
-                dispatch = self._dispatch
-                for applied in events:
-                    callbacks = dispatch[type(applied)]
-                    if callbacks:  # (most events have none: no loop set up for them)
-                        for callback in callbacks:
-                            callback(applied)
-            if recording:
-                self._log.after_command(state)
-            return answer, events
+                    self._log.record_events(applied)
+                raise
+            if self._recording:
+                log = self._log
+                log.record_command(command)
+                log.record_events(applied)
+                log.after_command(self.state)
+            return answer
         finally:
             self._deciding.release()
+
+    def handle(self, command: Command) -> tuple[Any, list[Event]]:
+        """``execute``, also returning the events the command appended."""
+        if self._recording:
+            return self.execute(command), self._applied.copy()
+        # (a NullLog keeps no events: this call has its own emit collect them)
+        events: list[Event] = []
+        emit = self._emit
+        self._emit = live_applier(self.state, self._dispatch, events, self.paranoid)
+        try:
+            return self.execute(command), events
+        finally:
+            self._emit = emit
 
     def subscribe(self, callback: Callable[[Any], None], event_types: Sequence[type] | None = None) -> None:
         """Call ``callback(event)`` for every event applied from now on whose type is in
@@ -141,6 +150,10 @@ class OffloadManager:
             )
             for kind in EVENT_TYPES
         }
+        # the deciders' emit: evolve (every check when paranoid), keep for a log that records,
+        # hand to the subscribers
+        kept = self._applied if self._recording else None
+        self._emit = live_applier(self.state, self._dispatch, kept, self.paranoid)
 
     def _observe_notice(self, event: Event) -> None:
         self._notices.observe(event)
@@ -175,7 +188,7 @@ class OffloadManager:
         self, request_id: str, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0
     ) -> int:
         """How many blocks after the device hit can be loaded from the CPU tier; pins them (F7)."""
-        answer, _ = self.handle(
+        answer = self.execute(
             Lookup(
                 request_id=bd.request_id(request_id),
                 block_hashes=bd.hashes(block_hashes),
@@ -188,14 +201,14 @@ class OffloadManager:
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated device blocks for the first hits: queue their load."""
         command = AcceptHits(request_id=bd.request_id(request_id), device_blocks=bd.device_blocks(device_blocks))
-        answer, _ = self.handle(command)
+        answer = self.execute(command)
         return answer  # type: ignore[no-any-return]
 
     def blocks_computed(
         self, request_id: str | None, block_hashes: Sequence[int], device_blocks: Sequence[int]
     ) -> int | None:
         """Eager mode: store the computed blocks not yet on the tier (F3 dedupe)."""
-        answer, _ = self.handle(
+        answer = self.execute(
             BlocksComputed(
                 request_id=bd.optional_request_id(request_id),
                 block_hashes=bd.hashes(block_hashes),
@@ -207,17 +220,17 @@ class OffloadManager:
     def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
         """Lazy mode: store blocks the device cache is about to drop."""
         command = DeviceBlocksEvicting(block_hashes=bd.hashes(block_hashes), device_blocks=bd.device_blocks(device_blocks))
-        answer, _ = self.handle(command)
+        answer = self.execute(command)
         return answer  # type: ignore[no-any-return]
 
     def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
         """Recency for resident blocks in this order; ``reuse=False`` only reorders."""
-        answer, _ = self.handle(Touch(block_hashes=bd.hashes(block_hashes), reuse=bd.flag(reuse, "reuse")))
+        answer = self.execute(Touch(block_hashes=bd.hashes(block_hashes), reuse=bd.flag(reuse, "reuse")))
         return int(answer)
 
     def evict(self, num_blocks: int) -> int:
         """Evict ``num_blocks`` unpinned resident blocks through the policy (all or nothing)."""
-        answer, _ = self.handle(Evict(num_blocks=bd.count(num_blocks, "num_blocks")))
+        answer = self.execute(Evict(num_blocks=bd.count(num_blocks, "num_blocks")))
         return int(answer)
 
     def plan_step(self, now_ms: float = 0.0) -> list[TransferJob]:
@@ -234,10 +247,10 @@ class OffloadManager:
         timed_out = 0
         if tick and now_ms >= self._no_deadline_before_ms:  # (before: no job can be due)
             if expired_jobs(self.state, now_ms):
-                timed_out = int(self.handle(Tick(now_ms=now_ms))[0])
+                timed_out = int(self.execute(Tick(now_ms=now_ms)))
             self._no_deadline_before_ms = self._earliest_deadline()
         if plan and self.state.queued:  # (nothing queued: nothing to decide, nothing recorded)
-            return timed_out, self.handle(PlanStep(now_ms=now_ms))[0]
+            return timed_out, self.execute(PlanStep(now_ms=now_ms))
         return timed_out, []
 
     def job_result(
@@ -247,12 +260,12 @@ class OffloadManager:
         ``corrupt`` names the blocks whose host copy failed its integrity check (F17)."""
         # (bd.result checks and normalises every field, corrupt included)
         outcome = JobResult(job_id=job_id, rank=rank, ok=ok, error=error, corrupt=corrupt)  # type: ignore[arg-type]
-        self.handle(bd.result(outcome))
+        self.execute(bd.result(outcome))
 
     def job_results(self, results: Sequence[JobResult]) -> None:
         """Apply many outcomes in one command; a bad one refuses the batch (nothing applied)."""
         if results:
-            self.handle(JobResults(results=tuple(map(bd.result, results))))
+            self.execute(JobResults(results=tuple(map(bd.result, results))))
 
     def tick(self, now_ms: float) -> int:
         """Time out in-flight jobs whose deadline has passed (F2); returns how many.
@@ -279,7 +292,7 @@ class OffloadManager:
         leaves the state when its last live job ends. False (and nothing changes) for a
         request kvflow does not know: one it never saw or already forgot (F18)."""
         command = FinishRequest(request_id=bd.request_id(request_id), preempted=bd.flag(preempted, "preempted"))
-        answer, _ = self.handle(command)
+        answer = self.execute(command)
         return bool(answer)
 
     def invalidate(self, block_hashes: Sequence[int]) -> int:
@@ -288,13 +301,13 @@ class OffloadManager:
         recompute stores them anew. Returns how many were evicted; blocks pinned by a
         request's lookup or load, or still being stored, stay (a load of them that fails
         its integrity check evicts them)."""
-        answer, _ = self.handle(Invalidate(block_hashes=bd.hashes(block_hashes)))
+        answer = self.execute(Invalidate(block_hashes=bd.hashes(block_hashes)))
         return int(answer)
 
     def remote_found(self, block_hashes: Sequence[int]) -> int:
         """A probe found these blocks on the remote tier: lookups that miss the CPU tier on
         them load them from there. Returns how many were new to the remote index."""
-        answer, _ = self.handle(RemoteFound(block_hashes=bd.hashes(block_hashes)))
+        answer = self.execute(RemoteFound(block_hashes=bd.hashes(block_hashes)))
         return int(answer)
 
     def remote_probe_candidates(
@@ -309,7 +322,7 @@ class OffloadManager:
     def reset(self) -> None:
         """Forget the tier: queued jobs are cancelled, in-flight ones abandoned (their slots
         and device blocks stay fenced until every rank reports, F15)."""
-        self.handle(ResetAll())
+        self.execute(ResetAll())
 
     def end_fences(self) -> int:
         """The executor is closed and its copies have stopped: every fence ends (its device
@@ -317,7 +330,7 @@ class OffloadManager:
         run any more: ``SyncEngine.close`` does, after the executor's ``close()``."""
         if not any(job.fenced for job in self.state.jobs.values()):
             return 0
-        answer, _ = self.handle(EndFences())
+        answer = self.execute(EndFences())
         return int(answer)
 
     def close(self) -> None:
@@ -325,7 +338,7 @@ class OffloadManager:
         Idempotent."""
         if self.closed:
             return
-        # waits for a call in progress, and is kept: every later call is refused (handle)
+        # waits for a call in progress, and is kept: every later call is refused (execute)
         self._deciding.acquire()
         self.closed = True
         self.log.close(self.state)

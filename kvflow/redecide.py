@@ -18,88 +18,154 @@ from kvflow.trace.format import Checkpoint
 from kvflow.trace.reader import TraceReader
 
 
-class _Redecider:
-    """Runs one recorded command through ``decide`` and lines its events up with the trace."""
+class _Stop(Exception):
+    """Raised by the comparing ``emit`` to end the re-decision: a divergence, a check that
+    failed, ``--until`` reached or the end of the trace (``result`` says which)."""
 
-    def __init__(self, result: ReplayResult) -> None:
+
+class _UnreadableTrace(Exception):
+    """A trace error met while a decision runs: carried past the decider, which would take
+    a ``KvflowError`` for its own refusal, and raised again as it was."""
+
+    def __init__(self, error: KvflowError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Redecider:
+    """Runs each recorded command through ``decide`` with an ``emit`` that reads the next
+    recorded event, compares it with the one today's code decided and applies it, so the
+    decision goes on against the state the recording reached (Temporal's replayer)."""
+
+    def __init__(
+        self,
+        result: ReplayResult,
+        reader: TraceReader,
+        until: int | None,
+        strict: bool,
+        on_event: Callable[[int, Any], None] | None,
+    ) -> None:
         self.result = result
+        self.reader = reader
+        self.records = reader.records()
+        self.until = until
+        self.strict = strict
+        self.on_event = on_event
         self.command: Any = None
         self.command_line = 0
-        self.produced: list[Event] = []
         self.matched = 0
-        self.digest_before: str | None = None
-        self._pending: Event | None = None  # the event today's code decided next
-        self._refused: str | None = None
+        self.refused: str | None = None  # why today's code refused the current command
+        self.cut_short = False  # the trace ended inside the current command
 
-    def start(self, line: int, command: Any) -> bool:
-        if not self.finish():
-            return False
-        state = self.result.state
-        self.command, self.command_line = command, line
-        self.digest_before = None
-        self.matched = 0
-        self.produced = []
-        self._refused = None
-        # Run the decision against a scratch copy lazily: decisions read the state as each
-        # event is applied, so we drive the generator against the live state one event at a
-        # time, in step with the recorded events (see ``event``).
-        self._gen = decide(state, command)
-        self._pending = self._next()
-        return self.result.divergence is None
-
-    def _next(self) -> Event | None:
-        try:
-            return next(self._gen)
-        except StopIteration:
-            return None
-        except KvflowError as exc:
-            self._refused = str(exc)
-            return None
-
-    def event(self, line: int, recorded: Event) -> bool:
+    def run(self) -> None:
+        """Every record in order; stops at the first divergence (``result.divergence``)."""
         result = self.result
-        if self.command is None:
-            result.divergence = Divergence(
-                "redecide", recorded.seq, line, "an event appears before any command", recorded=recorded
-            )
-            return False
-        produced = self._pending
-        if produced != recorded:
-            self._diverge(line, recorded, produced)
-            return False
-        if not apply_event(result, line, recorded, False):
-            return False
-        self.matched += 1
-        self._pending = self._next_afterapply_event()
-        return True
-
-    def _next_afterapply_event(self) -> Event | None:
+        state = result.state
         try:
-            return self._gen.send(None)
-        except StopIteration:
-            return None
+            for line, rec in self.records:
+                if isinstance(rec, Checkpoint):
+                    self._checkpoint(line, rec)
+                elif isinstance(rec, COMMAND_TYPES):
+                    self._command(line, rec)
+                elif isinstance(rec, EVENT_TYPES):
+                    # an event no decision asked for: before any command, or beyond what
+                    # today's code decided for the command before it
+                    rec = cast(Event, rec)
+                    self._check_until(rec)
+                    if self.command is None:
+                        result.divergence = Divergence(
+                            "redecide", rec.seq, line, "an event appears before any command", recorded=rec
+                        )
+                    else:
+                        self._diverge(line, rec, None)
+                    return
+        except _Stop:
+            pass
+        if self.cut_short:
+            # a trace cut short (a crash) may end inside a command: its remaining events were
+            # never written, which is no divergence; the re-decision ends with the command before
+            result.stopped_at = state.last_seq
+            result.warnings.append(
+                f"{result.path}:{self.command_line}: the trace ends inside this command "
+                f"({self.matched} of its events recorded, today's code decides more): "
+                "re-decided up to the last complete command before it"
+            )
+
+    def _checkpoint(self, line: int, cp: Checkpoint) -> None:
+        if not check_point(self.result, line, cp, self.reader):
+            raise _Stop
+
+    def _check_until(self, recorded: Event) -> None:
+        if self.until is not None and recorded.seq > self.until:
+            self.result.stopped_at = self.result.state.last_seq
+            raise _Stop
+
+    def _command(self, line: int, command: Any) -> None:
+        result = self.result
+        state = result.state
+        if self.until is not None and state.last_seq >= self.until:
+            result.stopped_at = state.last_seq
+            raise _Stop
+        result.commands += 1
+        self.command, self.command_line = command, line
+        self.matched = 0
+        self.refused = None
+        try:
+            decide(state, command, self._emit)
+        except _UnreadableTrace as unreadable:
+            raise unreadable.error from None
         except KvflowError as exc:
-            self._refused = str(exc)
-            return None
+            self.refused = str(exc)
 
-    def cut_short(self) -> bool:
-        """Does the current command have events today's code decided that were not read?"""
-        return self.command is not None and self.result.divergence is None and self._pending is not None
-
-    def finish(self) -> bool:
-        """The recorded events of the current command are over: today's code must agree."""
-        if self.command is None or self.result.divergence is not None:
-            return self.result.divergence is None
-        if self._pending is not None:
-            self._diverge(None, None, self._pending)
-            return False
-        self.command = None
-        return True
+    def _emit(self, produced: Event) -> None:
+        """Today's code decided ``produced``: the trace's next event must be the same."""
+        result = self.result
+        while True:
+            try:
+                line, rec = next(self.records)
+            except StopIteration:
+                break
+            except KvflowError as exc:  # (the reader's: a malformed line)
+                raise _UnreadableTrace(exc) from exc
+            if isinstance(rec, Checkpoint):
+                self._checkpoint(line, rec)
+                continue
+            if isinstance(rec, COMMAND_TYPES):
+                # the recorded events of the command are over: ``produced`` is one too many
+                if self.until is not None and result.state.last_seq >= self.until:
+                    result.stopped_at = result.state.last_seq
+                else:
+                    result.commands += 1
+                    self._diverge(None, None, produced)
+                raise _Stop
+            if isinstance(rec, EVENT_TYPES):
+                recorded = cast(Event, rec)
+                self._check_until(recorded)
+                if produced != recorded:
+                    self._diverge(line, recorded, produced)
+                    raise _Stop
+                if not apply_event(result, line, recorded, False):
+                    raise _Stop
+                self.matched += 1
+                if self.strict:
+                    problems = check_invariants(result.state)
+                    if problems:
+                        result.divergence = Divergence("invariant", recorded.seq, line, "; ".join(problems[:3]))
+                        raise _Stop
+                if self.on_event is not None:
+                    self.on_event(line, recorded)
+                return
+        # the trace ends here, inside the command
+        if self.reader.complete:
+            self._diverge(None, None, produced)
+        else:
+            self.cut_short = True
+        raise _Stop
 
     def _diverge(self, line: int | None, recorded: Event | None, produced: Event | None) -> None:
         state = self.result.state
         seq = recorded.seq if recorded is not None else (produced.seq if produced is not None else state.next_seq)
-        refused = self._refused
+        refused = self.refused
         if recorded is not None and produced is None:
             what = "today's code produced no event here" + (f" (it refused the command: {refused})" if refused else "")
         elif recorded is None:
@@ -147,39 +213,4 @@ def redecide(
     strict: bool,
     on_event: Callable[[int, Any], None] | None,
 ) -> None:
-    state = result.state
-    redecider = _Redecider(result)
-    for line, rec in reader.records():
-        if isinstance(rec, Checkpoint):
-            if not check_point(result, line, rec, reader):
-                return
-        elif isinstance(rec, COMMAND_TYPES):
-            if until is not None and state.last_seq >= until:
-                result.stopped_at = state.last_seq
-                return
-            result.commands += 1
-            if not redecider.start(line, rec):
-                return
-        elif isinstance(rec, EVENT_TYPES):
-            rec = cast(Event, rec)
-            if until is not None and rec.seq > until:
-                result.stopped_at = state.last_seq
-                return
-            if not redecider.event(line, rec):
-                return
-            if strict and check_invariants(state):
-                result.divergence = Divergence("invariant", rec.seq, line, "; ".join(check_invariants(state)[:3]))
-                return
-            if on_event is not None:
-                on_event(line, rec)
-    if reader.complete or not redecider.cut_short():
-        redecider.finish()
-    else:
-        # a trace cut short (a crash) may end inside a command: its remaining events were
-        # never written, which is no divergence; the re-decision ends with the command before
-        result.stopped_at = state.last_seq
-        result.warnings.append(
-            f"{result.path}:{redecider.command_line}: the trace ends inside this command "
-            f"({redecider.matched} of its events recorded, today's code decides more): "
-            "re-decided up to the last complete command before it"
-        )
+    _Redecider(result, reader, until, strict, on_event).run()

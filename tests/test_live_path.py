@@ -1,7 +1,7 @@
 """The live path against the checked path of the one core.
 
-On the live path the manager applies the events its own deciders produced with
-``evolve(check=False)`` (the decider validated them); folds and replays of recorded logs
+On the live path the manager applies the events its own deciders produced without the
+legality and seq checks (``live_applier``: the decider validated them); folds and replays of recorded logs
 always check. These tests pin that the shortcut never changes a result:
 
 * Twin state machines: every command the Hypothesis machines of test_stateful.py issue runs
@@ -34,10 +34,11 @@ from test_stateful import (
 
 from kvflow.boundary import hashes as _hashes
 from kvflow.boundary import ints as _ints
+from kvflow.commands import BlocksComputed, Lookup
 from kvflow.config import Config
 from kvflow.errors import IllegalTransition, KvflowError
-from kvflow.events import EVENT_TYPES, PinsAcquired, StoreQueued
-from kvflow.log import read_trace
+from kvflow.events import EVENT_TYPES, ChainExtended, PinsAcquired, StoreQueued
+from kvflow.log import MemoryLog, NullLog, read_trace
 from kvflow.manager import OffloadManager
 from kvflow.state import State, evolve, fold
 
@@ -51,7 +52,8 @@ class TwinManager(OffloadManager):
         super().__init__(config)
         self.shadow = OffloadManager(config, paranoid=True)
 
-    def handle(self, command: Any) -> tuple[Any, list[Any]]:
+    def execute(self, command: Any) -> Any:
+        # (every engine method and ``handle`` come through here)
         expected: Any = None
         try:
             expected = self.shadow.handle(command)
@@ -60,7 +62,7 @@ class TwinManager(OffloadManager):
         else:
             expected_exc = None
         try:
-            got = super().handle(command)
+            got = (super().execute(command), self._applied.copy())
         except KvflowError as exc:
             assert expected_exc is not None, f"the live path refused {command}: {exc}"
             assert (type(exc), str(exc)) == (type(expected_exc), str(expected_exc))
@@ -70,7 +72,7 @@ class TwinManager(OffloadManager):
         assert got[0] == expected[0], (command, got[0], expected[0])
         assert got[1] == expected[1], (command, got[1], expected[1])
         assert self.state.digest() == self.shadow.state.digest(), command
-        return got
+        return got[0]
 
 
 class TwinMixin:
@@ -243,3 +245,19 @@ def test_numpy_integers_are_accepted_where_ints_are() -> None:
     np = pytest.importorskip("numpy")
     assert _ints(np.arange(3, dtype=np.int64)) == (0, 1, 2)
     assert _hashes([np.uint64(2**64 - 1)]) == (2**64 - 1,)
+
+
+@pytest.mark.parametrize("recording", [True, False], ids=["memory-log", "null-log"])
+def test_handle_returns_the_events_each_command_appended(recording: bool) -> None:
+    """``handle`` hands back each command's own events, whether the log keeps them or not
+    (the twins above compare these lists: an empty one would pass them unseen)."""
+    config = Config(cpu_blocks=4, block_tokens=4)
+    log = MemoryLog(config) if recording else NullLog()
+    m = OffloadManager(config, log)
+    _, looked_up = m.handle(Lookup(request_id="r", block_hashes=(1, 2), num_tokens=9))
+    _, stored = m.handle(BlocksComputed(request_id="r", block_hashes=(1, 2), device_blocks=(0, 1)))
+    assert [type(e) for e in looked_up] == [ChainExtended, PinsAcquired]
+    assert [type(e) for e in stored] == [StoreQueued]
+    assert [e.seq for e in looked_up + stored] == [1, 2, 3]
+    if recording:
+        assert log.events() == looked_up + stored

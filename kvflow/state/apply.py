@@ -17,7 +17,7 @@ here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvflow.errors import IllegalTransition
@@ -247,9 +247,8 @@ _EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {
 def evolve(state: State, event: Event, check: bool = True) -> State:
     """Apply one event (in place) and return the state; illegal → IllegalTransition, no change.
 
-    ``check=False`` skips the per-block legality checks. Only the live path uses it, for
-    events its own ``decide`` just produced from this very state (the decider validated
-    them); folds and replays of recorded logs always check.
+    ``check=False`` skips the per-block legality checks (see ``live_applier``, the live path's
+    form); folds and replays of recorded logs always check.
     """
     if event.seq != state.next_seq:
         raise IllegalTransition(f"SEQ {state.next_seq}", f"{event_name(event)}#{event.seq}", "events must be gapless")
@@ -258,19 +257,56 @@ def evolve(state: State, event: Event, check: bool = True) -> State:
     return state
 
 
-def apply_decision(
-    state: State, event: Event, decision: Generator[Event, None, Any], check: bool, applied: Callable[[Event], Any]
-) -> Any:
-    """``evolve`` each event of a decision as it is yielded, from ``event`` (its first), and
-    hand each to ``applied`` once applied; returns the decision's answer (the live path's
-    loop)."""
-    try:
-        while True:
-            evolve(state, event, check)
-            applied(event)
-            event = decision.send(None)
-    except StopIteration as stop:
-        return stop.value
+Observers = Mapping[type, tuple[Callable[[Any], Any], ...]]
+
+
+def live_applier(
+    state: State, observers: Observers, applied: list[Event] | None, check: bool = False
+) -> Callable[[Event], None]:
+    """The live path's ``emit`` (see kvflow.decide): apply one event a decider has just decided
+    from this very state, append it to ``applied`` (None: keep none), then hand it to the
+    callables ``observers`` names for its type, in order.
+
+    By default the decider is trusted, as ``evolve(check=False)`` trusts it, and one step
+    further: it numbered the event from ``state.next_seq`` an instant ago, so the gapless-seq
+    check is skipped too, and the evolver and the observers come from one table built here
+    (one lookup per event). ``check=True`` (a paranoid manager) applies each event through
+    ``evolve`` with every check.
+    """
+    if check:
+
+        def emit_checked(event: Event) -> None:
+            evolve(state, event, True)
+            if applied is not None:
+                applied.append(event)
+            for callback in observers.get(type(event), ()):
+                callback(event)
+
+        return emit_checked
+    steps = {kind: (evolver, tuple(observers.get(kind, ()))) for kind, evolver in _EVOLVERS.items()}
+    if applied is None:
+
+        def emit(event: Event) -> None:
+            evolver, callbacks = steps[type(event)]
+            evolver(state, event, False)
+            state.next_seq += 1
+            if callbacks:  # (most events have none: no loop set up for them)
+                for callback in callbacks:
+                    callback(event)
+
+        return emit
+    append = applied.append
+
+    def emit_kept(event: Event) -> None:
+        evolver, callbacks = steps[type(event)]
+        evolver(state, event, False)
+        state.next_seq += 1
+        append(event)
+        if callbacks:  # (most events have none: no loop set up for them)
+            for callback in callbacks:
+                callback(event)
+
+    return emit_kept
 
 
 def fold(state: State, events: Iterable[Event]) -> State:

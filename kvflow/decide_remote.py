@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 from kvflow.commands import RemoteFound
 from kvflow.decide_checks import Emit
-from kvflow.decide_store import _admission
-from kvflow.events import BlocksEvicted, RemoteIndexed, RemoteLoadQueued, RemoteStoreQueued
+from kvflow.decide_store import _admission, eviction
+from kvflow.events import RemoteIndexed, RemoteLoadQueued, RemoteStoreQueued
 from kvflow.jobs import REMOTE_STORE
 from kvflow.state import State
 
@@ -50,14 +50,7 @@ def remote_loads(state: State, window: Sequence[int], emit: Emit) -> int | None:
         return None
     admitted, _, victims, _, _ = _admission(state, run, run)
     if victims:
-        emit(
-            BlocksEvicted(
-                seq=state.next_seq,
-                hashes=tuple(victims),
-                slots=tuple(map(state.slot_of.__getitem__, victims)),
-                reason="capacity",
-            )
-        )
+        emit(eviction(state, victims, "capacity"))
     if not admitted:
         return None
     free = state.free_slots

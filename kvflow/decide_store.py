@@ -158,19 +158,11 @@ def _decide_store(
         if extension is not None:
             emit(extension)
             req = state.requests[request_id]  # (known from now on)
-    entries = state.slot_of
     admit_hashes, admit_blocks, victims, rejected_hashes, rejected_blocks = _admission(
         state, block_hashes, device_blocks
     )
     if victims:
-        emit(
-            BlocksEvicted(
-                seq=state.next_seq,
-                hashes=tuple(victims),
-                slots=tuple(map(entries.__getitem__, victims)),
-                reason="capacity",
-            )
-        )
+        emit(eviction(state, victims, "capacity"))
     job_id = None
     admitted = len(admit_hashes)
     if admitted:
@@ -253,14 +245,7 @@ def decide_evict(state: State, cmd: Evict, emit: Emit) -> int:
     victims = state.policy.victims(cmd.num_blocks, _eviction_blocker(state))
     if victims is None:
         raise Rejected(f"evict: fewer than {cmd.num_blocks} unpinned resident blocks (all-or-nothing)")
-    emit(
-        BlocksEvicted(
-            seq=state.next_seq,
-            hashes=tuple(victims),
-            slots=tuple(map(state.slot_of.__getitem__, victims)),
-            reason="explicit",
-        )
-    )
+    emit(eviction(state, victims, "explicit"))
     return len(victims)
 
 
@@ -270,10 +255,15 @@ def _evict_resident(state: State, hashes: Sequence[int], reason: str) -> BlocksE
     chosen = [h for h in dict.fromkeys(hashes) if h in slot_of and h not in pending and h not in pinned]
     if not chosen:
         return None
+    return eviction(state, chosen, reason)
+
+
+def eviction(state: State, victims: Sequence[int], reason: str) -> BlocksEvicted:
+    """The eviction of ``victims`` (RESIDENT, unpinned, distinct), with their slots."""
     return BlocksEvicted(
         seq=state.next_seq,
-        hashes=tuple(chosen),
-        slots=tuple(map(slot_of.__getitem__, chosen)),
+        hashes=tuple(victims),
+        slots=tuple(map(state.slot_of.__getitem__, victims)),
         reason=reason,  # type: ignore[arg-type]
     )
 

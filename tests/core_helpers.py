@@ -1,7 +1,10 @@
-"""Helpers shared by the core's tests (test_failure_rules.py, test_scenarios.py)."""
+"""Helpers shared by the core's tests (test_failure_rules.py, test_scenarios.py, the trace
+writer's tests)."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from typing import Any
 
 from kvflow.config import Config
@@ -42,3 +45,25 @@ def consistent(m: OffloadManager) -> None:
     """Invariants hold and folding the log rebuilds the live state exactly."""
     assert check_invariants(m.state) == []
     assert fold(State(m.config), m.log.events()).digest() == m.state.digest()
+
+
+def mixed_run(
+    m: OffloadManager, requests: int, seed: int, after: Callable[[], None] = lambda: None
+) -> None:
+    """An engine-like run over a small tier: shared prefixes (hits, loads), stores, one result in
+    five failed, every request finished; ``after`` runs after each request."""
+    rng = random.Random(seed)
+    device = 0
+    for i in range(requests):
+        rid = f"req-{i}"
+        hashes = [rng.randrange(12) * 1000 + k for k in range(rng.randint(1, 4))]
+        hits = m.lookup(rid, hashes, len(hashes) * 16 + 1)
+        if hits:
+            m.accept_hits(rid, range(device, device + hits))
+            device += hits
+        m.blocks_computed(rid, hashes[hits:], range(device, device + len(hashes) - hits))
+        device += len(hashes)
+        for job in m.plan_step(float(i)):
+            m.job_result(job.job_id, ok=rng.random() > 0.2, error="copy failed")
+        m.finish_request(rid)
+        after()

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core_helpers import mixed_run
+
 from kvflow.config import Config
 from kvflow.log import TraceReader, TraceWriter
 from kvflow.manager import OffloadManager
@@ -39,20 +41,7 @@ def record_run(path: Path, flush_records: int = 4096, requests: int = 40) -> lis
 
     writer.write_bytes = write_and_measure  # type: ignore[method-assign]
     manager = OffloadManager(config, log=writer)
-    rng = random.Random(5)
-    device = 0
-    for i in range(requests):
-        rid = f"req-{i}"
-        hashes = [rng.randrange(12) * 1000 + k for k in range(rng.randint(1, 4))]
-        hits = manager.lookup(rid, hashes, len(hashes) * 16 + 1)
-        if hits:
-            manager.accept_hits(rid, range(device, device + hits))
-            device += hits
-        manager.blocks_computed(rid, hashes[hits:], range(device, device + len(hashes) - hits))
-        device += len(hashes)
-        for job in manager.plan_step(float(i)):
-            manager.job_result(job.job_id, ok=rng.random() > 0.2, error="copy failed")
-        manager.finish_request(rid)
+    mixed_run(manager, requests, seed=5)
     manager.close()
     return sizes
 

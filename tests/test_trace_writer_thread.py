@@ -3,11 +3,11 @@ it, everything on disk when flush() returns, and a failed write raised in the en
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from core_helpers import mixed_run
 
 from kvflow.config import Config
 from kvflow.log import TraceWriter
@@ -19,21 +19,7 @@ CONFIG = Config(cpu_blocks=24, block_tokens=16)
 
 
 def run(manager: OffloadManager, requests: int, after: Callable[[], None] = lambda: None) -> None:
-    rng = random.Random(7)
-    device = 0
-    for i in range(requests):
-        rid = f"req-{i}"
-        hashes = [rng.randrange(12) * 1000 + k for k in range(rng.randint(1, 4))]
-        hits = manager.lookup(rid, hashes, len(hashes) * 16 + 1)
-        if hits:
-            manager.accept_hits(rid, range(device, device + hits))
-            device += hits
-        manager.blocks_computed(rid, hashes[hits:], range(device, device + len(hashes) - hits))
-        device += len(hashes)
-        for job in manager.plan_step(float(i)):
-            manager.job_result(job.job_id, ok=rng.random() > 0.2, error="copy failed")
-        manager.finish_request(rid)
-        after()
+    mixed_run(manager, requests, seed=7, after=after)
 
 
 @pytest.mark.parametrize("flush_records", [1, 7, 4096])

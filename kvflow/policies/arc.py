@@ -216,7 +216,7 @@ class ARCPolicy:
         too, as one by one. A run of ghost hits trims nothing (each moves B -> T2, leaving
         ``|T1| + |B1|`` no larger and the total unchanged) and changes no other hash's list.
         """
-        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
+        t2, b1, b2, capacity = self._t2, self._b1, self._b2, self.capacity
         start = 0
         while start < len(hashes):
             rest = hashes[start:]

@@ -24,8 +24,7 @@ from kvflow.events import (
 )
 from kvflow.jobs import FILLING, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.state import legality as lg
-from kvflow.state.model import Job, State
-from kvflow.state.model import Request
+from kvflow.state.model import Job, Request, State
 from kvflow.state.moves import WRITERS, entry_move, pin, unpin
 from kvflow.state.tables import (
     ABSENT,

@@ -204,6 +204,12 @@ def test_an_illegal_event_raises_and_changes_nothing() -> None:
     with pytest.raises(IllegalTransition, match="gapless"):
         evolve(state, PinsAcquired(seq=99, request_id="x", hashes=(), num_tokens=1))
     assert state.canonical() == before
+    # fold (the replay's loop, evolve's body inlined) refuses the same events alike
+    with pytest.raises(IllegalTransition, match="gapless"):
+        fold(state, [PinsAcquired(seq=99, request_id="x", hashes=(), num_tokens=1)])
+    with pytest.raises(IllegalTransition, match="already on the tier"):
+        fold(state, [again])
+    assert state.canonical() == before
 
 
 BOUNDARY_INPUTS: list[tuple[Any, Any, Any]] = [

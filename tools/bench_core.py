@@ -1,7 +1,7 @@
 """Benchmark of the pure core on one core (issue 2's performance targets).
 
 Prints, measured in this one run:
-  * fold speed: block state changes applied per second by ``evolve`` (target >= 1,500,000/s);
+  * fold speed: block state changes applied per second by ``fold`` (``evolve`` over a log) (target >= 1,500,000/s);
   * trace replay: events per second for decode + fold + checkpoint checks (state digest and
     record digest, ``kvflow replay``'s plain fold; target >= 300,000/s);
   * decision overhead: µs per block for an engine step of 256 requests / 4,096 blocks
@@ -40,7 +40,7 @@ from kvflow.events import (
 from kvflow.log import TraceWriter
 from kvflow.manager import OffloadManager
 from kvflow.replay import replay
-from kvflow.state import State, evolve
+from kvflow.state import State, fold
 
 
 def block_changes(events: list, store_jobs: dict[int, int]) -> int:
@@ -99,8 +99,7 @@ def bench_fold(requests: int) -> tuple[float, int, int]:
     for _ in range(5):
         state = State(config)
         t0 = time.perf_counter()
-        for event in events:
-            evolve(state, event)
+        fold(state, events)
         best = min(best, time.perf_counter() - t0)
     assert state.digest() == manager.state.digest(), "fold must rebuild the live state"
     return changes / best, changes, len(events)

@@ -18,6 +18,7 @@ from kvflow.events import EVENT_TYPES
 from kvflow.redecide import redecide as redecide_trace
 from kvflow.replay_result import Divergence, ReplayResult, apply_event, check_point
 from kvflow.state import State, check_invariants, evolve
+from kvflow.state.apply import EVOLVERS
 from kvflow.trace.format import CHAINED_SINCE, JOB_ENDS_WITHOUT_PAYLOAD, Checkpoint
 from kvflow.trace.reader import TraceReader
 
@@ -173,6 +174,7 @@ def _fold_chunk(
     event advances it by one)."""
     state = result.state
     events = _EVENT_TYPE_SET
+    evolvers = EVOLVERS  # (evolve's body inlined below: no call per event)
     without_payload = JOB_ENDS_WITHOUT_PAYLOAD
     rec: Any = None
     applied_from = state.next_seq
@@ -184,7 +186,10 @@ def _fold_chunk(
                 if rec.seq > limit:
                     result.stopped_at = state.last_seq
                     return False
-                evolve(state, rec, check)
+                if rec.seq != state.next_seq:
+                    evolve(state, rec, check)  # (raises the gapless-seq error)
+                evolvers[kind](state, rec, check)
+                state.next_seq += 1
             elif kind is Checkpoint:
                 result.events += state.next_seq - applied_from
                 applied_from = state.next_seq

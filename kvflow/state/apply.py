@@ -312,10 +312,15 @@ def live_applier(
 def fold(state: State, events: Iterable[Event]) -> State:
     """Replay: ``evolve`` every event in order, with every check (the loop is ``evolve``'s body,
     without a call per event: a fold is the replay path's inner loop)."""
-    evolvers = _EVOLVERS
+    evolvers = EVOLVERS
     for event in events:
         if event.seq != state.next_seq:
             evolve(state, event)  # (raises the gapless-seq error)
         evolvers[type(event)](state, event, True)
         state.next_seq += 1
     return state
+
+
+EVOLVERS: Mapping[type, Callable[[State, Any, bool], None]] = _EVOLVERS
+"""The evolver of each event type: ``evolve`` without its seq check, for loops that apply many
+events (``fold``, the replay's chunks), which check the seq themselves."""

@@ -134,8 +134,14 @@ class OffloadManager:
     def subscribe(self, callback: Callable[[Any], None], event_types: Sequence[type] | None = None) -> None:
         """Call ``callback(event)`` for every event applied from now on whose type is in
         ``event_types`` (default: the callback's own ``event_types`` attribute if it has
-        one, else every event), in log order, after the event is applied. Naming the types
-        keeps the other events free of the call."""
+        one, else every event), in log order, as each event is applied (before the decision's
+        next event). Naming the types keeps the other events free of the call.
+
+        A callback must not raise: an exception propagates out of the engine call at once and
+        the decision stops there. The events applied until then are kept and recorded, so the
+        state and its log still agree (every event legal, the invariants kept), but the rest
+        of that decision is not made (a callback raising on a store's eviction leaves the
+        blocks evicted and the store not queued)."""
         types = event_types if event_types is not None else getattr(callback, "event_types", None)
         self._subscribers.append((callback, None if types is None else tuple(types)))
         self._rebuild_dispatch()

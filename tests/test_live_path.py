@@ -267,3 +267,27 @@ def test_handle_returns_the_events_each_command_appended(recording: bool) -> Non
     assert [e.seq for e in looked_up + stored] == [1, 2, 3]
     if recording:
         assert log.events() == looked_up + stored
+
+
+def test_a_raising_subscriber_stops_the_decision_with_state_and_log_agreeing() -> None:
+    """A subscriber that raises (a caller's bug) propagates out of the call; what was applied
+    until then is recorded, so a fold of the log rebuilds the state, the invariants hold, and
+    the manager keeps serving."""
+    from kvflow.events import StoreQueued
+    from kvflow.state import check_invariants
+
+    manager = OffloadManager(Config(cpu_blocks=2, block_tokens=4))
+    store = manager.blocks_computed("a", [1, 2], [0, 1])
+    manager.plan_step(0.0)
+    manager.job_result(store)  # type: ignore[arg-type]
+    manager.finish_request("a")
+
+    def refuse(event: object) -> None:
+        raise RuntimeError("subscriber bug")
+
+    manager.subscribe(refuse, [StoreQueued])
+    with pytest.raises(RuntimeError, match="subscriber bug"):
+        manager.blocks_computed("b", [3, 4], [2, 3])  # evicts 1 and 2, then queues the store
+    assert manager.state.jobs and check_invariants(manager.state) == []
+    assert fold(State(manager.config), manager.log.events()).digest() == manager.state.digest()
+    assert manager.lookup("c", [9], 9) == 0  # still serving (the call lock was released)

@@ -48,11 +48,7 @@ def hashes(values: Sequence[int]) -> tuple[int, ...]:
     """Block hashes: integers that fit in 64 bits (signed or unsigned), so that traces and
     state digests encode them exactly. Hash a longer digest down first (e.g. its first 8
     bytes as an int)."""
-    kind = type(values)
-    if (kind is tuple or kind is list) and list(map(type, values)).count(int) == len(values):
-        out = tuple(values)  # (``ints``' common case, inline: this runs at every call)
-    else:
-        out = ints(values, "block hashes")
+    out = ints(values, "block hashes")
     try:
         _encode_ints(out)  # (one C pass; a min() and a max() over 64-bit ints cost 4x more)
     except OverflowError:
@@ -63,11 +59,7 @@ def hashes(values: Sequence[int]) -> tuple[int, ...]:
 def device_blocks(values: Sequence[int]) -> tuple[int, ...]:
     """Device block ids: integers below 2**64 (negative ids are refused by the decisions,
     which also check them against the blocks live jobs hold)."""
-    kind = type(values)
-    if (kind is tuple or kind is list) and list(map(type, values)).count(int) == len(values):
-        out = tuple(values)  # (``ints``' common case, inline: this runs at every call)
-    else:
-        out = ints(values, "device blocks")
+    out = ints(values, "device blocks")
     try:
         _encode_ints(out)  # (every one in [-2**63, 2**64): below ID_LIMIT; cheaper than max())
     except OverflowError:

@@ -64,33 +64,33 @@ class Notices(msgspec.Struct):
     released_device_blocks: list[int] = []  # holds that ended
     rejected_store_blocks: int = 0
     all_blocks_cleared: bool = False
-    # whether any of the above holds a notice: set where one is added (``observe``), so that
-    # the engine's question at every step is one attribute, not a scan of seven fields
-    pending: bool = False
 
     def __bool__(self) -> bool:
-        return self.pending
+        return bool(
+            self.loads_finished
+            or self.loads_failed
+            or self.stores_finished
+            or self.stores_failed
+            or self.released_device_blocks
+            or self.rejected_store_blocks
+            or self.all_blocks_cleared
+        )
 
     def observe(self, event: Event) -> None:
         kind = type(event)
         if kind is JobCompleted:  # (the common notice, first)
-            if event.device_blocks:  # type: ignore[union-attr]
-                self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
-                self.pending = True
+            self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
             if event.abandoned:  # type: ignore[union-attr]
                 return  # a reset already told the engine; only the holds end now
             if event.direction == LOAD:  # type: ignore[union-attr]
                 if event.request_id is not None:  # type: ignore[union-attr]
                     self.loads_finished.append((event.request_id, event.job_id))  # type: ignore[union-attr]
-                    self.pending = True
             elif event.direction == STORE:  # type: ignore[union-attr]
                 self.stores_finished.append(event.job_id)  # type: ignore[union-attr]
-                self.pending = True
         elif kind is JobFailed or kind is JobTimedOut:
             fenced = event.fenced  # type: ignore[union-attr]
-            if not fenced and event.device_blocks:  # (a fenced job's device blocks come back at its FenceLifted)
+            if not fenced:  # (a fenced job's device blocks come back at its FenceLifted)
                 self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
-                self.pending = True
             if event.abandoned:  # type: ignore[union-attr]
                 return  # a reset already told the engine; only the holds end now
             if kind is JobFailed:
@@ -101,22 +101,14 @@ class Notices(msgspec.Struct):
                 self.loads_failed.append(
                     LoadFailure(event.request_id, event.job_id, event.device_blocks, error, fenced)  # type: ignore[union-attr,arg-type]
                 )
-                self.pending = True
             elif event.direction == STORE:  # type: ignore[union-attr]
                 self.stores_failed.append((event.job_id, error))  # type: ignore[union-attr]
-                self.pending = True
         elif kind is FenceLifted:
-            if event.device_blocks:  # type: ignore[union-attr]
-                self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
-                self.pending = True
+            self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
         elif kind is StoreRejected:
-            if event.hashes:  # type: ignore[union-attr]
-                self.rejected_store_blocks += len(event.hashes)  # type: ignore[union-attr]
-                self.pending = True
+            self.rejected_store_blocks += len(event.hashes)  # type: ignore[union-attr]
         elif kind is Reset:
-            # (the manager may add the loads the reset abandoned to ``loads_failed`` after
-            # this: pending is already set)
             self.all_blocks_cleared = True
-            self.pending = True
+
 
 NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, FenceLifted, StoreRejected, Reset})

@@ -100,11 +100,17 @@ class _Redecider:
             self.result.stopped_at = self.result.state.last_seq
             raise _Stop
 
+    def _until_reached(self) -> bool:
+        """``--until``: the state has reached it (then the re-decision stops there)."""
+        if self.until is not None and self.result.state.last_seq >= self.until:
+            self.result.stopped_at = self.result.state.last_seq
+            return True
+        return False
+
     def _command(self, line: int, command: Any) -> None:
         result = self.result
         state = result.state
-        if self.until is not None and state.last_seq >= self.until:
-            result.stopped_at = state.last_seq
+        if self._until_reached():
             raise _Stop
         result.commands += 1
         self.command, self.command_line = command, line
@@ -132,9 +138,7 @@ class _Redecider:
                 continue
             if isinstance(rec, COMMAND_TYPES):
                 # the recorded events of the command are over: ``produced`` is one too many
-                if self.until is not None and result.state.last_seq >= self.until:
-                    result.stopped_at = result.state.last_seq
-                else:
+                if not self._until_reached():
                     result.commands += 1
                     self._diverge(None, None, produced)
                 raise _Stop

@@ -227,7 +227,9 @@ def _reset(state: State, event: Reset, check: bool) -> None:
     state.policy.clear()
 
 
-_EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {
+# The evolver of each event type: ``evolve`` without its seq check (used as such by loops that
+# apply many events and check the seq themselves: ``fold``, the replay's chunks, the live emit)
+EVOLVERS: dict[type, Callable[[State, Any, bool], None]] = {
     **JOB_EVOLVERS,
     BlocksEvicted: _evicted,  # type: ignore[dict-item]
     BlocksTouched: _touched,  # type: ignore[dict-item]
@@ -252,7 +254,7 @@ def evolve(state: State, event: Event, check: bool = True) -> State:
     """
     if event.seq != state.next_seq:
         raise IllegalTransition(f"SEQ {state.next_seq}", f"{event_name(event)}#{event.seq}", "events must be gapless")
-    _EVOLVERS[type(event)](state, event, check)
+    EVOLVERS[type(event)](state, event, check)
     state.next_seq += 1
     return state
 
@@ -283,7 +285,8 @@ def live_applier(
                 callback(event)
 
         return emit_checked
-    steps = {kind: (evolver, tuple(observers.get(kind, ()))) for kind, evolver in _EVOLVERS.items()}
+    steps = {kind: (evolver, tuple(observers.get(kind, ()))) for kind, evolver in EVOLVERS.items()}
+    # two forms rather than one with an ``if applied`` per event: this runs for every event
     if applied is None:
 
         def emit(event: Event) -> None:
@@ -320,7 +323,3 @@ def fold(state: State, events: Iterable[Event]) -> State:
         state.next_seq += 1
     return state
 
-
-EVOLVERS: Mapping[type, Callable[[State, Any, bool], None]] = _EVOLVERS
-"""The evolver of each event type: ``evolve`` without its seq check, for loops that apply many
-events (``fold``, the replay's chunks), which check the seq themselves."""

@@ -24,8 +24,8 @@ from kvflow.events import (
 )
 from kvflow.jobs import FILLING, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.state import legality as lg
-from kvflow.state.model import Job, Request, State
-from kvflow.state.moves import WRITERS, entry_move, pin, unpin
+from kvflow.state.model import Job, State
+from kvflow.state.moves import WRITERS, ensure_request, entry_move, pin, unpin
 from kvflow.state.tables import (
     ABSENT,
     JOB_TRANSITIONS,
@@ -74,10 +74,8 @@ def _add_job(
     state.last_job_id = job_id
     if device_blocks:
         state.held.update(dict.fromkeys(device_blocks, job_id))  # (into an empty dict: one copy)
-    if request_id is not None:
-        req = state.requests.get(request_id)
-        if req is None:
-            req = state.requests[request_id] = Request(request_id)
+    req = ensure_request(state, request_id)
+    if req is not None:
         req.jobs[job_id] = None
     return job
 
@@ -261,7 +259,7 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
         or job.device_blocks != event.device_blocks
     ):
         raise lg.illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
-    if event.abandoned != (job.state is _ABANDONED):
+    if event.abandoned != job.abandoned:
         raise lg.illegal(state, event, job.state.name, f"job {job.job_id} abandoned is {job.abandoned}")
     # (Its entries need no check: a live store's hashes stay pending on it and a live load's
     # stay pinned, hence RESIDENT, until this event: the invariants every earlier event kept.)

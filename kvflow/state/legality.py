@@ -56,10 +56,7 @@ def check_job(state: State, event: Event, tag: str, job_id: int) -> tuple[Job, J
         if 0 < job_id <= state.last_job_id:
             raise illegal(state, event, "TERMINAL", f"job {job_id} is already terminal")
         raise illegal(state, event, "NEW", f"job {job_id} was never queued")
-    nxt = JOB_TRANSITIONS[job.state].get(tag)
-    if nxt is None:
-        raise illegal(state, event, job.state.name, f"job {job.job_id}")
-    return job, nxt
+    return job, job_next(state, event, tag, job)
 
 
 def check_resident(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:

@@ -177,22 +177,26 @@ def _fold_chunk(
     evolvers = EVOLVERS  # (evolve's body inlined below: no call per event)
     without_payload = JOB_ENDS_WITHOUT_PAYLOAD
     rec: Any = None
-    applied_from = state.next_seq
+    # the next seq is counted here and stored in the state before anything reads it (a
+    # checkpoint's digest, a stop, the end): no evolver reads it
+    seq = applied_from = state.next_seq
     commands = 0
     try:
         for rec in recs:
             kind = type(rec)
             if kind in events:
-                if rec.seq > limit:
-                    result.stopped_at = state.last_seq
-                    return False
-                if rec.seq != state.next_seq:
+                if rec.seq != seq or seq > limit:  # (one test for the usual event: next, in range)
+                    state.next_seq = seq
+                    if rec.seq > limit:
+                        result.stopped_at = state.last_seq
+                        return False
                     evolve(state, rec, check)  # (raises the gapless-seq error)
                 evolvers[kind](state, rec, check)
-                state.next_seq += 1
+                seq += 1
             elif kind is Checkpoint:
-                result.events += state.next_seq - applied_from
-                applied_from = state.next_seq
+                state.next_seq = seq
+                result.events += seq - applied_from
+                applied_from = seq
                 if not check_point(result, _line_of(numbers, recs, rec), rec, reader):
                     return False
             elif kind in without_payload:
@@ -200,19 +204,22 @@ def _fold_chunk(
                     raise AssertionError(
                         f"line {_line_of(numbers, recs, rec)}: a job end without its payload in a checked chunk"
                     )
+                state.next_seq = seq
                 if rec.seq > limit:
                     result.stopped_at = state.last_seq
                     return False
                 # the payload is its job's, which the recording engine's event repeated (the
                 # record digest vouches for the line; no such job: KeyError, checked again)
                 evolve(state, without_payload[kind](rec, state.jobs[rec.job_id]), False)
+                seq += 1
             else:
                 commands += 1
     except IllegalTransition as exc:
         result.divergence = Divergence("illegal", rec.seq, _line_of(numbers, recs, rec), str(exc), recorded=rec)
         return False
     finally:
-        result.events += state.next_seq - applied_from
+        state.next_seq = seq
+        result.events += seq - applied_from
         result.commands += commands
     return True
 

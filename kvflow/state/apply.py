@@ -38,6 +38,7 @@ from kvflow.events import (
     event_name,
 )
 from kvflow.state import legality as lg
+from kvflow.state.bulk import values_at
 from kvflow.state.job_events import JOB_EVOLVERS
 from kvflow.state.model import Request, State
 from kvflow.state.moves import ensure_request, entry_move, pin, unpin
@@ -67,7 +68,7 @@ def _evicted(state: State, event: BlocksEvicted, check: bool) -> None:
         lg.check_resident(state, event, "blocks_evicted", event.hashes)
         if not state.pin_count.keys().isdisjoint(event.hashes):
             raise lg.illegal(state, event, "RESIDENT", "a pinned block cannot be evicted")
-        if tuple(map(state.slot_of.__getitem__, event.hashes)) != event.slots:
+        if values_at(state.slot_of, event.hashes) != event.slots:
             raise lg.illegal(state, event, "RESIDENT", "the evicted slots are not where the blocks live")
         if len(set(event.hashes)) != len(event.hashes):
             raise lg.illegal(state, event, "RESIDENT", "a block is evicted twice in one event")
@@ -162,10 +163,8 @@ def _chain_extended(state: State, event: ChainExtended, check: bool) -> None:
     chain = req.chain
     if check and all(map(chain.__contains__, event.hashes)):  # (stops at the first new hash)
         raise lg.illegal(state, event, "CHAIN", f"request {event.request_id}: names no hash new to its chain")
-    if chain:
-        chain.update(dict.fromkeys(event.hashes))  # (the new ones go to its end, in order)
-    else:
-        req.chain = dict.fromkeys(event.hashes)
+    for h in event.hashes:  # the new ones go to its end, in order (a plain loop: half the
+        chain[h] = None  # cost of update(dict.fromkeys(...)), which builds and resizes a dict)
 
 
 def _opened(state: State, event: RequestOpened, check: bool) -> None:
@@ -316,10 +315,15 @@ def fold(state: State, events: Iterable[Event]) -> State:
     """Replay: ``evolve`` every event in order, with every check (the loop is ``evolve``'s body,
     without a call per event: a fold is the replay path's inner loop)."""
     evolvers = EVOLVERS
-    for event in events:
-        if event.seq != state.next_seq:
-            evolve(state, event)  # (raises the gapless-seq error)
-        evolvers[type(event)](state, event, True)
-        state.next_seq += 1
+    seq = state.next_seq  # (counted here and stored once, at the end: no evolver reads it)
+    try:
+        for event in events:
+            if event.seq != seq:
+                state.next_seq = seq
+                evolve(state, event)  # (raises the gapless-seq error)
+            evolvers[type(event)](state, event, True)
+            seq += 1
+    finally:
+        state.next_seq = seq
     return state
 

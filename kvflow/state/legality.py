@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kvflow.errors import IllegalTransition
 from kvflow.events import Event, LoadQueued, RemoteLoadQueued, StoreQueued, event_name
+from kvflow.state.bulk import all_in
 from kvflow.state.model import Job, State
 from kvflow.state.tables import (
     ABSENT,
@@ -62,7 +63,7 @@ def check_job(state: State, event: Event, tag: str, job_id: int) -> tuple[Job, J
 def check_resident(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:
     """Every hash must be RESIDENT and ``tag`` legal there."""
     pending = state.pending
-    if tag in _RESIDENT_TAGS and all(map(state.slot_of.__contains__, hashes)):
+    if tag in _RESIDENT_TAGS and all_in(state.slot_of, hashes):
         if not pending or pending.keys().isdisjoint(hashes):
             return
     for h in hashes:
@@ -79,7 +80,8 @@ def check_new_job(state: State, event: StoreQueued | LoadQueued) -> None:
     if not (len(event.hashes) == len(device_blocks) == len(event.slots)) or not event.hashes:
         raise illegal(state, event, "NEW", "hashes, device_blocks and slots must match, non-empty")
     held = state.held
-    if held.keys().isdisjoint(device_blocks) and len(set(device_blocks)) == len(device_blocks):
+    # (an empty dict's isdisjoint still hashes every block: most of the time no job holds any)
+    if (not held or held.keys().isdisjoint(device_blocks)) and len(set(device_blocks)) == len(device_blocks):
         return
     for d in device_blocks:
         if d in held:

@@ -122,9 +122,10 @@ def _pins_acquired(state: State, event: PinsAcquired, check: bool) -> None:
             lg.check_resident(state, event, "pins_acquired", event.hashes)
     if req is None:
         req = state.requests[event.request_id] = Request(event.request_id)
-    if _PIN is not None:
-        _PIN(state, event.hashes, None)
-    pin(state, event.hashes)
+    if event.hashes:  # (a lookup that missed pins nothing: most of them)
+        if _PIN is not None:
+            _PIN(state, event.hashes, None)
+        pin(state, event.hashes)
     req.offered = event.hashes
 
 

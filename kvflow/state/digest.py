@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvflow.state.bulk import values_at
 from kvflow.state.tables import JobState
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ def canonical(state: State) -> tuple[Any, ...]:
         job_of = list(map(pending.get, hashes, job_of))
         states = [3 if j == 0 else (1 if live[j].state is _QUEUED else 2) for j in job_of]
     pinned = map(pins.get, hashes, repeat(0, n)) if pins else repeat(0, n)
-    entries = list(zip(hashes, states, map(slot_of.__getitem__, hashes), pinned, job_of))
+    entries = list(zip(hashes, states, values_at(slot_of, hashes), pinned, job_of))
     # (a job's ``reported`` ranks differ from its ``acks`` only while it is fenced: added
     # then only, so the digests of traces recorded before fences are unchanged)
     jobs = [

@@ -69,8 +69,8 @@ def check_invariants(state: State) -> list[str]:
 
     # policy tracks exactly the resident entries
     tracked = state.policy.resident()
-    resident = [h for h in slot_of if h not in pending]
-    if not (len(tracked) == len(resident) and set(tracked) == set(resident)):
+    resident = slot_of.keys() - pending.keys() if pending else slot_of.keys()  # (a set view)
+    if not (len(tracked) == len(resident) and resident == set(tracked)):
         problems.append(f"policy tracks {len(tracked)} blocks, tier has {len(resident)} resident")
 
     # holds match live jobs; queued index matches job states

@@ -112,7 +112,7 @@ def _fold(
         result.stopped_at = state.last_seq
 
 
-_EVENT_TYPE_SET = frozenset(EVENT_TYPES)
+_NO_LIMIT = 1 << 64  # above every seq (the reader refuses integers beyond 64 bits)
 
 
 class _CheckEverything(Exception):
@@ -141,7 +141,8 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, t
     in a stretch whose checkpoint still matches the state the recording engine reached (the
     recording engine applied it unchecked too). The reader decodes the chunks up to ``trusted``
     faster (``TraceReader.record_chunks``' ``trusted_through``)."""
-    limit = until if until is not None else float("inf")
+    # (an int: comparing the seqs with an int is cheaper than with float("inf"))
+    limit = until if until is not None else _NO_LIMIT
     if reader.version < CHAINED_SINCE:
         trusted = 0
     for numbers, recs in reader.record_chunks(skim_commands=True, trusted_through=trusted):
@@ -164,7 +165,7 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, t
 
 
 def _fold_chunk(
-    reader: TraceReader, result: ReplayResult, limit: float, numbers: Sequence[int], recs: list[Any], check: bool
+    reader: TraceReader, result: ReplayResult, limit: int, numbers: Sequence[int], recs: list[Any], check: bool
 ) -> bool:
     """Fold one chunk of records; False at a divergence or at ``limit`` (``--until``). Job ends
     without their payload come only in chunks the reader was told are trusted (unchecked).
@@ -173,7 +174,6 @@ def _fold_chunk(
     is needed, and the events applied are counted by the state's own ``seq`` (each applied
     event advances it by one)."""
     state = result.state
-    events = _EVENT_TYPE_SET
     evolvers = EVOLVERS  # (evolve's body inlined below: no call per event)
     without_payload = JOB_ENDS_WITHOUT_PAYLOAD
     rec: Any = None
@@ -184,14 +184,15 @@ def _fold_chunk(
     try:
         for rec in recs:
             kind = type(rec)
-            if kind in events:
+            evolver = evolvers.get(kind)  # (None: not an event)
+            if evolver is not None:
                 if rec.seq != seq or seq > limit:  # (one test for the usual event: next, in range)
                     state.next_seq = seq
                     if rec.seq > limit:
                         result.stopped_at = state.last_seq
                         return False
                     evolve(state, rec, check)  # (raises the gapless-seq error)
-                evolvers[kind](state, rec, check)
+                evolver(state, rec, check)
                 seq += 1
             elif kind is Checkpoint:
                 state.next_seq = seq

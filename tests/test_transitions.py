@@ -734,3 +734,13 @@ def test_a_terminal_event_must_say_whether_the_job_was_abandoned(abandoned: bool
     fields["abandoned"] = abandoned
     apply_legal(m.state, JobCompleted(seq=seq(m), rank=0, **fields))
     assert job_id not in m.state.jobs
+
+
+def test_every_event_type_has_exactly_one_evolver() -> None:
+    # the replay's chunk loop tells events from commands by EVOLVERS: an event type without
+    # an evolver would be skipped there as if it were a command
+    from kvflow.events import EVENT_TYPES
+    from kvflow.state.apply import EVOLVERS
+
+    assert list(EVOLVERS) == [t for t in EVOLVERS if t in EVENT_TYPES]
+    assert sorted(t.__name__ for t in EVOLVERS) == sorted(t.__name__ for t in EVENT_TYPES)

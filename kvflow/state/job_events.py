@@ -75,7 +75,7 @@ def _add_job(
     state.queued[job_id] = None
     state.last_job_id = job_id
     held = state.held
-    for d in device_blocks:  # (a plain loop: half the cost of update(dict.fromkeys(...)))
+    for d in device_blocks:  # (a loop: about 0.6x the cost of update(dict.fromkeys(...)))
         held[d] = job_id
     req = ensure_request(state, request_id)
     if req is not None:

@@ -28,7 +28,7 @@ def _admit(state: State, hashes: tuple[int, ...], job: Job) -> None:
     del free[len(free) - len(job.slots) :]
     state.slot_of.update(zip(hashes, job.slots))
     pending, job_id = state.pending, job.job_id
-    for h in hashes:  # (half the cost of update(dict.fromkeys(...)), which builds and resizes a dict)
+    for h in hashes:  # (a loop: about 0.6x the cost of update(dict.fromkeys(...)), which builds a dict)
         pending[h] = job_id
 
 
@@ -129,6 +129,12 @@ def ensure_request(state: State, request_id: str | None) -> Request | None:
 
 def pin(state: State, hashes: tuple[int, ...]) -> None:
     pins = state.pin_count
+    # the common case, no other pin on them and each named once, at C level: faster than
+    # the loop below from about 8 hashes on (CPython 3.12; below that, about even)
+    ones = dict.fromkeys(hashes, 1)
+    if len(ones) == len(hashes) and (not pins or pins.keys().isdisjoint(ones)):
+        pins.update(ones)
+        return
     for h in hashes:
         pins[h] = pins.get(h, 0) + 1
 

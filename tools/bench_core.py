@@ -11,14 +11,23 @@ kvflow has one core, in Python. The engine step runs an ``OffloadManager`` with 
 in-memory log. (Side-by-side figures against vLLM's own bookkeeping: tools/bench_vs_vllm.py.)
 
 Usage: python tools/bench_core.py [--requests N] [--quick] [--only fold|replay|step]
+       python tools/bench_core.py --against DIR [--rounds 5] [--only ...]
+
+``--against DIR`` measures another checkout of kvflow (e.g. ``git worktree add /tmp/base v1``)
+side by side with this one: each measure runs in a fresh interpreter per side, the sides
+alternating ``--rounds`` times, and the medians and their ratio are printed. The absolute
+figures move by 1.3x or more with the machine's load within a day; the ratio of two sides
+measured in turn is what shows a change.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -182,15 +191,65 @@ def measure(requests: int, steps: int, only: str | None = None) -> list[tuple[st
     return rows
 
 
+def side_by_side(other: str, requests: int, steps: int, only: str | None, rounds: int) -> int:
+    """Each measure of this checkout and of ``other``, in turn, each run in a fresh interpreter
+    whose ``kvflow`` is that checkout's (this file's workload either way)."""
+    if not os.path.isfile(os.path.join(other, "kvflow", "__init__.py")):
+        print(f"bench_core: --against {other}: not a kvflow checkout (no kvflow/__init__.py there)", file=sys.stderr)
+        return 2
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sides = {"this": here, "other": os.path.abspath(other)}
+    print(f"kvflow bench_core side by side · python {sys.version.split()[0]} · {rounds} rounds, alternating")
+    print(f"  this:  {sides['this']}\n  other: {sides['other']}")
+    for name in (only,) if only else MEASURES:
+        values: dict[str, list[float]] = {side: [] for side in sides}
+        unit = ""
+        for r in range(rounds):
+            for side in sides if r % 2 == 0 else reversed(list(sides)):
+                env = dict(os.environ, PYTHONPATH=sides[side])  # (its kvflow first on the path)
+                cmd = [sys.executable, os.path.abspath(__file__), "--only", name, "--child"]
+                cmd += ["--requests", str(requests), "--steps", str(steps)]
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=sides[side])
+                if done.returncode != 0:
+                    print(f"bench_core: {name} failed on {side} ({sides[side]}): {done.stderr.strip()[-400:]}", file=sys.stderr)
+                    return 1
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+                if os.path.realpath(row["kvflow"]) != os.path.realpath(sides[side]):  # (an installed kvflow won)
+                    print(f"bench_core: the {side} side imported kvflow from {row['kvflow']}, not {sides[side]}", file=sys.stderr)
+                    return 1
+                values[side].append(row["value"])
+                unit = row["unit"]
+        this, that = statistics.median(values["this"]), statistics.median(values["other"])
+        better = this / that if name != "step" else that / this  # > 1: this checkout is faster
+        print(
+            f"{name:<7} this {this:>12,.3f} {unit:<20} other {that:>12,.3f}   "
+            f"this is {better:.3f}x as fast (medians of {rounds})"
+        )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--steps", type=int, default=12, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--only", choices=MEASURES, help="run one measure (e.g. side by side with another checkout)")
+    parser.add_argument("--only", choices=MEASURES, help="run one measure")
+    parser.add_argument("--against", metavar="DIR", help="another kvflow checkout, measured side by side")
+    parser.add_argument("--rounds", type=int, default=5, help="with --against: rounds per side (default 5)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one side of --against
     args = parser.parse_args()
     requests = 1_000 if args.quick else args.requests
-    steps = 3 if args.quick else 12
+    steps = 3 if args.quick else args.steps
+    if args.against:
+        return side_by_side(args.against, requests, steps, args.only, args.rounds)
     rows = measure(requests, steps, args.only)
+    if args.child:
+        (_name, _result, _detail, _target, value, _cmp), = rows
+        unit = {"fold": "block changes/s", "replay": "events/s", "step": "µs/block"}[args.only or ""]
+        import kvflow
+
+        print(json.dumps({"value": value, "unit": unit, "kvflow": os.path.dirname(os.path.dirname(kvflow.__file__))}))
+        return 0
     print(f"kvflow bench_core · python {sys.version.split()[0]} · one core")
     print(f"{'measure':<14} {'result':<28} {'target':<14} {'ratio':>7}  detail")
     ok = True

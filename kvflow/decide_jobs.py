@@ -93,8 +93,9 @@ def _closing(state: State, request_id: str | None) -> RequestClosed | None:
     return RequestClosed(seq=state.next_seq, request_id=request_id)
 
 
-def _check_result(state: State, result: JobResult) -> None:
-    """A result must name a job issued and submitted, and a rank of the world (F12)."""
+def _check_result(state: State, result: JobResult) -> Job | None:
+    """A result must name a job issued and submitted, and a rank of the world (F12).
+    Returns the job (None: it has ended)."""
     job_id, rank = result.job_id, result.rank
     # (``type(x) is int``: a plain int passes without a call)
     if not (type(job_id) is int or whole(job_id)) or not 0 < job_id <= state.last_job_id:
@@ -102,9 +103,10 @@ def _check_result(state: State, result: JobResult) -> None:
     world = state.config.world_size
     if not (type(rank) is int or whole(rank)) or not 0 <= rank < world:
         raise Rejected(f"result for job {result.job_id}: rank {result.rank!r} outside world size {world}")
-    job = state.jobs.get(result.job_id)
+    job = state.jobs.get(job_id)
     if job is not None and job.state is JobState.QUEUED:
-        raise Rejected(f"result for job {result.job_id}, which was never submitted")
+        raise Rejected(f"result for job {job_id}, which was never submitted")
+    return job
 
 
 def _fence_lifted(state: State, job: Job, reason: str) -> FenceLifted:
@@ -117,9 +119,7 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
     """The events of one result: the job's end, a rank's success, or a late result (which,
     for a fenced job, says that rank's copy is over: the last one lifts the fence). ``check``:
     the result is checked first (before any event); else the caller checked it."""
-    if check:
-        _check_result(state, cmd)
-    job = state.jobs.get(cmd.job_id)
+    job = _check_result(state, cmd) if check else state.jobs.get(cmd.job_id)
     bit = 1 << cmd.rank
     every_rank = (1 << state.config.world_size) - 1
     if job is None or job.acks & bit or job.state is JobState.FENCED:

@@ -104,7 +104,7 @@ def on_tier(state: State, hashes: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # hashes admitted, their device blocks, victims, and the blocks rejected (hashes, device blocks)
-Admission = tuple[list[int], list[int], list[int], list[int], list[int]]
+Admission = tuple[Sequence[int], Sequence[int], list[int], Sequence[int], Sequence[int]]
 
 
 def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> Admission:
@@ -114,8 +114,11 @@ def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequenc
     evicted, it and every later block are rejected."""
     # the blocks eviction must spare (F16): those of the store already on the tier
     protected: Sequence[int] = ()
+    new_hashes: Sequence[int]
+    new_blocks: Sequence[int]
     if state.slot_of.keys().isdisjoint(block_hashes):  # (the common case: none is there yet)
-        new_hashes, new_blocks = list(block_hashes), list(device_blocks)
+        # (the command's own tuples: their slices below are the events' fields, uncopied)
+        new_hashes, new_blocks = block_hashes, device_blocks
     else:
         protected = block_hashes
         absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
@@ -173,7 +176,7 @@ def _decide_store(
                 seq=state.next_seq,
                 job_id=job_id,
                 request_id=request_id,
-                hashes=tuple(admit_hashes),
+                hashes=tuple(admit_hashes),  # (a tuple already: returned as it is)
                 device_blocks=tuple(admit_blocks),
                 slots=tuple(free[len(free) - admitted :][::-1]),
             )
@@ -279,8 +282,9 @@ def drop_corrupt(state: State, hashes: Sequence[int], emit: Emit) -> None:
         emit(BlocksCorrupt(seq=state.next_seq, hashes=tuple(pinned)))
 
 
-def _evict_unpinned_bad(state: State, emit: Emit) -> None:
-    """After any decision: remembered bad blocks whose last pin went are evicted (F17)."""
+def evict_unpinned_bad(state: State, emit: Emit) -> None:
+    """After a decision that can release pins: remembered bad blocks whose last pin went
+    are evicted (F17; see ``kvflow.decide.after_decision``)."""
     gone = [h for h in state.bad if h not in state.pin_count]
     if gone:
         eviction = _evict_resident(state, gone, "corrupt")
@@ -290,21 +294,6 @@ def _evict_unpinned_bad(state: State, emit: Emit) -> None:
 
 # a decider: decides ``cmd`` against ``state``, hands each event to ``emit``, returns the answer
 Decider = Callable[[State, Any, Emit], Any]
-
-
-def then_evict_bad(decider: Decider) -> Decider:
-    """``decider``, followed by the eviction of remembered bad blocks it unpinned (F17).
-    Blocks become remembered bad only through an executor outcome that names them
-    (``drop_corrupt``), so with none remembered after the decision there is nothing to do."""
-
-    def decide_then_evict(state: State, cmd: Any, emit: Emit) -> Any:
-        answer = decider(state, cmd, emit)
-        if state.bad:
-            _evict_unpinned_bad(state, emit)
-        return answer
-
-    decide_then_evict.__name__ = decider.__name__
-    return decide_then_evict
 
 
 def decide_invalidate(state: State, cmd: Invalidate, emit: Emit) -> int:

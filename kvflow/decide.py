@@ -105,4 +105,13 @@ def decide(state: State, command: Command, emit: Emit) -> Any:
     return answer
 
 
-__all__ = ["decide", "after_decision", "DECIDERS", "expired_jobs", "hit_cap_blocks", "CANCELLED_BY_RESET", "LOAD", "STORE"]
+__all__ = [
+    "decide",
+    "after_decision",
+    "DECIDERS",
+    "expired_jobs",
+    "hit_cap_blocks",
+    "CANCELLED_BY_RESET",
+    "LOAD",
+    "STORE",
+]

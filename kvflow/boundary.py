@@ -34,7 +34,7 @@ def ints(values: Sequence[int], what: str = "block ids") -> tuple[int, ...]:
     such as 1.5 (and bools are integers: True is 1)."""
     kind = type(values)
     if kind is tuple or kind is list:
-        if list(map(type, values)).count(int) == len(values):  # every one a plain int
+        if operator.countOf(map(type, values), int) == len(values):  # every one a plain int
             return tuple(values)
     elif kind is range:
         return tuple(values)

@@ -87,9 +87,16 @@ def chain_touch(state: State, req: Request) -> BlocksTouched | None:
     """DESIGN §7 rule 4, at a request's finish: its chain's blocks on the tier, deepest
     first, touched for order only (``reuse=False``), so that eviction takes a chain's tail
     before its head (F14); blocks still being stored keep the touch until they land."""
-    if not state.config.chain_recency or not req.chain:
+    chain = req.chain
+    if not state.config.chain_recency or not chain:
         return None
-    touched = on_tier(state, tuple(reversed(req.chain)))
+    slot_of = state.slot_of
+    # (the common case, the whole chain on the tier, asked of the dict views at C level:
+    # cheaper than ``on_tier``'s scan of a tuple, and the chain's tuple is built once)
+    if slot_of.keys() >= chain.keys():
+        touched = tuple(reversed(chain))
+    else:
+        touched = tuple(filter(slot_of.__contains__, reversed(chain)))
     if not touched:
         return None
     return BlocksTouched(seq=state.next_seq, hashes=touched, reuse=False)

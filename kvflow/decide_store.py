@@ -9,7 +9,7 @@ from itertools import compress, filterfalse
 from typing import Any
 
 from kvflow.commands import BlocksComputed, DeviceBlocksEvicting, Evict, Invalidate, Touch
-from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, whole
+from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, slots_of, whole
 from kvflow.errors import Rejected
 from kvflow.events import (
     BlocksCorrupt,
@@ -273,7 +273,7 @@ def eviction(state: State, victims: Sequence[int], reason: str) -> BlocksEvicted
     return BlocksEvicted(
         seq=state.next_seq,
         hashes=tuple(victims),
-        slots=tuple(map(state.slot_of.__getitem__, victims)),
+        slots=slots_of(state.slot_of, victims),
         reason=reason,  # type: ignore[arg-type]
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from itertools import compress, filterfalse
 from typing import Any
 
@@ -73,13 +74,26 @@ def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> 
     return state.policy.victims(evictable, is_blocked) or []
 
 
-def extend_chain(state: State, request_id: str, req: Request | None, hashes: Sequence[int]) -> ChainExtended | None:
+def extend_chain(
+    state: State,
+    request_id: str,
+    req: Request | None,
+    hashes: Sequence[int],
+    distinct: AbstractSet[int] | None = None,
+) -> ChainExtended | None:
     """With ``chain_recency``: the request's chain grows by those of ``hashes`` new to it,
-    or None when it has them all already (a store of blocks its lookup named)."""
+    or None when it has them all already (a store of blocks its lookup named).
+    ``distinct``: the set of ``hashes``, when the caller has built it (then the dict view
+    answers, at C level, for less than a scan of ``hashes``)."""
     if not state.config.chain_recency or not hashes:
         return None
-    if req is not None and req.chain and all(map(req.chain.__contains__, hashes)):
-        return None
+    if req is not None and req.chain:
+        chain = req.chain
+        if distinct is not None:
+            if chain.keys() >= distinct:
+                return None
+        elif all(map(chain.__contains__, hashes)):
+            return None
     return ChainExtended(seq=state.next_seq, request_id=request_id, hashes=tuple(hashes))
 
 
@@ -114,11 +128,17 @@ def on_tier(state: State, hashes: tuple[int, ...]) -> tuple[int, ...]:
 Admission = tuple[Sequence[int], Sequence[int], list[int], Sequence[int], Sequence[int]]
 
 
-def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> Admission:
+def _admission(
+    state: State,
+    block_hashes: Sequence[int],
+    device_blocks: Sequence[int],
+    distinct: AbstractSet[int] | None = None,
+) -> Admission:
     """DESIGN §7 step 3: every block of the store not on the tier (resident, queued or in
     flight; F3), each hash once, in prefix order, takes a free slot, else evicts the policy's
     next victim, never a block of this store's own chain (F16); when nothing else can be
-    evicted, it and every later block are rejected."""
+    evicted, it and every later block are rejected. ``distinct``: the set of
+    ``block_hashes``, when the caller has built it."""
     # the blocks eviction must spare (F16): those of the store already on the tier
     protected: Sequence[int] = ()
     new_hashes: Sequence[int]
@@ -127,11 +147,14 @@ def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequenc
         # (the command's own tuples: their slices below are the events' fields, uncopied)
         new_hashes, new_blocks = block_hashes, device_blocks
     else:
+        distinct = None  # (it names the blocks on the tier too)
         protected = block_hashes
         absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
         new_hashes = list(compress(block_hashes, absent))
         new_blocks = list(compress(device_blocks, absent))
-    if len(set(new_hashes)) != len(new_hashes):  # a hash named twice is stored once
+    if distinct is None:
+        distinct = set(new_hashes)
+    if len(distinct) != len(new_hashes):  # a hash named twice is stored once
         firsts: dict[int, int] = {}
         for h, d in zip(new_hashes, new_blocks):
             firsts.setdefault(h, d)
@@ -163,13 +186,16 @@ def _decide_store(
         return None
     if req is not None and req.finished:
         emit(RequestResumed(seq=state.next_seq, request_id=req.request_id))  # F18
+    # the store's hashes as a set, built once: its chain (F14) and its duplicates (F3) are
+    # both asked of it
+    distinct = set(block_hashes)
     if request_id is not None:
-        extension = extend_chain(state, request_id, req, block_hashes)
+        extension = extend_chain(state, request_id, req, block_hashes, distinct)
         if extension is not None:
             emit(extension)
             req = state.requests[request_id]  # (known from now on)
     admit_hashes, admit_blocks, victims, rejected_hashes, rejected_blocks = _admission(
-        state, block_hashes, device_blocks
+        state, block_hashes, device_blocks, distinct
     )
     if victims:
         emit(eviction(state, victims, "capacity"))

@@ -103,8 +103,8 @@ class Notices(msgspec.Struct):
             self.all_blocks_cleared = True
 
 
-# nothing to tell: what ``Notices()`` holds (``manager.has_notices`` compares with it directly,
-# without a call of ``__bool__``: it runs on every engine step)
+# nothing to tell: what ``Notices()`` holds; never handed out nor changed. ``manager.has_notices``
+# compares with it directly, without a call of ``__bool__`` (it runs on every engine step).
 NO_NOTICES = Notices()
 
 NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, FenceLifted, StoreRejected, Reset})

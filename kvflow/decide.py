@@ -59,7 +59,7 @@ from kvflow.decide_store import (
     decide_evict,
     decide_invalidate,
     decide_touch,
-    then_evict_bad,
+    evict_unpinned_bad,
 )
 from kvflow.jobs import LOAD, STORE
 from kvflow.state import State
@@ -85,14 +85,33 @@ DECIDERS: dict[type, Decider] = {
 
 # a decision that can release pins is followed by the eviction of bad blocks it unpinned
 # (F17); the others (stores, touches, planning) are left as they are
-_UNPINNING = (Lookup, AcceptHits, JobResult, JobResults, Tick, FinishRequest)
-DECIDERS.update({kind: then_evict_bad(DECIDERS[kind]) for kind in _UNPINNING})
+UNPINNING = frozenset({Lookup, AcceptHits, JobResult, JobResults, Tick, FinishRequest})
+
+
+def after_decision(state: State, command: Command, emit: Emit) -> None:
+    """F17: after a decision that can release pins, the remembered bad blocks whose last pin
+    went are evicted. Blocks become remembered bad only through an executor outcome that
+    names them (``drop_corrupt``), so a caller may skip this call while ``state.bad`` is
+    empty (the manager does: it is empty on nearly every call)."""
+    if state.bad and type(command) in UNPINNING:
+        evict_unpinned_bad(state, emit)
 
 
 def decide(state: State, command: Command, emit: Emit) -> Any:
     """Decide ``command``, handing each event to ``emit``; returns the answer (see the module
     docstring for the protocol)."""
-    return DECIDERS[type(command)](state, command, emit)
+    answer = DECIDERS[type(command)](state, command, emit)
+    after_decision(state, command, emit)
+    return answer
 
 
-__all__ = ["decide", "DECIDERS", "expired_jobs", "hit_cap_blocks", "CANCELLED_BY_RESET", "LOAD", "STORE"]
+__all__ = [
+    "decide",
+    "after_decision",
+    "DECIDERS",
+    "expired_jobs",
+    "hit_cap_blocks",
+    "CANCELLED_BY_RESET",
+    "LOAD",
+    "STORE",
+]

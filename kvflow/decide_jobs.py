@@ -37,6 +37,15 @@ from kvflow.state import Job, JobState, State
 
 CANCELLED_BY_RESET = "cancelled by reset before submission"
 
+# (module constants: reading a member off an Enum class costs about ten times a global's,
+# and a job's outcome reads several)
+_QUEUED, _IN_FLIGHT, _FENCED, _ABANDONED = (
+    JobState.QUEUED,
+    JobState.IN_FLIGHT,
+    JobState.FENCED,
+    JobState.ABANDONED,
+)
+
 
 def _transfer_job(job: Job) -> TransferJob:
     return TransferJob(
@@ -71,7 +80,7 @@ def _terminal_event(kind: type[Any], state: State, job: Job, **outcome: Any) -> 
     """A JobCompleted / JobFailed / JobTimedOut describing ``job``, with its outcome fields."""
     return kind(
         seq=state.next_seq,
-        abandoned=job.state is JobState.ABANDONED,
+        abandoned=job.state is _ABANDONED,
         job_id=job.job_id,
         direction=job.direction,
         request_id=job.request_id,
@@ -93,8 +102,9 @@ def _closing(state: State, request_id: str | None) -> RequestClosed | None:
     return RequestClosed(seq=state.next_seq, request_id=request_id)
 
 
-def _check_result(state: State, result: JobResult) -> None:
-    """A result must name a job issued and submitted, and a rank of the world (F12)."""
+def _check_result(state: State, result: JobResult) -> Job | None:
+    """A result must name a job issued and submitted, and a rank of the world (F12).
+    Returns the job (None: it has ended)."""
     job_id, rank = result.job_id, result.rank
     # (``type(x) is int``: a plain int passes without a call)
     if not (type(job_id) is int or whole(job_id)) or not 0 < job_id <= state.last_job_id:
@@ -102,9 +112,10 @@ def _check_result(state: State, result: JobResult) -> None:
     world = state.config.world_size
     if not (type(rank) is int or whole(rank)) or not 0 <= rank < world:
         raise Rejected(f"result for job {result.job_id}: rank {result.rank!r} outside world size {world}")
-    job = state.jobs.get(result.job_id)
-    if job is not None and job.state is JobState.QUEUED:
-        raise Rejected(f"result for job {result.job_id}, which was never submitted")
+    job = state.jobs.get(job_id)
+    if job is not None and job.state is _QUEUED:
+        raise Rejected(f"result for job {job_id}, which was never submitted")
+    return job
 
 
 def _fence_lifted(state: State, job: Job, reason: str) -> FenceLifted:
@@ -117,14 +128,12 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
     """The events of one result: the job's end, a rank's success, or a late result (which,
     for a fenced job, says that rank's copy is over: the last one lifts the fence). ``check``:
     the result is checked first (before any event); else the caller checked it."""
-    if check:
-        _check_result(state, cmd)
-    job = state.jobs.get(cmd.job_id)
+    job = _check_result(state, cmd) if check else state.jobs.get(cmd.job_id)
     bit = 1 << cmd.rank
     every_rank = (1 << state.config.world_size) - 1
-    if job is None or job.acks & bit or job.state is JobState.FENCED:
+    if job is None or job.acks & bit or job.state is _FENCED:
         emit(LateResultIgnored(seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error))
-        if job is not None and job.state is JobState.FENCED:
+        if job is not None and job.state is _FENCED:
             if cmd.corrupt and job.direction == LOAD and not cmd.ok:
                 # F17 also when the report comes after the outcome (a timeout, another rank's
                 # failure): the host copies it found bad leave the tier
@@ -132,12 +141,12 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
             if job.reported == every_rank:
                 emit(_fence_lifted(state, job, "copy over"))
         return
-    request_id = None if job.state is JobState.ABANDONED else job.request_id
+    request_id = None if job.state is _ABANDONED else job.request_id
     if not cmd.ok:
         # F15: while another rank has not reported, its copy may still run: fence the memory
         fenced = job.reported | bit != every_rank
         emit(_terminal_event(JobFailed, state, job, rank=cmd.rank, error=cmd.error or "unknown error", fenced=fenced))
-        if cmd.corrupt and job.direction == LOAD and job.state is not JobState.ABANDONED:
+        if cmd.corrupt and job.direction == LOAD and job.state is not _ABANDONED:
             # F17: bad bytes are never offered twice: the entries the load found corrupt
             # leave the tier now that its pins are released (those another request still
             # pins go when that load fails on them too)
@@ -145,7 +154,7 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
             bad = [h for h in job.hashes if h in named]
             drop_corrupt(state, bad, emit)
     elif job.acks | bit == every_rank:
-        landed = job.direction == STORE and job.state is not JobState.ABANDONED
+        landed = job.direction == STORE and job.state is not _ABANDONED
         emit(_terminal_event(JobCompleted, state, job, rank=cmd.rank))
         if landed and state.config.remote:
             write_through(state, job.hashes, emit)
@@ -177,8 +186,7 @@ def decide_job_results(state: State, cmd: JobResults, emit: Emit) -> None:
 def expired_jobs(state: State, now_ms: float) -> list[Job]:
     """The in-flight jobs whose deadline has come by ``now_ms`` (F2), in job order. (A fenced
     job's outcome is already known: its deadline has nothing left to decide.)"""
-    in_flight = JobState.IN_FLIGHT
-    return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is in_flight]
+    return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is _IN_FLIGHT]
 
 
 def decide_tick(state: State, cmd: Tick, emit: Emit) -> int:
@@ -222,7 +230,7 @@ def decide_reset(state: State, cmd: ResetAll, emit: Emit) -> None:
     for jid in list(state.queued):
         job = state.jobs[jid]
         emit(_terminal_event(JobFailed, state, job, rank=-1, error=CANCELLED_BY_RESET))
-    live = tuple(jid for jid, job in state.jobs.items() if job.state is not JobState.FENCED)
+    live = tuple(jid for jid, job in state.jobs.items() if job.state is not _FENCED)
     emit(Reset(seq=state.next_seq, abandoned_job_ids=live, keeps_requests=True))
 
 

@@ -3,11 +3,10 @@ the load of the hits the engine accepts. Pure."""
 
 from __future__ import annotations
 
-import operator
-from itertools import compress, count
+from itertools import compress, count, takewhile
 
 from kvflow.commands import AcceptHits, Lookup
-from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, whole
+from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, slots_of, whole
 from kvflow.decide_remote import remote_loads
 from kvflow.decide_store import extend_chain
 from kvflow.errors import Rejected, UnknownRequest
@@ -43,14 +42,15 @@ def decide_lookup(state: State, cmd: Lookup, emit: Emit) -> int:
     if extension is not None:
         emit(extension)
     window = cmd.block_hashes[skip:cap]
-    # only RESIDENT entries are visible: on the tier and not pending. The scan is lazy and at
-    # C level: it stops at the first block that is not visible (the position of the first
-    # true "missing"), so a miss costs one probe however long the prompt
-    missing = map(operator.not_, map(state.slot_of.__contains__, window))
-    if state.pending:
-        missing = map(operator.or_, missing, map(state.pending.__contains__, window))
-    n = next(compress(count(), missing), len(window))
-    emit(PinsAcquired(seq=state.next_seq, request_id=request_id, hashes=window[:n], num_tokens=num_tokens))
+    # only RESIDENT entries are visible: on the tier and not pending. The scans are lazy and
+    # at C level: each stops at the first block that is not visible, so a miss costs one
+    # probe however long the prompt
+    hits = tuple(takewhile(state.slot_of.__contains__, window))
+    pending = state.pending
+    if pending and hits and not pending.keys().isdisjoint(hits):
+        hits = hits[: next(compress(count(), map(pending.__contains__, hits)))]
+    n = len(hits)
+    emit(PinsAcquired(seq=state.next_seq, request_id=request_id, hashes=hits, num_tokens=num_tokens))
     if n < len(window) and state.remote:
         # what the remote tier holds beyond the hits comes to the CPU tier (a later lookup hits)
         remote_loads(state, window[n:], emit)
@@ -82,7 +82,7 @@ def decide_accept_hits(state: State, cmd: AcceptHits, emit: Emit) -> int | None:
             request_id=cmd.request_id,
             hashes=hashes,
             device_blocks=tuple(cmd.device_blocks),
-            slots=tuple(map(state.slot_of.__getitem__, hashes)),
+            slots=slots_of(state.slot_of, hashes),
         ))
     if req.offered:
         emit(PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered))

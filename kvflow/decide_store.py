@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from itertools import compress, filterfalse
 from typing import Any
 
 from kvflow.commands import BlocksComputed, DeviceBlocksEvicting, Evict, Invalidate, Touch
-from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, whole
+from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, slots_of, whole
 from kvflow.errors import Rejected
 from kvflow.events import (
     BlocksCorrupt,
@@ -73,13 +74,26 @@ def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> 
     return state.policy.victims(evictable, is_blocked) or []
 
 
-def extend_chain(state: State, request_id: str, req: Request | None, hashes: Sequence[int]) -> ChainExtended | None:
+def extend_chain(
+    state: State,
+    request_id: str,
+    req: Request | None,
+    hashes: Sequence[int],
+    distinct: AbstractSet[int] | None = None,
+) -> ChainExtended | None:
     """With ``chain_recency``: the request's chain grows by those of ``hashes`` new to it,
-    or None when it has them all already (a store of blocks its lookup named)."""
+    or None when it has them all already (a store of blocks its lookup named).
+    ``distinct``: the set of ``hashes``, when the caller has built it (then the dict view
+    answers, at C level, for less than a scan of ``hashes``)."""
     if not state.config.chain_recency or not hashes:
         return None
-    if req is not None and req.chain and all(map(req.chain.__contains__, hashes)):
-        return None
+    if req is not None and req.chain:
+        chain = req.chain
+        if distinct is not None:
+            if chain.keys() >= distinct:
+                return None
+        elif all(map(chain.__contains__, hashes)):
+            return None
     return ChainExtended(seq=state.next_seq, request_id=request_id, hashes=tuple(hashes))
 
 
@@ -87,9 +101,16 @@ def chain_touch(state: State, req: Request) -> BlocksTouched | None:
     """DESIGN §7 rule 4, at a request's finish: its chain's blocks on the tier, deepest
     first, touched for order only (``reuse=False``), so that eviction takes a chain's tail
     before its head (F14); blocks still being stored keep the touch until they land."""
-    if not state.config.chain_recency or not req.chain:
+    chain = req.chain
+    if not state.config.chain_recency or not chain:
         return None
-    touched = on_tier(state, tuple(reversed(req.chain)))
+    slot_of = state.slot_of
+    # (the common case, the whole chain on the tier, asked of the dict views at C level:
+    # cheaper than ``on_tier``'s scan of a tuple, and the chain's tuple is built once)
+    if slot_of.keys() >= chain.keys():
+        touched = tuple(chain)[::-1]  # (a dict's reverse iterator is the slower way)
+    else:
+        touched = tuple(filter(slot_of.__contains__, reversed(chain)))
     if not touched:
         return None
     return BlocksTouched(seq=state.next_seq, hashes=touched, reuse=False)
@@ -104,24 +125,36 @@ def on_tier(state: State, hashes: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # hashes admitted, their device blocks, victims, and the blocks rejected (hashes, device blocks)
-Admission = tuple[list[int], list[int], list[int], list[int], list[int]]
+Admission = tuple[Sequence[int], Sequence[int], list[int], Sequence[int], Sequence[int]]
 
 
-def _admission(state: State, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> Admission:
+def _admission(
+    state: State,
+    block_hashes: Sequence[int],
+    device_blocks: Sequence[int],
+    distinct: AbstractSet[int] | None = None,
+) -> Admission:
     """DESIGN §7 step 3: every block of the store not on the tier (resident, queued or in
     flight; F3), each hash once, in prefix order, takes a free slot, else evicts the policy's
     next victim, never a block of this store's own chain (F16); when nothing else can be
-    evicted, it and every later block are rejected."""
+    evicted, it and every later block are rejected. ``distinct``: the set of
+    ``block_hashes``, when the caller has built it."""
     # the blocks eviction must spare (F16): those of the store already on the tier
     protected: Sequence[int] = ()
+    new_hashes: Sequence[int]
+    new_blocks: Sequence[int]
     if state.slot_of.keys().isdisjoint(block_hashes):  # (the common case: none is there yet)
-        new_hashes, new_blocks = list(block_hashes), list(device_blocks)
+        # (the command's own tuples: their slices below are the events' fields, uncopied)
+        new_hashes, new_blocks = block_hashes, device_blocks
     else:
+        distinct = None  # (it names the blocks on the tier too)
         protected = block_hashes
         absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
         new_hashes = list(compress(block_hashes, absent))
         new_blocks = list(compress(device_blocks, absent))
-    if len(set(new_hashes)) != len(new_hashes):  # a hash named twice is stored once
+    if distinct is None:
+        distinct = set(new_hashes)
+    if len(distinct) != len(new_hashes):  # a hash named twice is stored once
         firsts: dict[int, int] = {}
         for h, d in zip(new_hashes, new_blocks):
             firsts.setdefault(h, d)
@@ -153,13 +186,16 @@ def _decide_store(
         return None
     if req is not None and req.finished:
         emit(RequestResumed(seq=state.next_seq, request_id=req.request_id))  # F18
+    # the store's hashes as a set, built once: its chain (F14) and its duplicates (F3) are
+    # both asked of it
+    distinct = set(block_hashes)
     if request_id is not None:
-        extension = extend_chain(state, request_id, req, block_hashes)
+        extension = extend_chain(state, request_id, req, block_hashes, distinct)
         if extension is not None:
             emit(extension)
             req = state.requests[request_id]  # (known from now on)
     admit_hashes, admit_blocks, victims, rejected_hashes, rejected_blocks = _admission(
-        state, block_hashes, device_blocks
+        state, block_hashes, device_blocks, distinct
     )
     if victims:
         emit(eviction(state, victims, "capacity"))
@@ -173,7 +209,7 @@ def _decide_store(
                 seq=state.next_seq,
                 job_id=job_id,
                 request_id=request_id,
-                hashes=tuple(admit_hashes),
+                hashes=tuple(admit_hashes),  # (a tuple already: returned as it is)
                 device_blocks=tuple(admit_blocks),
                 slots=tuple(free[len(free) - admitted :][::-1]),
             )
@@ -263,7 +299,7 @@ def eviction(state: State, victims: Sequence[int], reason: str) -> BlocksEvicted
     return BlocksEvicted(
         seq=state.next_seq,
         hashes=tuple(victims),
-        slots=tuple(map(state.slot_of.__getitem__, victims)),
+        slots=slots_of(state.slot_of, victims),
         reason=reason,  # type: ignore[arg-type]
     )
 
@@ -279,8 +315,9 @@ def drop_corrupt(state: State, hashes: Sequence[int], emit: Emit) -> None:
         emit(BlocksCorrupt(seq=state.next_seq, hashes=tuple(pinned)))
 
 
-def _evict_unpinned_bad(state: State, emit: Emit) -> None:
-    """After any decision: remembered bad blocks whose last pin went are evicted (F17)."""
+def evict_unpinned_bad(state: State, emit: Emit) -> None:
+    """After a decision that can release pins: remembered bad blocks whose last pin went
+    are evicted (F17; see ``kvflow.decide.after_decision``)."""
     gone = [h for h in state.bad if h not in state.pin_count]
     if gone:
         eviction = _evict_resident(state, gone, "corrupt")
@@ -290,21 +327,6 @@ def _evict_unpinned_bad(state: State, emit: Emit) -> None:
 
 # a decider: decides ``cmd`` against ``state``, hands each event to ``emit``, returns the answer
 Decider = Callable[[State, Any, Emit], Any]
-
-
-def then_evict_bad(decider: Decider) -> Decider:
-    """``decider``, followed by the eviction of remembered bad blocks it unpinned (F17).
-    Blocks become remembered bad only through an executor outcome that names them
-    (``drop_corrupt``), so with none remembered after the decision there is nothing to do."""
-
-    def decide_then_evict(state: State, cmd: Any, emit: Emit) -> Any:
-        answer = decider(state, cmd, emit)
-        if state.bad:
-            _evict_unpinned_bad(state, emit)
-        return answer
-
-    decide_then_evict.__name__ = decider.__name__
-    return decide_then_evict
 
 
 def decide_invalidate(state: State, cmd: Invalidate, emit: Emit) -> int:

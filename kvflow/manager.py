@@ -37,13 +37,13 @@ from kvflow.commands import (
     Touch,
 )
 from kvflow.config import Config
-from kvflow.decide import DECIDERS, expired_jobs, hit_cap_blocks
+from kvflow.decide import DECIDERS, after_decision, expired_jobs, hit_cap_blocks
 from kvflow.decide_remote import probe_candidates
 from kvflow.errors import ConcurrentCall, EngineClosed
 from kvflow.events import EVENT_TYPES, BlocksEvicted, Event, JobsSubmitted, Reset, StoreRejected
 from kvflow.jobs import LOAD, TransferJob
 from kvflow.log import MemoryLog, NullLog
-from kvflow.notices import ABANDONED_BY_RESET, NOTICE_TYPES, Fence, LoadFailure, Notices
+from kvflow.notices import ABANDONED_BY_RESET, NO_NOTICES, NOTICE_TYPES, Fence, LoadFailure, Notices
 from kvflow.state import JobState, State
 from kvflow.state.apply import live_applier
 
@@ -101,7 +101,10 @@ class OffloadManager:
             if applied:  # (the events of the command before, kept for ``handle``)
                 applied.clear()
             try:
-                answer = DECIDERS[type(command)](self.state, command, self._emit)
+                state = self.state
+                answer = DECIDERS[type(command)](state, command, self._emit)
+                if state.bad:  # (``decide``'s epilogue, F17; skipped while nothing is bad)
+                    after_decision(state, command, self._emit)
             except BaseException:
                 # what was applied is recorded (it was observed already), even if a paranoid
                 # check raised; a call refused before its first event leaves no record
@@ -186,7 +189,7 @@ class OffloadManager:
 
     def has_notices(self) -> bool:
         """Whether ``take_notices`` would hand over anything."""
-        return bool(self._notices)
+        return self._notices != NO_NOTICES  # (``bool(notices)`` without its call)
 
     # -- the engine API ------------------------------------------------------------------
 

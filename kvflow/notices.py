@@ -66,15 +66,7 @@ class Notices(msgspec.Struct):
     all_blocks_cleared: bool = False
 
     def __bool__(self) -> bool:
-        return bool(
-            self.loads_finished
-            or self.loads_failed
-            or self.stores_finished
-            or self.stores_failed
-            or self.released_device_blocks
-            or self.rejected_store_blocks
-            or self.all_blocks_cleared
-        )
+        return self != NO_NOTICES  # (msgspec compares every field, at C level)
 
     def observe(self, event: Event) -> None:
         kind = type(event)
@@ -110,5 +102,9 @@ class Notices(msgspec.Struct):
         elif kind is Reset:
             self.all_blocks_cleared = True
 
+
+# nothing to tell: what ``Notices()`` holds; never handed out nor changed. ``manager.has_notices``
+# compares with it directly, without a call of ``__bool__`` (it runs on every engine step).
+NO_NOTICES = Notices()
 
 NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, FenceLifted, StoreRejected, Reset})

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kvflow import boundary as bd
 from kvflow.commands import JobResult
 from kvflow.config import MAX_WORLD_SIZE, Config
 from kvflow.engine import SyncEngine
@@ -138,3 +139,20 @@ def test_f19_every_recorded_trace_reads_back_after_refusals(tmp_path: Path) -> N
     result = replay(path, redecide=True)
     assert result.ok, result.divergence
     assert result.events == m.state.last_seq
+
+
+def test_f19_64_bit_hashes_pass_as_they_are_and_anything_else_is_still_checked() -> None:
+    # the fast path reads the encoded tags: real 64-bit hashes (signed or unsigned, any count
+    # of them, the msgpack array header's three sizes included) come back as the same tuple
+    for count in (0, 1, 15, 16, 70_000):
+        for start in (2**63, -(2**62)):
+            values = tuple(range(start, start + count))
+            assert bd.hashes(values) is values
+            assert bd.hashes(list(values)) == values
+    big = tuple(range(2**62, 2**62 + 20))
+    with pytest.raises(Rejected, match="must be integers"):
+        bd.hashes(big[:3] + (1.5,) + big[3:])  # a float is written in 9 bytes too
+    with pytest.raises(Rejected, match="64 bits"):
+        bd.hashes(big + (2**64,))
+    mixed = bd.hashes(big[:2] + (True, 7))  # short forms take the checked path
+    assert mixed == big[:2] + (1, 7) and all(type(h) is int for h in mixed)

@@ -100,6 +100,14 @@ class _IdSet:
             pass  # (not all comparable: asked one by one)
         return not any(j in self for j in ids)
 
+    def all_new(self, ids: list[int]) -> bool:
+        """Whether ``ids`` are distinct and none was seen before. The usual batch, one job
+        newer than any seen (kvflow issues ids in order), is told by one comparison."""
+        ends = self._ends
+        if len(ids) == 1 and type(ids[0]) is int and (not ends or ids[0] > ends[-1]):
+            return True
+        return len(set(ids)) == len(ids) and self.isdisjoint(ids)
+
     def add(self, job_id: int) -> None:
         starts, ends = self._starts, self._ends
         if starts and ends[-1] + 1 == job_id:  # the common case: the next id
@@ -180,18 +188,20 @@ class SimulatedExecutor:
     def submit(self, jobs: Sequence[TransferJob], compute_done: Any = None) -> None:
         """Queue jobs; each starts when its direction's stream is free (copies overlap
         across directions, not within one)."""
+        if not jobs:
+            return
         now = self.clock.now_ms
         known = self._known
         ids = list(map(_job_id, jobs))
-        if len(set(ids)) != len(ids) or not known.isdisjoint(ids):
+        if not known.all_new(ids):
             # refuse the whole call: nothing launched, no fault drawn (F5)
             repeated = [j for j in ids if j in known] or [j for j in ids if ids.count(j) > 1]
             raise Rejected(f"job {repeated[0]} submitted twice (F5)")
         stream_free, model, busy_ms = self._stream_free_ms, self.model, self.stats.busy_ms
-        injects_faults = self._injects_faults
+        injects_faults, pending, heap = self._injects_faults, self._pending, self._heap
         blocks_total = 0
-        for job in jobs:
-            job_id, direction, blocks = job.job_id, job.direction, len(job.device_blocks)
+        for job, job_id in zip(jobs, ids):
+            direction, blocks = job.direction, len(job.device_blocks)
             known.add(job_id)
             blocks_total += blocks
             self._ordinal = ordinal = self._ordinal + 1
@@ -213,8 +223,8 @@ class SimulatedExecutor:
                 fails = False
             stream_free[direction] = done
             busy_ms[direction] += duration
-            self._pending[job_id] = (done, fails)
-            heappush(self._heap, (done, ordinal, job_id))
+            pending[job_id] = (done, fails)
+            heappush(heap, (done, ordinal, job_id))
         stats = self.stats
         stats.jobs += len(jobs)
         stats.blocks += blocks_total

@@ -140,13 +140,19 @@ class ARCPolicy:
         t1, t2 = self._t1, self._t2
         if num_blocks > len(t1) + len(t2):
             return None
-        # The usual outcome in two C-level scans: T1's share (down to p) then T2's rest.
+        # The usual outcome in C-level scans: T1's share (down to p) then T2's rest. A list
+        # is scanned only for a share: building a scan costs about ten of its steps, and the
+        # usual eviction takes from T1 alone.
         from_t1 = min(num_blocks, max(0, len(t1) - self._p))
-        chosen = list(islice(filterfalse(pinned, t1), from_t1))
+        from_t2 = num_blocks - from_t1
+        chosen = list(islice(filterfalse(pinned, t1), from_t1)) if from_t1 else []
         if len(chosen) == from_t1:
-            rest = list(islice(filterfalse(pinned, t2), num_blocks - from_t1))
-            if len(rest) == num_blocks - from_t1:
-                return chosen + rest
+            if not from_t2:
+                return chosen
+            rest = list(islice(filterfalse(pinned, t2), from_t2))
+            if len(rest) == from_t2:
+                chosen += rest
+                return chosen
         return self._victims_one_by_one(num_blocks, pinned)
 
     def _victims_one_by_one(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:

@@ -118,14 +118,19 @@ class ARCPolicy:
         """Drop the oldest ghosts until the directory bounds hold (see module docstring):
         B1's for ``|T1| + |B1| <= capacity``, then B2's (B1's once B2 is empty) for the
         total, as the paper's one-at-a-time loops would, in bulk."""
+        # (``popitem(False)`` drops the oldest. The counts are tested inline rather than in
+        # a helper: a Python call costs about two drops, and the usual trim is one run.)
         capacity = self.capacity
         t1, b1, b2 = self._t1, self._b1, self._b2
-        _drop_oldest(b1, len(t1) + len(b1) - capacity)
+        over_l1 = len(t1) + len(b1) - capacity
+        if over_l1 > 0:
+            deque(map(b1.popitem, repeat(False, min(over_l1, len(b1)))), 0)
         excess = len(t1) + len(self._t2) + len(b1) + len(b2) - 2 * capacity
         if excess > 0:
             from_b2 = min(excess, len(b2))
-            _drop_oldest(b2, from_b2)
-            _drop_oldest(b1, excess - from_b2)
+            deque(map(b2.popitem, repeat(False, from_b2)), 0)
+            if excess > from_b2:
+                deque(map(b1.popitem, repeat(False, min(excess - from_b2, len(b1)))), 0)
 
     def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
         """The paper's REPLACE choice made ``num_blocks`` times, skipping ``pinned``
@@ -393,12 +398,6 @@ class ARCPolicy:
             f"ARCPolicy(capacity={self.capacity}, p={self._p}, t1={len(self._t1)}, "
             f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
         )
-
-
-def _drop_oldest(ghosts: OrderedDict[int, None], count: int) -> None:
-    """Forget the ``count`` oldest ghosts (at most all of them)."""
-    if count > 0:
-        deque(map(ghosts.popitem, repeat(False, min(count, len(ghosts)))), 0)
 
 
 def _ghost_steps(other: int, own: int, hits: int) -> int:

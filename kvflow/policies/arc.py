@@ -52,12 +52,10 @@ class ARCPolicy:
         self._b1: OrderedDict[int, None] = OrderedDict()
         self._b2: OrderedDict[int, None] = OrderedDict()
         self._p = 0
-        # The hashes of the last bulk insert / touch / refresh while nothing else has changed
-        # the lists since (else None): each is then the newest of its list, in the order a
-        # refresh of them gives, so refreshing them again changes nothing. The usual case:
-        # a chain touched, then refreshed by the next event (a third of the benchmark's
-        # refreshed hashes); one tuple comparison then replaces a move per hash. (Not for a
-        # touch: it would move a refreshed T1 member to T2.)
+        # The last bulk insert / touch / refresh's hashes while nothing else changed since
+        # (else None): each is its list's newest, as a refresh of them leaves it, so a refresh
+        # of them changes nothing (a chain touched then refreshed: a third of the benchmark's
+        # refreshed hashes). Not a touch: it moves a refreshed T1 member to T2.
         self._last_moved: tuple[int, ...] | None = None
 
     @property
@@ -317,7 +315,10 @@ class ARCPolicy:
         self._last_moved = None  # (a hash not resident raises with the moves half done)
         try:
             deque(map(t2.move_to_end, hashes), 0)  # the usual touch: all were in T2 already
+            all_in_t2 = True
         except KeyError:  # one was in T1 (or is not resident: raised again below)
+            all_in_t2 = False
+        if not all_in_t2:
             # The moves made above are made again, in the same order: the result is the same.
             for h in hashes:
                 if h in t1:
@@ -338,7 +339,10 @@ class ARCPolicy:
         home = t1 if hashes and hashes[0] in t1 else t2
         try:
             deque(map(home.move_to_end, hashes), 0)
+            all_at_home = True
         except KeyError:  # both lists (or a hash in neither: raised again below)
+            all_at_home = False
+        if not all_at_home:
             # The moves made above are made again, in the same order: the result is the same.
             in_t1 = t1.__contains__
             deque(map(t1.move_to_end, filter(in_t1, hashes)), 0)

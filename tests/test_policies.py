@@ -394,7 +394,8 @@ class _PolicyMachine(RuleBasedStateMachine):
             return block_hash not in pinned
 
         before = self.policy.snapshot()
-        chosen = self.policy.victims(count, pinned.__contains__)
+        # (nothing pinned is passed as None, as the engine does: no call per hash)
+        chosen = self.policy.victims(count, pinned.__contains__ if pinned else None)
         assert self.policy.snapshot() == before
         assert chosen == self.reference_victims(count, evictable)
         if chosen is None:
@@ -729,3 +730,18 @@ def test_arc_touch_after_a_refresh_of_the_same_hashes_still_promotes() -> None:
     policy.refresh_many((A, B))
     policy.touch_many((A, B))
     assert policy.snapshot() == ("arc", [], [A, B], [], [], 0)
+
+
+@pytest.mark.parametrize("cls", BOTH)
+def test_victims_with_nothing_pinned_equal_victims_with_a_never_pinned_test(cls: PolicyClass) -> None:
+    """``pinned=None`` skips the call per hash: same victims, same order, same None."""
+    import random
+
+    rng = random.Random(f"{cls.name}-none-pinned")
+    for _ in range(1000):
+        capacity = rng.randint(1, 10)
+        policy = cls(capacity)
+        counter = iter(range(1, 10**6))
+        _random_history(policy, rng, capacity, lambda: next(counter))
+        for count in range(len(policy) + 2):
+            assert policy.victims(count, None) == policy.victims(count, none_pinned), count

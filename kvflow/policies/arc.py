@@ -130,9 +130,10 @@ class ARCPolicy:
             if excess > from_b2:
                 deque(map(b1.popitem, repeat(False, min(excess - from_b2, len(b1)))), 0)
 
-    def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
+    def victims(self, num_blocks: int, pinned: Callable[[int], bool] | None) -> list[int] | None:
         """The paper's REPLACE choice made ``num_blocks`` times, skipping ``pinned``
         entries, or ``None`` if fewer are unpinned (all-or-nothing, F8). Does not mutate.
+        ``pinned=None``: nothing is pinned, so no call per hash (the usual eviction).
 
         Take ``T1``'s coldest when ``|T1| > p`` (``|T1|`` shrinking as victims are taken from
         it), else ``T2``'s coldest; when the preferred list has nothing evictable left, the
@@ -148,15 +149,17 @@ class ARCPolicy:
         # usual eviction takes from T1 alone.
         from_t1 = min(num_blocks, max(0, len(t1) - self._p))
         from_t2 = num_blocks - from_t1
-        chosen = list(islice(filterfalse(pinned, t1), from_t1)) if from_t1 else []
+        chosen = []
+        if from_t1:
+            chosen = list(islice(t1 if pinned is None else filterfalse(pinned, t1), from_t1))
         if len(chosen) == from_t1:
             if not from_t2:
                 return chosen
-            rest = list(islice(filterfalse(pinned, t2), from_t2))
+            rest = list(islice(t2 if pinned is None else filterfalse(pinned, t2), from_t2))
             if len(rest) == from_t2:
                 chosen += rest
                 return chosen
-        return self._victims_one_by_one(num_blocks, pinned)
+        return self._victims_one_by_one(num_blocks, pinned or _never_pinned)
 
     def _victims_one_by_one(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
         """``victims`` when a list runs out of unpinned entries before its share is taken."""
@@ -402,6 +405,11 @@ class ARCPolicy:
             f"ARCPolicy(capacity={self.capacity}, p={self._p}, t1={len(self._t1)}, "
             f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
         )
+
+
+def _never_pinned(block_hash: int) -> bool:
+    """``pinned`` when nothing is: for the rare scans that still test each hash."""
+    return False
 
 
 def _ghost_steps(other: int, own: int, hits: int) -> int:

@@ -93,15 +93,17 @@ class LRUPolicy:
         self._last_moved = None
         del self._order[block_hash]
 
-    def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
+    def victims(self, num_blocks: int, pinned: Callable[[int], bool] | None) -> list[int] | None:
         """The ``num_blocks`` coldest hashes that are not ``pinned``, coldest first, or
         ``None`` if there are fewer (all-or-nothing, F8). Scans from the cold end and stops
-        at ``num_blocks`` (at C level: ``pinned`` is typically a dict's ``__contains__``)."""
+        at ``num_blocks`` (at C level: ``pinned`` is typically a dict's ``__contains__``).
+        ``pinned=None``: nothing is pinned, so no call per hash (the usual eviction)."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._order):
             return None
-        chosen = list(islice(filterfalse(pinned, self._order), num_blocks))
+        unpinned = self._order if pinned is None else filterfalse(pinned, self._order)
+        chosen = list(islice(unpinned, num_blocks))
         return chosen if len(chosen) == num_blocks else None
 
     def resident(self) -> list[int]:

@@ -394,7 +394,8 @@ class _PolicyMachine(RuleBasedStateMachine):
             return block_hash not in pinned
 
         before = self.policy.snapshot()
-        chosen = self.policy.victims(count, pinned.__contains__)
+        # (nothing pinned is passed as None, as the engine does: no call per hash)
+        chosen = self.policy.victims(count, pinned.__contains__ if pinned else None)
         assert self.policy.snapshot() == before
         assert chosen == self.reference_victims(count, evictable)
         if chosen is None:
@@ -620,6 +621,21 @@ def _random_history(policy: Any, rng: Any, capacity: int, fresh: Any) -> None:
             policy.refresh(rng.choice(resident))
 
 
+def _bulk_hashes(policy: Any, rng: Any, capacity: int, counter: Any, op: str) -> tuple[int, ...]:
+    """Hashes for ``{op}_many`` as evolve hands them: new ones (fresh or ghosts) that fit for
+    an insert, distinct residents for a removal, residents (maybe one twice) otherwise."""
+    resident = policy.resident()
+    if op == "insert":
+        room = capacity - len(resident)
+        ghosts = [*getattr(policy, "_b1", ()), *getattr(policy, "_b2", ())]
+        pool = [next(counter) for _ in range(room)] + rng.sample(ghosts, min(len(ghosts), rng.randint(0, 2)))
+        return tuple(rng.sample(pool, min(len(pool), rng.randint(0, room))))
+    hashes = tuple(rng.sample(resident, rng.randint(0, len(resident))))
+    if op in ("touch", "refresh") and hashes and rng.random() < 0.2:
+        hashes += (hashes[0],)  # a touch may name a block twice: the bulk form must match
+    return hashes
+
+
 @pytest.mark.parametrize("cls", BOTH)
 @pytest.mark.parametrize("op", BULK_OPS)
 def test_bulk_forms_equal_the_one_by_one_methods(cls: PolicyClass, op: str) -> None:
@@ -635,16 +651,7 @@ def test_bulk_forms_equal_the_one_by_one_methods(cls: PolicyClass, op: str) -> N
         policy = cls(capacity)
         counter = iter(range(1, 10**6))
         _random_history(policy, rng, capacity, lambda: next(counter))
-        resident = policy.resident()
-        if op == "insert":
-            room = capacity - len(resident)
-            ghosts = [*getattr(policy, "_b1", ()), *getattr(policy, "_b2", ())]
-            pool = [next(counter) for _ in range(room)] + rng.sample(ghosts, min(len(ghosts), rng.randint(0, 2)))
-            hashes = tuple(rng.sample(pool, min(len(pool), rng.randint(0, room))))
-        else:
-            hashes = tuple(rng.sample(resident, rng.randint(0, len(resident))))
-            if op in ("touch", "refresh") and hashes and rng.random() < 0.2:
-                hashes += (hashes[0],)  # a touch may name a block twice: the bulk form must match
+        hashes = _bulk_hashes(policy, rng, capacity, counter, op)
         one_by_one = copy.deepcopy(policy)
         for h in hashes:
             getattr(one_by_one, op)(h)
@@ -664,3 +671,77 @@ def test_arc_ghost_steps_equal_the_papers_step_per_hit() -> None:
             for hits in range(1, own + 1):
                 one_by_one = sum(max(1, other // length) for length in range(own - hits + 1, own + 1))
                 assert _ghost_steps(other, own, hits) == one_by_one, (other, own, hits)
+
+
+@pytest.mark.parametrize("cls", BOTH)
+def test_refreshing_the_hashes_just_moved_equals_one_by_one(cls: PolicyClass) -> None:
+    """``refresh_many`` skips the hashes of the last bulk insert / touch / refresh when
+    nothing changed since: the result must still be the one-by-one refreshes', whatever
+    happened in between (single-hash moves, inserts, removals of other hashes, touches)."""
+    import copy
+    import random
+
+    rng = random.Random(f"{cls.name}-again")
+    skipped = 0
+    for _ in range(1500):
+        capacity = rng.randint(1, 10)
+        policy = cls(capacity)
+        counter = iter(range(1, 10**6))
+        _random_history(policy, rng, capacity, lambda: next(counter))
+        hashes = _bulk_hashes(policy, rng, capacity, counter, rng.choice(("insert", "touch", "refresh")))
+        op = "insert" if not set(hashes) <= set(policy.resident()) else rng.choice(("touch", "refresh"))
+        getattr(policy, f"{op}_many")(hashes)
+        if rng.random() < 0.4:  # something in between that keeps ``hashes`` resident
+            others = [h for h in policy.resident() if h not in hashes]
+            between = rng.choice(("insert", "touch", "refresh", "touch_many", "remove_many"))
+            if between == "insert" and len(policy) < capacity:
+                policy.insert(next(counter))
+            elif between == "remove_many":
+                policy.remove_many(tuple(rng.sample(others, min(len(others), 1))))
+            elif between in ("touch", "refresh") and policy.resident():
+                getattr(policy, between)(rng.choice(policy.resident()))
+            elif between == "touch_many":
+                policy.touch_many(hashes[:1])
+        else:
+            skipped += bool(hashes)
+        again = tuple(list(hashes)) if rng.random() < 0.5 else hashes  # equal, or the same tuple
+        one_by_one = copy.deepcopy(policy)
+        for h in again:
+            one_by_one.refresh(h)
+        policy.refresh_many(again)
+        assert policy.snapshot() == one_by_one.snapshot(), (op, hashes)
+    assert skipped > 400
+
+
+@pytest.mark.parametrize("cls", BOTH)
+def test_refreshing_the_hashes_just_moved_after_a_removal_still_raises(cls: PolicyClass) -> None:
+    policy = cls(8)
+    policy.insert_many((A, B, C))
+    policy.touch_many((B, C))
+    policy.remove_many((C,))
+    with pytest.raises(KeyError):
+        policy.refresh_many((B, C))
+
+
+def test_arc_touch_after_a_refresh_of_the_same_hashes_still_promotes() -> None:
+    """Only a refresh is skipped: a touch of just-refreshed T1 members moves them to T2."""
+    policy = ARCPolicy(8)
+    policy.insert_many((A, B))
+    policy.refresh_many((A, B))
+    policy.touch_many((A, B))
+    assert policy.snapshot() == ("arc", [], [A, B], [], [], 0)
+
+
+@pytest.mark.parametrize("cls", BOTH)
+def test_victims_with_nothing_pinned_equal_victims_with_a_never_pinned_test(cls: PolicyClass) -> None:
+    """``pinned=None`` skips the call per hash: same victims, same order, same None."""
+    import random
+
+    rng = random.Random(f"{cls.name}-none-pinned")
+    for _ in range(1000):
+        capacity = rng.randint(1, 10)
+        policy = cls(capacity)
+        counter = iter(range(1, 10**6))
+        _random_history(policy, rng, capacity, lambda: next(counter))
+        for count in range(len(policy) + 2):
+            assert policy.victims(count, None) == policy.victims(count, none_pinned), count

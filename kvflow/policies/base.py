@@ -37,10 +37,11 @@ class Policy(Protocol):
 
     def remove_many(self, hashes: tuple[int, ...]) -> None: ...
 
-    def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
+    def victims(self, num_blocks: int, pinned: Callable[[int], bool] | None) -> list[int] | None:
         """The ``num_blocks`` hashes to evict, in eviction order, skipping the ``pinned``
         ones, or ``None`` if fewer than ``num_blocks`` resident hashes are unpinned
-        (all-or-nothing, F8). Does not mutate."""
+        (all-or-nothing, F8). ``pinned=None``: nothing is pinned (no call per hash).
+        Does not mutate."""
 
     def resident(self) -> list[int]:
         """The resident hashes the policy tracks, in a deterministic order."""

@@ -99,16 +99,12 @@ def push_ahead_of_eviction(state: State, emit: Emit) -> None:
     window = coldest_window(state)
     if not state.config.remote or len(state.free_slots) >= window:
         return None
-    coldest = state.policy.victims(min(window, state.num_resident()), _nothing_blocked) or []
+    coldest = state.policy.victims(min(window, state.num_resident()), None) or []
     pushing = {h for job in state.jobs.values() if job.direction == REMOTE_STORE for h in job.hashes}
     todo = [h for h in coldest if h not in state.remote and h not in pushing]
     if todo:
         _remote_store(state, todo, emit)
     return None
-
-
-def _nothing_blocked(block_hash: int) -> bool:
-    return False
 
 
 def probe_candidates(state: State, window: Sequence[int]) -> list[int]:

@@ -42,21 +42,17 @@ def _fenced_slot_owners(state: State) -> list[int]:
     ]
 
 
-# what blocks eviction when no entry is pinned: ``callable`` is False for every int hash, and
-# answers without hashing it (an empty dict's ``__contains__`` hashes every key it is asked)
-_NONE_BLOCKED: Callable[[int], bool] = callable
-
-
-def _eviction_blocker(state: State, protected: Sequence[int] = ()) -> Callable[[int], bool]:
+def _eviction_blocker(state: State, protected: Sequence[int] = ()) -> Callable[[int], bool] | None:
     """Which resident entries eviction passes over: the pinned ones, ``protected`` (F16: a
-    store's own chain) and those whose slot a fence keeps (F15)."""
+    store's own chain) and those whose slot a fence keeps (F15); None when none is (the
+    policies then scan without a call per hash)."""
     if state.quarantine or not state.slot_of.keys().isdisjoint(protected):
         blocked = set(state.pin_count)
         blocked.update(protected)
         blocked.update(_fenced_slot_owners(state))
         return blocked.__contains__
     # the policy orders exactly the RESIDENT entries: only pins block them
-    return state.pin_count.__contains__ if state.pin_count else _NONE_BLOCKED
+    return state.pin_count.__contains__ if state.pin_count else None
 
 
 def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> list[int]:
@@ -68,7 +64,10 @@ def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> 
     victims = state.policy.victims(wanted, is_blocked)
     if victims is not None:
         return victims
-    evictable = sum(1 for h in state.policy.resident() if not is_blocked(h))
+    if is_blocked is None:
+        evictable = len(state.policy)
+    else:
+        evictable = sum(1 for h in state.policy.resident() if not is_blocked(h))
     if evictable <= 0:
         return []
     return state.policy.victims(evictable, is_blocked) or []

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import compress, count, filterfalse, islice, repeat, takewhile
+from itertools import compress, count, filterfalse, repeat, takewhile
 
 from kvflow.errors import ConfigError
+from kvflow.policies.arc_victims import replace_choices
 
 
 class ARCPolicy:
@@ -134,69 +135,10 @@ class ARCPolicy:
         """The paper's REPLACE choice made ``num_blocks`` times, skipping ``pinned``
         entries, or ``None`` if fewer are unpinned (all-or-nothing, F8). Does not mutate.
         ``pinned=None``: nothing is pinned, so no call per hash (the usual eviction).
-
-        Take ``T1``'s coldest when ``|T1| > p`` (``|T1|`` shrinking as victims are taken from
-        it), else ``T2``'s coldest; when the preferred list has nothing evictable left, the
-        other list's. Each list is scanned at most once, from its cold end.
-        """
+        (The scans: kvflow.policies.arc_victims.)"""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        t1, t2 = self._t1, self._t2
-        if num_blocks > len(t1) + len(t2):
-            return None
-        # The usual outcome in C-level scans: T1's share (down to p) then T2's rest. A list
-        # is scanned only for a share: building a scan costs about ten of its steps, and the
-        # usual eviction takes from T1 alone.
-        from_t1 = min(num_blocks, max(0, len(t1) - self._p))
-        from_t2 = num_blocks - from_t1
-        chosen = []
-        if from_t1:
-            chosen = list(islice(t1 if pinned is None else filterfalse(pinned, t1), from_t1))
-        if len(chosen) == from_t1:
-            if not from_t2:
-                return chosen
-            rest = list(islice(t2 if pinned is None else filterfalse(pinned, t2), from_t2))
-            if len(rest) == from_t2:
-                chosen += rest
-                return chosen
-        return self._victims_one_by_one(num_blocks, pinned or _never_pinned)
-
-    def _victims_one_by_one(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
-        """``victims`` when a list runs out of unpinned entries before its share is taken."""
-        # filterfalse() over the dicts: C-speed skipping of pinned entries, lazily consumed.
-        cold1 = filterfalse(pinned, self._t1)
-        cold2 = filterfalse(pinned, self._t2)
-        # The next evictable entry of each list, peeked only when needed (None: none left).
-        head1: int | None = None
-        head2: int | None = None
-        peeked1 = peeked2 = False
-        t1_left = len(self._t1)
-        p = self._p
-        chosen: list[int] = []
-        append = chosen.append
-        for _ in range(num_blocks):
-            if t1_left > p:
-                if not peeked1:
-                    head1, peeked1 = next(cold1, None), True
-                if head1 is not None:
-                    append(head1)
-                    peeked1 = False
-                    t1_left -= 1
-                    continue
-            if not peeked2:
-                head2, peeked2 = next(cold2, None), True
-            if head2 is not None:
-                append(head2)
-                peeked2 = False
-                continue
-            if not peeked1:
-                head1, peeked1 = next(cold1, None), True
-            if head1 is None:
-                return None
-            append(head1)
-            peeked1 = False
-            t1_left -= 1
-        return chosen
+        return replace_choices(self._t1, self._t2, self._p, num_blocks, pinned)
 
     # Bulk forms, one call per event: each equals the single-hash method applied to every
     # hash in order (tests/test_policies.py checks it on random histories and against the
@@ -405,11 +347,6 @@ class ARCPolicy:
             f"ARCPolicy(capacity={self.capacity}, p={self._p}, t1={len(self._t1)}, "
             f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
         )
-
-
-def _never_pinned(block_hash: int) -> bool:
-    """``pinned`` when nothing is: for the rare scans that still test each hash."""
-    return False
 
 
 def _ghost_steps(other: int, own: int, hits: int) -> int:

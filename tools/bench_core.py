@@ -206,7 +206,8 @@ def side_by_side(other: str, requests: int, steps: int, only: str | None, rounds
         unit = ""
         for r in range(rounds):
             for side in sides if r % 2 == 0 else reversed(list(sides)):
-                env = dict(os.environ, PYTHONPATH=sides[side])  # (its kvflow first on the path)
+                path = os.pathsep.join(filter(None, (sides[side], os.environ.get("PYTHONPATH"))))
+                env = dict(os.environ, PYTHONPATH=path)  # (its kvflow first on the path)
                 cmd = [sys.executable, os.path.abspath(__file__), "--only", name, "--child"]
                 cmd += ["--requests", str(requests), "--steps", str(steps)]
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=sides[side])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import itemgetter
 from typing import Any
 
 from kvflow.errors import BlockHeld, Rejected
@@ -62,12 +61,3 @@ def check_device_blocks(
             f"device block {d} is held by live {job.direction} job {jid}; "
             "wait for the job to finish before reusing it"
         )
-
-
-def slots_of(slot_of: dict[int, int], hashes: Sequence[int]) -> tuple[int, ...]:
-    """The slots of ``hashes``, each on the tier, in order. One ``itemgetter`` call reads
-    them all at C level (about half the cost of ``tuple(map(slot_of.__getitem__, ...))``);
-    with one key it returns the item itself, hence the tuple built for one."""
-    if len(hashes) > 1:
-        return itemgetter(*hashes)(slot_of)  # type: ignore[no-any-return]
-    return (slot_of[hashes[0]],) if hashes else ()

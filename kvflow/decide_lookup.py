@@ -6,12 +6,13 @@ from __future__ import annotations
 from itertools import compress, count, takewhile
 
 from kvflow.commands import AcceptHits, Lookup
-from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, slots_of, whole
+from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, whole
 from kvflow.decide_remote import remote_loads
 from kvflow.decide_store import extend_chain
 from kvflow.errors import Rejected, UnknownRequest
 from kvflow.events import BlocksTouched, LoadQueued, PinsAcquired, PinsReleased, RequestResumed
 from kvflow.state import State
+from kvflow.state.bulk import values_at
 
 
 def hit_cap_blocks(num_tokens: int, block_tokens: int) -> int:
@@ -82,7 +83,7 @@ def decide_accept_hits(state: State, cmd: AcceptHits, emit: Emit) -> int | None:
             request_id=cmd.request_id,
             hashes=hashes,
             device_blocks=tuple(cmd.device_blocks),
-            slots=slots_of(state.slot_of, hashes),
+            slots=values_at(state.slot_of, hashes),
         ))
     if req.offered:
         emit(PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered))

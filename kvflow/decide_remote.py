@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvflow.commands import RemoteFound
-from kvflow.decide_checks import Emit, slots_of
+from kvflow.decide_checks import Emit
 from kvflow.decide_store import _admission, eviction
 from kvflow.events import RemoteIndexed, RemoteLoadQueued, RemoteStoreQueued
 from kvflow.jobs import REMOTE_STORE
 from kvflow.state import State
+from kvflow.state.bulk import values_at
 
 
 def remote_run(state: State, window: Sequence[int]) -> list[int]:
@@ -81,7 +82,7 @@ def write_through(state: State, hashes: Sequence[int], emit: Emit) -> int | None
 def _remote_store(state: State, hashes: Sequence[int], emit: Emit) -> int:
     todo, slot_of = tuple(hashes), state.slot_of
     job_id = state.last_job_id + 1
-    emit(RemoteStoreQueued(seq=state.next_seq, job_id=job_id, hashes=todo, slots=slots_of(slot_of, todo)))
+    emit(RemoteStoreQueued(seq=state.next_seq, job_id=job_id, hashes=todo, slots=values_at(slot_of, todo)))
     return job_id
 
 

@@ -10,7 +10,7 @@ from itertools import compress, filterfalse
 from typing import Any
 
 from kvflow.commands import BlocksComputed, DeviceBlocksEvicting, Evict, Invalidate, Touch
-from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, slots_of, whole
+from kvflow.decide_checks import Emit, check_device_blocks, check_not_finished, whole
 from kvflow.errors import Rejected
 from kvflow.events import (
     BlocksCorrupt,
@@ -24,6 +24,7 @@ from kvflow.events import (
 )
 from kvflow.jobs import LOAD, REMOTE_STORE
 from kvflow.state import Request, State
+from kvflow.state.bulk import values_at
 
 
 def _fenced_slot_owners(state: State) -> list[int]:
@@ -298,7 +299,7 @@ def eviction(state: State, victims: Sequence[int], reason: str) -> BlocksEvicted
     return BlocksEvicted(
         seq=state.next_seq,
         hashes=tuple(victims),
-        slots=slots_of(state.slot_of, victims),
+        slots=values_at(state.slot_of, victims),
         reason=reason,  # type: ignore[arg-type]
     )
 

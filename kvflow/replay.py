@@ -171,8 +171,8 @@ def _fold_chunk(
     without their payload come only in chunks the reader was told are trusted (unchecked).
 
     The loop touches each record once: a record's index is looked up only when a line number
-    is needed, and the events applied are counted by the state's own ``seq`` (each applied
-    event advances it by one)."""
+    is needed, and the events applied are counted by the seq (each applied event advances
+    it by one)."""
     state = result.state
     evolvers = EVOLVERS  # (evolve's body inlined below: no call per event)
     without_payload = JOB_ENDS_WITHOUT_PAYLOAD

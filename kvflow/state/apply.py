@@ -212,7 +212,7 @@ def _reset(state: State, event: Reset, check: bool) -> None:
                 quarantine[s] = quarantine.get(s, ()) + (jid,)
     state.free_slots.extend(s for s in state.slot_of.values() if s not in quarantine)
     state.slot_of.clear()
-    state.pending.clear()
+    state._pending = None  # (every store's entries left: built empty when next read)
     state.pin_count.clear()
     state.deferred_touches.clear()
     state.bad.clear()

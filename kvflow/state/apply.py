@@ -164,6 +164,9 @@ def _chain_extended(state: State, event: ChainExtended, check: bool) -> None:
     chain = req.chain
     if check and all(map(chain.__contains__, event.hashes)):  # (stops at the first new hash)
         raise lg.illegal(state, event, "CHAIN", f"request {event.request_id}: names no hash new to its chain")
+    if not chain:  # (its first hashes, usually its lookup's: built at C level)
+        req.chain = dict.fromkeys(event.hashes)
+        return
     for h in event.hashes:  # the new ones go to its end, in order (a loop: cheaper than
         chain[h] = None  # update(dict.fromkeys(...)), which builds a dict first)
 

@@ -215,7 +215,7 @@ class State:
         entries; a fenced job's entries have left the tier. Read-only for callers."""
         index = self._pending
         if index is None:
-            index = self._pending = pending_of(self.jobs)
+            index = self._pending = pending_of(self.jobs) if self.jobs else {}
         return index
 
     @property
@@ -224,7 +224,7 @@ class State:
         use it). Read-only for callers."""
         index = self._held
         if index is None:
-            index = self._held = held_by(self.jobs)
+            index = self._held = held_by(self.jobs) if self.jobs else {}
         return index
 
     # -- queries -------------------------------------------------------------------------

@@ -164,6 +164,9 @@ def _chain_extended(state: State, event: ChainExtended, check: bool) -> None:
     chain = req.chain
     if check and all(map(chain.__contains__, event.hashes)):  # (stops at the first new hash)
         raise lg.illegal(state, event, "CHAIN", f"request {event.request_id}: names no hash new to its chain")
+    if not chain:  # (its first hashes, usually its lookup's: built at C level)
+        req.chain = dict.fromkeys(event.hashes)
+        return
     for h in event.hashes:  # the new ones go to its end, in order (a loop: cheaper than
         chain[h] = None  # update(dict.fromkeys(...)), which builds a dict first)
 
@@ -212,7 +215,7 @@ def _reset(state: State, event: Reset, check: bool) -> None:
                 quarantine[s] = quarantine.get(s, ()) + (jid,)
     state.free_slots.extend(s for s in state.slot_of.values() if s not in quarantine)
     state.slot_of.clear()
-    state.pending.clear()
+    state._pending = None  # (every store's entries left: built empty when next read)
     state.pin_count.clear()
     state.deferred_touches.clear()
     state.bad.clear()

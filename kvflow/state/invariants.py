@@ -9,7 +9,7 @@ as exact as a per-item loop) and walks item by item only to name the offenders.
 from __future__ import annotations
 
 from kvflow.jobs import FILLING, REMOTE_STORE
-from kvflow.state.model import State
+from kvflow.state.model import State, pending_of
 from kvflow.state.tables import LIVE_JOB_STATES, JobState
 
 
@@ -93,8 +93,11 @@ def check_invariants(state: State) -> list[str]:
             problems.append(f"a touch is deferred on job {jid}, which is not a live store")
     if len(state.remote) > state.config.remote_blocks:
         problems.append(f"the remote index holds {len(state.remote)} hashes, above remote_blocks")
-    if expected_held != state.held:
+    # (an index not kept is built from the jobs when read: only a kept one can disagree)
+    if state._held is not None and expected_held != state._held:
         problems.append("device-block holds do not match the live jobs")
+    if state._pending is not None and state._pending != pending_of(jobs):
+        problems.append("the pending index does not match the live store jobs")
     for r in state.requests.values():
         for jid in r.jobs:
             if jid not in jobs:

@@ -74,9 +74,13 @@ def _add_job(
     state.jobs[job_id] = job
     state.queued[job_id] = None
     state.last_job_id = job_id
-    held = state.held
-    for d in device_blocks:  # (a loop: about 0.6x the cost of update(dict.fromkeys(...)))
-        held[d] = job_id
+    held = state._held
+    if held is not None:
+        if len(state.jobs) == 1:  # the only live job: no index is kept (see State.held)
+            state._held = None
+        else:
+            for d in device_blocks:  # (a loop: about 0.6x the cost of update(dict.fromkeys(...)))
+                held[d] = job_id
     req = ensure_request(state, request_id)
     if req is not None:
         req.jobs[job_id] = None
@@ -90,9 +94,11 @@ def _end_job(state: State, job: Job, abandoned: bool) -> None:
     del state.jobs[job_id]
     if state.queued:  # (a job cancelled before submission; usually none is queued)
         state.queued.pop(job_id, None)
-    held = state.held
-    if len(held) == len(device_blocks):
-        held.clear()  # the usual case, one job at a time: its blocks are all that is held
+    held = state._held
+    if held is None:
+        pass  # not kept (see State.held)
+    elif len(held) == len(device_blocks):
+        held.clear()  # its blocks are all that is held
     else:
         for d in device_blocks:
             del held[d]

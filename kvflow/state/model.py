@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 import msgspec
 
 from kvflow.config import Config
+from kvflow.jobs import FILLING
 from kvflow.policies import make_policy
 from kvflow.policies.base import Policy
 from kvflow.state.digest import canonical, digest
@@ -155,13 +156,13 @@ class State:
         "next_seq",
         "last_job_id",
         "slot_of",
-        "pending",
+        "_pending",
         "pin_count",
         "free_slots",
         "quarantine",
         "jobs",
         "queued",
-        "held",
+        "_held",
         "requests",
         "policy",
         "deferred_touches",
@@ -177,7 +178,7 @@ class State:
         # jobs (STORE_QUEUED / STORING, which one follows the job) -> that job; pinned hashes
         # -> their pin count (absent means 0). RESIDENT = on the tier and not pending.
         self.slot_of: dict[int, int] = {}
-        self.pending: dict[int, int] = {}
+        self._pending: dict[int, int] | None = None  # (see ``pending``)
         self.pin_count: dict[int, int] = {}
         # Free slots as a stack: allocation takes from the end, so a fresh tier hands out
         # 0, 1, 2... (contiguous host runs keep the executor's copies at full speed).
@@ -187,7 +188,7 @@ class State:
         self.quarantine: dict[int, tuple[int, ...]] = {}
         self.jobs: dict[int, Job] = {}  # live jobs by id (queued or in flight)
         self.queued: dict[int, None] = {}  # queued, not yet submitted, in id order
-        self.held: dict[int, int] = {}  # device block -> live job holding it
+        self._held: dict[int, int] | None = None  # (see ``held``)
         self.requests: dict[str, Request] = {}
         self.policy: Policy = make_policy(config.policy, config.cpu_blocks)
         # F14: a touch that named entries still being stored, kept on their store job (the
@@ -198,6 +199,33 @@ class State:
         # the remote tier's index: hashes known to be there, oldest first (capped at
         # config.remote_blocks); a remote load that fails drops its hashes at once
         self.remote: dict[int, None] = {}
+
+    # -- indexes of the live jobs ----------------------------------------------------------
+    #
+    # ``pending`` and ``held`` follow from ``jobs`` alone. They are kept up to date by the
+    # evolvers only once something has read them while other jobs were live; a job that
+    # is the only live one does not write itself into them (``None``: built from ``jobs``
+    # when next read). An engine that waits for each job before the next writes no
+    # per-block index at all; one with many jobs in flight keeps both, as before.
+    # (check_invariants compares a kept index with the one built from ``jobs``.)
+
+    @property
+    def pending(self) -> dict[int, int]:
+        """Hash -> the live store (or remote load) job filling it: STORE_QUEUED / STORING
+        entries; a fenced job's entries have left the tier. Read-only for callers."""
+        index = self._pending
+        if index is None:
+            index = self._pending = pending_of(self.jobs) if self.jobs else {}
+        return index
+
+    @property
+    def held(self) -> dict[int, int]:
+        """Device block -> the live job holding it (fenced jobs too: their copy may still
+        use it). Read-only for callers."""
+        index = self._held
+        if index is None:
+            index = self._held = held_by(self.jobs) if self.jobs else {}
+        return index
 
     # -- queries -------------------------------------------------------------------------
 
@@ -241,7 +269,7 @@ class State:
         clone.next_seq = self.next_seq
         clone.last_job_id = self.last_job_id
         clone.slot_of = dict(self.slot_of)
-        clone.pending = dict(self.pending)
+        clone._pending = None if self._pending is None else dict(self._pending)
         clone.pin_count = dict(self.pin_count)
         clone.free_slots = list(self.free_slots)
         clone.quarantine = dict(self.quarantine)
@@ -252,7 +280,7 @@ class State:
                 j.state, j.deadline_ms, j.acks, j.reported,
             )  # fmt: skip
         clone.queued = dict(self.queued)
-        clone.held = dict(self.held)
+        clone._held = None if self._held is None else dict(self._held)
         clone.requests = {}
         for rid, r in self.requests.items():
             nr = Request(rid)
@@ -277,3 +305,18 @@ class State:
     def digest(self) -> str:
         """A short hash of ``canonical()``: equal digests mean equal states."""
         return digest(self)
+
+
+def pending_of(jobs: Mapping[int, Job]) -> dict[int, int]:
+    """``State.pending`` built from the live jobs, in job order (as the evolvers write it)."""
+    return {
+        h: jid
+        for jid, job in jobs.items()
+        if job.direction in FILLING and not job.fenced
+        for h in job.hashes
+    }
+
+
+def held_by(jobs: Mapping[int, Job]) -> dict[int, int]:
+    """``State.held`` built from the live jobs, in job order (as the evolvers write it)."""
+    return {d: jid for jid, job in jobs.items() for d in job.device_blocks}

@@ -27,9 +27,14 @@ def _admit(state: State, hashes: tuple[int, ...], job: Job) -> None:
     free = state.free_slots
     del free[len(free) - len(job.slots) :]
     state.slot_of.update(zip(hashes, job.slots))
-    pending, job_id = state.pending, job.job_id
-    for h in hashes:  # (a loop: about 0.6x the cost of update(dict.fromkeys(...)), which builds a dict)
-        pending[h] = job_id
+    pending = state._pending
+    if pending is not None:
+        if len(state.jobs) == 1:  # the only live job: no index is kept (see State.pending)
+            state._pending = None
+        else:
+            job_id = job.job_id
+            for h in hashes:  # (a loop: about 0.6x the cost of update(dict.fromkeys(...)), which builds a dict)
+                pending[h] = job_id
 
 
 def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
@@ -37,7 +42,7 @@ def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
 
     F14: a touch that named these entries while they were being stored is applied now, so
     a chain's order is the engine's touch whatever order its stores land in."""
-    _unpend(state.pending, hashes)
+    _unpend(state._pending, hashes)
     state.policy.insert_many(hashes)
     if state.deferred_touches:
         deferred = state.deferred_touches.pop(job.job_id, None)
@@ -51,8 +56,10 @@ def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
                 state.policy.refresh_many(resident)
 
 
-def _unpend(pending: dict[int, int], hashes: tuple[int, ...]) -> None:
+def _unpend(pending: dict[int, int] | None, hashes: tuple[int, ...]) -> None:
     """The job's hashes (distinct, each pending on it) are pending no more."""
+    if pending is None:
+        return  # not kept (see State.pending)
     if len(pending) == len(hashes):
         pending.clear()  # the usual case, one store at a time: they are all there is
     else:
@@ -76,7 +83,7 @@ def _drop_pending(state: State, hashes: tuple[int, ...], job: Job) -> None:
     when the job's copy may still be writing them)."""
     if state.deferred_touches:
         state.deferred_touches.pop(job.job_id, None)
-    _unpend(state.pending, hashes)
+    _unpend(state._pending, hashes)
     _free(state, hashes)
 
 

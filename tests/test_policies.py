@@ -664,7 +664,7 @@ def test_bulk_forms_equal_the_one_by_one_methods(cls: PolicyClass, op: str) -> N
 def test_arc_ghost_steps_equal_the_papers_step_per_hit() -> None:
     """A run of ghost hits moves p by the sum of the paper's per-hit steps, whatever the
     lengths (the quotient-0 shortcut included)."""
-    from kvflow.policies.arc import _ghost_steps
+    from kvflow.policies.arc_runs import ghost_steps as _ghost_steps
 
     for other in range(0, 30):
         for own in range(1, 30):

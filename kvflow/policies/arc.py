@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import compress, count, filterfalse, repeat, takewhile
+from itertools import repeat
 
 from kvflow.errors import ConfigError
+from kvflow.policies.arc_runs import ghost_steps, is_newest, move_run, refresh_run
 from kvflow.policies.arc_victims import replace_choices
 
 
@@ -153,9 +154,8 @@ class ARCPolicy:
         """``insert`` for each hash in order. All-or-nothing: a hash already resident, or
         named twice, raises ``ValueError`` and changes nothing."""
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        fits = len(t1) + len(t2) + len(hashes) <= self.capacity
         if (
-            fits
+            len(t1) + len(t2) + len(hashes) <= self.capacity
             and b1.keys().isdisjoint(hashes)
             and b2.keys().isdisjoint(hashes)
             and t2.keys().isdisjoint(hashes)
@@ -166,16 +166,30 @@ class ARCPolicy:
             self._last_moved = hashes
             return
         self._check_new(hashes)
-        if fits:
-            self._insert_runs(hashes)
-        else:
+        self.admit_new_many(hashes)
+
+    def admit_new_many(self, hashes: tuple[int, ...]) -> None:
+        """``insert_many`` of hashes the caller knows to be new: none resident, none named
+        twice. The state's stores are (their entries were pending, never resident, and
+        ``check_invariants`` compares the policy's residents with the state's), so they
+        skip ``insert_many``'s checks, a lookup or two per hash. Unchecked: a resident or
+        repeated hash would be tracked twice."""
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if len(t1) + len(t2) + len(hashes) > self.capacity:
             for h in hashes:  # residents overfill the tier: ghosts trimmed as each one lands
                 self._insert_one(h)
+        elif b1.keys().isdisjoint(hashes) and b2.keys().isdisjoint(hashes):
+            # The usual store, first sightings only: all join T1, then one trim (see _join_t1).
+            for h in hashes:
+                t1[h] = None
+            self._trim_ghosts()
+        else:
+            self._insert_runs(hashes)
         # (ghost hits became T2's newest, first sightings T1's, each in this order)
         self._last_moved = hashes
 
     def _insert_runs(self, hashes: tuple[int, ...]) -> None:
-        """``insert_many`` of new hashes that fit, some of them ghosts: a run of one kind
+        """``admit_new_many`` of hashes that fit, some of them ghosts: a run of one kind
         (B1 hits, B2 hits, first sightings) at a time, in order.
 
         Each run is classified when it is reached: the trimming after a run of first
@@ -183,25 +197,28 @@ class ARCPolicy:
         too, as one by one. A run of ghost hits trims nothing (each moves B -> T2, leaving
         ``|T1| + |B1|`` no larger and the total unchanged) and changes no other hash's list.
         """
-        t2, b1, b2, capacity = self._t2, self._b1, self._b2, self.capacity
+        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
         start = 0
         while start < len(hashes):
-            rest = hashes[start:]
+            rest = hashes[start:] if start else hashes
             if rest[0] in b1:
-                run = tuple(takewhile(b1.__contains__, rest))
+                hits = move_run(b1, t2, rest)
                 # each hit grows p by max(1, |B2| // |B1|), |B1| counting that hit; p only
                 # grows in the run, so capping once at the end caps every step
-                self._p = min(capacity, self._p + _ghost_steps(len(b2), len(b1), len(run)))
-                _promote(b1, t2, run)
+                self._p = min(capacity, self._p + ghost_steps(len(b2), len(b1) + hits, hits))
+                start += hits
             elif rest[0] in b2:
-                run = tuple(takewhile(b2.__contains__, rest))
-                self._p = max(0, self._p - _ghost_steps(len(b1), len(b2), len(run)))
-                _promote(b2, t2, run)
+                hits = move_run(b2, t2, rest)
+                self._p = max(0, self._p - ghost_steps(len(b1), len(b2) + hits, hits))
+                start += hits
             else:
-                run = rest[: min(_first_index(b1, rest), _first_index(b2, rest))]
-                self._join_t1(run)  # (checked new and distinct: it joins)
-                self._trim_ghosts()
-            start += len(run)
+                before = len(t1)
+                for h in rest:  # first sightings, up to the next ghost
+                    if h in b1 or h in b2:
+                        break
+                    t1[h] = None
+                self._trim_ghosts()  # (once for the run: see _join_t1)
+                start += len(t1) - before
 
     def _join_t1(self, hashes: tuple[int, ...]) -> bool:
         """Add ``hashes`` to T1's recent end if each is new to T1 and named once, and say so;
@@ -253,24 +270,24 @@ class ARCPolicy:
             self._t1[block_hash] = None
             self._trim_ghosts()
 
+    # touch_many / refresh_many / remove_many take the hashes a run at a time, a run being
+    # hashes of one list (kvflow.policies.arc_runs), so that no hash's list is tested apart
+    # from its move: a request's chain is its new blocks (T1) then its hits (T2).
+
     def touch_many(self, hashes: tuple[int, ...]) -> None:
         """``touch`` for each hash (resident; repeats allowed): each becomes the most recent
         of T2, in order."""
         t1, t2 = self._t1, self._t2
         self._last_moved = None  # (a hash not resident raises with the moves half done)
-        try:
-            deque(map(t2.move_to_end, hashes), 0)  # the usual touch: all were in T2 already
-            all_in_t2 = True
-        except KeyError:  # one was in T1 (or is not resident: raised again below)
-            all_in_t2 = False
-        if not all_in_t2:
-            # The moves made above are made again, in the same order: the result is the same.
-            for h in hashes:
-                if h in t1:
-                    del t1[h]
-                    t2[h] = None
-                else:
-                    t2.move_to_end(h)
+        from_t1 = bool(hashes) and hashes[0] in t1
+        start = 0
+        while start < len(hashes):
+            rest = hashes[start:] if start else hashes
+            moved = move_run(t1, t2, rest) if from_t1 else refresh_run(t2, rest)
+            if not moved:  # the run before ended at this hash, and it is not here either
+                raise KeyError(rest[0])
+            start += moved
+            from_t1 = not from_t1
         self._last_moved = hashes
 
     def refresh_many(self, hashes: tuple[int, ...]) -> None:
@@ -280,18 +297,17 @@ class ARCPolicy:
             return  # (moving each to its list's end again, in order, leaves them where they are)
         t1, t2 = self._t1, self._t2
         self._last_moved = None  # (a hash not resident raises with the moves half done)
-        # The usual refresh names one list's members (a chain seen once, or seen again).
         home = t1 if hashes and hashes[0] in t1 else t2
-        try:
-            deque(map(home.move_to_end, hashes), 0)
-            all_at_home = True
-        except KeyError:  # both lists (or a hash in neither: raised again below)
-            all_at_home = False
-        if not all_at_home:
-            # The moves made above are made again, in the same order: the result is the same.
-            in_t1 = t1.__contains__
-            deque(map(t1.move_to_end, filter(in_t1, hashes)), 0)
-            deque(map(t2.move_to_end, filterfalse(in_t1, hashes)), 0)
+        start = 0
+        while start < len(hashes):
+            rest = hashes[start:] if start else hashes
+            if home is t2 and is_newest(t2, rest):
+                break  # hits touched when the request began, nothing touched since
+            moved = refresh_run(home, rest)
+            if not moved:  # the run before ended at this hash, and it is not here either
+                raise KeyError(rest[0])
+            start += moved
+            home = t2 if home is t1 else t1
         self._last_moved = hashes
 
     def remove_many(self, hashes: tuple[int, ...]) -> None:
@@ -347,29 +363,3 @@ class ARCPolicy:
             f"ARCPolicy(capacity={self.capacity}, p={self._p}, t1={len(self._t1)}, "
             f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
         )
-
-
-def _ghost_steps(other: int, own: int, hits: int) -> int:
-    """How far ``hits`` ghost hits in a row in one ghost list move ``p`` in all:
-    ``max(1, other // own)`` for each, ``own`` (that list's length, the hit included)
-    falling by one per hit and ``other`` (the other list's length) unchanged.
-
-    A length above ``other`` makes the quotient 0, so the step 1: those are counted, and
-    only the quotients of the lengths up to ``other`` are summed (none, usually)."""
-    smallest = own - hits + 1
-    largest_summed = min(own, other)
-    if largest_summed < smallest:
-        return hits
-    return own - largest_summed + sum(map(other.__floordiv__, range(smallest, largest_summed + 1)))
-
-
-def _promote(ghosts: OrderedDict[int, None], t2: OrderedDict[int, None], hits: tuple[int, ...]) -> None:
-    """Ghost hits, in order: each leaves its ghost list and becomes T2's most recent."""
-    for h in hits:
-        del ghosts[h]
-        t2[h] = None
-
-
-def _first_index(members: OrderedDict[int, None], hashes: tuple[int, ...]) -> int:
-    """The index of the first of ``hashes`` in ``members``, or ``len(hashes)``."""
-    return next(compress(count(), map(members.__contains__, hashes)), len(hashes))

@@ -31,14 +31,14 @@ from collections.abc import Callable
 from itertools import repeat
 
 from kvflow.errors import ConfigError
-from kvflow.policies.arc_runs import ghost_steps, is_newest, move_run, refresh_run
+from kvflow.policies.arc_runs import drop_run, ghost_steps, is_newest, move_run, refresh_run
 from kvflow.policies.arc_victims import replace_choices
 
 
 class ARCPolicy:
     """ARC ordering plus ghost lists; see the module docstring for how it maps onto the state."""
 
-    __slots__ = ("_b1", "_b2", "_last_moved", "_p", "_t1", "_t2", "capacity")
+    __slots__ = ("_b1", "_b2", "_last_moved", "_p", "_pending", "_t1", "_t2", "capacity")
 
     name = "arc"
 
@@ -59,6 +59,9 @@ class ARCPolicy:
         # of them changes nothing (a chain touched then refreshed: a third of the benchmark's
         # refreshed hashes). Not a touch: it moves a refreshed T1 member to T2.
         self._last_moved: tuple[int, ...] | None = None
+        # The last store's hashes, not yet added to T1 / T2 (see _add_pending), or None:
+        # (the hashes stored, those bound for T1, those bound for T2, each in stored order).
+        self._pending: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def p(self) -> int:
@@ -76,6 +79,8 @@ class ARCPolicy:
     def touch(self, block_hash: int) -> None:
         """A resident hash was used: it becomes the most recent of ``T2``.
         ``KeyError`` if it is not resident."""
+        if self._pending is not None:
+            self._add_pending()
         self._last_moved = None
         t1 = self._t1
         if block_hash in t1:
@@ -87,6 +92,8 @@ class ARCPolicy:
     def refresh(self, block_hash: int) -> None:
         """Reorder without a new use: the most recent of its own list (T1 stays T1).
         ``KeyError`` if it is not resident."""
+        if self._pending is not None:
+            self._add_pending()
         self._last_moved = None
         t1 = self._t1
         if block_hash in t1:
@@ -98,6 +105,8 @@ class ARCPolicy:
         """``block_hash`` left the tier. An eviction (``ghost=True``) remembers it in ``B1`` or
         ``B2`` so a quick return adapts ``p``; any other removal (a reset, a failed entry)
         says nothing about the workload and leaves no ghost. ``KeyError`` if not resident."""
+        if self._pending is not None:
+            self._add_pending()
         self._last_moved = None
         t1 = self._t1
         t2 = self._t2
@@ -114,18 +123,20 @@ class ARCPolicy:
         if ghost and len(t1) + len(t2) >= self.capacity:
             self._trim_ghosts()
 
-    def _trim_ghosts(self) -> None:
+    def _trim_ghosts(self, to_t1: int = 0, to_t2: int = 0) -> None:
         """Drop the oldest ghosts until the directory bounds hold (see module docstring):
         B1's for ``|T1| + |B1| <= capacity``, then B2's (B1's once B2 is empty) for the
-        total, as the paper's one-at-a-time loops would, in bulk."""
+        total, as the paper's one-at-a-time loops would, in bulk. ``to_t1`` / ``to_t2``:
+        residents stored but not yet added to T1 / T2 (a store being admitted)."""
         # (``popitem(False)`` drops the oldest. The counts are tested inline rather than in
         # a helper: a Python call costs about two drops, and the usual trim is one run.)
         capacity = self.capacity
-        t1, b1, b2 = self._t1, self._b1, self._b2
-        over_l1 = len(t1) + len(b1) - capacity
+        b1, b2 = self._b1, self._b2
+        t1_size = len(self._t1) + to_t1
+        over_l1 = t1_size + len(b1) - capacity
         if over_l1 > 0:
             deque(map(b1.popitem, repeat(False, min(over_l1, len(b1)))), 0)
-        excess = len(t1) + len(self._t2) + len(b1) + len(b2) - 2 * capacity
+        excess = t1_size + len(self._t2) + to_t2 + len(b1) + len(b2) - 2 * capacity
         if excess > 0:
             from_b2 = min(excess, len(b2))
             deque(map(b2.popitem, repeat(False, from_b2)), 0)
@@ -139,6 +150,8 @@ class ARCPolicy:
         (The scans: kvflow.policies.arc_victims.)"""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if self._pending is not None:
+            self._add_pending()
         return replace_choices(self._t1, self._t2, self._p, num_blocks, pinned)
 
     # Bulk forms, one call per event: each equals the single-hash method applied to every
@@ -153,6 +166,8 @@ class ARCPolicy:
     def insert_many(self, hashes: tuple[int, ...]) -> None:
         """``insert`` for each hash in order. All-or-nothing: a hash already resident, or
         named twice, raises ``ValueError`` and changes nothing."""
+        if self._pending is not None:
+            self._add_pending()
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         if (
             len(t1) + len(t2) + len(hashes) <= self.capacity
@@ -173,52 +188,77 @@ class ARCPolicy:
         twice. The state's stores are (their entries were pending, never resident, and
         ``check_invariants`` compares the policy's residents with the state's), so they
         skip ``insert_many``'s checks, a lookup or two per hash. Unchecked: a resident or
-        repeated hash would be tracked twice."""
+        repeated hash would be tracked twice.
+
+        The hashes join their lists (ghost hits T2, first sightings T1) when the policy is
+        next used (``_add_pending``): a request's end refreshes its chain deepest first,
+        and then they join in that order instead of being moved there one by one."""
+        if self._pending is not None:
+            self._add_pending()
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         if len(t1) + len(t2) + len(hashes) > self.capacity:
             for h in hashes:  # residents overfill the tier: ghosts trimmed as each one lands
                 self._insert_one(h)
         elif b1.keys().isdisjoint(hashes) and b2.keys().isdisjoint(hashes):
-            # The usual store, first sightings only: all join T1, then one trim (see _join_t1).
-            for h in hashes:
-                t1[h] = None
-            self._trim_ghosts()
+            # The usual store, first sightings only: bound for T1, one trim (see _join_t1).
+            self._pending = (hashes, hashes, ())
+            self._trim_ghosts(len(hashes))
         else:
-            self._insert_runs(hashes)
-        # (ghost hits became T2's newest, first sightings T1's, each in this order)
+            self._pending = (hashes, *self._ghost_runs(hashes))
+        # (ghost hits are T2's newest, first sightings T1's, each in this order)
         self._last_moved = hashes
 
-    def _insert_runs(self, hashes: tuple[int, ...]) -> None:
+    def _add_pending(self, refreshed: tuple[int, ...] = ()) -> int:
+        """Add the last store's hashes to their lists: in the order stored or, if
+        ``refreshed`` (a refresh's hashes) begins with them in reverse, in that order,
+        which is where that refresh would move them. Returns how many hashes of
+        ``refreshed`` that covered."""
+        stored, to_t1, to_t2 = self._pending  # type: ignore[misc]
+        self._pending = None
+        covered = len(stored) if refreshed[: len(stored)] == stored[::-1] else 0
+        t1, t2 = self._t1, self._t2
+        for h in reversed(to_t1) if covered else to_t1:
+            t1[h] = None
+        for h in reversed(to_t2) if covered else to_t2:
+            t2[h] = None
+        return covered
+
+    def _ghost_runs(self, hashes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``admit_new_many`` of hashes that fit, some of them ghosts: a run of one kind
-        (B1 hits, B2 hits, first sightings) at a time, in order.
+        (B1 hits, B2 hits, first sightings) at a time, in order. Returns the hashes bound
+        for T1 and those bound for T2, each in order (added by ``_add_pending``).
 
         Each run is classified when it is reached: the trimming after a run of first
         sightings may drop a ghost that a later hash names, which then is a first sighting
         too, as one by one. A run of ghost hits trims nothing (each moves B -> T2, leaving
         ``|T1| + |B1|`` no larger and the total unchanged) and changes no other hash's list.
         """
-        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
+        b1, b2, capacity = self._b1, self._b2, self.capacity
+        to_t1: tuple[int, ...] = ()
+        to_t2: tuple[int, ...] = ()
         start = 0
         while start < len(hashes):
             rest = hashes[start:] if start else hashes
             if rest[0] in b1:
-                hits = move_run(b1, t2, rest)
+                run = drop_run(b1, rest)
                 # each hit grows p by max(1, |B2| // |B1|), |B1| counting that hit; p only
                 # grows in the run, so capping once at the end caps every step
-                self._p = min(capacity, self._p + ghost_steps(len(b2), len(b1) + hits, hits))
-                start += hits
+                self._p = min(capacity, self._p + ghost_steps(len(b2), len(b1) + run, run))
+                to_t2 += rest[:run]
             elif rest[0] in b2:
-                hits = move_run(b2, t2, rest)
-                self._p = max(0, self._p - ghost_steps(len(b1), len(b2) + hits, hits))
-                start += hits
+                run = drop_run(b2, rest)
+                self._p = max(0, self._p - ghost_steps(len(b1), len(b2) + run, run))
+                to_t2 += rest[:run]
             else:
-                before = len(t1)
+                run = 0
                 for h in rest:  # first sightings, up to the next ghost
                     if h in b1 or h in b2:
                         break
-                    t1[h] = None
-                self._trim_ghosts()  # (once for the run: see _join_t1)
-                start += len(t1) - before
+                    run += 1
+                to_t1 += rest[:run]
+                self._trim_ghosts(len(to_t1), len(to_t2))  # (once for the run: see _join_t1)
+            start += run
+        return to_t1, to_t2
 
     def _join_t1(self, hashes: tuple[int, ...]) -> bool:
         """Add ``hashes`` to T1's recent end if each is new to T1 and named once, and say so;
@@ -277,6 +317,8 @@ class ARCPolicy:
     def touch_many(self, hashes: tuple[int, ...]) -> None:
         """``touch`` for each hash (resident; repeats allowed): each becomes the most recent
         of T2, in order."""
+        if self._pending is not None:
+            self._add_pending()
         t1, t2 = self._t1, self._t2
         self._last_moved = None  # (a hash not resident raises with the moves half done)
         from_t1 = bool(hashes) and hashes[0] in t1
@@ -295,10 +337,10 @@ class ARCPolicy:
         independent: each list's members move to its end, in order."""
         if hashes == self._last_moved:
             return  # (moving each to its list's end again, in order, leaves them where they are)
+        start = 0 if self._pending is None else self._add_pending(hashes)
         t1, t2 = self._t1, self._t2
         self._last_moved = None  # (a hash not resident raises with the moves half done)
-        home = t1 if hashes and hashes[0] in t1 else t2
-        start = 0
+        home = t1 if start < len(hashes) and hashes[start] in t1 else t2
         while start < len(hashes):
             rest = hashes[start:] if start else hashes
             if home is t2 and is_newest(t2, rest):
@@ -312,6 +354,8 @@ class ARCPolicy:
 
     def remove_many(self, hashes: tuple[int, ...]) -> None:
         """``remove`` (an eviction: ghosts kept) for each hash (distinct, resident)."""
+        if self._pending is not None:
+            self._add_pending()
         self._last_moved = None
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         if len(t1) + len(t2) > self.capacity:  # an overfilled tier trims ghosts as it shrinks
@@ -336,11 +380,15 @@ class ARCPolicy:
 
     def resident(self) -> list[int]:
         """Resident hashes: ``T1`` then ``T2``, each coldest first."""
+        if self._pending is not None:
+            self._add_pending()
         return [*self._t1, *self._t2]
 
     def snapshot(self) -> tuple[str, list[int], list[int], list[int], list[int], int]:
         """``(name, T1, T2, B1, B2, p)``, lists coldest first: everything that drives
         decisions, ghosts included, so two runs that differ only in history still differ."""
+        if self._pending is not None:
+            self._add_pending()
         return (self.name, list(self._t1), list(self._t2), list(self._b1), list(self._b2), self._p)
 
     def clear(self) -> None:
@@ -351,14 +399,20 @@ class ARCPolicy:
         self._b2.clear()
         self._p = 0
         self._last_moved = None
+        self._pending = None
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        stored = () if self._pending is None else self._pending[0]
+        return len(self._t1) + len(self._t2) + len(stored)
 
     def __contains__(self, block_hash: object) -> bool:
+        if self._pending is not None:
+            self._add_pending()
         return block_hash in self._t1 or block_hash in self._t2
 
     def __repr__(self) -> str:
+        if self._pending is not None:
+            self._add_pending()
         return (
             f"ARCPolicy(capacity={self.capacity}, p={self._p}, t1={len(self._t1)}, "
             f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"

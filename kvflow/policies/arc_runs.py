@@ -29,6 +29,17 @@ def move_run(source: Ordered, target: Ordered, hashes: tuple[int, ...]) -> int:
     return before - len(source)
 
 
+def drop_run(members: Ordered, hashes: tuple[int, ...]) -> int:
+    """Delete the longest prefix of ``hashes`` found in ``members`` and return its length."""
+    before = len(members)
+    try:
+        for h in hashes:
+            del members[h]
+    except KeyError:  # the first hash not in ``members``: the run ends before it
+        pass
+    return before - len(members)
+
+
 def refresh_run(members: Ordered, hashes: tuple[int, ...]) -> int:
     """Move the longest prefix of ``hashes`` found in ``members`` to its newest end, in
     order, and return its length (repeats allowed: a member stays one)."""

@@ -127,7 +127,14 @@ class ARCPolicy:
         """Drop the oldest ghosts until the directory bounds hold (see module docstring):
         B1's for ``|T1| + |B1| <= capacity``, then B2's (B1's once B2 is empty) for the
         total, as the paper's one-at-a-time loops would, in bulk. ``to_t1`` / ``to_t2``:
-        residents stored but not yet added to T1 / T2 (a store being admitted)."""
+        residents stored but not yet added to T1 / T2 (a store being admitted).
+
+        Once after a run of first sightings equals once after each while the residents
+        fit: the bounds held before (they always do while the residents fit), each
+        sighting raises ``|T1| + |B1|`` and the total by one, and each trim step takes back
+        one, from B1 for the first bound and from B2 for the second (B2 always suffices
+        there: ``|T1| + |B1| <= capacity`` and ``|T2| <= capacity`` leave the total over
+        ``2 * capacity`` by at most ``|B2|``)."""
         # (``popitem(False)`` drops the oldest. The counts are tested inline rather than in
         # a helper: a Python call costs about two drops, and the usual trim is one run;
         # conditional expressions rather than min(): a builtin taking keywords costs
@@ -171,18 +178,6 @@ class ARCPolicy:
         named twice, raises ``ValueError`` and changes nothing."""
         if self._pending is not None:
             self._add_pending()
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        if (
-            len(t1) + len(t2) + len(hashes) <= self.capacity
-            and b1.keys().isdisjoint(hashes)
-            and b2.keys().isdisjoint(hashes)
-            and t2.keys().isdisjoint(hashes)
-            and self._join_t1(hashes)
-        ):
-            # The usual store, first sightings only: all joined T1 (see _join_t1 on the trim).
-            self._trim_ghosts()
-            self._last_moved = hashes
-            return
         self._check_new(hashes)
         self.admit_new_many(hashes)
 
@@ -202,8 +197,9 @@ class ARCPolicy:
         if len(t1) + len(t2) + len(hashes) > self.capacity:
             for h in hashes:  # residents overfill the tier: ghosts trimmed as each one lands
                 self._insert_one(h)
-        elif b1.keys().isdisjoint(hashes) and b2.keys().isdisjoint(hashes):
-            # The usual store, first sightings only: bound for T1, one trim (see _join_t1).
+        elif (not b1 or b1.keys().isdisjoint(hashes)) and (not b2 or b2.keys().isdisjoint(hashes)):
+            # The usual store, first sightings only: bound for T1, one trim (_trim_ghosts).
+            # (An empty ghost list is not searched: B2 stays empty until T2 is evicted from.)
             self._pending = (hashes, hashes, ())
             self._trim_ghosts(len(hashes))
         else:
@@ -259,33 +255,9 @@ class ARCPolicy:
                         break
                     run += 1
                 to_t1 += rest[:run]
-                self._trim_ghosts(len(to_t1), len(to_t2))  # (once for the run: see _join_t1)
+                self._trim_ghosts(len(to_t1), len(to_t2))  # (once for the run)
             start += run
         return to_t1, to_t2
-
-    def _join_t1(self, hashes: tuple[int, ...]) -> bool:
-        """Add ``hashes`` to T1's recent end if each is new to T1 and named once, and say so;
-        otherwise change nothing and return False. (T1 grows by exactly ``len(hashes)`` only
-        then: an assignment to a key already there keeps its place, so the new keys are the
-        newest ones, taken back on failure. Cheaper than checking first: the hashes are
-        looked up once, not once for the check and once for the insert.)
-
-        Trimming the ghosts once afterwards (``_trim_ghosts``) then equals trimming after
-        each one when the residents still fit: the bounds held before (they always do
-        while the residents fit), each insert raises ``|T1| + |B1|`` and the total by one,
-        and each trim step takes back one, from B1 for the first bound and from B2 for the
-        second (B2 always suffices there: ``|T1| + |B1| <= capacity`` and ``|T2| <=
-        capacity`` leave the total over ``2 * capacity`` by at most ``|B2|``).
-        """
-        t1 = self._t1
-        before = len(t1)
-        for h in hashes:
-            t1[h] = None
-        if len(t1) == before + len(hashes):
-            return True
-        for _ in range(len(t1) - before):
-            t1.popitem()
-        return False
 
     def _check_new(self, hashes: tuple[int, ...]) -> None:
         """``ValueError`` naming the first hash of ``hashes`` that is resident or repeated."""

@@ -427,6 +427,15 @@ class _PolicyMachine(RuleBasedStateMachine):
         for block_hash in hashes:
             self.reference_insert(block_hash)
 
+    @rule(hashes=st.lists(HASHES, max_size=6, unique=True))
+    def admit_new_many(self, hashes: list[int]) -> None:
+        """The state's stores: hashes it knows are new (unchecked by the policy)."""
+        resident = self.policy.resident()
+        new = tuple(h for h in hashes if h not in resident)
+        self.policy.admit_new_many(new)
+        for block_hash in new:
+            self.reference_insert(block_hash)
+
     @precondition(lambda self: len(self.policy) > 0)
     @rule(data=st.data())
     def touch_many(self, data: st.DataObject) -> None:

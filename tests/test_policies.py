@@ -427,6 +427,15 @@ class _PolicyMachine(RuleBasedStateMachine):
         for block_hash in hashes:
             self.reference_insert(block_hash)
 
+    @rule(hashes=st.lists(HASHES, max_size=6, unique=True))
+    def admit_new_many(self, hashes: list[int]) -> None:
+        """The state's stores: hashes it knows are new (unchecked by the policy)."""
+        resident = self.policy.resident()
+        new = tuple(h for h in hashes if h not in resident)
+        self.policy.admit_new_many(new)
+        for block_hash in new:
+            self.reference_insert(block_hash)
+
     @precondition(lambda self: len(self.policy) > 0)
     @rule(data=st.data())
     def touch_many(self, data: st.DataObject) -> None:
@@ -664,7 +673,7 @@ def test_bulk_forms_equal_the_one_by_one_methods(cls: PolicyClass, op: str) -> N
 def test_arc_ghost_steps_equal_the_papers_step_per_hit() -> None:
     """A run of ghost hits moves p by the sum of the paper's per-hit steps, whatever the
     lengths (the quotient-0 shortcut included)."""
-    from kvflow.policies.arc import _ghost_steps
+    from kvflow.policies.arc_runs import ghost_steps as _ghost_steps
 
     for other in range(0, 30):
         for own in range(1, 30):
@@ -745,3 +754,78 @@ def test_victims_with_nothing_pinned_equal_victims_with_a_never_pinned_test(cls:
         _random_history(policy, rng, capacity, lambda: next(counter))
         for count in range(len(policy) + 2):
             assert policy.victims(count, None) == policy.victims(count, none_pinned), count
+
+
+def _chain_refresh(policy: ARCPolicy, rng: Any, stored: tuple[int, ...]) -> tuple[int, ...]:
+    """A request's end as the engine sends it: the chain deepest first, its new blocks (the
+    store just admitted, in reverse) then its hits (often T2's newest, in order)."""
+    t2 = policy.snapshot()[2]
+    hits = t2[len(t2) - rng.randint(0, len(t2)) :] if rng.random() < 0.5 else rng.sample(t2, rng.randint(0, len(t2)))
+    head = tuple(reversed(stored)) if rng.random() < 0.8 else tuple(rng.sample(stored, len(stored)))
+    return head + tuple(h for h in hits if h not in stored)
+
+
+def test_arc_admitted_store_then_any_operation_equals_one_by_one() -> None:
+    """``admit_new_many`` (the state's stores) adds its hashes when the policy is next used
+    (in a following chain refresh's order when that refresh starts with them reversed):
+    whatever comes next must see what inserting them one by one would have left."""
+    import copy
+    import random
+
+    rng = random.Random("arc-admit")
+    follow_ups = ("chain", "refresh_many", "touch_many", "remove_many", "evict", "victims", "admit", "read")
+    seen = dict.fromkeys(follow_ups, 0)
+    for _ in range(3000):
+        capacity = rng.randint(1, 10)
+        policy = ARCPolicy(capacity)
+        counter = iter(range(1, 10**6))
+        _random_history(policy, rng, capacity, lambda: next(counter))
+        stored = _bulk_hashes(policy, rng, capacity, counter, "insert")
+        one_by_one = copy.deepcopy(policy)
+        policy.admit_new_many(stored)
+        for h in stored:
+            one_by_one.insert(h)
+        follow_up = rng.choice(follow_ups)
+        resident = one_by_one.resident()
+        if follow_up == "chain":
+            hashes = _chain_refresh(one_by_one, rng, stored)
+            policy.refresh_many(hashes)
+            for h in hashes:
+                one_by_one.refresh(h)
+        elif follow_up in ("refresh_many", "touch_many"):
+            hashes = tuple(rng.choices(resident, k=rng.randint(0, 6))) if resident else ()
+            getattr(policy, follow_up)(hashes)
+            for h in hashes:
+                getattr(one_by_one, follow_up.removesuffix("_many"))(h)
+        elif follow_up in ("remove_many", "evict"):
+            chosen = one_by_one.victims(rng.randint(0, len(resident)), None)
+            hashes = tuple(chosen or ()) if follow_up == "evict" else tuple(rng.sample(resident, rng.randint(0, len(resident))))
+            policy.remove_many(hashes)
+            for h in hashes:
+                one_by_one.remove(h)
+        elif follow_up == "victims":
+            count = rng.randint(0, len(resident) + 1)
+            assert policy.victims(count, None) == one_by_one.victims(count, None)
+        elif follow_up == "admit":
+            more = _bulk_hashes(one_by_one, rng, capacity, counter, "insert")
+            policy.admit_new_many(more)
+            for h in more:
+                one_by_one.insert(h)
+        else:
+            assert len(policy) == len(one_by_one)
+            assert all(h in policy for h in resident) and next(counter) not in policy
+            assert repr(policy) == repr(one_by_one)
+        assert policy.snapshot() == one_by_one.snapshot(), (follow_up, stored)
+        seen[follow_up] += bool(stored)
+    assert min(seen.values()) > 100, seen
+
+
+@pytest.mark.parametrize("op", ["touch_many", "refresh_many"])
+def test_arc_bulk_reorder_of_a_hash_not_resident_raises_key_error(op: str) -> None:
+    """A run ends where a list lacks the next hash; a hash in neither list is an error."""
+    policy = ARCPolicy(8)
+    policy.insert_many((A, B, C))
+    policy.touch_many((C,))
+    for hashes in ((D,), (A, D), (A, C, D), (C, D, A), (A, C, A, D)):
+        with pytest.raises(KeyError):
+            getattr(policy, op)(hashes)

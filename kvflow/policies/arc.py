@@ -28,16 +28,17 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import compress, count, filterfalse, repeat, takewhile
+from itertools import repeat
 
 from kvflow.errors import ConfigError
+from kvflow.policies.arc_runs import drop_run, ghost_steps, is_newest, move_run, refresh_run
 from kvflow.policies.arc_victims import replace_choices
 
 
 class ARCPolicy:
     """ARC ordering plus ghost lists; see the module docstring for how it maps onto the state."""
 
-    __slots__ = ("_b1", "_b2", "_last_moved", "_p", "_t1", "_t2", "capacity")
+    __slots__ = ("_b1", "_b2", "_last_moved", "_p", "_pending", "_t1", "_t2", "capacity")
 
     name = "arc"
 
@@ -58,6 +59,9 @@ class ARCPolicy:
         # of them changes nothing (a chain touched then refreshed: a third of the benchmark's
         # refreshed hashes). Not a touch: it moves a refreshed T1 member to T2.
         self._last_moved: tuple[int, ...] | None = None
+        # The last store's hashes, not yet added to T1 / T2 (see _add_pending), or None:
+        # (the hashes stored, those bound for T1, those bound for T2, each in stored order).
+        self._pending: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def p(self) -> int:
@@ -75,6 +79,8 @@ class ARCPolicy:
     def touch(self, block_hash: int) -> None:
         """A resident hash was used: it becomes the most recent of ``T2``.
         ``KeyError`` if it is not resident."""
+        if self._pending is not None:
+            self._add_pending()
         self._last_moved = None
         t1 = self._t1
         if block_hash in t1:
@@ -86,6 +92,8 @@ class ARCPolicy:
     def refresh(self, block_hash: int) -> None:
         """Reorder without a new use: the most recent of its own list (T1 stays T1).
         ``KeyError`` if it is not resident."""
+        if self._pending is not None:
+            self._add_pending()
         self._last_moved = None
         t1 = self._t1
         if block_hash in t1:
@@ -97,6 +105,8 @@ class ARCPolicy:
         """``block_hash`` left the tier. An eviction (``ghost=True``) remembers it in ``B1`` or
         ``B2`` so a quick return adapts ``p``; any other removal (a reset, a failed entry)
         says nothing about the workload and leaves no ghost. ``KeyError`` if not resident."""
+        if self._pending is not None:
+            self._add_pending()
         self._last_moved = None
         t1 = self._t1
         t2 = self._t2
@@ -113,23 +123,35 @@ class ARCPolicy:
         if ghost and len(t1) + len(t2) >= self.capacity:
             self._trim_ghosts()
 
-    def _trim_ghosts(self) -> None:
+    def _trim_ghosts(self, to_t1: int = 0, to_t2: int = 0) -> None:
         """Drop the oldest ghosts until the directory bounds hold (see module docstring):
         B1's for ``|T1| + |B1| <= capacity``, then B2's (B1's once B2 is empty) for the
-        total, as the paper's one-at-a-time loops would, in bulk."""
+        total, as the paper's one-at-a-time loops would, in bulk. ``to_t1`` / ``to_t2``:
+        residents stored but not yet added to T1 / T2 (a store being admitted).
+
+        Once after a run of first sightings equals once after each while the residents
+        fit: the bounds held before (they always do while the residents fit), each
+        sighting raises ``|T1| + |B1|`` and the total by one, and each trim step takes back
+        one, from B1 for the first bound and from B2 for the second (B2 always suffices
+        there: ``|T1| + |B1| <= capacity`` and ``|T2| <= capacity`` leave the total over
+        ``2 * capacity`` by at most ``|B2|``)."""
         # (``popitem(False)`` drops the oldest. The counts are tested inline rather than in
-        # a helper: a Python call costs about two drops, and the usual trim is one run.)
+        # a helper: a Python call costs about two drops, and the usual trim is one run;
+        # conditional expressions rather than min(): a builtin taking keywords costs
+        # about four times as much.)
         capacity = self.capacity
-        t1, b1, b2 = self._t1, self._b1, self._b2
-        over_l1 = len(t1) + len(b1) - capacity
+        b1, b2 = self._b1, self._b2
+        t1_size = len(self._t1) + to_t1
+        over_l1 = t1_size + len(b1) - capacity
         if over_l1 > 0:
-            deque(map(b1.popitem, repeat(False, min(over_l1, len(b1)))), 0)
-        excess = len(t1) + len(self._t2) + len(b1) + len(b2) - 2 * capacity
+            deque(map(b1.popitem, repeat(False, over_l1 if over_l1 < len(b1) else len(b1))), 0)
+        excess = t1_size + len(self._t2) + to_t2 + len(b1) + len(b2) - 2 * capacity
         if excess > 0:
-            from_b2 = min(excess, len(b2))
+            from_b2 = excess if excess < len(b2) else len(b2)
             deque(map(b2.popitem, repeat(False, from_b2)), 0)
-            if excess > from_b2:
-                deque(map(b1.popitem, repeat(False, min(excess - from_b2, len(b1)))), 0)
+            from_b1 = excess - from_b2
+            if from_b1:
+                deque(map(b1.popitem, repeat(False, from_b1 if from_b1 < len(b1) else len(b1))), 0)
 
     def victims(self, num_blocks: int, pinned: Callable[[int], bool] | None) -> list[int] | None:
         """The paper's REPLACE choice made ``num_blocks`` times, skipping ``pinned``
@@ -138,6 +160,8 @@ class ARCPolicy:
         (The scans: kvflow.policies.arc_victims.)"""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if self._pending is not None:
+            self._add_pending()
         return replace_choices(self._t1, self._t2, self._p, num_blocks, pinned)
 
     # Bulk forms, one call per event: each equals the single-hash method applied to every
@@ -152,80 +176,88 @@ class ARCPolicy:
     def insert_many(self, hashes: tuple[int, ...]) -> None:
         """``insert`` for each hash in order. All-or-nothing: a hash already resident, or
         named twice, raises ``ValueError`` and changes nothing."""
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        fits = len(t1) + len(t2) + len(hashes) <= self.capacity
-        if (
-            fits
-            and b1.keys().isdisjoint(hashes)
-            and b2.keys().isdisjoint(hashes)
-            and t2.keys().isdisjoint(hashes)
-            and self._join_t1(hashes)
-        ):
-            # The usual store, first sightings only: all joined T1 (see _join_t1 on the trim).
-            self._trim_ghosts()
-            self._last_moved = hashes
-            return
+        if self._pending is not None:
+            self._add_pending()
         self._check_new(hashes)
-        if fits:
-            self._insert_runs(hashes)
-        else:
+        self.admit_new_many(hashes)
+
+    def admit_new_many(self, hashes: tuple[int, ...]) -> None:
+        """``insert_many`` of hashes the caller knows to be new: none resident, none named
+        twice. The state's stores are (their entries were pending, never resident, and
+        ``check_invariants`` compares the policy's residents with the state's), so they
+        skip ``insert_many``'s checks, a lookup or two per hash. Unchecked: a resident or
+        repeated hash would be tracked twice.
+
+        The hashes join their lists (ghost hits T2, first sightings T1) when the policy is
+        next used (``_add_pending``): a request's end refreshes its chain deepest first,
+        and then they join in that order instead of being moved there one by one."""
+        if self._pending is not None:
+            self._add_pending()
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if len(t1) + len(t2) + len(hashes) > self.capacity:
             for h in hashes:  # residents overfill the tier: ghosts trimmed as each one lands
                 self._insert_one(h)
-        # (ghost hits became T2's newest, first sightings T1's, each in this order)
+        elif (not b1 or b1.keys().isdisjoint(hashes)) and (not b2 or b2.keys().isdisjoint(hashes)):
+            # The usual store, first sightings only: bound for T1, one trim (_trim_ghosts).
+            # (An empty ghost list is not searched: B2 stays empty until T2 is evicted from.)
+            self._pending = (hashes, hashes, ())
+            self._trim_ghosts(len(hashes))
+        else:
+            self._pending = (hashes, *self._ghost_runs(hashes))
+        # (ghost hits are T2's newest, first sightings T1's, each in this order)
         self._last_moved = hashes
 
-    def _insert_runs(self, hashes: tuple[int, ...]) -> None:
-        """``insert_many`` of new hashes that fit, some of them ghosts: a run of one kind
-        (B1 hits, B2 hits, first sightings) at a time, in order.
+    def _add_pending(self, refreshed: tuple[int, ...] = ()) -> int:
+        """Add the last store's hashes to their lists: in the order stored or, if
+        ``refreshed`` (a refresh's hashes) begins with them in reverse, in that order,
+        which is where that refresh would move them. Returns how many hashes of
+        ``refreshed`` that covered."""
+        stored, to_t1, to_t2 = self._pending  # type: ignore[misc]
+        self._pending = None
+        covered = len(stored) if refreshed[: len(stored)] == stored[::-1] else 0
+        t1, t2 = self._t1, self._t2
+        for h in reversed(to_t1) if covered else to_t1:
+            t1[h] = None
+        for h in reversed(to_t2) if covered else to_t2:
+            t2[h] = None
+        return covered
+
+    def _ghost_runs(self, hashes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``admit_new_many`` of hashes that fit, some of them ghosts: a run of one kind
+        (B1 hits, B2 hits, first sightings) at a time, in order. Returns the hashes bound
+        for T1 and those bound for T2, each in order (added by ``_add_pending``).
 
         Each run is classified when it is reached: the trimming after a run of first
         sightings may drop a ghost that a later hash names, which then is a first sighting
         too, as one by one. A run of ghost hits trims nothing (each moves B -> T2, leaving
         ``|T1| + |B1|`` no larger and the total unchanged) and changes no other hash's list.
         """
-        t2, b1, b2, capacity = self._t2, self._b1, self._b2, self.capacity
+        b1, b2, capacity = self._b1, self._b2, self.capacity
+        to_t1: tuple[int, ...] = ()
+        to_t2: tuple[int, ...] = ()
         start = 0
         while start < len(hashes):
-            rest = hashes[start:]
+            rest = hashes[start:] if start else hashes
             if rest[0] in b1:
-                run = tuple(takewhile(b1.__contains__, rest))
+                run = drop_run(b1, rest)
                 # each hit grows p by max(1, |B2| // |B1|), |B1| counting that hit; p only
                 # grows in the run, so capping once at the end caps every step
-                self._p = min(capacity, self._p + _ghost_steps(len(b2), len(b1), len(run)))
-                _promote(b1, t2, run)
+                self._p = min(capacity, self._p + ghost_steps(len(b2), len(b1) + run, run))
+                to_t2 += rest[:run]
             elif rest[0] in b2:
-                run = tuple(takewhile(b2.__contains__, rest))
-                self._p = max(0, self._p - _ghost_steps(len(b1), len(b2), len(run)))
-                _promote(b2, t2, run)
+                run = drop_run(b2, rest)
+                self._p = max(0, self._p - ghost_steps(len(b1), len(b2) + run, run))
+                to_t2 += rest[:run]
             else:
-                run = rest[: min(_first_index(b1, rest), _first_index(b2, rest))]
-                self._join_t1(run)  # (checked new and distinct: it joins)
-                self._trim_ghosts()
-            start += len(run)
-
-    def _join_t1(self, hashes: tuple[int, ...]) -> bool:
-        """Add ``hashes`` to T1's recent end if each is new to T1 and named once, and say so;
-        otherwise change nothing and return False. (T1 grows by exactly ``len(hashes)`` only
-        then: an assignment to a key already there keeps its place, so the new keys are the
-        newest ones, taken back on failure. Cheaper than checking first: the hashes are
-        looked up once, not once for the check and once for the insert.)
-
-        Trimming the ghosts once afterwards (``_trim_ghosts``) then equals trimming after
-        each one when the residents still fit: the bounds held before (they always do
-        while the residents fit), each insert raises ``|T1| + |B1|`` and the total by one,
-        and each trim step takes back one, from B1 for the first bound and from B2 for the
-        second (B2 always suffices there: ``|T1| + |B1| <= capacity`` and ``|T2| <=
-        capacity`` leave the total over ``2 * capacity`` by at most ``|B2|``).
-        """
-        t1 = self._t1
-        before = len(t1)
-        for h in hashes:
-            t1[h] = None
-        if len(t1) == before + len(hashes):
-            return True
-        for _ in range(len(t1) - before):
-            t1.popitem()
-        return False
+                run = 0
+                for h in rest:  # first sightings, up to the next ghost
+                    if h in b1 or h in b2:
+                        break
+                    run += 1
+                to_t1 += rest[:run]
+                self._trim_ghosts(len(to_t1), len(to_t2))  # (once for the run)
+            start += run
+        return to_t1, to_t2
 
     def _check_new(self, hashes: tuple[int, ...]) -> None:
         """``ValueError`` naming the first hash of ``hashes`` that is resident or repeated."""
@@ -253,24 +285,26 @@ class ARCPolicy:
             self._t1[block_hash] = None
             self._trim_ghosts()
 
+    # touch_many / refresh_many / remove_many take the hashes a run at a time, a run being
+    # hashes of one list (kvflow.policies.arc_runs), so that no hash's list is tested apart
+    # from its move: a request's chain is its new blocks (T1) then its hits (T2).
+
     def touch_many(self, hashes: tuple[int, ...]) -> None:
         """``touch`` for each hash (resident; repeats allowed): each becomes the most recent
         of T2, in order."""
+        if self._pending is not None:
+            self._add_pending()
         t1, t2 = self._t1, self._t2
         self._last_moved = None  # (a hash not resident raises with the moves half done)
-        try:
-            deque(map(t2.move_to_end, hashes), 0)  # the usual touch: all were in T2 already
-            all_in_t2 = True
-        except KeyError:  # one was in T1 (or is not resident: raised again below)
-            all_in_t2 = False
-        if not all_in_t2:
-            # The moves made above are made again, in the same order: the result is the same.
-            for h in hashes:
-                if h in t1:
-                    del t1[h]
-                    t2[h] = None
-                else:
-                    t2.move_to_end(h)
+        from_t1 = bool(hashes) and hashes[0] in t1
+        start = 0
+        while start < len(hashes):
+            rest = hashes[start:] if start else hashes
+            moved = move_run(t1, t2, rest) if from_t1 else refresh_run(t2, rest)
+            if not moved:  # the run before ended at this hash, and it is not here either
+                raise KeyError(rest[0])
+            start += moved
+            from_t1 = not from_t1
         self._last_moved = hashes
 
     def refresh_many(self, hashes: tuple[int, ...]) -> None:
@@ -278,24 +312,25 @@ class ARCPolicy:
         independent: each list's members move to its end, in order."""
         if hashes == self._last_moved:
             return  # (moving each to its list's end again, in order, leaves them where they are)
+        start = 0 if self._pending is None else self._add_pending(hashes)
         t1, t2 = self._t1, self._t2
         self._last_moved = None  # (a hash not resident raises with the moves half done)
-        # The usual refresh names one list's members (a chain seen once, or seen again).
-        home = t1 if hashes and hashes[0] in t1 else t2
-        try:
-            deque(map(home.move_to_end, hashes), 0)
-            all_at_home = True
-        except KeyError:  # both lists (or a hash in neither: raised again below)
-            all_at_home = False
-        if not all_at_home:
-            # The moves made above are made again, in the same order: the result is the same.
-            in_t1 = t1.__contains__
-            deque(map(t1.move_to_end, filter(in_t1, hashes)), 0)
-            deque(map(t2.move_to_end, filterfalse(in_t1, hashes)), 0)
+        home = t1 if start < len(hashes) and hashes[start] in t1 else t2
+        while start < len(hashes):
+            rest = hashes[start:] if start else hashes
+            if home is t2 and is_newest(t2, rest):
+                break  # hits touched when the request began, nothing touched since
+            moved = refresh_run(home, rest)
+            if not moved:  # the run before ended at this hash, and it is not here either
+                raise KeyError(rest[0])
+            start += moved
+            home = t2 if home is t1 else t1
         self._last_moved = hashes
 
     def remove_many(self, hashes: tuple[int, ...]) -> None:
         """``remove`` (an eviction: ghosts kept) for each hash (distinct, resident)."""
+        if self._pending is not None:
+            self._add_pending()
         self._last_moved = None
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         if len(t1) + len(t2) > self.capacity:  # an overfilled tier trims ghosts as it shrinks
@@ -320,11 +355,15 @@ class ARCPolicy:
 
     def resident(self) -> list[int]:
         """Resident hashes: ``T1`` then ``T2``, each coldest first."""
+        if self._pending is not None:
+            self._add_pending()
         return [*self._t1, *self._t2]
 
     def snapshot(self) -> tuple[str, list[int], list[int], list[int], list[int], int]:
         """``(name, T1, T2, B1, B2, p)``, lists coldest first: everything that drives
         decisions, ghosts included, so two runs that differ only in history still differ."""
+        if self._pending is not None:
+            self._add_pending()
         return (self.name, list(self._t1), list(self._t2), list(self._b1), list(self._b2), self._p)
 
     def clear(self) -> None:
@@ -335,41 +374,21 @@ class ARCPolicy:
         self._b2.clear()
         self._p = 0
         self._last_moved = None
+        self._pending = None
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        stored = () if self._pending is None else self._pending[0]
+        return len(self._t1) + len(self._t2) + len(stored)
 
     def __contains__(self, block_hash: object) -> bool:
+        if self._pending is not None:
+            self._add_pending()
         return block_hash in self._t1 or block_hash in self._t2
 
     def __repr__(self) -> str:
+        if self._pending is not None:
+            self._add_pending()
         return (
             f"ARCPolicy(capacity={self.capacity}, p={self._p}, t1={len(self._t1)}, "
             f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
         )
-
-
-def _ghost_steps(other: int, own: int, hits: int) -> int:
-    """How far ``hits`` ghost hits in a row in one ghost list move ``p`` in all:
-    ``max(1, other // own)`` for each, ``own`` (that list's length, the hit included)
-    falling by one per hit and ``other`` (the other list's length) unchanged.
-
-    A length above ``other`` makes the quotient 0, so the step 1: those are counted, and
-    only the quotients of the lengths up to ``other`` are summed (none, usually)."""
-    smallest = own - hits + 1
-    largest_summed = min(own, other)
-    if largest_summed < smallest:
-        return hits
-    return own - largest_summed + sum(map(other.__floordiv__, range(smallest, largest_summed + 1)))
-
-
-def _promote(ghosts: OrderedDict[int, None], t2: OrderedDict[int, None], hits: tuple[int, ...]) -> None:
-    """Ghost hits, in order: each leaves its ghost list and becomes T2's most recent."""
-    for h in hits:
-        del ghosts[h]
-        t2[h] = None
-
-
-def _first_index(members: OrderedDict[int, None], hashes: tuple[int, ...]) -> int:
-    """The index of the first of ``hashes`` in ``members``, or ``len(hashes)``."""
-    return next(compress(count(), map(members.__contains__, hashes)), len(hashes))

@@ -31,6 +31,10 @@ class Policy(Protocol):
     # every hash in order (the policy tests check it).
     def insert_many(self, hashes: tuple[int, ...]) -> None: ...
 
+    def admit_new_many(self, hashes: tuple[int, ...]) -> None:
+        """``insert_many`` of hashes the caller knows to be new to the policy and named once
+        (the state's stores): the policy may skip ``insert_many``'s checks."""
+
     def touch_many(self, hashes: tuple[int, ...]) -> None: ...
 
     def refresh_many(self, hashes: tuple[int, ...]) -> None: ...

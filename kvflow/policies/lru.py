@@ -67,6 +67,10 @@ class LRUPolicy:
             raise ValueError(f"a block hash of {list(hashes)[:4]} is already resident in the lru policy")
         self._last_moved = hashes
 
+    # The state's stores (hashes known new): insert_many's check is its insert's own count,
+    # nothing to skip.
+    admit_new_many = insert_many
+
     # LRU has no notion of frequency: a reorder is a touch (the same functions: no extra call).
     refresh = touch
 

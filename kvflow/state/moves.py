@@ -43,7 +43,7 @@ def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
     F14: a touch that named these entries while they were being stored is applied now, so
     a chain's order is the engine's touch whatever order its stores land in."""
     _unpend(state._pending, hashes)
-    state.policy.insert_many(hashes)
+    state.policy.admit_new_many(hashes)
     if state.deferred_touches:
         deferred = state.deferred_touches.pop(job.job_id, None)
         if deferred is not None:

@@ -756,28 +756,30 @@ def test_victims_with_nothing_pinned_equal_victims_with_a_never_pinned_test(cls:
             assert policy.victims(count, None) == policy.victims(count, none_pinned), count
 
 
-def _chain_refresh(policy: ARCPolicy, rng: Any, stored: tuple[int, ...]) -> tuple[int, ...]:
+def _chain_refresh(policy: Any, rng: Any, stored: tuple[int, ...]) -> tuple[int, ...]:
     """A request's end as the engine sends it: the chain deepest first, its new blocks (the
-    store just admitted, in reverse) then its hits (often T2's newest, in order)."""
-    t2 = policy.snapshot()[2]
+    store just admitted, in reverse) then its hits (often the newest of T2, or of LRU's order,
+    in order)."""
+    t2 = policy.snapshot()[2] if isinstance(policy, ARCPolicy) else policy.resident()
     hits = t2[len(t2) - rng.randint(0, len(t2)) :] if rng.random() < 0.5 else rng.sample(t2, rng.randint(0, len(t2)))
     head = tuple(reversed(stored)) if rng.random() < 0.8 else tuple(rng.sample(stored, len(stored)))
     return head + tuple(h for h in hits if h not in stored)
 
 
-def test_arc_admitted_store_then_any_operation_equals_one_by_one() -> None:
+@pytest.mark.parametrize("policy_type", [ARCPolicy, LRUPolicy])
+def test_admitted_store_then_any_operation_equals_one_by_one(policy_type: Any) -> None:
     """``admit_new_many`` (the state's stores) adds its hashes when the policy is next used
     (in a following chain refresh's order when that refresh starts with them reversed):
     whatever comes next must see what inserting them one by one would have left."""
     import copy
     import random
 
-    rng = random.Random("arc-admit")
+    rng = random.Random(f"{policy_type.name}-admit")
     follow_ups = ("chain", "refresh_many", "touch_many", "remove_many", "evict", "victims", "admit", "read")
     seen = dict.fromkeys(follow_ups, 0)
     for _ in range(3000):
         capacity = rng.randint(1, 10)
-        policy = ARCPolicy(capacity)
+        policy = policy_type(capacity)
         counter = iter(range(1, 10**6))
         _random_history(policy, rng, capacity, lambda: next(counter))
         stored = _bulk_hashes(policy, rng, capacity, counter, "insert")

@@ -38,7 +38,8 @@ class Entry(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 def canonical(state: State) -> tuple[Any, ...]:
-    """Everything that drives decisions, as sorted plain values (the digest's input)."""
+    """Everything that drives decisions, as sorted plain values and ``Entry`` rows (the
+    digest's input)."""
     # entries: (hash, BlockState, slot, pins, pending job) sorted by hash, built column by
     # column with C-level maps (hashes are unique, so sorting them sorts the rows)
     pending, pins, live, slot_of = state.pending, state.pin_count, state.jobs, state.slot_of

@@ -211,7 +211,8 @@ class TraceReader:
         try:
             for block, complete in blocks:
                 recs: list[Any] | None = None
-                kinds: set[type] = set()  # the types of ``recs`` (found once: three checks ask)
+                kinds: set[type] = set()  # the types of ``recs`` (found once: the checkpoint
+                # test, the record chain and the rank check each ask)
                 trusted: tuple[list[Any], set[type]] | None = None
                 torn = False
                 lines: list[bytes] | None = None
@@ -298,8 +299,8 @@ class TraceReader:
         torn: bool,
     ) -> None:
         """Feed ``block`` (lines ``first``..., split into ``lines`` unless each gave one record;
-        ``kinds``: the records' types) to the record chain, checking each checkpoint's record digest against the bytes before
-        its line; hold the lines to vouch for."""
+        ``kinds``: the records' types) to the record chain, checking each checkpoint's record
+        digest against the bytes before its line; hold the lines to vouch for."""
         chain = self._chain
         end = len(block) - len(lines[-1]) if torn and lines else len(block)  # (a torn line is no record)
         if lines is None or Checkpoint not in kinds:  # (most blocks: cheaper than a byte search)

@@ -211,8 +211,7 @@ class TraceReader:
         try:
             for block, complete in blocks:
                 recs: list[Any] | None = None
-                kinds: set[type] = set()  # the types of ``recs`` (found once: the checkpoint
-                # test, the record chain and the rank check each ask)
+                kinds: set[type] = set()  # the types of ``recs`` (found once: three checks ask)
                 trusted: tuple[list[Any], set[type]] | None = None
                 torn = False
                 lines: list[bytes] | None = None
@@ -289,15 +288,9 @@ class TraceReader:
         return None if Checkpoint in kinds else (recs, kinds)
 
     def _chain_block(
-        self,
-        block: bytes,
-        lines: list[bytes] | None,
-        first: int,
-        numbers: Sequence[int],
-        recs: list[Any],
-        kinds: set[type],
-        torn: bool,
-    ) -> None:
+        self, block: bytes, lines: list[bytes] | None, first: int, numbers: Sequence[int],
+        recs: list[Any], kinds: set[type], torn: bool,
+    ) -> None:  # fmt: skip
         """Feed ``block`` (lines ``first``..., split into ``lines`` unless each gave one record;
         ``kinds``: the records' types) to the record chain, checking each checkpoint's record
         digest against the bytes before its line; hold the lines to vouch for."""

@@ -68,8 +68,11 @@ def replay(
                     result = ReplayResult(path=str(path), state=State(reader.config))
         result.warnings.extend(reader.warnings)
         reader.close()  # (the one a second fold opened; closing twice is harmless)
-    if result.divergence is None and result.stopped_at is None:
-        problems = check_invariants(result.state)
+    # (the invariants at the end, unless the last checkpoint checked this very state: a closed
+    # writer's trace ends on one, and only events change the state)
+    state = result.state
+    if result.divergence is None and result.stopped_at is None and result.checked_seq != state.last_seq:
+        problems = check_invariants(state)
         if problems:
             result.divergence = Divergence(
                 "invariant", result.state.last_seq, None, "; ".join(problems[:3])
@@ -164,70 +167,93 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, t
         result.stopped_at = result.state.last_seq
 
 
+Step = Callable[[State, Any, bool], None]
+
+
+def _made_whole(whole: Callable[[Any, Any], Any], evolver: Step) -> Step:
+    """The fold's step for a job end read without its payload: the event made whole from
+    its job (the payload is its job's, which the recording engine's event repeated; the record
+    digest vouches for the line; no such job: KeyError, checked again), applied unchecked."""
+
+    def step(state: State, end: Any, check: bool) -> None:
+        if check:  # (a checked event must be read whole: its payload is compared)
+            raise AssertionError(f"seq {end.seq}: a job end without its payload in a checked chunk")
+        evolver(state, whole(end, state.jobs[end.job_id]), False)
+
+    return step
+
+
+_WHOLE_BY_TAG = {t.__struct_config__.tag: t for t in EVENT_TYPES}  # type: ignore[attr-defined]
+_STEPS: dict[type, Step] = {
+    **EVOLVERS,
+    **{
+        end: _made_whole(whole, EVOLVERS[_WHOLE_BY_TAG[end.__struct_config__.tag]])  # type: ignore[attr-defined]
+        for end, whole in JOB_ENDS_WITHOUT_PAYLOAD.items()
+    },
+}
+"""What the chunk fold does with each record type that advances the seq: the events' evolvers
+(``evolve`` without its seq check) and the job ends read without their payload."""
+
+
 def _fold_chunk(
     reader: TraceReader, result: ReplayResult, limit: int, numbers: Sequence[int], recs: list[Any], check: bool
 ) -> bool:
     """Fold one chunk of records; False at a divergence or at ``limit`` (``--until``). Job ends
     without their payload come only in chunks the reader was told are trusted (unchecked).
 
-    The loop touches each record once: a record's index is looked up only when a line number
-    is needed, and the events applied are counted by the seq (each applied event advances
-    it by one)."""
+    The loop touches each record once and does nothing with a command: the commands are
+    counted from the chunk's length (the records before the end or the stop, less the
+    events, each of which advances the seq by one, and the checkpoints); a record's index is
+    looked up only when a line number is needed or the fold stops."""
     state = result.state
-    evolvers = EVOLVERS  # (evolve's body inlined below: no call per event)
-    without_payload = JOB_ENDS_WITHOUT_PAYLOAD
+    steps = _STEPS  # (evolve's body inlined below: no call per event)
     rec: Any = None
     # the next seq is counted here and stored in the state before anything reads it (a
     # checkpoint's digest, a stop, the end): no evolver reads it
-    seq = applied_from = state.next_seq
-    commands = 0
+    seq = applied_from = chunk_from = state.next_seq
+    checkpoints = 0  # the checkpoints of this chunk that passed
+    done = -1  # the records the loop is through with (-1 until it ends: those before ``rec``)
     try:
         for rec in recs:
-            kind = type(rec)
-            evolver = evolvers.get(kind)  # (None: not an event)
-            if evolver is not None:
+            step = steps.get(type(rec))  # (None: a command or a checkpoint)
+            if step is not None:
                 if rec.seq != seq or seq > limit:  # (one test for the usual event: next, in range)
                     state.next_seq = seq
                     if rec.seq > limit:
                         result.stopped_at = state.last_seq
                         return False
                     evolve(state, rec, check)  # (raises the gapless-seq error)
-                evolver(state, rec, check)
+                step(state, rec, check)
                 seq += 1
-            elif kind is Checkpoint:
+            elif type(rec) is Checkpoint:
                 state.next_seq = seq
                 result.events += seq - applied_from
                 applied_from = seq
                 if not check_point(result, _line_of(numbers, recs, rec), rec, reader):
                     return False
-            elif kind in without_payload:
-                if check:  # (a checked event must be read whole: its payload is compared)
-                    raise AssertionError(
-                        f"line {_line_of(numbers, recs, rec)}: a job end without its payload in a checked chunk"
-                    )
-                state.next_seq = seq
-                if rec.seq > limit:
-                    result.stopped_at = state.last_seq
-                    return False
-                # the payload is its job's, which the recording engine's event repeated (the
-                # record digest vouches for the line; no such job: KeyError, checked again)
-                evolve(state, without_payload[kind](rec, state.jobs[rec.job_id]), False)
-                seq += 1
-            else:
-                commands += 1
+                checkpoints += 1
+            # (else a command: counted below)
+        done = len(recs)
     except IllegalTransition as exc:
         result.divergence = Divergence("illegal", rec.seq, _line_of(numbers, recs, rec), str(exc), recorded=rec)
         return False
     finally:
         state.next_seq = seq
         result.events += seq - applied_from
-        result.commands += commands
+        if done < 0:  # (stopped at ``rec``)
+            done = _index_of(recs, rec)
+        result.commands += done - (seq - chunk_from) - checkpoints
     return True
 
 
+def _index_of(recs: list[Any], rec: Any) -> int:
+    """The index of ``rec`` in ``recs`` (by identity: records are distinct objects)."""
+    return next(i for i, other in enumerate(recs) if other is rec)
+
+
 def _line_of(numbers: Sequence[int], recs: list[Any], rec: Any) -> int:
-    """The line number of ``rec``, one of ``recs`` (by identity: records are distinct objects)."""
-    return numbers[next(i for i, other in enumerate(recs) if other is rec)]
+    """The line number of ``rec``, one of ``recs``."""
+    return numbers[_index_of(recs, rec)]
 
 
 def repro_command(path: str, divergence: Divergence, redecide: bool, strict: bool = False) -> str:

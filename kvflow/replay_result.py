@@ -62,6 +62,7 @@ class ReplayResult:
     divergence: Divergence | None = None
     warnings: list[str] = field(default_factory=list)
     checked_through: int = 0  # the line of the last checkpoint whose checks all passed
+    checked_seq: int | None = None  # and its seq (the state it checked, if no event came after)
 
     @property
     def ok(self) -> bool:
@@ -115,6 +116,7 @@ def check_point(result: ReplayResult, line: int, cp: Checkpoint, reader: TraceRe
         return False
     result.checkpoints += 1
     result.checked_through = line
+    result.checked_seq = cp.seq
     return True
 
 

@@ -242,3 +242,27 @@ def test_the_fast_path_reports_what_the_line_by_line_path_reports(
     monkeypatch.setattr(TraceReader, "_decode_trusted", staticmethod(lambda *args: None))
     assert [_outcome(p) for p in paths] == fast
     assert fast[0][0] is None  # (the unaltered trace replays clean)
+
+
+@pytest.mark.parametrize("name", ["clean.jsonl", "divergent.jsonl", "timeouts.jsonl", "two_ranks.jsonl"])
+def test_the_chunk_fold_counts_what_the_record_fold_counts(name: str, chunk_bytes: int) -> None:
+    """The chunk fold counts a chunk's commands from its length, less its events and
+    checkpoints, also where it stops inside the chunk (``--until``, a divergence): the same
+    counts as the record-by-record fold (an observer makes replay take it), which counts
+    each record."""
+
+    def both(until: int | None) -> list[Any]:
+        chunked = replay(TRACES / name, until=until)
+        by_record = replay(TRACES / name, until=until, on_event=lambda line, event: None)
+        return [_summary(chunked), _summary(by_record)]
+
+    last = replay(TRACES / name).state.last_seq
+    for until in (None, 0, 1, 7, last // 3, last // 2 + 1, last - 1):
+        chunked, by_record = both(until)
+        assert chunked == by_record, until
+
+
+def _summary(r: Any) -> Any:
+    d = r.divergence
+    found = None if d is None else (d.kind, d.seq, d.line, d.message)
+    return (found, r.events, r.commands, r.checkpoints, r.stopped_at, r.state.digest())

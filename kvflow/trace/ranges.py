@@ -106,16 +106,16 @@ def _may_hold_negative(block: bytes) -> bool:
     return any(map(bytes.endswith, pieces, repeat(_BEFORE_MINUS)))
 
 
-def _ranks_fit(recs: list[Any], types: list[type], world: int) -> bool:
-    """Every rank below ``world`` (ranks are known to be >= 0 here)."""
-    kinds = set(types)
+def _ranks_fit(recs: list[Any], kinds: set[type], world: int) -> bool:
+    """Every rank below ``world`` (ranks are known to be >= 0 here); ``kinds``: the set of the
+    records' types."""
     if not kinds.isdisjoint(_RANKED):
-        ranked = compress(recs, map(_RANKED.__contains__, types))
+        ranked = compress(recs, map(_RANKED.__contains__, map(type, recs)))
         if max(map(_rank_of, ranked)) >= world:
             return False
     if kinds.isdisjoint(_NESTING):
         return True
-    for rec in compress(recs, map(_NESTING.__contains__, types)):
+    for rec in compress(recs, map(_NESTING.__contains__, map(type, recs))):
         for name, kind, _low, _high in _INT_FIELDS[type(rec)]:
             if kind == _NESTED and not all(
                 range_problem(item, world) is None for item in getattr(rec, name)
@@ -133,17 +133,21 @@ def check_ranges(
     world: int,
     scratch: bytearray,
     widths_vouched: bool = False,
+    kinds: set[type] | None = None,
 ) -> None:
     """Raise TraceError naming the first record of ``recs`` (read from ``block``, lines
     ``numbers``) with an integer out of its range; ``scratch`` is reused to encode into.
 
     ``widths_vouched``: the 64-bit check is left to the record chain (kvflow.trace.reader
     holds these lines and decodes in full those it does not vouch for); the ranks are still
-    checked, since an unchecked fold shifts by them."""
+    checked, since an unchecked fold shifts by them. ``kinds``: the set of the records' types,
+    where the caller has it."""
     try:
         if not widths_vouched:
             _encode_msgpack_into(recs, scratch)  # raises for an integer outside 64 bits
-        suspect = _may_hold_negative(block) or not _ranks_fit(recs, list(map(type, recs)), world)
+        if kinds is None:
+            kinds = set(map(type, recs))
+        suspect = _may_hold_negative(block) or not _ranks_fit(recs, kinds, world)
     except (OverflowError, ValueError, TypeError):
         suspect = True
     if not suspect:

@@ -211,18 +211,22 @@ class TraceReader:
         try:
             for block, complete in blocks:
                 recs: list[Any] | None = None
+                kinds: set[type] = set()  # the types of ``recs`` (found once: three checks ask)
+                trusted: tuple[list[Any], set[type]] | None = None
                 torn = False
                 lines: list[bytes] | None = None
                 count = -1  # the block's lines, counted only where a number may be reported
                 if decode_trusted is not None:
                     if trust_all:
                         # the numbers follow from the records (see trusted_through)
-                        recs = self._decode_trusted(decode_trusted, block, complete)
-                        count = -1 if recs is None else len(recs)
+                        trusted = self._decode_trusted(decode_trusted, block, complete)
+                        count = -1 if trusted is None else len(trusted[0])
                     else:
                         count = block.count(b"\n") + (not complete)  # (a last line without newline)
                         if lineno + count <= trusted_through:
-                            recs = self._decode_trusted(decode_trusted, block, complete, count)
+                            trusted = self._decode_trusted(decode_trusted, block, complete, count)
+                    if trusted is not None:
+                        recs, kinds = trusted
                 numbers: Sequence[int] = range(lineno + 1, lineno + 1 + count)
                 if recs is None:
                     lines = block.split(b"\n")
@@ -234,10 +238,12 @@ class TraceReader:
                         recs = list(map(decode, lines))
                     except DECODE_ERRORS:
                         numbers, recs, torn = self._decode_lines(lines, lineno, complete)
-                self._chain_block(block, lines, lineno + 1, numbers, recs, torn)
+                    kinds = set(map(type, recs))
+                self._chain_block(block, lines, lineno + 1, numbers, recs, kinds, torn)
                 lineno += count
                 if recs:
-                    check_ranges(self.path, block, numbers, recs, world, self._scratch, lines is None)
+                    vouched = lines is None  # (the record chain checks the widths)
+                    check_ranges(self.path, block, numbers, recs, world, self._scratch, vouched, kinds)
                     if upcast is not None:
                         recs = [upcast(rec) for rec in recs]
                     yield numbers, recs
@@ -265,28 +271,32 @@ class TraceReader:
             )
 
     @staticmethod
-    def _decode_trusted(decode: Any, block: bytes, complete: bool, count: int = -1) -> list[Any] | None:
-        """The block's records in one call, or None if it must be walked line by line: a bad
-        line, fewer or more records than ``count`` lines (a blank line, two records on one),
-        a line without newline, or a checkpoint (its record digest covers the bytes before
-        its own line)."""
+    def _decode_trusted(
+        decode: Any, block: bytes, complete: bool, count: int = -1
+    ) -> tuple[list[Any], set[type]] | None:
+        """The block's records in one call and the set of their types, or None if it must be
+        walked line by line: a bad line, fewer or more records than ``count`` lines (a blank
+        line, two records on one), a line without newline, or a checkpoint (its record digest
+        covers the bytes before its own line)."""
         try:
             recs: list[Any] = decode(block)
         except DECODE_ERRORS:
             return None
-        if not complete or (count >= 0 and len(recs) != count) or Checkpoint in set(map(type, recs)):
+        if not complete or (count >= 0 and len(recs) != count):
             return None
-        return recs
+        kinds = set(map(type, recs))
+        return None if Checkpoint in kinds else (recs, kinds)
 
     def _chain_block(
-        self, block: bytes, lines: list[bytes] | None, first: int, numbers: Sequence[int], recs: list[Any], torn: bool
-    ) -> None:
-        """Feed ``block`` (lines ``first``..., split into ``lines`` unless each gave one record)
-        to the record chain, checking each checkpoint's record digest against the bytes before
-        its line; hold the lines to vouch for."""
+        self, block: bytes, lines: list[bytes] | None, first: int, numbers: Sequence[int],
+        recs: list[Any], kinds: set[type], torn: bool,
+    ) -> None:  # fmt: skip
+        """Feed ``block`` (lines ``first``..., split into ``lines`` unless each gave one record;
+        ``kinds``: the records' types) to the record chain, checking each checkpoint's record
+        digest against the bytes before its line; hold the lines to vouch for."""
         chain = self._chain
         end = len(block) - len(lines[-1]) if torn and lines else len(block)  # (a torn line is no record)
-        if lines is None or Checkpoint not in set(map(type, recs)):  # (most blocks: cheaper than a byte search)
+        if lines is None or Checkpoint not in kinds:  # (most blocks: cheaper than a byte search)
             chain.update(block)
             self.unverified += len(recs)
             self._hold(first, block if end == len(block) else block[:end])

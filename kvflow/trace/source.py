@@ -95,7 +95,7 @@ def line_blocks(data_in: Iterator[bytes], limit: int = MAX_LINE_BYTES) -> Genera
         if carry:
             if carried + data.find(b"\n") > limit:
                 raise LineTooLong
-            carry.append(data[: cut + 1])
+            carry.append(memoryview(data)[: cut + 1])  # (copied once, by the join)
             block = b"".join(carry)
         else:
             block = data if cut == len(data) - 1 else data[: cut + 1]

@@ -89,10 +89,10 @@ class LRUPolicy:
         if ``refreshed`` (a refresh's hashes) begins with them in reverse, in that order,
         which is where that refresh would move them. Returns how many hashes of
         ``refreshed`` that covered."""
-        stored, order = self._pending, self._order
+        stored, order = self._pending or (), self._order
         self._pending = None
-        covered = len(stored) if refreshed[: len(stored)] == stored[::-1] else 0  # type: ignore[index,arg-type]
-        for h in reversed(stored) if covered else stored:  # type: ignore[arg-type]
+        covered = len(stored) if refreshed[: len(stored)] == stored[::-1] else 0
+        for h in reversed(stored) if covered else stored:
             order[h] = None
         return covered
 

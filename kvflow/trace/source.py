@@ -55,7 +55,7 @@ def gzip_data(file: IO[bytes], size: int) -> Generator[bytes, None, None]:
                 raw = b""
 
 
-def _last_blocks(carry: list[bytes]) -> Generator[tuple[bytes, bool], None, None]:
+def _last_blocks(carry: list[bytes | memoryview]) -> Generator[tuple[bytes, bool], None, None]:
     """What is left when the data ends: its whole lines, then an unfinished one."""
     rest = b"".join(carry)
     cut = rest.rfind(b"\n") + 1
@@ -74,7 +74,7 @@ def line_blocks(data_in: Iterator[bytes], limit: int = MAX_LINE_BYTES) -> Genera
     ending with a newline; the last one may be an unfinished line (``complete`` False). A
     line longer than ``limit`` raises LineTooLong. A read error (a corrupt or cut
     gzip stream) is raised after the whole lines before it."""
-    carry: list[bytes] = []  # the start of a line that has not ended yet
+    carry: list[bytes | memoryview] = []  # the start of a line that has not ended yet
     carried = 0
     while True:
         try:

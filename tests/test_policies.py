@@ -630,6 +630,16 @@ def _random_history(policy: Any, rng: Any, capacity: int, fresh: Any) -> None:
             policy.refresh(rng.choice(resident))
 
 
+def _policy_after_history(cls: Any, rng: Any) -> tuple[Any, int, Any]:
+    """A policy of a random small capacity after ``_random_history``; with its capacity and
+    the counter its fresh hashes came from (later fresh hashes continue it)."""
+    capacity = rng.randint(1, 10)
+    policy = cls(capacity)
+    counter = iter(range(1, 10**6))
+    _random_history(policy, rng, capacity, lambda: next(counter))
+    return policy, capacity, counter
+
+
 def _bulk_hashes(policy: Any, rng: Any, capacity: int, counter: Any, op: str) -> tuple[int, ...]:
     """Hashes for ``{op}_many`` as evolve hands them: new ones (fresh or ghosts) that fit for
     an insert, distinct residents for a removal, residents (maybe one twice) otherwise."""
@@ -656,10 +666,7 @@ def test_bulk_forms_equal_the_one_by_one_methods(cls: PolicyClass, op: str) -> N
     rng = random.Random(f"{cls.name}-{op}")
     compared = 0
     for _ in range(1500):
-        capacity = rng.randint(1, 10)
-        policy = cls(capacity)
-        counter = iter(range(1, 10**6))
-        _random_history(policy, rng, capacity, lambda: next(counter))
+        policy, capacity, counter = _policy_after_history(cls, rng)
         hashes = _bulk_hashes(policy, rng, capacity, counter, op)
         one_by_one = copy.deepcopy(policy)
         for h in hashes:
@@ -693,10 +700,7 @@ def test_refreshing_the_hashes_just_moved_equals_one_by_one(cls: PolicyClass) ->
     rng = random.Random(f"{cls.name}-again")
     skipped = 0
     for _ in range(1500):
-        capacity = rng.randint(1, 10)
-        policy = cls(capacity)
-        counter = iter(range(1, 10**6))
-        _random_history(policy, rng, capacity, lambda: next(counter))
+        policy, capacity, counter = _policy_after_history(cls, rng)
         hashes = _bulk_hashes(policy, rng, capacity, counter, rng.choice(("insert", "touch", "refresh")))
         op = "insert" if not set(hashes) <= set(policy.resident()) else rng.choice(("touch", "refresh"))
         getattr(policy, f"{op}_many")(hashes)
@@ -748,10 +752,7 @@ def test_victims_with_nothing_pinned_equal_victims_with_a_never_pinned_test(cls:
 
     rng = random.Random(f"{cls.name}-none-pinned")
     for _ in range(1000):
-        capacity = rng.randint(1, 10)
-        policy = cls(capacity)
-        counter = iter(range(1, 10**6))
-        _random_history(policy, rng, capacity, lambda: next(counter))
+        policy, capacity, counter = _policy_after_history(cls, rng)
         for count in range(len(policy) + 2):
             assert policy.victims(count, None) == policy.victims(count, none_pinned), count
 
@@ -778,10 +779,7 @@ def test_admitted_store_then_any_operation_equals_one_by_one(policy_type: Any) -
     follow_ups = ("chain", "refresh_many", "touch_many", "remove_many", "evict", "victims", "admit", "read")
     seen = dict.fromkeys(follow_ups, 0)
     for _ in range(3000):
-        capacity = rng.randint(1, 10)
-        policy = policy_type(capacity)
-        counter = iter(range(1, 10**6))
-        _random_history(policy, rng, capacity, lambda: next(counter))
+        policy, capacity, counter = _policy_after_history(policy_type, rng)
         stored = _bulk_hashes(policy, rng, capacity, counter, "insert")
         one_by_one = copy.deepcopy(policy)
         policy.admit_new_many(stored)

@@ -38,7 +38,7 @@ from kvflow.policies.arc_victims import replace_choices
 class ARCPolicy:
     """ARC ordering plus ghost lists; see the module docstring for how it maps onto the state."""
 
-    __slots__ = ("_b1", "_b2", "_last_moved", "_p", "_pending", "_t1", "_t2", "capacity")
+    __slots__ = ("_b1", "_b2", "_last_moved", "_p", "_unjoined", "_t1", "_t2", "capacity")
 
     name = "arc"
 
@@ -59,9 +59,9 @@ class ARCPolicy:
         # of them changes nothing (a chain touched then refreshed: a third of the benchmark's
         # refreshed hashes). Not a touch: it moves a refreshed T1 member to T2.
         self._last_moved: tuple[int, ...] | None = None
-        # The last store's hashes, not yet added to T1 / T2 (see _add_pending), or None:
+        # The last store's hashes, not yet added to T1 / T2 (see _join_stored), or None:
         # (the hashes stored, those bound for T1, those bound for T2, each in stored order).
-        self._pending: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
+        self._unjoined: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def p(self) -> int:
@@ -79,8 +79,8 @@ class ARCPolicy:
     def touch(self, block_hash: int) -> None:
         """A resident hash was used: it becomes the most recent of ``T2``.
         ``KeyError`` if it is not resident."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         self._last_moved = None
         t1 = self._t1
         if block_hash in t1:
@@ -92,8 +92,8 @@ class ARCPolicy:
     def refresh(self, block_hash: int) -> None:
         """Reorder without a new use: the most recent of its own list (T1 stays T1).
         ``KeyError`` if it is not resident."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         self._last_moved = None
         t1 = self._t1
         if block_hash in t1:
@@ -105,8 +105,8 @@ class ARCPolicy:
         """``block_hash`` left the tier. An eviction (``ghost=True``) remembers it in ``B1`` or
         ``B2`` so a quick return adapts ``p``; any other removal (a reset, a failed entry)
         says nothing about the workload and leaves no ghost. ``KeyError`` if not resident."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         self._last_moved = None
         t1 = self._t1
         t2 = self._t2
@@ -160,8 +160,8 @@ class ARCPolicy:
         (The scans: kvflow.policies.arc_victims.)"""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         return replace_choices(self._t1, self._t2, self._p, num_blocks, pinned)
 
     # Bulk forms, one call per event: each equals the single-hash method applied to every
@@ -176,8 +176,8 @@ class ARCPolicy:
     def insert_many(self, hashes: tuple[int, ...]) -> None:
         """``insert`` for each hash in order. All-or-nothing: a hash already resident, or
         named twice, raises ``ValueError`` and changes nothing."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         self._check_new(hashes)
         self.admit_new_many(hashes)
 
@@ -189,10 +189,10 @@ class ARCPolicy:
         repeated hash would be tracked twice.
 
         The hashes join their lists (ghost hits T2, first sightings T1) when the policy is
-        next used (``_add_pending``): a request's end refreshes its chain deepest first,
+        next used (``_join_stored``): a request's end refreshes its chain deepest first,
         and then they join in that order instead of being moved there one by one."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         if len(t1) + len(t2) + len(hashes) > self.capacity:
             for h in hashes:  # residents overfill the tier: ghosts trimmed as each one lands
@@ -200,20 +200,20 @@ class ARCPolicy:
         elif (not b1 or b1.keys().isdisjoint(hashes)) and (not b2 or b2.keys().isdisjoint(hashes)):
             # The usual store, first sightings only: bound for T1, one trim (_trim_ghosts).
             # (An empty ghost list is not searched: B2 stays empty until T2 is evicted from.)
-            self._pending = (hashes, hashes, ())
+            self._unjoined = (hashes, hashes, ())
             self._trim_ghosts(len(hashes))
         else:
-            self._pending = (hashes, *self._ghost_runs(hashes))
+            self._unjoined = (hashes, *self._ghost_runs(hashes))
         # (ghost hits are T2's newest, first sightings T1's, each in this order)
         self._last_moved = hashes
 
-    def _add_pending(self, refreshed: tuple[int, ...] = ()) -> int:
+    def _join_stored(self, refreshed: tuple[int, ...] = ()) -> int:
         """Add the last store's hashes to their lists: in the order stored or, if
         ``refreshed`` (a refresh's hashes) begins with them in reverse, in that order,
         which is where that refresh would move them. Returns how many hashes of
         ``refreshed`` that covered."""
-        stored, to_t1, to_t2 = self._pending  # type: ignore[misc]
-        self._pending = None
+        stored, to_t1, to_t2 = self._unjoined  # type: ignore[misc]
+        self._unjoined = None
         covered = len(stored) if refreshed[: len(stored)] == stored[::-1] else 0
         t1, t2 = self._t1, self._t2
         for h in reversed(to_t1) if covered else to_t1:
@@ -225,7 +225,7 @@ class ARCPolicy:
     def _ghost_runs(self, hashes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``admit_new_many`` of hashes that fit, some of them ghosts: a run of one kind
         (B1 hits, B2 hits, first sightings) at a time, in order. Returns the hashes bound
-        for T1 and those bound for T2, each in order (added by ``_add_pending``).
+        for T1 and those bound for T2, each in order (added by ``_join_stored``).
 
         Each run is classified when it is reached: the trimming after a run of first
         sightings may drop a ghost that a later hash names, which then is a first sighting
@@ -292,8 +292,8 @@ class ARCPolicy:
     def touch_many(self, hashes: tuple[int, ...]) -> None:
         """``touch`` for each hash (resident; repeats allowed): each becomes the most recent
         of T2, in order."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         t1, t2 = self._t1, self._t2
         self._last_moved = None  # (a hash not resident raises with the moves half done)
         from_t1 = bool(hashes) and hashes[0] in t1
@@ -312,7 +312,7 @@ class ARCPolicy:
         independent: each list's members move to its end, in order."""
         if hashes == self._last_moved:
             return  # (moving each to its list's end again, in order, leaves them where they are)
-        start = 0 if self._pending is None else self._add_pending(hashes)
+        start = 0 if self._unjoined is None else self._join_stored(hashes)
         t1, t2 = self._t1, self._t2
         self._last_moved = None  # (a hash not resident raises with the moves half done)
         home = t1 if start < len(hashes) and hashes[start] in t1 else t2
@@ -329,8 +329,8 @@ class ARCPolicy:
 
     def remove_many(self, hashes: tuple[int, ...]) -> None:
         """``remove`` (an eviction: ghosts kept) for each hash (distinct, resident)."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         self._last_moved = None
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         if len(t1) + len(t2) > self.capacity:  # an overfilled tier trims ghosts as it shrinks
@@ -355,15 +355,15 @@ class ARCPolicy:
 
     def resident(self) -> list[int]:
         """Resident hashes: ``T1`` then ``T2``, each coldest first."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         return [*self._t1, *self._t2]
 
     def snapshot(self) -> tuple[str, list[int], list[int], list[int], list[int], int]:
         """``(name, T1, T2, B1, B2, p)``, lists coldest first: everything that drives
         decisions, ghosts included, so two runs that differ only in history still differ."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         return (self.name, list(self._t1), list(self._t2), list(self._b1), list(self._b2), self._p)
 
     def clear(self) -> None:
@@ -374,20 +374,20 @@ class ARCPolicy:
         self._b2.clear()
         self._p = 0
         self._last_moved = None
-        self._pending = None
+        self._unjoined = None
 
     def __len__(self) -> int:
-        stored = () if self._pending is None else self._pending[0]
+        stored = () if self._unjoined is None else self._unjoined[0]
         return len(self._t1) + len(self._t2) + len(stored)
 
     def __contains__(self, block_hash: object) -> bool:
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         return block_hash in self._t1 or block_hash in self._t2
 
     def __repr__(self) -> str:
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         return (
             f"ARCPolicy(capacity={self.capacity}, p={self._p}, t1={len(self._t1)}, "
             f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"

@@ -21,7 +21,7 @@ class LRUPolicy:
     head most recent, so tails go before heads.
     """
 
-    __slots__ = ("_last_moved", "_order", "_pending")
+    __slots__ = ("_last_moved", "_order", "_unjoined")
 
     name = "lru"
 
@@ -37,7 +37,7 @@ class LRUPolicy:
         # refreshed hashes); one tuple comparison then replaces a move per hash.
         self._last_moved: tuple[int, ...] | None = None
         # The last store's hashes, not yet added to the order (see admit_new_many), or None.
-        self._pending: tuple[int, ...] | None = None
+        self._unjoined: tuple[int, ...] | None = None
 
     def insert(self, block_hash: int) -> None:
         """``block_hash`` became resident and is the most recent.
@@ -45,8 +45,8 @@ class LRUPolicy:
         Raises ``ValueError`` if it is already tracked: the state and the policy disagree,
         and silently keeping the old position would corrupt the order.
         """
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         order = self._order
         if block_hash in order:
             raise ValueError(f"block hash {block_hash} is already resident in the lru policy")
@@ -55,16 +55,16 @@ class LRUPolicy:
 
     def touch(self, block_hash: int) -> None:
         """``block_hash`` was used: it becomes the most recent. ``KeyError`` if not resident."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         self._last_moved = None
         self._order.move_to_end(block_hash)
 
     def insert_many(self, hashes: tuple[int, ...]) -> None:
         """``insert`` for each hash in order. All-or-nothing: a hash already resident, or
         repeated in ``hashes``, raises ``ValueError`` and changes nothing."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         order = self._order
         before = len(order)
         for h in hashes:
@@ -77,20 +77,20 @@ class LRUPolicy:
 
     def admit_new_many(self, hashes: tuple[int, ...]) -> None:
         """``insert_many`` of hashes the caller knows to be new (the state's stores). They
-        join the order when the policy is next used (``_add_pending``): a request's end
+        join the order when the policy is next used (``_join_stored``): a request's end
         refreshes its chain deepest first, and they then join in that order instead of
         being inserted and moved one by one (as ARCPolicy.admit_new_many)."""
-        if self._pending is not None:
-            self._add_pending()
-        self._pending = self._last_moved = hashes
+        if self._unjoined is not None:
+            self._join_stored()
+        self._unjoined = self._last_moved = hashes
 
-    def _add_pending(self, refreshed: tuple[int, ...] = ()) -> int:
+    def _join_stored(self, refreshed: tuple[int, ...] = ()) -> int:
         """Add the last store's hashes to the order's newest end: in the order stored or,
         if ``refreshed`` (a refresh's hashes) begins with them in reverse, in that order,
         which is where that refresh would move them. Returns how many hashes of
         ``refreshed`` that covered."""
-        stored, order = self._pending or (), self._order
-        self._pending = None
+        stored, order = self._unjoined or (), self._order
+        self._unjoined = None
         covered = len(stored) if refreshed[: len(stored)] == stored[::-1] else 0
         for h in reversed(stored) if covered else stored:
             order[h] = None
@@ -103,7 +103,7 @@ class LRUPolicy:
         """``touch`` for each hash in order."""
         if hashes == self._last_moved:
             return  # (moving each to the end again, in order, would leave them where they are)
-        start = 0 if self._pending is None else self._add_pending(hashes)
+        start = 0 if self._unjoined is None else self._join_stored(hashes)
         self._last_moved = None  # (a hash not resident raises with the moves half done)
         deque(map(self._order.move_to_end, hashes[start:] if start else hashes), 0)
         self._last_moved = hashes
@@ -112,8 +112,8 @@ class LRUPolicy:
 
     def remove_many(self, hashes: tuple[int, ...]) -> None:
         """``remove`` for each hash."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         self._last_moved = None
         order = self._order
         for h in hashes:
@@ -122,8 +122,8 @@ class LRUPolicy:
     def remove(self, block_hash: int, ghost: bool = True) -> None:
         """``block_hash`` left the tier. ``ghost`` is accepted for interface parity with
         ARC (LRU remembers nothing about evicted hashes). ``KeyError`` if not resident."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         self._last_moved = None
         del self._order[block_hash]
 
@@ -134,8 +134,8 @@ class LRUPolicy:
         ``pinned=None``: nothing is pinned, so no call per hash (the usual eviction)."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         if num_blocks > len(self._order):
             return None
         unpinned = self._order if pinned is None else filterfalse(pinned, self._order)
@@ -144,27 +144,27 @@ class LRUPolicy:
 
     def resident(self) -> list[int]:
         """Resident hashes, coldest first."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         return list(self._order)
 
     def snapshot(self) -> tuple[str, list[int]]:
         """``(name, resident hashes coldest first)``: everything that drives decisions."""
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         return (self.name, list(self._order))
 
     def clear(self) -> None:
         """Forget everything (reset)."""
         self._order.clear()
-        self._last_moved = self._pending = None
+        self._last_moved = self._unjoined = None
 
     def __len__(self) -> int:
-        return len(self._order) + (0 if self._pending is None else len(self._pending))
+        return len(self._order) + (0 if self._unjoined is None else len(self._unjoined))
 
     def __contains__(self, block_hash: object) -> bool:
-        if self._pending is not None:
-            self._add_pending()
+        if self._unjoined is not None:
+            self._join_stored()
         return block_hash in self._order
 
     def __repr__(self) -> str:

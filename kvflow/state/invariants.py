@@ -9,7 +9,7 @@ as exact as a per-item loop) and walks item by item only to name the offenders.
 from __future__ import annotations
 
 from kvflow.jobs import FILLING, REMOTE_STORE
-from kvflow.state.model import State, pending_of
+from kvflow.state.model import State, held_by, pending_of
 from kvflow.state.tables import LIVE_JOB_STATES, JobState
 
 
@@ -73,15 +73,12 @@ def check_invariants(state: State) -> list[str]:
     if not (len(tracked) == len(resident) and resident == set(tracked)):
         problems.append(f"policy tracks {len(tracked)} blocks, tier has {len(resident)} resident")
 
-    # holds match live jobs; queued index matches job states
-    expected_held: dict[int, int] = {}
+    # queued index matches job states; requests list their unfenced jobs
     for jid, job in jobs.items():
         if job.state not in LIVE_JOB_STATES:
             problems.append(f"job {jid} is live in state {job.state.name}")
         if (jid in state.queued) != (job.state is JobState.QUEUED):
             problems.append(f"job {jid} queued index disagrees with state {job.state.name}")
-        for d in job.device_blocks:
-            expected_held[d] = jid
         if job.request_id is not None:
             req = state.requests.get(job.request_id)
             listed = req is not None and jid in req.jobs
@@ -93,8 +90,9 @@ def check_invariants(state: State) -> list[str]:
             problems.append(f"a touch is deferred on job {jid}, which is not a live store")
     if len(state.remote) > state.config.remote_blocks:
         problems.append(f"the remote index holds {len(state.remote)} hashes, above remote_blocks")
-    # (an index not kept is built from the jobs when read: only a kept one can disagree)
-    if state._held is not None and expected_held != state._held:
+    # the indexes of the live jobs: one not kept is built from the jobs when read, so only
+    # a kept one can disagree
+    if state._held is not None and state._held != held_by(jobs):
         problems.append("device-block holds do not match the live jobs")
     if state._pending is not None and state._pending != pending_of(jobs):
         problems.append("the pending index does not match the live store jobs")

@@ -97,6 +97,18 @@ def extend_chain(
     return ChainExtended(seq=state.next_seq, request_id=request_id, hashes=tuple(hashes))
 
 
+def chain_tail(req: Request, hashes: Sequence[int]) -> bool:
+    """Whether ``hashes`` are the last blocks of the request's chain, in order (the usual
+    store: the blocks after its lookup's hits). They are then in its chain and each named
+    once (the chain names each hash once), which a comparison with the chain's tuple
+    tells for less than a lookup of each hash."""
+    order = req.chain_order
+    if not order:
+        return False
+    start = len(order) - len(hashes)
+    return start >= 0 and order[start:] == hashes
+
+
 def chain_touch(state: State, req: Request) -> BlocksTouched | None:
     """DESIGN §7 rule 4, at a request's finish: its chain's blocks on the tier, deepest
     first, touched for order only (``reuse=False``), so that eviction takes a chain's tail
@@ -108,7 +120,9 @@ def chain_touch(state: State, req: Request) -> BlocksTouched | None:
     # (the common case, the whole chain on the tier, asked of the dict views at C level:
     # cheaper than ``on_tier``'s scan of a tuple, and the chain's tuple is built once)
     if slot_of.keys() >= chain.keys():
-        touched = tuple(chain)[::-1]  # (a dict's reverse iterator is the slower way)
+        order = req.chain_order
+        # (a dict's reverse iterator is the slower way)
+        touched = (order if order is not None else tuple(chain))[::-1]
     else:
         touched = tuple(filter(slot_of.__contains__, reversed(chain)))
     if not touched:
@@ -132,13 +146,13 @@ def _admission(
     state: State,
     block_hashes: Sequence[int],
     device_blocks: Sequence[int],
-    distinct: AbstractSet[int] | None = None,
+    unique: bool = False,
 ) -> Admission:
     """DESIGN §7 step 3: every block of the store not on the tier (resident, queued or in
     flight; F3), each hash once, in prefix order, takes a free slot, else evicts the policy's
     next victim, never a block of this store's own chain (F16); when nothing else can be
-    evicted, it and every later block are rejected. ``distinct``: the set of
-    ``block_hashes``, when the caller has built it."""
+    evicted, it and every later block are rejected. ``unique``: the caller knows that
+    ``block_hashes`` name each hash once."""
     # the blocks eviction must spare (F16): those of the store already on the tier
     protected: Sequence[int] = ()
     new_hashes: Sequence[int]
@@ -147,14 +161,11 @@ def _admission(
         # (the command's own tuples: their slices below are the events' fields, uncopied)
         new_hashes, new_blocks = block_hashes, device_blocks
     else:
-        distinct = None  # (it names the blocks on the tier too)
         protected = block_hashes
         absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
         new_hashes = list(compress(block_hashes, absent))
         new_blocks = list(compress(device_blocks, absent))
-    if distinct is None:
-        distinct = set(new_hashes)
-    if len(distinct) != len(new_hashes):  # a hash named twice is stored once
+    if not unique and len(set(new_hashes)) != len(new_hashes):  # a hash named twice is stored once
         firsts: dict[int, int] = {}
         for h, d in zip(new_hashes, new_blocks):
             firsts.setdefault(h, d)
@@ -186,16 +197,20 @@ def _decide_store(
         return None
     if req is not None and req.finished:
         emit(RequestResumed(seq=state.next_seq, request_id=req.request_id))  # F18
-    # the store's hashes as a set, built once: its chain (F14) and its duplicates (F3) are
-    # both asked of it
-    distinct = set(block_hashes)
-    if request_id is not None:
-        extension = extend_chain(state, request_id, req, block_hashes, distinct)
-        if extension is not None:
-            emit(extension)
-            req = state.requests[request_id]  # (known from now on)
+    if req is not None and chain_tail(req, block_hashes):
+        unique = True  # (and the chain has them all: nothing to extend)
+    else:
+        # the store's hashes as a set, built once: its chain (F14) and its duplicates (F3)
+        # are both asked of it
+        distinct = set(block_hashes)
+        unique = len(distinct) == len(block_hashes)
+        if request_id is not None:
+            extension = extend_chain(state, request_id, req, block_hashes, distinct)
+            if extension is not None:
+                emit(extension)
+                req = state.requests[request_id]  # (known from now on)
     admit_hashes, admit_blocks, victims, rejected_hashes, rejected_blocks = _admission(
-        state, block_hashes, device_blocks, distinct
+        state, block_hashes, device_blocks, unique
     )
     if victims:
         emit(eviction(state, victims, "capacity"))

@@ -165,8 +165,11 @@ def _chain_extended(state: State, event: ChainExtended, check: bool) -> None:
     if check and all(map(chain.__contains__, event.hashes)):  # (stops at the first new hash)
         raise lg.illegal(state, event, "CHAIN", f"request {event.request_id}: names no hash new to its chain")
     if not chain:  # (its first hashes, usually its lookup's: built at C level)
-        req.chain = dict.fromkeys(event.hashes)
+        req.chain = chain = dict.fromkeys(event.hashes)
+        # (the event's tuple is the chain's order unless it named a hash twice)
+        req.chain_order = event.hashes if len(chain) == len(event.hashes) else tuple(chain)
         return
+    req.chain_order = None  # (a tuple rebuilt per extension would cost a copy of the chain each)
     for h in event.hashes:  # the new ones go to its end, in order (a loop: cheaper than
         chain[h] = None  # update(dict.fromkeys(...)), which builds a dict first)
 

@@ -115,7 +115,7 @@ class Job(msgspec.Struct, eq=False, gc=False):
 class Request:
     """What kvflow remembers of a request: its pins, its live jobs and its chain."""
 
-    __slots__ = ("request_id", "offered", "loading", "jobs", "finished", "preempted", "chain")
+    __slots__ = ("request_id", "offered", "loading", "jobs", "finished", "preempted", "chain", "chain_order")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -128,6 +128,11 @@ class Request:
         # its full blocks' hashes in prefix order, as its lookups and stores named them
         # (ChainExtended; empty unless Config.chain_recency): its finish touches them (F14)
         self.chain: dict[int, None] = {}
+        # the chain's hashes as one tuple, ``tuple(chain)``, while a single event has named
+        # them (usually the event's own tuple: a lookup's hashes); None once a later event
+        # extends the chain (then only the dict is kept). A store of the chain's tail and
+        # the request's finish read it instead of asking the dict of each hash.
+        self.chain_order: tuple[int, ...] | None = ()
 
     @property
     def pins(self) -> dict[int, int]:
@@ -289,6 +294,7 @@ class State:
             nr.jobs = dict(r.jobs)
             nr.finished, nr.preempted = r.finished, r.preempted
             nr.chain = dict(r.chain)
+            nr.chain_order = r.chain_order
             clone.requests[rid] = nr
         clone.policy = copy.deepcopy(self.policy)
         clone.deferred_touches = dict(self.deferred_touches)

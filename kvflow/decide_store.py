@@ -116,11 +116,14 @@ def chain_touch(state: State, req: Request) -> BlocksTouched | None:
     chain = req.chain
     if not state.config.chain_recency or not chain:
         return None
-    slot_of = state.slot_of
-    # (the common case, the whole chain on the tier, asked of the dict views at C level:
-    # cheaper than ``on_tier``'s scan of a tuple, and the chain's tuple is built once)
-    if slot_of.keys() >= chain.keys():
-        order = req.chain_order
+    slot_of, order = state.slot_of, req.chain_order
+    if order is not None and req.chain_whole_at == state.departures:
+        # (the usual finish: its store put the chain's tail on the tier, and nothing has
+        # left the tier since)
+        touched = order[::-1]
+    # (the whole chain on the tier, asked of the dict views at C level: cheaper than
+    # ``on_tier``'s scan of a tuple, and the chain's tuple is built once)
+    elif slot_of.keys() >= chain.keys():
         # (a dict's reverse iterator is the slower way)
         touched = (order if order is not None else tuple(chain))[::-1]
     else:

@@ -196,3 +196,63 @@ def test_F14_tail_first_whatever_the_completion_order(chain_len: int, data: st.D
         m.finish_request("r")
     assert check_invariants(m.state) == []
     assert eviction_order(m, chain_len) == chain[::-1]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_finish_after_its_chain_lost_a_block_touches_only_the_rest(policy: str) -> None:
+    """The finish of a request whose store put its chain's tail on the tier touches the
+    whole chain unasked only while no entry has left the tier since: a block of its chain
+    evicted in between (here by an explicit eviction) is left out of the touch."""
+    m = manager(cpu_blocks=8, policy=policy)
+    assert m.lookup("r", [1, 2, 3], 3 * BT + 1) == 0
+    store = m.blocks_computed("r", [1, 2, 3], [10, 11, 12])  # the chain's tail: all of it
+    m.plan_step(0.0)
+    m.job_result(store)
+    assert m.state.requests["r"].chain_whole_at == m.state.departures
+    assert m.evict(1) == 1  # the coldest: 1
+    start = len(m.log.events())
+    m.finish_request("r")
+    (touch,) = [e for e in m.log.events()[start:] if isinstance(e, BlocksTouched)]
+    assert touch.hashes == (3, 2)
+    assert check_invariants(m.state) == []
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("cpu_blocks", [3, 8])
+def test_a_store_of_the_chains_tail_after_hits_checks_the_hits_are_still_there(policy: str, cpu_blocks: int) -> None:
+    """A store of the blocks after the hits puts the chain's tail on the tier; the whole
+    chain is known on the tier only if the hits are still there too (the store itself may
+    evict them: on a tier of 3 blocks it must)."""
+    m = manager(cpu_blocks=cpu_blocks, policy=policy)
+    m.blocks_computed("w", [1, 2], [10, 11])
+    m.plan_step(0.0)
+    m.job_result(1)
+    m.finish_request("w")
+    assert m.lookup("r", [1, 2, 3, 4, 5], 5 * BT + 1) == 2
+    load = m.accept_hits("r", [20, 21])
+    m.plan_step(1.0)
+    m.job_result(load)  # loaded: its hits are pinned no more
+    store = m.blocks_computed("r", [3, 4, 5], [22, 23, 24])  # evicts 1 and 2 for room
+    req = m.state.requests["r"]
+    assert req.chain_order == (1, 2, 3, 4, 5)
+    assert (req.chain_whole_at == m.state.departures) is (cpu_blocks == 8)
+    m.plan_step(2.0)
+    m.job_result(store)
+    start = len(m.log.events())
+    m.finish_request("r")
+    (touch,) = [e for e in m.log.events()[start:] if isinstance(e, BlocksTouched)]
+    assert touch.hashes == ((5, 4, 3) if cpu_blocks == 3 else (5, 4, 3, 2, 1))
+    assert check_invariants(m.state) == []
+
+
+def test_the_chains_tuple_is_its_order_until_a_second_event_extends_it() -> None:
+    """``chain_order`` is the chain as one tuple while one event named it (a hash named
+    twice once), and None once the chain is extended (the dict alone then)."""
+    m = manager(cpu_blocks=8)
+    m.lookup("r", [1, 2, 1, 3], 4 * BT + 1)
+    req = m.state.requests["r"]
+    assert req.chain_order == tuple(req.chain) == (1, 2, 3)
+    m.blocks_computed("r", [2, 3], [10, 11])  # the chain's tail: nothing new
+    assert req.chain_order == (1, 2, 3)
+    m.blocks_computed("r", [3, 4], [12, 13])
+    assert req.chain_order is None and list(req.chain) == [1, 2, 3, 4]

@@ -218,6 +218,7 @@ def _reset(state: State, event: Reset, check: bool) -> None:
                 quarantine[s] = quarantine.get(s, ()) + (jid,)
     state.free_slots.extend(s for s in state.slot_of.values() if s not in quarantine)
     state.slot_of.clear()
+    state.departures += 1
     state._pending = None  # (every store's entries left: built empty when next read)
     state.pin_count.clear()
     state.deferred_touches.clear()

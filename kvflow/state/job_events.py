@@ -25,7 +25,7 @@ from kvflow.events import (
 from kvflow.jobs import FILLING, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.state import legality as lg
 from kvflow.state.bulk import all_in, values_at
-from kvflow.state.model import Job, State
+from kvflow.state.model import Job, Request, State
 from kvflow.state.moves import WRITERS, ensure_request, entry_move, pin, unpin
 from kvflow.state.tables import (
     ABSENT,
@@ -151,7 +151,23 @@ def _store_queued(state: State, event: StoreQueued, check: bool) -> None:
             raise lg.illegal(state, event, "FINISHED", f"request {request_id} is finished")
     job = _add_job(state, event, STORE, "store_queued", request_id, event.device_blocks)
     if _QUEUE_STORE is not None:
-        _QUEUE_STORE(state, event.hashes, job)
+        _QUEUE_STORE(state, event.hashes, job)  # (on the tier from now on)
+        if request_id is not None:
+            _note_chain_whole(state, state.requests[request_id], event.hashes)
+
+
+def _note_chain_whole(state: State, req: Request, stored: tuple[int, ...]) -> None:
+    """A store of the request's chain's tail, the rest of its chain on the tier: the whole
+    chain is on the tier now (see Request.chain_whole_at). (The usual store: the blocks after
+    the lookup's hits, none of them on the tier before; a comparison of tuples tells it.)"""
+    order = req.chain_order
+    if not order:
+        return
+    start = len(order) - len(stored)
+    if start >= 0 and order[start:] == stored:
+        slot_of = state.slot_of
+        if start == 0 or all(map(slot_of.__contains__, order[:start])):
+            req.chain_whole_at = state.departures
 
 
 def _load_queued(state: State, event: LoadQueued, check: bool) -> None:

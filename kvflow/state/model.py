@@ -115,7 +115,9 @@ class Job(msgspec.Struct, eq=False, gc=False):
 class Request:
     """What kvflow remembers of a request: its pins, its live jobs and its chain."""
 
-    __slots__ = ("request_id", "offered", "loading", "jobs", "finished", "preempted", "chain", "chain_order")
+    __slots__ = (
+        "request_id", "offered", "loading", "jobs", "finished", "preempted", "chain", "chain_order", "chain_whole_at",
+    )  # fmt: skip
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -133,6 +135,10 @@ class Request:
         # extends the chain (then only the dict is kept). A store of the chain's tail and
         # the request's finish read it instead of asking the dict of each hash.
         self.chain_order: tuple[int, ...] | None = ()
+        # ``State.departures`` when every hash of ``chain_order`` was last known on the tier
+        # (a store of the chain's tail queued, the rest there), else -1: while no entry has
+        # left the tier since, its finish touches the chain without asking the tier of each
+        self.chain_whole_at = -1
 
     @property
     def pins(self) -> dict[int, int]:
@@ -173,6 +179,7 @@ class State:
         "deferred_touches",
         "bad",
         "remote",
+        "departures",
     )
 
     def __init__(self, config: Config) -> None:
@@ -204,6 +211,10 @@ class State:
         # the remote tier's index: hashes known to be there, oldest first (capped at
         # config.remote_blocks); a remote load that fails drops its hashes at once
         self.remote: dict[int, None] = {}
+        # how many times entries have left the tier (an eviction, a dropped store, a reset):
+        # what was known on the tier at one count is there still while the count is the same
+        # (see Request.chain_whole_at). Not part of the digest: it only spares a lookup
+        self.departures = 0
 
     # -- indexes of the live jobs ----------------------------------------------------------
     #
@@ -295,11 +306,13 @@ class State:
             nr.finished, nr.preempted = r.finished, r.preempted
             nr.chain = dict(r.chain)
             nr.chain_order = r.chain_order
+            nr.chain_whole_at = r.chain_whole_at
             clone.requests[rid] = nr
         clone.policy = copy.deepcopy(self.policy)
         clone.deferred_touches = dict(self.deferred_touches)
         clone.bad = dict(self.bad)
         clone.remote = dict(self.remote)
+        clone.departures = self.departures
         return clone
 
     # -- determinism ---------------------------------------------------------------------

@@ -70,6 +70,7 @@ def _unpend(pending: dict[int, int] | None, hashes: tuple[int, ...]) -> None:
 def _free(state: State, hashes: tuple[int, ...]) -> None:
     """The entries leave their slots; a slot a fenced copy may still use stays out of the
     free list until that fence is lifted (F15)."""
+    state.departures += 1
     slots = map(state.slot_of.pop, reversed(hashes))
     quarantine = state.quarantine
     if quarantine:

@@ -87,12 +87,11 @@ def extend_chain(
     answers, at C level, for less than a scan of ``hashes``)."""
     if not state.config.chain_recency or not hashes:
         return None
-    if req is not None and req.chain:
+    if req is not None:
+        if chain_tail(req, hashes):  # (its chain's last blocks, or all of them: a lookup repeated)
+            return None
         chain = req.chain
-        if distinct is not None:
-            if chain.keys() >= distinct:
-                return None
-        elif all(map(chain.__contains__, hashes)):
+        if chain and (chain.keys() >= distinct if distinct is not None else all(map(chain.__contains__, hashes))):
             return None
     return ChainExtended(seq=state.next_seq, request_id=request_id, hashes=tuple(hashes))
 
@@ -113,21 +112,26 @@ def chain_touch(state: State, req: Request) -> BlocksTouched | None:
     """DESIGN §7 rule 4, at a request's finish: its chain's blocks on the tier, deepest
     first, touched for order only (``reuse=False``), so that eviction takes a chain's tail
     before its head (F14); blocks still being stored keep the touch until they land."""
-    chain = req.chain
-    if not state.config.chain_recency or not chain:
+    if not state.config.chain_recency:
         return None
     slot_of, order = state.slot_of, req.chain_order
-    if order is not None and req.chain_whole_at == state.departures:
-        # (the usual finish: its store put the chain's tail on the tier, and nothing has
-        # left the tier since)
-        touched = order[::-1]
-    # (the whole chain on the tier, asked of the dict views at C level: cheaper than
-    # ``on_tier``'s scan of a tuple, and the chain's tuple is built once)
-    elif slot_of.keys() >= chain.keys():
-        # (a dict's reverse iterator is the slower way)
-        touched = (order if order is not None else tuple(chain))[::-1]
+    if order is not None:  # (the chain as one tuple: its dict is not asked for)
+        if not order:
+            return None
+        if req.chain_whole_at == state.departures:
+            # (the usual finish: its store put the chain's tail on the tier, and nothing
+            # has left the tier since)
+            touched = order[::-1]
+        else:
+            touched = tuple(filter(slot_of.__contains__, reversed(order)))
     else:
-        touched = tuple(filter(slot_of.__contains__, reversed(chain)))
+        chain = req.chain
+        # (the whole chain on the tier, asked of the dict views at C level: cheaper than
+        # ``on_tier``'s scan of a tuple, and the chain's tuple is built once)
+        if slot_of.keys() >= chain.keys():
+            touched = tuple(chain)[::-1]  # (a dict's reverse iterator is the slower way)
+        else:
+            touched = tuple(filter(slot_of.__contains__, reversed(chain)))
     if not touched:
         return None
     return BlocksTouched(seq=state.next_seq, hashes=touched, reuse=False)

@@ -161,17 +161,15 @@ def _chain_extended(state: State, event: ChainExtended, check: bool) -> None:
         req = state.requests[event.request_id] = Request(event.request_id)
     elif req.finished:
         raise lg.illegal(state, event, "FINISHED", f"request {event.request_id}")
-    chain = req.chain
-    if check and all(map(chain.__contains__, event.hashes)):  # (stops at the first new hash)
-        raise lg.illegal(state, event, "CHAIN", f"request {event.request_id}: names no hash new to its chain")
-    if not chain:  # (its first hashes, usually its lookup's: built at C level)
-        req.chain = chain = dict.fromkeys(event.hashes)
-        # (the event's tuple is the chain's order unless it named a hash twice)
-        req.chain_order = event.hashes if len(chain) == len(event.hashes) else tuple(chain)
+    order = req.chain_order
+    if order is not None and not order:  # (its first hashes, usually its lookup's)
+        if check and not event.hashes:
+            raise lg.illegal(state, event, "CHAIN", f"request {event.request_id}: names no hash new to its chain")
+        req.start_chain(event.hashes)
         return
-    req.chain_order = None  # (a tuple rebuilt per extension would cost a copy of the chain each)
-    for h in event.hashes:  # the new ones go to its end, in order (a loop: cheaper than
-        chain[h] = None  # update(dict.fromkeys(...)), which builds a dict first)
+    if check and all(map(req.chain.__contains__, event.hashes)):  # (stops at the first new hash)
+        raise lg.illegal(state, event, "CHAIN", f"request {event.request_id}: names no hash new to its chain")
+    req.extend_chain(event.hashes)
 
 
 def _opened(state: State, event: RequestOpened, check: bool) -> None:

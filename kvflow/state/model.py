@@ -116,7 +116,7 @@ class Request:
     """What kvflow remembers of a request: its pins, its live jobs and its chain."""
 
     __slots__ = (
-        "request_id", "offered", "loading", "jobs", "finished", "preempted", "chain", "chain_order", "chain_whole_at",
+        "request_id", "offered", "loading", "jobs", "finished", "preempted", "_chain", "chain_order", "chain_whole_at",
     )  # fmt: skip
 
     def __init__(self, request_id: str) -> None:
@@ -127,9 +127,8 @@ class Request:
         self.jobs: dict[int, None] = {}  # live job ids, in order
         self.finished = False
         self.preempted = False
-        # its full blocks' hashes in prefix order, as its lookups and stores named them
-        # (ChainExtended; empty unless Config.chain_recency): its finish touches them (F14)
-        self.chain: dict[int, None] = {}
+        # its chain (see ``chain``), or None while ``chain_order`` alone holds it
+        self._chain: dict[int, None] | None = {}
         # the chain's hashes as one tuple, ``tuple(chain)``, while a single event has named
         # them (usually the event's own tuple: a lookup's hashes); None once a later event
         # extends the chain (then only the dict is kept). A store of the chain's tail and
@@ -139,6 +138,32 @@ class Request:
         # (a store of the chain's tail queued, the rest there), else -1: while no entry has
         # left the tier since, its finish touches the chain without asking the tier of each
         self.chain_whole_at = -1
+
+    @property
+    def chain(self) -> dict[int, None]:
+        """Its full blocks' hashes in prefix order, each once, as its lookups and stores
+        named them (ChainExtended; empty unless Config.chain_recency): its finish touches
+        them (F14). Built from ``chain_order`` when first read (most chains never are)."""
+        chain = self._chain
+        if chain is None:
+            chain = self._chain = dict.fromkeys(self.chain_order or ())
+        return chain
+
+    def start_chain(self, hashes: tuple[int, ...]) -> None:
+        """The chain's first hashes (usually a lookup's). Kept as the tuple itself when it
+        names each hash once, which a set tells for less than the dict would cost."""
+        if len(set(hashes)) == len(hashes):
+            self.chain_order, self._chain = hashes, None
+        else:
+            chain = self._chain = dict.fromkeys(hashes)
+            self.chain_order = tuple(chain)
+
+    def extend_chain(self, hashes: tuple[int, ...]) -> None:
+        """The new ones of ``hashes`` go to the chain's end, in order."""
+        chain = self.chain
+        self.chain_order = None  # (a tuple rebuilt per extension would cost a copy of the chain each)
+        for h in hashes:  # (a loop: cheaper than update(dict.fromkeys(...)), which builds a dict first)
+            chain[h] = None
 
     @property
     def pins(self) -> dict[int, int]:
@@ -304,7 +329,7 @@ class State:
             nr.offered = r.offered
             nr.jobs = dict(r.jobs)
             nr.finished, nr.preempted = r.finished, r.preempted
-            nr.chain = dict(r.chain)
+            nr._chain = None if r._chain is None else dict(r._chain)
             nr.chain_order = r.chain_order
             nr.chain_whole_at = r.chain_whole_at
             clone.requests[rid] = nr

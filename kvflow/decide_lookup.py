@@ -47,9 +47,10 @@ def decide_lookup(state: State, cmd: Lookup, emit: Emit) -> int:
     # at C level: each stops at the first block that is not visible, so a miss costs one
     # probe however long the prompt
     hits = tuple(takewhile(state.slot_of.__contains__, window))
-    pending = state.pending
-    if pending and hits and not pending.keys().isdisjoint(hits):
-        hits = hits[: next(compress(count(), map(pending.__contains__, hits)))]
+    if hits:  # (most lookups miss: the index of live stores is not read for them)
+        pending = state.pending
+        if pending and not pending.keys().isdisjoint(hits):
+            hits = hits[: next(compress(count(), map(pending.__contains__, hits)))]
     n = len(hits)
     emit(PinsAcquired(seq=state.next_seq, request_id=request_id, hashes=hits, num_tokens=num_tokens))
     if n < len(window) and state.remote:

@@ -25,8 +25,8 @@ from kvflow.events import (
 from kvflow.jobs import FILLING, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.state import legality as lg
 from kvflow.state.bulk import all_in, values_at
-from kvflow.state.model import Job, Request, State
-from kvflow.state.moves import WRITERS, ensure_request, entry_move, pin, unpin
+from kvflow.state.model import Job, State
+from kvflow.state.moves import WRITERS, ensure_request, entry_move, note_chain_whole, pin, unpin
 from kvflow.state.tables import (
     ABSENT,
     JOB_TRANSITIONS,
@@ -153,21 +153,7 @@ def _store_queued(state: State, event: StoreQueued, check: bool) -> None:
     if _QUEUE_STORE is not None:
         _QUEUE_STORE(state, event.hashes, job)  # (on the tier from now on)
         if request_id is not None:
-            _note_chain_whole(state, state.requests[request_id], event.hashes)
-
-
-def _note_chain_whole(state: State, req: Request, stored: tuple[int, ...]) -> None:
-    """A store of the request's chain's tail, the rest of its chain on the tier: the whole
-    chain is on the tier now (see Request.chain_whole_at). (The usual store: the blocks after
-    the lookup's hits, none of them on the tier before; a comparison of tuples tells it.)"""
-    order = req.chain_order
-    if not order:
-        return
-    start = len(order) - len(stored)
-    if start >= 0 and order[start:] == stored:
-        slot_of = state.slot_of
-        if start == 0 or all(map(slot_of.__contains__, order[:start])):
-            req.chain_whole_at = state.departures
+            note_chain_whole(state, state.requests[request_id], event.hashes)
 
 
 def _load_queued(state: State, event: LoadQueued, check: bool) -> None:

@@ -100,13 +100,21 @@ class _IdSet:
             pass  # (not all comparable: asked one by one)
         return not any(j in self for j in ids)
 
-    def all_new(self, ids: list[int]) -> bool:
-        """Whether ``ids`` are distinct and none was seen before. The usual batch, one job
-        newer than any seen (kvflow issues ids in order), is told by one comparison."""
+    def add_new(self, ids: list[int]) -> bool:
+        """Add ``ids`` if they are distinct and none was seen before (True); else add none
+        (False). The usual batch, one job with the next id (kvflow issues ids in order), is
+        told and added by one comparison."""
         ends = self._ends
-        if len(ids) == 1 and type(ids[0]) is int and (not ends or ids[0] > ends[-1]):
-            return True
-        return len(set(ids)) == len(ids) and self.isdisjoint(ids)
+        if len(ids) == 1 and ends:
+            job_id = ids[0]
+            if type(job_id) is int and job_id == ends[-1] + 1:
+                ends[-1] = job_id
+                return True
+        if len(set(ids)) != len(ids) or not self.isdisjoint(ids):
+            return False
+        for job_id in ids:
+            self.add(job_id)
+        return True
 
     def add(self, job_id: int) -> None:
         starts, ends = self._starts, self._ends
@@ -193,7 +201,7 @@ class SimulatedExecutor:
         now = self.clock.now_ms
         known = self._known
         ids = list(map(_job_id, jobs))
-        if not known.all_new(ids):
+        if not known.add_new(ids):
             # refuse the whole call: nothing launched, no fault drawn (F5)
             repeated = [j for j in ids if j in known] or [j for j in ids if ids.count(j) > 1]
             raise Rejected(f"job {repeated[0]} submitted twice (F5)")
@@ -202,7 +210,6 @@ class SimulatedExecutor:
         blocks_total = 0
         for job, job_id in zip(jobs, ids):
             direction, blocks = job.direction, len(job.device_blocks)
-            known.add(job_id)
             blocks_total += blocks
             self._ordinal = ordinal = self._ordinal + 1
             free = stream_free[direction]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
+from math import isfinite
 from typing import Any
 
 from kvflow import boundary as bd
@@ -187,6 +188,15 @@ class OffloadManager:
         notices, self._notices = self._notices, Notices()
         return notices
 
+    def take_any_notices(self) -> Notices | None:
+        """``take_notices``, or None when there is nothing to tell (each engine step asks:
+        one call, and no new ``Notices`` built while nothing happened)."""
+        notices = self._notices
+        if notices == NO_NOTICES:
+            return None
+        self._notices = Notices()
+        return notices
+
     def has_notices(self) -> bool:
         """Whether ``take_notices`` would hand over anything."""
         return self._notices != NO_NOTICES  # (``bool(notices)`` without its call)
@@ -252,7 +262,8 @@ class OffloadManager:
     def advance(self, now_ms: float, *, tick: bool = True, plan: bool = True) -> tuple[int, list[TransferJob]]:
         """One engine step's decisions at ``now_ms``: ``tick`` (the timeouts, how many), then
         ``plan_step`` (the jobs to hand over), with one check of ``now_ms``."""
-        now_ms = bd.time_ms(now_ms, "now_ms")
+        if type(now_ms) is not float or not isfinite(now_ms):  # (a finite float, the usual, needs no call)
+            now_ms = bd.time_ms(now_ms, "now_ms")
         timed_out = 0
         if tick and now_ms >= self._no_deadline_before_ms:  # (before: no job can be due)
             if expired_jobs(self.state, now_ms):

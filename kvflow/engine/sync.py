@@ -230,9 +230,9 @@ class SyncEngine:
             watch.watch_fences(now)
         if watch.pinned_since:
             watch.watch_pins(now)
-        if not manager.has_notices():
+        notices = manager.take_any_notices()
+        if notices is None:
             return StepReport(now_ms=now, submitted=jobs, timed_out=timed_out)
-        notices = manager.take_notices()
         return StepReport(
             now_ms=now,
             submitted=jobs,

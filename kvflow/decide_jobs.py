@@ -91,6 +91,22 @@ def _terminal_event(kind: type[Any], state: State, job: Job, **outcome: Any) -> 
     )
 
 
+def _completed(state: State, job: Job, rank: int) -> JobCompleted:
+    """``_terminal_event(JobCompleted, ...)`` spelt out: the usual end, and msgspec builds a
+    struct from plain keywords several times faster than from a ``**`` mapping."""
+    return JobCompleted(
+        seq=state.next_seq,
+        abandoned=job.state is _ABANDONED,
+        job_id=job.job_id,
+        direction=job.direction,  # type: ignore[arg-type]
+        request_id=job.request_id,
+        hashes=job.hashes,
+        device_blocks=job.device_blocks,
+        slots=job.slots,
+        rank=rank,
+    )
+
+
 def _closing(state: State, request_id: str | None) -> RequestClosed | None:
     """The close of a finished request whose last job and pin are gone (it leaves the
     state), or None while it still has some."""
@@ -155,7 +171,7 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
             drop_corrupt(state, bad, emit)
     elif job.acks | bit == every_rank:
         landed = job.direction == STORE and job.state is not _ABANDONED
-        emit(_terminal_event(JobCompleted, state, job, rank=cmd.rank))
+        emit(_completed(state, job, cmd.rank))
         if landed and state.config.remote:
             write_through(state, job.hashes, emit)
     else:

@@ -41,10 +41,18 @@ from kvflow.config import Config
 from kvflow.decide import DECIDERS, after_decision, expired_jobs, hit_cap_blocks
 from kvflow.decide_remote import probe_candidates
 from kvflow.errors import ConcurrentCall, EngineClosed
-from kvflow.events import EVENT_TYPES, BlocksEvicted, Event, JobsSubmitted, Reset, StoreRejected
+from kvflow.events import EVENT_TYPES, BlocksEvicted, Event, JobsSubmitted, Reset
 from kvflow.jobs import LOAD, TransferJob
 from kvflow.log import MemoryLog, NullLog
-from kvflow.notices import ABANDONED_BY_RESET, NO_NOTICES, NOTICE_TYPES, Fence, LoadFailure, Notices
+from kvflow.notices import (
+    ABANDONED_BY_RESET,
+    NO_NOTICES,
+    NOTICE_TYPES,
+    Fence,
+    LoadFailure,
+    NoticeBook,
+    Notices,
+)
 from kvflow.state import JobState, State
 from kvflow.state.apply import live_applier
 
@@ -60,7 +68,7 @@ class OffloadManager:
         self.config = config
         self.paranoid = paranoid
         self.state = State(config)
-        self._notices = Notices()
+        self._book = NoticeBook()  # the notices, as the events are applied
         self._told_abandoned: set[int] = set()  # abandoned loads already reported failed
         # callables receiving the applied events, by event type (see subscribe)
         self._subscribers: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
@@ -151,10 +159,11 @@ class OffloadManager:
         self._rebuild_dispatch()
 
     def _rebuild_dispatch(self) -> None:
-        notice = self._observe_notice
+        notice = self._book.observe
         self._dispatch = {
             kind: tuple(
                 [notice] * (kind in NOTICE_TYPES)
+                + [self._tell_abandoned_loads] * (kind is Reset)
                 + [self._on_submitted] * (kind is JobsSubmitted)
                 + [fn for fn, types in self._subscribers if types is None or kind in types]
             )
@@ -165,41 +174,36 @@ class OffloadManager:
         kept = self._applied if self._recording else None
         self._emit = live_applier(self.state, self._dispatch, kept, self.paranoid)
 
-    def _observe_notice(self, event: Event) -> None:
-        self._notices.observe(event)
-        kind = type(event)
-        if kind is Reset and event.keeps_requests:  # type: ignore[union-attr]
-            # F18: a load the reset abandoned never lands: its request recomputes those
-            # device blocks (which stay held until the abandoned copy reports); told once,
-            # though a later reset abandons the job again
-            jobs, told = self.state.jobs, self._told_abandoned
-            for jid in event.abandoned_job_ids:  # type: ignore[union-attr]
-                job = jobs.get(jid)
-                if job is not None and job.direction == LOAD and job.request_id is not None and jid not in told:
-                    told.add(jid)
-                    self._notices.loads_failed.append(
-                        LoadFailure(job.request_id, jid, job.device_blocks, ABANDONED_BY_RESET, fenced=True)
-                    )
-        elif self._told_abandoned and kind is not Reset and kind is not StoreRejected:
-            self._told_abandoned.discard(event.job_id)  # type: ignore[union-attr]  # (the job ended)
+    def _tell_abandoned_loads(self, event: Reset) -> None:
+        """F18: a load the reset abandoned never lands: its request recomputes those device
+        blocks (which stay held until the abandoned copy reports); told once, though a later
+        reset abandons the job again."""
+        if not event.keeps_requests:
+            return
+        jobs = self.state.jobs
+        # (the jobs that ended since are forgotten here, not as each ends: an ended job is
+        # never abandoned again, and its end then costs nothing)
+        told = self._told_abandoned = {jid for jid in self._told_abandoned if jid in jobs}
+        loads_failed = self._book.notices.loads_failed
+        for jid in event.abandoned_job_ids:
+            job = jobs.get(jid)
+            if job is not None and job.direction == LOAD and job.request_id is not None and jid not in told:
+                told.add(jid)
+                loads_failed.append(LoadFailure(job.request_id, jid, job.device_blocks, ABANDONED_BY_RESET, fenced=True))
 
     def take_notices(self) -> Notices:
         """What happened since the last call (F4: kept until taken)."""
-        notices, self._notices = self._notices, Notices()
-        return notices
+        return self._book.take()
 
     def take_any_notices(self) -> Notices | None:
         """``take_notices``, or None when there is nothing to tell (each engine step asks:
         one call, and no new ``Notices`` built while nothing happened)."""
-        notices = self._notices
-        if notices == NO_NOTICES:
-            return None
-        self._notices = Notices()
-        return notices
+        book = self._book
+        return None if book.notices == NO_NOTICES else book.take()
 
     def has_notices(self) -> bool:
         """Whether ``take_notices`` would hand over anything."""
-        return self._notices != NO_NOTICES  # (``bool(notices)`` without its call)
+        return self._book.notices != NO_NOTICES  # (``bool(notices)`` without its call)
 
     # -- the engine API ------------------------------------------------------------------
 

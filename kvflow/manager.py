@@ -193,13 +193,19 @@ class OffloadManager:
 
     def take_notices(self) -> Notices:
         """What happened since the last call (F4: kept until taken)."""
-        return self._book.take()
+        book = self._book
+        notices, book.notices = book.notices, Notices()
+        return notices
 
     def take_any_notices(self) -> Notices | None:
         """``take_notices``, or None when there is nothing to tell (each engine step asks:
         one call, and no new ``Notices`` built while nothing happened)."""
         book = self._book
-        return None if book.notices == NO_NOTICES else book.take()
+        notices = book.notices
+        if notices == NO_NOTICES:
+            return None
+        book.notices = Notices()
+        return notices
 
     def has_notices(self) -> bool:
         """Whether ``take_notices`` would hand over anything."""

@@ -77,18 +77,13 @@ NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, FenceLifted, Sto
 
 
 class NoticeBook:
-    """Where the notices accumulate as the events are applied. ``observe`` is subscribed once
-    (a bound method that stays valid), ``take`` hands the notices over and starts new ones."""
+    """Where the notices accumulate as the events are applied: ``observe`` is subscribed once
+    (a bound method that stays valid), and whoever takes ``notices`` puts new ones in."""
 
     __slots__ = ("notices",)
 
     def __init__(self) -> None:
         self.notices = Notices()
-
-    def take(self) -> Notices:
-        """What happened since the last call (F4: kept until taken)."""
-        notices, self.notices = self.notices, Notices()
-        return notices
 
     def observe(self, event: Event) -> None:
         notices = self.notices

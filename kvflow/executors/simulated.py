@@ -48,7 +48,7 @@ class VirtualClock:
             self.now_ms = now_ms
 
 
-@dataclass
+@dataclass(frozen=True)  # (frozen: an executor works out each job size's duration once)
 class TransferModel:
     """How long a job takes: ``latency_us + bytes / bandwidth``.
 
@@ -172,6 +172,9 @@ class SimulatedExecutor:
             raise ConfigError(f"fail_rank {fail_rank} outside world size {world_size}")
         self.clock = clock
         self.model = model or TransferModel()
+        # blocks -> the model's duration for them, and the model they were computed with
+        self._durations: dict[int, float] = {}
+        self._durations_of = self.model
         self.world_size = world_size
         self.fault_rate = fault_rate
         self.rng = random.Random(seed)
@@ -207,13 +210,19 @@ class SimulatedExecutor:
             raise Rejected(f"job {repeated[0]} submitted twice (F5)")
         stream_free, model, busy_ms = self._stream_free_ms, self.model, self.stats.busy_ms
         injects_faults, pending, heap = self._injects_faults, self._pending, self._heap
+        durations = self._durations
+        if self._durations_of is not model:  # (the model was replaced since)
+            durations.clear()
+            self._durations_of = model
         blocks_total = 0
         for job, job_id in zip(jobs, ids):
             direction, blocks = job.direction, len(job.device_blocks)
             blocks_total += blocks
             self._ordinal = ordinal = self._ordinal + 1
             free = stream_free[direction]
-            duration = model.duration_ms(blocks)
+            duration = durations.get(blocks)
+            if duration is None:  # (a job's size recurs: its duration is worked out once)
+                duration = durations[blocks] = model.duration_ms(blocks)
             done = (now if now >= free else free) + duration  # (max(now, free), inlined)
             if injects_faults:
                 fails, slow, hangs = self._faults(ordinal)

@@ -68,7 +68,9 @@ class OffloadManager:
         self.config = config
         self.paranoid = paranoid
         self.state = State(config)
-        self._book = NoticeBook()  # the notices, as the events are applied
+        # the notices not taken yet (``notice_book.notices``: an engine step reads it to see
+        # whether there is anything to take, without a call)
+        self.notice_book = NoticeBook()
         self._told_abandoned: set[int] = set()  # abandoned loads already reported failed
         # callables receiving the applied events, by event type (see subscribe)
         self._subscribers: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
@@ -159,7 +161,7 @@ class OffloadManager:
         self._rebuild_dispatch()
 
     def _rebuild_dispatch(self) -> None:
-        notice = self._book.observe
+        notice = self.notice_book.observe
         self._dispatch = {
             kind: tuple(
                 [notice] * (kind in NOTICE_TYPES)
@@ -184,7 +186,7 @@ class OffloadManager:
         # (the jobs that ended since are forgotten here, not as each ends: an ended job is
         # never abandoned again, and its end then costs nothing)
         told = self._told_abandoned = {jid for jid in self._told_abandoned if jid in jobs}
-        loads_failed = self._book.notices.loads_failed
+        loads_failed = self.notice_book.notices.loads_failed
         for jid in event.abandoned_job_ids:
             job = jobs.get(jid)
             if job is not None and job.direction == LOAD and job.request_id is not None and jid not in told:
@@ -193,23 +195,13 @@ class OffloadManager:
 
     def take_notices(self) -> Notices:
         """What happened since the last call (F4: kept until taken)."""
-        book = self._book
+        book = self.notice_book
         notices, book.notices = book.notices, Notices()
-        return notices
-
-    def take_any_notices(self) -> Notices | None:
-        """``take_notices``, or None when there is nothing to tell (each engine step asks:
-        one call, and no new ``Notices`` built while nothing happened)."""
-        book = self._book
-        notices = book.notices
-        if notices == NO_NOTICES:
-            return None
-        book.notices = Notices()
         return notices
 
     def has_notices(self) -> bool:
         """Whether ``take_notices`` would hand over anything."""
-        return self._book.notices != NO_NOTICES  # (``bool(notices)`` without its call)
+        return self.notice_book.notices != NO_NOTICES  # (``bool(notices)`` without its call)
 
     # -- the engine API ------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from kvflow.errors import ConfigError, Rejected
 from kvflow.jobs import TransferJob
 from kvflow.log import MemoryLog, NullLog, TraceWriter
 from kvflow.manager import Fence, OffloadManager
+from kvflow.notices import NO_NOTICES
 
 
 class SyncEngine:
@@ -230,9 +231,9 @@ class SyncEngine:
             watch.watch_fences(now)
         if watch.pinned_since:
             watch.watch_pins(now)
-        notices = manager.take_any_notices()
-        if notices is None:
+        if manager.notice_book.notices == NO_NOTICES:  # (``has_notices``, without its call)
             return StepReport(now_ms=now, submitted=jobs, timed_out=timed_out)
+        notices = manager.take_notices()
         return StepReport(
             now_ms=now,
             submitted=jobs,

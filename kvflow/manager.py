@@ -68,8 +68,8 @@ class OffloadManager:
         self.config = config
         self.paranoid = paranoid
         self.state = State(config)
-        # the notices not taken yet (``notice_book.notices``: an engine step reads it to see
-        # whether there is anything to take, without a call)
+        # the notices not taken yet (``notice_book.notices``: None while nothing happened; an
+        # engine step reads it, without a call)
         self.notice_book = NoticeBook()
         self._told_abandoned: set[int] = set()  # abandoned loads already reported failed
         # callables receiving the applied events, by event type (see subscribe)
@@ -185,7 +185,7 @@ class OffloadManager:
         # (the jobs that ended since are forgotten here, not as each ends: an ended job is
         # never abandoned again, and its end then costs nothing)
         told = self._told_abandoned = {jid for jid in self._told_abandoned if jid in jobs}
-        loads_failed = self.notice_book.notices.loads_failed
+        loads_failed = self.notice_book.current().loads_failed
         for jid in event.abandoned_job_ids:
             job = jobs.get(jid)
             if job is not None and job.direction == LOAD and job.request_id is not None and jid not in told:
@@ -195,12 +195,13 @@ class OffloadManager:
     def take_notices(self) -> Notices:
         """What happened since the last call (F4: kept until taken)."""
         book = self.notice_book
-        notices, book.notices = book.notices, Notices()
-        return notices
+        notices, book.notices = book.notices, None
+        return Notices() if notices is None else notices
 
     def has_notices(self) -> bool:
         """Whether ``take_notices`` would hand over anything."""
-        return self.notice_book.notices != NO_NOTICES  # (``bool(notices)`` without its call)
+        notices = self.notice_book.notices
+        return notices is not None and notices != NO_NOTICES  # (``bool(notices)`` without its call)
 
     # -- the engine API ------------------------------------------------------------------
 

@@ -70,7 +70,7 @@ class Notices(msgspec.Struct):
 
 
 # nothing to tell: what ``Notices()`` holds; never handed out nor changed. ``manager.has_notices``
-# compares with it directly, without a call of ``__bool__`` (it runs on every engine step).
+# compares with it directly, without a call of ``__bool__``.
 NO_NOTICES = Notices()
 
 NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, FenceLifted, StoreRejected, Reset})
@@ -78,15 +78,25 @@ NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, FenceLifted, Sto
 
 class NoticeBook:
     """Where the notices accumulate as the events are applied: ``observe`` is subscribed once
-    (a bound method that stays valid), and whoever takes ``notices`` puts new ones in."""
+    (a bound method that stays valid). ``notices`` is None until something is observed (a
+    step tells "nothing happened" by that, without comparing), and whoever takes the notices
+    puts None back."""
 
     __slots__ = ("notices",)
 
     def __init__(self) -> None:
-        self.notices = Notices()
+        self.notices: Notices | None = None
+
+    def current(self) -> Notices:
+        """The notices being accumulated (started now if none are)."""
+        if self.notices is None:
+            self.notices = Notices()
+        return self.notices
 
     def observe(self, event: Event) -> None:
         notices = self.notices
+        if notices is None:
+            notices = self.notices = Notices()
         kind = type(event)
         if kind is JobCompleted:  # (the common notice, first)
             notices.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]

@@ -18,7 +18,6 @@ from kvflow.errors import ConfigError, Rejected
 from kvflow.jobs import TransferJob
 from kvflow.log import MemoryLog, NullLog, TraceWriter
 from kvflow.manager import Fence, OffloadManager
-from kvflow.notices import NO_NOTICES
 
 
 class SyncEngine:
@@ -231,9 +230,11 @@ class SyncEngine:
             watch.watch_fences(now)
         if watch.pinned_since:
             watch.watch_pins(now)
-        if manager.notice_book.notices == NO_NOTICES:  # (``has_notices``, without its call)
+        book = manager.notice_book
+        notices = book.notices
+        if notices is None:  # (nothing happened: not even a Notices was started)
             return StepReport(now_ms=now, submitted=jobs, timed_out=timed_out)
-        notices = manager.take_notices()
+        book.notices = None  # (taken: ``manager.take_notices()``, without its call)
         return StepReport(
             now_ms=now,
             submitted=jobs,

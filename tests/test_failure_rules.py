@@ -929,6 +929,8 @@ def test_F18_a_load_abandoned_by_two_resets_is_reported_failed_once() -> None:
     assert m.take_notices().loads_failed == []
     m.job_result(job, ok=False, error="stream destroyed")  # the copy ends
     consistent(m)
+    m.reset()
+    assert m._told_abandoned == set()  # the ended job is forgotten at the next reset
 
 
 def test_F17_a_corrupt_report_after_the_timeout_still_evicts_the_bad_block() -> None:

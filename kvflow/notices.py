@@ -89,9 +89,10 @@ class NoticeBook:
 
     def current(self) -> Notices:
         """The notices being accumulated (started now if none are)."""
-        if self.notices is None:
-            self.notices = Notices()
-        return self.notices
+        notices = self.notices
+        if notices is None:
+            notices = self.notices = Notices()
+        return notices
 
     def observe(self, event: Event) -> None:
         notices = self.notices

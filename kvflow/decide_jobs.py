@@ -175,18 +175,14 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
     elif job.acks | bit == every_rank:
         landed = job.direction == STORE and job.state is not _ABANDONED
         emit(_completed(state, job, cmd.rank))
-        if landed and state.config.remote_blocks > 0:  # (``Config.remote``, without its call)
+        if landed and state.config.remote:
             write_through(state, job.hashes, emit)
     else:
         emit(RankSucceeded(seq=state.next_seq, job_id=job.job_id, rank=cmd.rank))
         return
-    if request_id is None:
-        return
-    req = state.requests.get(request_id)
-    if req is not None and req.finished:  # (only a finished request closes: the usual result
-        closing = _closing(state, request_id)  # comes before its request's finish, no call)
-        if closing is not None:
-            emit(closing)
+    closing = _closing(state, request_id)
+    if closing is not None:
+        emit(closing)
 
 
 def decide_job_result(state: State, cmd: JobResult, emit: Emit) -> None:

@@ -81,30 +81,16 @@ KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 def kv_event(event: Event, block_tokens: int) -> KVEvent | None:
     """The KV event one kvflow event implies, or None."""
-    kind = type(event)
-    if kind is JobCompleted:
-        # a store, or a remote load, put these blocks on the CPU tier
-        if event.direction not in FILLING or event.abandoned:  # type: ignore[union-attr]
-            return None
-        # (positional, in vLLM's field order: block_hashes, parent_block_hash, token_ids,
-        # block_size, lora_id, medium, lora_name; a quarter cheaper than by keyword)
-        hashes = list(event.hashes)  # type: ignore[union-attr]
-        return BlockStored(hashes, None, [], block_tokens, None, MEDIUM_CPU, None, seq=event.seq)
-    if kind is BlocksEvicted:
-        return BlockRemoved(block_hashes=list(event.hashes), medium=MEDIUM_CPU, seq=event.seq)  # type: ignore[union-attr]
-    if kind is Reset:
-        return AllBlocksCleared(seq=event.seq)
-    return None
+    found = kv_events((event,), block_tokens)
+    return found[0] if found else None
 
 
 def kv_events(events: Iterable[Event], block_tokens: int) -> list[KVEvent]:
     """Every KV event the log implies, in log order."""
-    out: list[KVEvent] = []
+    publisher = KVEventPublisher(block_tokens)
     for event in events:
-        kv = kv_event(event, block_tokens)
-        if kv is not None:
-            out.append(kv)
-    return out
+        publisher(event)
+    return publisher.take()
 
 
 class KVEventPublisher:
@@ -119,9 +105,24 @@ class KVEventPublisher:
         self._pending: list[KVEvent] = []
 
     def __call__(self, event: Event) -> None:
-        kv = kv_event(event, self.block_tokens)
-        if kv is not None:
-            self._pending.append(kv)
+        """The KV event ``event`` implies, if any, is kept for ``take`` (the translation's
+        one home: ``kv_event`` and ``kv_events`` go through it too)."""
+        kind = type(event)
+        if kind is JobCompleted:
+            # a store, or a remote load, put these blocks on the CPU tier
+            if event.direction not in FILLING or event.abandoned:  # type: ignore[union-attr]
+                return
+            # (positional, in vLLM's field order: block_hashes, parent_block_hash, token_ids,
+            # block_size, lora_id, medium, lora_name; a quarter cheaper than by keyword)
+            hashes = list(event.hashes)  # type: ignore[union-attr]
+            kv: KVEvent = BlockStored(hashes, None, [], self.block_tokens, None, MEDIUM_CPU, None, seq=event.seq)
+        elif kind is BlocksEvicted:
+            kv = BlockRemoved(block_hashes=list(event.hashes), medium=MEDIUM_CPU, seq=event.seq)  # type: ignore[union-attr]
+        elif kind is Reset:
+            kv = AllBlocksCleared(seq=event.seq)
+        else:
+            return
+        self._pending.append(kv)
 
     def take(self) -> list[KVEvent]:
         out, self._pending = self._pending, []

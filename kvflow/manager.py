@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
+from math import isfinite
 from typing import Any
 
 from kvflow import boundary as bd
@@ -40,10 +41,18 @@ from kvflow.config import Config
 from kvflow.decide import DECIDERS, after_decision, expired_jobs, hit_cap_blocks
 from kvflow.decide_remote import probe_candidates
 from kvflow.errors import ConcurrentCall, EngineClosed
-from kvflow.events import EVENT_TYPES, BlocksEvicted, Event, JobsSubmitted, Reset, StoreRejected
+from kvflow.events import EVENT_TYPES, BlocksEvicted, Event, Reset
 from kvflow.jobs import LOAD, TransferJob
 from kvflow.log import MemoryLog, NullLog
-from kvflow.notices import ABANDONED_BY_RESET, NO_NOTICES, NOTICE_TYPES, Fence, LoadFailure, Notices
+from kvflow.notices import (
+    ABANDONED_BY_RESET,
+    NO_NOTICES,
+    NOTICE_TYPES,
+    Fence,
+    LoadFailure,
+    NoticeBook,
+    Notices,
+)
 from kvflow.state import JobState, State
 from kvflow.state.apply import live_applier
 
@@ -59,7 +68,9 @@ class OffloadManager:
         self.config = config
         self.paranoid = paranoid
         self.state = State(config)
-        self._notices = Notices()
+        # the notices not taken yet (``notice_book.notices``: None while nothing happened; an
+        # engine step reads it, without a call)
+        self.notice_book = NoticeBook()
         self._told_abandoned: set[int] = set()  # abandoned loads already reported failed
         # callables receiving the applied events, by event type (see subscribe)
         self._subscribers: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
@@ -150,11 +161,11 @@ class OffloadManager:
         self._rebuild_dispatch()
 
     def _rebuild_dispatch(self) -> None:
-        notice = self._observe_notice
+        notice = self.notice_book.observe
         self._dispatch = {
             kind: tuple(
                 [notice] * (kind in NOTICE_TYPES)
-                + [self._on_submitted] * (kind is JobsSubmitted)
+                + [self._tell_abandoned_loads] * (kind is Reset)
                 + [fn for fn, types in self._subscribers if types is None or kind in types]
             )
             for kind in EVENT_TYPES
@@ -164,32 +175,33 @@ class OffloadManager:
         kept = self._applied if self._recording else None
         self._emit = live_applier(self.state, self._dispatch, kept, self.paranoid)
 
-    def _observe_notice(self, event: Event) -> None:
-        self._notices.observe(event)
-        kind = type(event)
-        if kind is Reset and event.keeps_requests:  # type: ignore[union-attr]
-            # F18: a load the reset abandoned never lands: its request recomputes those
-            # device blocks (which stay held until the abandoned copy reports); told once,
-            # though a later reset abandons the job again
-            jobs, told = self.state.jobs, self._told_abandoned
-            for jid in event.abandoned_job_ids:  # type: ignore[union-attr]
-                job = jobs.get(jid)
-                if job is not None and job.direction == LOAD and job.request_id is not None and jid not in told:
-                    told.add(jid)
-                    self._notices.loads_failed.append(
-                        LoadFailure(job.request_id, jid, job.device_blocks, ABANDONED_BY_RESET, fenced=True)
-                    )
-        elif self._told_abandoned and kind is not Reset and kind is not StoreRejected:
-            self._told_abandoned.discard(event.job_id)  # type: ignore[union-attr]  # (the job ended)
+    def _tell_abandoned_loads(self, event: Reset) -> None:
+        """F18: a load the reset abandoned never lands: its request recomputes those device
+        blocks (which stay held until the abandoned copy reports); told once, though a later
+        reset abandons the job again."""
+        if not event.keeps_requests:
+            return
+        jobs = self.state.jobs
+        # (the jobs that ended since are forgotten here, not as each ends: an ended job is
+        # never abandoned again, and its end then costs nothing)
+        told = self._told_abandoned = {jid for jid in self._told_abandoned if jid in jobs}
+        loads_failed = self.notice_book.current().loads_failed
+        for jid in event.abandoned_job_ids:
+            job = jobs.get(jid)
+            if job is not None and job.direction == LOAD and job.request_id is not None and jid not in told:
+                told.add(jid)
+                loads_failed.append(LoadFailure(job.request_id, jid, job.device_blocks, ABANDONED_BY_RESET, fenced=True))
 
     def take_notices(self) -> Notices:
         """What happened since the last call (F4: kept until taken)."""
-        notices, self._notices = self._notices, Notices()
-        return notices
+        book = self.notice_book
+        notices, book.notices = book.notices, None
+        return Notices() if notices is None else notices
 
     def has_notices(self) -> bool:
         """Whether ``take_notices`` would hand over anything."""
-        return self._notices != NO_NOTICES  # (``bool(notices)`` without its call)
+        notices = self.notice_book.notices
+        return notices is not None and notices != NO_NOTICES  # (``bool(notices)`` without its call)
 
     # -- the engine API ------------------------------------------------------------------
 
@@ -252,14 +264,23 @@ class OffloadManager:
     def advance(self, now_ms: float, *, tick: bool = True, plan: bool = True) -> tuple[int, list[TransferJob]]:
         """One engine step's decisions at ``now_ms``: ``tick`` (the timeouts, how many), then
         ``plan_step`` (the jobs to hand over), with one check of ``now_ms``."""
-        now_ms = bd.time_ms(now_ms, "now_ms")
+        if type(now_ms) is not float or not isfinite(now_ms):  # (a finite float, the usual, needs no call)
+            now_ms = bd.time_ms(now_ms, "now_ms")
         timed_out = 0
         if tick and now_ms >= self._no_deadline_before_ms:  # (before: no job can be due)
             if expired_jobs(self.state, now_ms):
                 timed_out = int(self.execute(Tick(now_ms=now_ms)))
             self._no_deadline_before_ms = self._earliest_deadline()
         if plan and self.state.queued:  # (nothing queued: nothing to decide, nothing recorded)
-            return timed_out, self.execute(PlanStep(now_ms=now_ms))
+            jobs = self.execute(PlanStep(now_ms=now_ms))
+            if jobs:
+                # (a lower bound on every live job's deadline, so that idle steps skip the
+                # scan; kept here, where every PlanStep is executed, not by a subscriber:
+                # the jobs of one step share one deadline)
+                deadline = self.state.jobs[jobs[0].job_id].deadline_ms
+                if deadline < self._no_deadline_before_ms:
+                    self._no_deadline_before_ms = deadline
+            return timed_out, jobs
         return timed_out, []
 
     def job_result(
@@ -291,10 +312,6 @@ class OffloadManager:
     def _earliest_deadline(self) -> float:
         in_flight = JobState.IN_FLIGHT
         return min((j.deadline_ms for j in self.state.jobs.values() if j.state is in_flight), default=math.inf)
-
-    def _on_submitted(self, event: JobsSubmitted) -> None:
-        # a lower bound on every live job's deadline, so that idle steps skip the scan
-        self._no_deadline_before_ms = min(self._no_deadline_before_ms, event.deadline_ms)
 
     def finish_request(self, request_id: str, preempted: bool = False) -> bool:
         """The request is done (or preempted): its offered pins are released at once; it

@@ -68,21 +68,50 @@ class Notices(msgspec.Struct):
     def __bool__(self) -> bool:
         return self != NO_NOTICES  # (msgspec compares every field, at C level)
 
+
+# nothing to tell: what ``Notices()`` holds; never handed out nor changed. ``manager.has_notices``
+# compares with it directly, without a call of ``__bool__``.
+NO_NOTICES = Notices()
+
+NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, FenceLifted, StoreRejected, Reset})
+
+
+class NoticeBook:
+    """Where the notices accumulate as the events are applied: ``observe`` is subscribed once
+    (a bound method that stays valid). ``notices`` is None until something is observed (a
+    step tells "nothing happened" by that, without comparing), and whoever takes the notices
+    puts None back."""
+
+    __slots__ = ("notices",)
+
+    def __init__(self) -> None:
+        self.notices: Notices | None = None
+
+    def current(self) -> Notices:
+        """The notices being accumulated (started now if none are)."""
+        notices = self.notices
+        if notices is None:
+            notices = self.notices = Notices()
+        return notices
+
     def observe(self, event: Event) -> None:
+        notices = self.notices
+        if notices is None:
+            notices = self.notices = Notices()
         kind = type(event)
         if kind is JobCompleted:  # (the common notice, first)
-            self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
+            notices.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
             if event.abandoned:  # type: ignore[union-attr]
                 return  # a reset already told the engine; only the holds end now
             if event.direction == LOAD:  # type: ignore[union-attr]
                 if event.request_id is not None:  # type: ignore[union-attr]
-                    self.loads_finished.append((event.request_id, event.job_id))  # type: ignore[union-attr]
+                    notices.loads_finished.append((event.request_id, event.job_id))  # type: ignore[union-attr]
             elif event.direction == STORE:  # type: ignore[union-attr]
-                self.stores_finished.append(event.job_id)  # type: ignore[union-attr]
+                notices.stores_finished.append(event.job_id)  # type: ignore[union-attr]
         elif kind is JobFailed or kind is JobTimedOut:
             fenced = event.fenced  # type: ignore[union-attr]
             if not fenced:  # (a fenced job's device blocks come back at its FenceLifted)
-                self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
+                notices.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
             if event.abandoned:  # type: ignore[union-attr]
                 return  # a reset already told the engine; only the holds end now
             if kind is JobFailed:
@@ -90,21 +119,14 @@ class Notices(msgspec.Struct):
             else:
                 error = f"timed out at {event.now_ms} ms (deadline {event.deadline_ms} ms)"  # type: ignore[union-attr]
             if event.direction == LOAD and event.request_id is not None:  # type: ignore[union-attr]
-                self.loads_failed.append(
+                notices.loads_failed.append(
                     LoadFailure(event.request_id, event.job_id, event.device_blocks, error, fenced)  # type: ignore[union-attr,arg-type]
                 )
             elif event.direction == STORE:  # type: ignore[union-attr]
-                self.stores_failed.append((event.job_id, error))  # type: ignore[union-attr]
+                notices.stores_failed.append((event.job_id, error))  # type: ignore[union-attr]
         elif kind is FenceLifted:
-            self.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
+            notices.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
         elif kind is StoreRejected:
-            self.rejected_store_blocks += len(event.hashes)  # type: ignore[union-attr]
+            notices.rejected_store_blocks += len(event.hashes)  # type: ignore[union-attr]
         elif kind is Reset:
-            self.all_blocks_cleared = True
-
-
-# nothing to tell: what ``Notices()`` holds; never handed out nor changed. ``manager.has_notices``
-# compares with it directly, without a call of ``__bool__`` (it runs on every engine step).
-NO_NOTICES = Notices()
-
-NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, FenceLifted, StoreRejected, Reset})
+            notices.all_blocks_cleared = True

@@ -24,6 +24,7 @@ from kvflow.errors import BlockHeld, Rejected
 from kvflow.events import FenceLifted, LateResultIgnored
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
 from kvflow.jobs import LOAD, STORE, TransferJob
+from kvflow.notices import Notices
 from kvflow.replay import replay
 from kvflow.state import check_invariants
 
@@ -48,6 +49,21 @@ def make(
         config, ex, clock=clock, bytes_per_block=BPB, trace_path=None if trace is None else str(trace)
     )
     return engine, ex, clock
+
+
+def test_notices_are_started_by_the_first_event_that_has_one_and_taken_by_the_step() -> None:
+    engine, _, clock = make()
+    book = engine.manager.notice_book
+    assert engine.step() == StepReport(now_ms=0.0) and book.notices is None
+    engine.lookup("A", (1, 2), 2 * B + 1)
+    job = engine.blocks_computed("A", (1, 2), (0, 1))
+    submitted = engine.step()
+    assert [j.job_id for j in submitted.submitted] == [job] and book.notices is None
+    clock.advance_to(clock.now_ms + ms(2))
+    done = engine.step()  # the store's end started the notices; the step took them
+    assert done.stores_finished == [job] and sorted(done.released_device_blocks) == [0, 1]
+    assert book.notices is None and not engine.manager.has_notices()
+    assert engine.manager.take_notices() == Notices()  # (a Notices all the same)
 
 
 def merge(into: StepReport, r: StepReport) -> StepReport:

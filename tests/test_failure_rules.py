@@ -97,7 +97,7 @@ def test_F1_failed_store_frees_slots_and_hides_hash(outcome: str) -> None:
         lifted = m.take_notices()
         assert sorted(lifted.released_device_blocks) == [5, 6] and lifted.stores_failed == []
         lifted.stores_failed = fenced.stores_failed
-        m._notices = lifted
+        m.notice_book.notices = lifted
     notices = m.take_notices()
     assert len(m.state.free_slots) == free_before
     assert (
@@ -137,7 +137,7 @@ def test_F1_failed_load_keeps_entries_and_reports_recompute(outcome: str) -> Non
         lifted = m.take_notices()
         assert sorted(lifted.released_device_blocks) == [20, 21] and lifted.loads_failed == []
         fenced.released_device_blocks = lifted.released_device_blocks
-        m._notices = fenced
+        m.notice_book.notices = fenced
     notices = m.take_notices()
     for h in (A, B):
         assert m.state.block_state(h) is BlockState.RESIDENT
@@ -929,6 +929,8 @@ def test_F18_a_load_abandoned_by_two_resets_is_reported_failed_once() -> None:
     assert m.take_notices().loads_failed == []
     m.job_result(job, ok=False, error="stream destroyed")  # the copy ends
     consistent(m)
+    m.reset()
+    assert m._told_abandoned == set()  # the ended job is forgotten at the next reset
 
 
 def test_F17_a_corrupt_report_after_the_timeout_still_evicts_the_bad_block() -> None:

@@ -230,9 +230,11 @@ class SyncEngine:
             watch.watch_fences(now)
         if watch.pinned_since:
             watch.watch_pins(now)
-        if not manager.has_notices():
+        book = manager.notice_book
+        notices = book.notices
+        if notices is None:  # (nothing happened: not even a Notices was started)
             return StepReport(now_ms=now, submitted=jobs, timed_out=timed_out)
-        notices = manager.take_notices()
+        book.notices = None  # (taken: ``manager.take_notices()``, without its call)
         return StepReport(
             now_ms=now,
             submitted=jobs,

@@ -48,7 +48,7 @@ class VirtualClock:
             self.now_ms = now_ms
 
 
-@dataclass
+@dataclass(frozen=True)  # (frozen: an executor works out each job size's duration once)
 class TransferModel:
     """How long a job takes: ``latency_us + bytes / bandwidth``.
 
@@ -100,13 +100,21 @@ class _IdSet:
             pass  # (not all comparable: asked one by one)
         return not any(j in self for j in ids)
 
-    def all_new(self, ids: list[int]) -> bool:
-        """Whether ``ids`` are distinct and none was seen before. The usual batch, one job
-        newer than any seen (kvflow issues ids in order), is told by one comparison."""
+    def add_new(self, ids: list[int]) -> bool:
+        """Add ``ids`` if they are distinct and none was seen before (True); else add none
+        (False). The usual batch, one job with the next id (kvflow issues ids in order), is
+        told and added by one comparison."""
         ends = self._ends
-        if len(ids) == 1 and type(ids[0]) is int and (not ends or ids[0] > ends[-1]):
-            return True
-        return len(set(ids)) == len(ids) and self.isdisjoint(ids)
+        if len(ids) == 1 and ends:
+            job_id = ids[0]
+            if type(job_id) is int and job_id == ends[-1] + 1:
+                ends[-1] = job_id
+                return True
+        if len(set(ids)) != len(ids) or not self.isdisjoint(ids):
+            return False
+        for job_id in ids:
+            self.add(job_id)
+        return True
 
     def add(self, job_id: int) -> None:
         starts, ends = self._starts, self._ends
@@ -164,6 +172,9 @@ class SimulatedExecutor:
             raise ConfigError(f"fail_rank {fail_rank} outside world size {world_size}")
         self.clock = clock
         self.model = model or TransferModel()
+        # blocks -> the model's duration for them, and the model they were computed with
+        self._durations: dict[int, float] = {}
+        self._durations_of = self.model
         self.world_size = world_size
         self.fault_rate = fault_rate
         self.rng = random.Random(seed)
@@ -193,20 +204,25 @@ class SimulatedExecutor:
         now = self.clock.now_ms
         known = self._known
         ids = list(map(_job_id, jobs))
-        if not known.all_new(ids):
+        if not known.add_new(ids):
             # refuse the whole call: nothing launched, no fault drawn (F5)
             repeated = [j for j in ids if j in known] or [j for j in ids if ids.count(j) > 1]
             raise Rejected(f"job {repeated[0]} submitted twice (F5)")
         stream_free, model, busy_ms = self._stream_free_ms, self.model, self.stats.busy_ms
         injects_faults, pending, heap = self._injects_faults, self._pending, self._heap
+        durations = self._durations
+        if self._durations_of is not model:  # (the model was replaced since)
+            durations.clear()
+            self._durations_of = model
         blocks_total = 0
         for job, job_id in zip(jobs, ids):
             direction, blocks = job.direction, len(job.device_blocks)
-            known.add(job_id)
             blocks_total += blocks
             self._ordinal = ordinal = self._ordinal + 1
             free = stream_free[direction]
-            duration = model.duration_ms(blocks)
+            duration = durations.get(blocks)
+            if duration is None:  # (a job's size recurs: its duration is worked out once)
+                duration = durations[blocks] = model.duration_ms(blocks)
             done = (now if now >= free else free) + duration  # (max(now, free), inlined)
             if injects_faults:
                 fails, slow, hangs = self._faults(ordinal)

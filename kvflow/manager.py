@@ -41,7 +41,7 @@ from kvflow.config import Config
 from kvflow.decide import DECIDERS, after_decision, expired_jobs, hit_cap_blocks
 from kvflow.decide_remote import probe_candidates
 from kvflow.errors import ConcurrentCall, EngineClosed
-from kvflow.events import EVENT_TYPES, BlocksEvicted, Event, Reset
+from kvflow.events import EVENT_TYPES, BlocksEvicted, Event, JobsSubmitted, Reset
 from kvflow.jobs import LOAD, TransferJob
 from kvflow.log import MemoryLog, NullLog
 from kvflow.notices import (
@@ -166,6 +166,7 @@ class OffloadManager:
             kind: tuple(
                 [notice] * (kind in NOTICE_TYPES)
                 + [self._tell_abandoned_loads] * (kind is Reset)
+                + [self._on_submitted] * (kind is JobsSubmitted)
                 + [fn for fn, types in self._subscribers if types is None or kind in types]
             )
             for kind in EVENT_TYPES
@@ -272,15 +273,7 @@ class OffloadManager:
                 timed_out = int(self.execute(Tick(now_ms=now_ms)))
             self._no_deadline_before_ms = self._earliest_deadline()
         if plan and self.state.queued:  # (nothing queued: nothing to decide, nothing recorded)
-            jobs = self.execute(PlanStep(now_ms=now_ms))
-            if jobs:
-                # (a lower bound on every live job's deadline, so that idle steps skip the
-                # scan; kept here, where every PlanStep is executed, not by a subscriber:
-                # the jobs of one step share one deadline)
-                deadline = self.state.jobs[jobs[0].job_id].deadline_ms
-                if deadline < self._no_deadline_before_ms:
-                    self._no_deadline_before_ms = deadline
-            return timed_out, jobs
+            return timed_out, self.execute(PlanStep(now_ms=now_ms))
         return timed_out, []
 
     def job_result(
@@ -312,6 +305,10 @@ class OffloadManager:
     def _earliest_deadline(self) -> float:
         in_flight = JobState.IN_FLIGHT
         return min((j.deadline_ms for j in self.state.jobs.values() if j.state is in_flight), default=math.inf)
+
+    def _on_submitted(self, event: JobsSubmitted) -> None:
+        # a lower bound on every live job's deadline, so that idle steps skip the scan
+        self._no_deadline_before_ms = min(self._no_deadline_before_ms, event.deadline_ms)
 
     def finish_request(self, request_id: str, preempted: bool = False) -> bool:
         """The request is done (or preempted): its offered pins are released at once; it

@@ -88,24 +88,12 @@ def extend_chain(
     if not state.config.chain_recency or not hashes:
         return None
     if req is not None:
-        if chain_tail(req, hashes):  # (its chain's last blocks, or all of them: a lookup repeated)
+        if req.chain_tail_start(hashes) >= 0:  # (its chain's last blocks, or all of them: a lookup repeated)
             return None
         chain = req.chain
         if chain and (chain.keys() >= distinct if distinct is not None else all(map(chain.__contains__, hashes))):
             return None
     return ChainExtended(seq=state.next_seq, request_id=request_id, hashes=tuple(hashes))
-
-
-def chain_tail(req: Request, hashes: Sequence[int]) -> bool:
-    """Whether ``hashes`` are the last blocks of the request's chain, in order (the usual
-    store: the blocks after its lookup's hits). They are then in its chain and each named
-    once (the chain names each hash once), which a comparison with the chain's tuple
-    tells for less than a lookup of each hash."""
-    order = req.chain_order
-    if not order:
-        return False
-    start = len(order) - len(hashes)
-    return start >= 0 and order[start:] == hashes
 
 
 def chain_touch(state: State, req: Request) -> BlocksTouched | None:
@@ -204,7 +192,7 @@ def _decide_store(
         return None
     if req is not None and req.finished:
         emit(RequestResumed(seq=state.next_seq, request_id=req.request_id))  # F18
-    if req is not None and chain_tail(req, block_hashes):
+    if req is not None and req.chain_tail_start(block_hashes) >= 0:
         unique = True  # (and the chain has them all: nothing to extend)
     else:
         # the store's hashes as a set, built once: its chain (F14) and its duplicates (F3)

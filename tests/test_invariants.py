@@ -72,7 +72,21 @@ def quarantine_stray(m: OffloadManager) -> None:
     m.state.quarantine[slot] = (4242,)
 
 
+def chain_tuple_astray(m: OffloadManager) -> None:
+    req = m.state.requests["d"]  # its chain (7, 8), named by its store alone: kept as the tuple
+    assert req.chain_order == (7, 8)
+    req._chain = {7: None}
+
+
+def chain_whole_astray(m: OffloadManager) -> None:
+    req = m.state.requests["d"]
+    assert req.chain_whole_at == m.state.departures  # (its store put its whole chain on the tier)
+    req.chain_order = (7, 8, 4444)
+
+
 CASES: list[tuple[Callable[[OffloadManager], None], str]] = [
+    (chain_tuple_astray, "request d: its chain's tuple is not its chain"),
+    (chain_whole_astray, "request d: its chain is marked whole on the tier but is not"),
     (dup_slot, "owned twice"),
     (lost_slot, "!= capacity 8"),
     (wild_slot, "slot 99 outside 0..7"),

@@ -81,7 +81,7 @@ def canonical(state: State) -> tuple[Any, ...]:
             r.preempted,
         )
         # (the chain only when kept: the digests of traces recorded before it are unchanged)
-        + ((list(r.chain),) if r.chain else ())
+        + ((list(r.chain_hashes()),) if r.chain_hashes() else ())
         for r in sorted(state.requests.values(), key=lambda r: r.request_id)
     ]
     return (

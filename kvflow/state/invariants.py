@@ -105,6 +105,11 @@ def check_invariants(state: State) -> list[str]:
             for h in r.offered:
                 if pins.get(h, 0) <= 0:
                     problems.append(f"request {r.request_id} offers block {h} without a pin")
+        # the chain's shortcuts (Request.chain_order, chain_whole_at) say what the chain says
+        if r.chain_order is not None and r._chain is not None and r.chain_order != tuple(r._chain):
+            problems.append(f"request {r.request_id}: its chain's tuple is not its chain")
+        if r.chain_whole_at == state.departures and not all(map(state.slot_of.__contains__, r.chain_hashes())):
+            problems.append(f"request {r.request_id}: its chain is marked whole on the tier but is not")
     return problems
 
 

@@ -7,7 +7,7 @@ Its queries here read; they never change anything. Pure: no I/O, no clock, no ra
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -149,6 +149,10 @@ class Request:
             chain = self._chain = dict.fromkeys(self.chain_order or ())
         return chain
 
+    def chain_hashes(self) -> Sequence[int]:
+        """The chain's hashes in order, read without building its dict."""
+        return self.chain_order if self.chain_order is not None else tuple(self._chain or ())
+
     def start_chain(self, hashes: tuple[int, ...]) -> None:
         """The chain's first hashes (usually a lookup's). Kept as the tuple itself when it
         names each hash once, which a set tells for less than the dict would cost."""
@@ -157,6 +161,17 @@ class Request:
         else:
             chain = self._chain = dict.fromkeys(hashes)
             self.chain_order = tuple(chain)
+
+    def chain_tail_start(self, hashes: Sequence[int]) -> int:
+        """Where ``hashes`` begin in the chain if they are its last blocks, in order (the
+        usual store: the blocks after its lookup's hits), else -1. They are then in the chain
+        and each named once, which one comparison with ``chain_order`` tells for less than a
+        lookup of each hash (-1 too once the chain is kept as a dict only)."""
+        order = self.chain_order
+        if not order:
+            return -1
+        start = len(order) - len(hashes)
+        return start if start >= 0 and order[start:] == hashes else -1
 
     def extend_chain(self, hashes: tuple[int, ...]) -> None:
         """The new ones of ``hashes`` go to the chain's end, in order."""

@@ -137,16 +137,10 @@ def ensure_request(state: State, request_id: str | None) -> Request | None:
 
 def note_chain_whole(state: State, req: Request, stored: tuple[int, ...]) -> None:
     """The request's store of ``stored`` was queued: if they are its chain's tail and the
-    rest of its chain is on the tier, the whole chain is (see Request.chain_whole_at). (The
-    usual store: the blocks after the lookup's hits; a comparison of tuples tells it.)"""
-    order = req.chain_order
-    if not order:
-        return
-    start = len(order) - len(stored)
-    if start >= 0 and order[start:] == stored:
-        slot_of = state.slot_of
-        if start == 0 or all(map(slot_of.__contains__, order[:start])):
-            req.chain_whole_at = state.departures
+    rest of its chain is on the tier, the whole chain is (see Request.chain_whole_at)."""
+    start = req.chain_tail_start(stored)
+    if start == 0 or (start > 0 and all(map(state.slot_of.__contains__, req.chain_order[:start]))):  # type: ignore[index]
+        req.chain_whole_at = state.departures
 
 
 def pin(state: State, hashes: tuple[int, ...]) -> None:

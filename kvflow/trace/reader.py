@@ -227,6 +227,13 @@ class TraceReader:
                             trusted = self._decode_trusted(decode_trusted, block, complete, count)
                     if trusted is not None:
                         recs, kinds = trusted
+                        if Checkpoint in kinds:
+                            # (the record chain checks a checkpoint's digest against the bytes
+                            # before its line: its lines are needed, one record on each)
+                            lines = block.split(b"\n")
+                            lines.pop()
+                            if len(lines) != len(recs):  # (walked line by line below)
+                                recs = lines = None
                 numbers: Sequence[int] = range(lineno + 1, lineno + 1 + count)
                 if recs is None:
                     lines = block.split(b"\n")
@@ -276,16 +283,14 @@ class TraceReader:
     ) -> tuple[list[Any], set[type]] | None:
         """The block's records in one call and the set of their types, or None if it must be
         walked line by line: a bad line, fewer or more records than ``count`` lines (a blank
-        line, two records on one), a line without newline, or a checkpoint (its record digest
-        covers the bytes before its own line)."""
+        line, two records on one) or a line without newline."""
         try:
             recs: list[Any] = decode(block)
         except DECODE_ERRORS:
             return None
         if not complete or (count >= 0 and len(recs) != count):
             return None
-        kinds = set(map(type, recs))
-        return None if Checkpoint in kinds else (recs, kinds)
+        return recs, set(map(type, recs))
 
     def _chain_block(
         self, block: bytes, lines: list[bytes] | None, first: int, numbers: Sequence[int],

@@ -177,6 +177,7 @@ class Request:
         """The new ones of ``hashes`` go to the chain's end, in order."""
         chain = self.chain
         self.chain_order = None  # (a tuple rebuilt per extension would cost a copy of the chain each)
+        self.chain_whole_at = -1  # (the new ones are not known on the tier)
         for h in hashes:  # (a loop: cheaper than update(dict.fromkeys(...)), which builds a dict first)
             chain[h] = None
 

@@ -11,7 +11,12 @@ writes on its own thread, which runs beside the engine's where a core is free. N
 ``valgrind`` and what ``bench_vs_vllm.py`` needs (the anchor and the trace of ``../shared``;
 vLLM itself is not imported).
 
-Usage: python tools/bench_ir.py [--policy lru|arc] [--requests 1500] [--trace]
+``--vllm-src DIR`` (an unpacked vLLM 0.33.0 sdist, as for bench_vs_vllm.py) also counts vLLM's
+side, the anchor's ``CPUOffloadingManager`` pass over the same requests, and prints kvflow /
+vLLM in instructions. That ratio sits below the one of times: per instruction kvflow misses the
+first-level caches about twice as often (tools/bench_vs_vllm_results.md says why).
+
+Usage: python tools/bench_ir.py [--policy lru|arc] [--requests 1500] [--trace] [--vllm-src DIR]
 """
 
 from __future__ import annotations
@@ -39,11 +44,25 @@ gc.collect(); gc.freeze()
 b.run_kvflow({policy!r}, reqs, {path!r})
 """
 
+# one pass of vLLM's side (the anchor's run_clean, as bench_vs_vllm.py times it) over the first
+# N requests; every request is built in both runs, so the subtraction leaves the pass alone
+_VLLM_PASS = """
+import gc, sys
+sys.path.insert(0, {tools!r})
+import bench_vs_vllm as b
+anchor = b.load_anchor(b.DEFAULT_ANCHOR)
+vllm, base, manager_mod = anchor.import_vllm({src!r}, shim=True)
+trace = anchor.load_trace(b.DEFAULT_TRACE, b.BLOCK_TOKENS, None)
+reqs = anchor.build_requests(trace, b.BLOCK_TOKENS, True, base)[:{n}]
+gc.collect(); gc.freeze()
+mgr = manager_mod.CPUOffloadingManager(num_chunks=b.CAPACITY, cache_policy={policy!r}, enable_events=True)
+anchor.run_clean(mgr, reqs, False, True, base.LookupResult.HIT)
+"""
 
-def instructions(policy: str, n: int, trace_path: str | None, tmp: str) -> tuple[int, int]:
+
+def instructions(code: str, tmp: str) -> tuple[int, int]:
     """(instructions of every thread, of the main thread: the engine's) of one pass."""
-    out = os.path.join(tmp, f"callgrind.{n}")
-    code = _PASS.format(tools=str(TOOLS), n=n, policy=policy, path=trace_path)
+    out = os.path.join(tmp, "callgrind.out")
     env = dict(os.environ, PYTHONHASHSEED="0")
     proc = subprocess.run(
         ["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}",
@@ -64,20 +83,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=["lru", "arc"], default="lru")
     p.add_argument("--requests", type=int, default=1500, help="first N requests of the trace")
     p.add_argument("--trace", action="store_true", help="with the trace file being written")
+    p.add_argument("--vllm-src", help="also count vLLM's side (an unpacked vLLM 0.33.0 sdist)")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
     if args.requests <= 0:
         raise SystemExit("--requests must be > 0")
+    if args.vllm_src is not None and not os.path.isdir(os.path.join(args.vllm_src, "vllm")):
+        raise SystemExit(f"{args.vllm_src}: no vllm/ package there (pass an unpacked vLLM 0.33.0 sdist)")
+    n = args.requests
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "run.jsonl") if args.trace else None
-        base, base_main = instructions(args.policy, 0, path, tmp)
-        full, full_main = instructions(args.policy, args.requests, path, tmp)
-    per, per_main = (full - base) / args.requests, (full_main - base_main) / args.requests
+        passes = [_PASS.format(tools=str(TOOLS), n=k, policy=args.policy, path=path) for k in (0, n)]
+        base, base_main = instructions(passes[0], tmp)
+        full, full_main = instructions(passes[1], tmp)
+        if args.vllm_src is not None:
+            theirs = [_VLLM_PASS.format(tools=str(TOOLS), n=k, policy=args.policy, src=args.vllm_src) for k in (0, n)]
+            vllm_per = (instructions(theirs[1], tmp)[0] - instructions(theirs[0], tmp)[0]) / n
+    per, per_main = (full - base) / n, (full_main - base_main) / n
     print(f"{args.policy}{' + trace' if args.trace else ''}: {per:,.0f} instructions per request "
-          f"(first {args.requests:,} requests, callgrind, setup subtracted)")
+          f"(first {n:,} requests, callgrind, setup subtracted)")
     if per_main != per:
         print(f"  of which the engine's thread {per_main:,.0f}, the trace writer's thread {per - per_main:,.0f}")
+    if args.vllm_src is not None:
+        print(f"vLLM {args.policy}: {vllm_per:,.0f} instructions per request; kvflow / vLLM {per / vllm_per:.3f} "
+              f"(the engine's thread: {per_main / vllm_per:.3f})")
     return 0
 
 

@@ -169,30 +169,13 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, t
 
 Step = Callable[[State, Any, bool], None]
 
-
-def _made_whole(whole: Callable[[Any, Any], Any], evolver: Step) -> Step:
-    """The fold's step for a job end read without its payload: the event made whole from
-    its job (the payload is its job's, which the recording engine's event repeated; the record
-    digest vouches for the line; no such job: KeyError, checked again), applied unchecked."""
-
-    def step(state: State, end: Any, check: bool) -> None:
-        if check:  # (a checked event must be read whole: its payload is compared)
-            raise AssertionError(f"seq {end.seq}: a job end without its payload in a checked chunk")
-        evolver(state, whole(end, state.jobs[end.job_id]), False)
-
-    return step
-
-
-_WHOLE_BY_TAG = {t.__struct_config__.tag: t for t in EVENT_TYPES}  # type: ignore[attr-defined]
 _STEPS: dict[type, Step] = {
     **EVOLVERS,
-    **{
-        end: _made_whole(whole, EVOLVERS[_WHOLE_BY_TAG[end.__struct_config__.tag]])  # type: ignore[attr-defined]
-        for end, whole in JOB_ENDS_WITHOUT_PAYLOAD.items()
-    },
+    **{end: EVOLVERS[event] for end, event in JOB_ENDS_WITHOUT_PAYLOAD.items()},
 }
 """What the chunk fold does with each record type that advances the seq: the events' evolvers
-(``evolve`` without its seq check) and the job ends read without their payload."""
+(``evolve`` without its seq check); a job end read without its payload (only in chunks applied
+unchecked) goes to its event's evolver, which reads the payload from the job."""
 
 
 def _fold_chunk(

@@ -12,7 +12,6 @@ text, a request id, a time, the header) is found too.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from typing import Any, Union
 
 import msgspec
@@ -76,44 +75,16 @@ def _without_payload(event: type) -> type:
     )
 
 
-# Each job end made whole again from the job its payload repeats (kvflow.replay); a field
-# added to an end must be added here too (tests/test_tamper_evident.py round-trips each).
-def _completed(end: Any, job: Any) -> JobCompleted:
-    return JobCompleted(
-        seq=end.seq, job_id=end.job_id, direction=end.direction, request_id=end.request_id,
-        hashes=job.hashes, device_blocks=job.device_blocks, slots=job.slots, abandoned=end.abandoned,
-        rank=end.rank,
-    )  # fmt: skip
-
-
-def _failed(end: Any, job: Any) -> JobFailed:
-    return JobFailed(
-        seq=end.seq, job_id=end.job_id, direction=end.direction, request_id=end.request_id,
-        hashes=job.hashes, device_blocks=job.device_blocks, slots=job.slots, abandoned=end.abandoned,
-        rank=end.rank, error=end.error, fenced=end.fenced,
-    )  # fmt: skip
-
-
-def _timed_out(end: Any, job: Any) -> JobTimedOut:
-    return JobTimedOut(
-        seq=end.seq, job_id=end.job_id, direction=end.direction, request_id=end.request_id,
-        hashes=job.hashes, device_blocks=job.device_blocks, slots=job.slots, abandoned=end.abandoned,
-        now_ms=end.now_ms, deadline_ms=end.deadline_ms, fenced=end.fenced,
-    )  # fmt: skip
-
-
-JOB_ENDS_WITHOUT_PAYLOAD: dict[type, Callable[[Any, Any], Any]] = {
-    _without_payload(JobCompleted): _completed,
-    _without_payload(JobFailed): _failed,
-    _without_payload(JobTimedOut): _timed_out,
+JOB_ENDS_WITHOUT_PAYLOAD: dict[type, type] = {
+    _without_payload(end): end for end in (JobCompleted, JobFailed, JobTimedOut)
 }
-"""Job ends read without their payload -> ``whole(end, job)``: the event, with the payload of
-``job`` (a ``kvflow.state.Job``) (``TrustedUnion``)."""
-_WHOLE_TYPES = (JobCompleted, JobFailed, JobTimedOut)
+"""Job ends read without their payload -> the event each stands for (``TrustedUnion``). The
+fold applies one unchecked as it is: an unchecked job end reads its payload from its job in
+the state, never from the event (``kvflow.state.job_events``)."""
 TrustedUnion = Union[  # type: ignore[valid-type]
     (
         *SKIMMED_COMMANDS,
-        *(t for t in EVENT_TYPES if t not in _WHOLE_TYPES),
+        *(t for t in EVENT_TYPES if t not in JOB_ENDS_WITHOUT_PAYLOAD.values()),
         *JOB_ENDS_WITHOUT_PAYLOAD,
         Checkpoint,
     )

@@ -115,9 +115,6 @@ def _fold(
         result.stopped_at = state.last_seq
 
 
-_NO_LIMIT = 1 << 64  # above every seq (the reader refuses integers beyond 64 bits)
-
-
 class _CheckEverything(Exception):
     """Something went wrong where events were applied unchecked: fold again, checking every
     event after ``trusted`` (the last line a checkpoint vouched for)."""
@@ -144,17 +141,15 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, t
     in a stretch whose checkpoint still matches the state the recording engine reached (the
     recording engine applied it unchecked too). The reader decodes the chunks up to ``trusted``
     faster (``TraceReader.record_chunks``' ``trusted_through``)."""
-    # (an int: comparing the seqs with an int is cheaper than with float("inf"))
-    limit = until if until is not None else _NO_LIMIT
     if reader.version < CHAINED_SINCE:
         trusted = 0
     for numbers, recs in reader.record_chunks(skim_commands=True, trusted_through=trusted):
         if not recs or numbers[-1] > trusted:
-            if not _fold_chunk(reader, result, limit, numbers, recs, True):
+            if not _fold_chunk(reader, result, until, numbers, recs, True):
                 return
             continue
         try:
-            folded = _fold_chunk(reader, result, limit, numbers, recs, False)
+            folded = _fold_chunk(reader, result, until, numbers, recs, False)
         except Exception:  # noqa: BLE001  (an event the unchecked path cannot apply)
             raise _CheckEverything(result.checked_through) from None
         if not folded:
@@ -179,9 +174,10 @@ unchecked) goes to its event's evolver, which reads the payload from the job."""
 
 
 def _fold_chunk(
-    reader: TraceReader, result: ReplayResult, limit: int, numbers: Sequence[int], recs: list[Any], check: bool
+    reader: TraceReader, result: ReplayResult, until: int | None, numbers: Sequence[int], recs: list[Any], check: bool
 ) -> bool:
-    """Fold one chunk of records; False at a divergence or at ``limit`` (``--until``). Job ends
+    """Fold one chunk of records; False at a divergence or at the first event after ``until``
+    (``--until``: the chunk is cut there first, so that the loop tests no limit). Job ends
     without their payload come only in chunks the reader was told are trusted (unchecked).
 
     The loop touches each record once and does nothing with a command: the commands are
@@ -196,15 +192,13 @@ def _fold_chunk(
     seq = applied_from = chunk_from = state.next_seq
     checkpoints = 0  # the checkpoints of this chunk that passed
     done = -1  # the records the loop is through with (-1 until it ends: those before ``rec``)
+    folded = recs if until is None else recs[: _first_after(recs, until)]
     try:
-        for rec in recs:
+        for rec in folded:
             step = steps.get(type(rec))  # (None: a command or a checkpoint)
             if step is not None:
-                if rec.seq != seq or seq > limit:  # (one test for the usual event: next, in range)
+                if rec.seq != seq:
                     state.next_seq = seq
-                    if rec.seq > limit:
-                        result.stopped_at = state.last_seq
-                        return False
                     evolve(state, rec, check)  # (raises the gapless-seq error)
                 step(state, rec, check)
                 seq += 1
@@ -216,7 +210,7 @@ def _fold_chunk(
                     return False
                 checkpoints += 1
             # (else a command: counted below)
-        done = len(recs)
+        done = len(folded)
     except IllegalTransition as exc:
         result.divergence = Divergence("illegal", rec.seq, _line_of(numbers, recs, rec), str(exc), recorded=rec)
         return False
@@ -226,7 +220,16 @@ def _fold_chunk(
         if done < 0:  # (stopped at ``rec``)
             done = _index_of(recs, rec)
         result.commands += done - (seq - chunk_from) - checkpoints
+    if len(folded) < len(recs):  # (stopped before the event after ``until``)
+        result.stopped_at = state.last_seq
+        return False
     return True
+
+
+def _first_after(recs: list[Any], until: int) -> int:
+    """The index of the first event of ``recs`` whose seq is after ``until`` (else their number)."""
+    steps = _STEPS
+    return next((i for i, rec in enumerate(recs) if type(rec) in steps and rec.seq > until), len(recs))
 
 
 def _index_of(recs: list[Any], rec: Any) -> int:

@@ -17,7 +17,7 @@ from kvflow.cli import main
 from kvflow.events import JobCompleted, JobFailed, JobTimedOut
 from kvflow.replay import replay
 from kvflow.trace import reader as reader_module
-from kvflow.trace.format import JOB_ENDS_WITHOUT_PAYLOAD, JOB_PAYLOAD, TrustedUnion
+from kvflow.trace.format import JOB_ENDS_WITHOUT_PAYLOAD, JOB_PAYLOAD, trusted_decoder
 from kvflow.trace.reader import TraceReader
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
@@ -55,9 +55,23 @@ def test_a_job_end_read_without_its_payload_keeps_every_other_field(end: Any) ->
     """Every field but the payload comes from the line (the fold applies the end as it is,
     its evolver reading the payload from the job): a field added to a job end and missing
     from the read fails here."""
-    read = msgspec.json.decode(msgspec.json.encode(end), type=TrustedUnion)
+    read = trusted_decoder(2).decode(msgspec.json.encode(end))
     assert set(read.__struct_fields__) == set(end.__struct_fields__) - set(JOB_PAYLOAD)
     assert _stands_for(read, end)
+
+
+@pytest.mark.parametrize("end", [e for e in JOB_ENDS if "rank" in e.__struct_fields__], ids=lambda e: type(e).__name__)
+def test_a_job_end_read_without_its_payload_has_its_rank_checked_as_it_is_decoded(end: Any) -> None:
+    """The reader does not walk a trusted chunk for the ranks of its job ends: the decoding
+    refuses one that is no rank of the trace's world_size (-1: a job_failed's only)."""
+    for rank in (-2, -1, 0, 1, 2, 64, 2**70, True, 1.0):
+        line = msgspec.json.encode(msgspec.structs.replace(end, rank=rank))
+        fits = type(rank) is int and (0 <= rank < 2 or (rank == -1 and type(end) is JobFailed))
+        if fits:
+            assert trusted_decoder(2).decode(line).rank == rank
+        else:
+            with pytest.raises(msgspec.ValidationError, match="not a rank of world_size 2"):
+                trusted_decoder(2).decode(line)
 
 
 def test_the_trusted_chunks_give_the_events_a_full_read_gives(chunk_bytes: int) -> None:

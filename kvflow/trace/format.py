@@ -61,14 +61,27 @@ JOB_PAYLOAD = ("hashes", "device_blocks", "slots")
 """The fields a job's end repeats from the job the state holds (its queued event's)."""
 
 
+class EndRank(int):
+    """The rank of a job end read without its payload: only ``trusted_decoder(world_size)``
+    decodes one, checking as it goes that it is a rank of the trace's world_size, so that the
+    reader need not walk a chunk's records to check it (``kvflow.trace.ranges``)."""
+
+
+class FailedRank(EndRank):
+    """A job_failed's rank: -1 too (the job was cancelled before any rank ran)."""
+
+
 def _without_payload(event: type) -> type:
     """``event``'s tag and fields less ``JOB_PAYLOAD``: decoding a line into it checks the
-    payload's JSON and skips it without building three tuples of integers."""
+    payload's JSON and skips it without building three tuples of integers. Its rank is an
+    ``EndRank``."""
+    rank = FailedRank if event is JobFailed else EndRank
     fields: list[Any] = []
     for f in msgspec.structs.fields(event):
         if f.name in JOB_PAYLOAD:
             continue
-        fields.append((f.name, f.type) if f.required else (f.name, f.type, f.default))
+        kind = rank if f.name == "rank" else f.type
+        fields.append((f.name, kind) if f.required else (f.name, kind, f.default))
     tag = event.__struct_config__.tag  # type: ignore[attr-defined]
     return msgspec.defstruct(
         f"{event.__name__}WithoutPayload", fields, tag=tag, tag_field="type", frozen=True, kw_only=True, gc=False
@@ -92,7 +105,27 @@ TrustedUnion = Union[  # type: ignore[valid-type]
 """``SkimUnion`` with the job ends read without their payload: what the fold needs where it
 applies events unchecked, as the live engine did, and lets the checkpoints judge (kvflow.replay):
 there the job in the state holds the payload, and the record digest vouches that the line
-carried the same."""
+carried the same. Read with ``trusted_decoder``."""
+
+
+def trusted_decoder(world_size: int) -> msgspec.json.Decoder[Any]:
+    """The decoder of ``TrustedUnion`` for a trace of ``world_size`` ranks: a job end's rank
+    outside ``0..world_size - 1`` (or -1 for a job_failed) fails the decoding like a bad line."""
+    # every rank there is, made once (world_size is at most MAX_WORLD_SIZE): a decoded rank is
+    # looked up, not built; a job_failed's from -1
+    ranks: dict[type, tuple[EndRank, ...]] = {
+        EndRank: tuple(map(EndRank, range(world_size))),
+        FailedRank: tuple(map(FailedRank, range(-1, world_size))),
+    }
+
+    def rank(kind: type, value: Any) -> EndRank:
+        if type(value) is int:
+            low = -1 if kind is FailedRank else 0
+            if low <= value < world_size:
+                return ranks[kind][value - low]
+        raise ValueError(f"not a rank of world_size {world_size}")
+
+    return msgspec.json.Decoder(TrustedUnion, dec_hook=rank)
 
 
 class Header(msgspec.Struct, frozen=True, kw_only=True):

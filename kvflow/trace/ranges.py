@@ -50,7 +50,7 @@ def _int_fields(cls: type) -> tuple[tuple[str, int, int, int], ...]:
             low, high = HASH_MIN, ID_LIMIT
         elif f.name == "rank":
             cancelled = cls.__struct_config__.tag == JobFailed.__struct_config__.tag  # type: ignore[attr-defined]
-            low, high = (-1 if cancelled else 0), _WORLD  # (a job_failed read without payload too)
+            low, high = (-1 if cancelled else 0), _WORLD
         else:
             low, high = 0, ID_LIMIT
         out.append((f.name, kind, low, high))
@@ -140,7 +140,8 @@ def check_ranges(
 
     ``widths_vouched``: the 64-bit check is left to the record chain (kvflow.trace.reader
     holds these lines and decodes in full those it does not vouch for); the ranks are still
-    checked, since an unchecked fold shifts by them. ``kinds``: the set of the records' types,
+    checked, since an unchecked fold shifts by them (those of the job ends read without their
+    payload as they were decoded: ``kvflow.trace.format.trusted_decoder``). ``kinds``: the set of the records' types,
     where the caller has it."""
     try:
         if not widths_vouched:

@@ -32,7 +32,7 @@ from kvflow.trace.format import (
     RecordChain,
     RecordUnion,
     SkimUnion,
-    TrustedUnion,
+    trusted_decoder,
 )
 from kvflow.trace.problems import (
     DECODE_ERRORS,
@@ -48,7 +48,6 @@ CHUNK_BYTES = 1 << 16
 about this size (tests make it small to cut a trace into many chunks)."""
 
 _SKIM_DECODER = msgspec.json.Decoder(SkimUnion)
-_TRUSTED_DECODER = msgspec.json.Decoder(TrustedUnion)
 
 
 class TraceReader:
@@ -198,7 +197,7 @@ class TraceReader:
         ``trusted_through`` (kvflow.replay does)."""
         skim = skim_commands and self.version >= CHAINED_SINCE
         decode = (_SKIM_DECODER if skim else self._decoder).decode
-        decode_trusted = _TRUSTED_DECODER.decode_lines if skim else None
+        decode_trusted = trusted_decoder(self.config.world_size).decode_lines if skim else None
         trust_all = trusted_through == float("inf")
         self._held = [] if skim else None
         upcast = UPCASTS.get(self.version)

@@ -19,7 +19,7 @@ from kvflow.redecide import redecide as redecide_trace
 from kvflow.replay_result import Divergence, ReplayResult, apply_event, check_point
 from kvflow.state import State, check_invariants, evolve
 from kvflow.state.apply import EVOLVERS
-from kvflow.trace.format import CHAINED_SINCE, JOB_ENDS_WITHOUT_PAYLOAD, Checkpoint
+from kvflow.trace.format import CHAINED_SINCE, TRUSTED_FORMS, Checkpoint
 from kvflow.trace.reader import TraceReader
 
 __all__ = ["Divergence", "ReplayResult", "replay", "repro_command"]
@@ -166,11 +166,12 @@ Step = Callable[[State, Any, bool], None]
 
 _STEPS: dict[type, Step] = {
     **EVOLVERS,
-    **{end: EVOLVERS[event] for end, event in JOB_ENDS_WITHOUT_PAYLOAD.items()},
+    **{form: EVOLVERS[event] for form, event in TRUSTED_FORMS.items()},
 }
 """What the chunk fold does with each record type that advances the seq: the events' evolvers
-(``evolve`` without its seq check); a job end read without its payload (only in chunks applied
-unchecked) goes to its event's evolver, which reads the payload from the job."""
+(``evolve`` without its seq check); an event in a form of its own (``TRUSTED_FORMS``, only in
+chunks applied unchecked) goes to its event's evolver, which reads a job end's payload from
+the job."""
 _FOLD_STEPS: dict[type, Any] = {**_STEPS, Checkpoint: False}
 """``_STEPS``, and False for a checkpoint: what ``_fold_chunk`` looks a record's type up in. A
 command is in neither (``dict.get`` gives None): an event is told by one truth test, and the

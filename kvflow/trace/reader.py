@@ -188,9 +188,9 @@ class TraceReader:
         in one call for all its lines (``trusted_decoder``: its job ends without their payload,
         its ranks checked as they are decoded, ``TRUSTED_FORMS``) and its integers' widths
         unchecked; it is walked line by line as above unless it gave one record per newline
-        and holds no checkpoint. Its lines
-        are held like the commands', so lines the record chain does not vouch for (two records
-        on one line beside a blank one included) are decoded in full, one by one. Where it is
+        and holds no checkpoint. Its lines are held like the commands', so lines the record
+        chain does not vouch for (two records on one line beside a blank one included) are
+        decoded in full, one by one. Where it is
         infinite (the replay's first fold), the newlines are not counted: the line numbers
         follow from the records, which is exact wherever the record chain verifies (a writer
         puts one record on each line). Where it does not, the caller must not report what this

@@ -19,7 +19,7 @@ from kvflow.redecide import redecide as redecide_trace
 from kvflow.replay_result import Divergence, ReplayResult, apply_event, check_point
 from kvflow.state import State, check_invariants, evolve
 from kvflow.state.apply import EVOLVERS
-from kvflow.trace.format import CHAINED_SINCE, JOB_ENDS_WITHOUT_PAYLOAD, Checkpoint
+from kvflow.trace.format import CHAINED_SINCE, TRUSTED_FORMS, Checkpoint
 from kvflow.trace.reader import TraceReader
 
 __all__ = ["Divergence", "ReplayResult", "replay", "repro_command"]
@@ -115,9 +115,6 @@ def _fold(
         result.stopped_at = state.last_seq
 
 
-_NO_LIMIT = 1 << 64  # above every seq (the reader refuses integers beyond 64 bits)
-
-
 class _CheckEverything(Exception):
     """Something went wrong where events were applied unchecked: fold again, checking every
     event after ``trusted`` (the last line a checkpoint vouched for)."""
@@ -144,17 +141,15 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, t
     in a stretch whose checkpoint still matches the state the recording engine reached (the
     recording engine applied it unchecked too). The reader decodes the chunks up to ``trusted``
     faster (``TraceReader.record_chunks``' ``trusted_through``)."""
-    # (an int: comparing the seqs with an int is cheaper than with float("inf"))
-    limit = until if until is not None else _NO_LIMIT
     if reader.version < CHAINED_SINCE:
         trusted = 0
     for numbers, recs in reader.record_chunks(skim_commands=True, trusted_through=trusted):
         if not recs or numbers[-1] > trusted:
-            if not _fold_chunk(reader, result, limit, numbers, recs, True):
+            if not _fold_chunk(reader, result, until, numbers, recs, True):
                 return
             continue
         try:
-            folded = _fold_chunk(reader, result, limit, numbers, recs, False)
+            folded = _fold_chunk(reader, result, until, numbers, recs, False)
         except Exception:  # noqa: BLE001  (an event the unchecked path cannot apply)
             raise _CheckEverything(result.checked_through) from None
         if not folded:
@@ -169,36 +164,25 @@ def _fold_chunks(reader: TraceReader, result: ReplayResult, until: int | None, t
 
 Step = Callable[[State, Any, bool], None]
 
-
-def _made_whole(whole: Callable[[Any, Any], Any], evolver: Step) -> Step:
-    """The fold's step for a job end read without its payload: the event made whole from
-    its job (the payload is its job's, which the recording engine's event repeated; the record
-    digest vouches for the line; no such job: KeyError, checked again), applied unchecked."""
-
-    def step(state: State, end: Any, check: bool) -> None:
-        if check:  # (a checked event must be read whole: its payload is compared)
-            raise AssertionError(f"seq {end.seq}: a job end without its payload in a checked chunk")
-        evolver(state, whole(end, state.jobs[end.job_id]), False)
-
-    return step
-
-
-_WHOLE_BY_TAG = {t.__struct_config__.tag: t for t in EVENT_TYPES}  # type: ignore[attr-defined]
 _STEPS: dict[type, Step] = {
     **EVOLVERS,
-    **{
-        end: _made_whole(whole, EVOLVERS[_WHOLE_BY_TAG[end.__struct_config__.tag]])  # type: ignore[attr-defined]
-        for end, whole in JOB_ENDS_WITHOUT_PAYLOAD.items()
-    },
+    **{form: EVOLVERS[event] for form, event in TRUSTED_FORMS.items()},
 }
 """What the chunk fold does with each record type that advances the seq: the events' evolvers
-(``evolve`` without its seq check) and the job ends read without their payload."""
+(``evolve`` without its seq check); an event in a form of its own (``TRUSTED_FORMS``, only in
+chunks applied unchecked) goes to its event's evolver, which reads a job end's payload from
+the job."""
+_FOLD_STEPS: dict[type, Any] = {**_STEPS, Checkpoint: False}
+"""``_STEPS``, and False for a checkpoint: what ``_fold_chunk`` looks a record's type up in. A
+command is in neither (``dict.get`` gives None): an event is told by one truth test, and the
+rest by one more."""
 
 
 def _fold_chunk(
-    reader: TraceReader, result: ReplayResult, limit: int, numbers: Sequence[int], recs: list[Any], check: bool
+    reader: TraceReader, result: ReplayResult, until: int | None, numbers: Sequence[int], recs: list[Any], check: bool
 ) -> bool:
-    """Fold one chunk of records; False at a divergence or at ``limit`` (``--until``). Job ends
+    """Fold one chunk of records; False at a divergence or at the first event after ``until``
+    (``--until``: the chunk is cut there first, so that the loop tests no limit). Job ends
     without their payload come only in chunks the reader was told are trusted (unchecked).
 
     The loop touches each record once and does nothing with a command: the commands are
@@ -206,26 +190,24 @@ def _fold_chunk(
     events, each of which advances the seq by one, and the checkpoints); a record's index is
     looked up only when a line number is needed or the fold stops."""
     state = result.state
-    steps = _STEPS  # (evolve's body inlined below: no call per event)
+    steps = _FOLD_STEPS  # (evolve's body inlined below: no call per event)
     rec: Any = None
     # the next seq is counted here and stored in the state before anything reads it (a
     # checkpoint's digest, a stop, the end): no evolver reads it
     seq = applied_from = chunk_from = state.next_seq
     checkpoints = 0  # the checkpoints of this chunk that passed
     done = -1  # the records the loop is through with (-1 until it ends: those before ``rec``)
+    folded = recs if until is None else recs[: _first_after(recs, until)]
     try:
-        for rec in recs:
-            step = steps.get(type(rec))  # (None: a command or a checkpoint)
-            if step is not None:
-                if rec.seq != seq or seq > limit:  # (one test for the usual event: next, in range)
+        for rec in folded:
+            step = steps.get(type(rec))
+            if step:  # (an event)
+                if rec.seq != seq:
                     state.next_seq = seq
-                    if rec.seq > limit:
-                        result.stopped_at = state.last_seq
-                        return False
                     evolve(state, rec, check)  # (raises the gapless-seq error)
                 step(state, rec, check)
                 seq += 1
-            elif type(rec) is Checkpoint:
+            elif step is not None:  # (a checkpoint; None: a command)
                 state.next_seq = seq
                 result.events += seq - applied_from
                 applied_from = seq
@@ -233,7 +215,7 @@ def _fold_chunk(
                     return False
                 checkpoints += 1
             # (else a command: counted below)
-        done = len(recs)
+        done = len(folded)
     except IllegalTransition as exc:
         result.divergence = Divergence("illegal", rec.seq, _line_of(numbers, recs, rec), str(exc), recorded=rec)
         return False
@@ -243,7 +225,16 @@ def _fold_chunk(
         if done < 0:  # (stopped at ``rec``)
             done = _index_of(recs, rec)
         result.commands += done - (seq - chunk_from) - checkpoints
+    if len(folded) < len(recs):  # (stopped before the event after ``until``)
+        result.stopped_at = state.last_seq
+        return False
     return True
+
+
+def _first_after(recs: list[Any], until: int) -> int:
+    """The index of the first event of ``recs`` whose seq is after ``until`` (else their number)."""
+    steps = _STEPS
+    return next((i for i, rec in enumerate(recs) if type(rec) in steps and rec.seq > until), len(recs))
 
 
 def _index_of(recs: list[Any], rec: Any) -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -15,10 +14,15 @@ import pytest
 from click.testing import CliRunner, Result
 
 from kvflow.cli import main
-from kvflow.events import JobCompleted, JobFailed, JobTimedOut
+from kvflow.events import JobCompleted, JobFailed, JobTimedOut, LateResultIgnored, RankSucceeded
 from kvflow.replay import replay
 from kvflow.trace import reader as reader_module
-from kvflow.trace.format import JOB_ENDS_WITHOUT_PAYLOAD, JOB_PAYLOAD, TrustedUnion
+from kvflow.trace.format import (
+    JOB_ENDS_WITHOUT_PAYLOAD,
+    JOB_PAYLOAD,
+    TRUSTED_FORMS,
+    trusted_decoder,
+)
 from kvflow.trace.reader import TraceReader
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
@@ -43,19 +47,50 @@ def kvflow(*args: object) -> Result:
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
+def _stands_for(read: Any, whole: Any) -> bool:
+    """``read``, an event in its trusted form (a job end without its payload), carries every
+    other field of ``whole``."""
+    fields = read.__struct_fields__
+    return TRUSTED_FORMS[type(read)] is type(whole) and all(
+        getattr(read, f) == getattr(whole, f) for f in fields
+    )
+
+
 @pytest.mark.parametrize("end", JOB_ENDS, ids=lambda e: type(e).__name__)
-def test_a_job_end_read_without_its_payload_is_made_whole_with_every_field(end: Any) -> None:
-    """Every field but the payload comes from the line; the payload from the job: a field
-    added to a job end and forgotten in its ``whole`` function fails here."""
-    read = msgspec.json.decode(msgspec.json.encode(end), type=TrustedUnion)
-    whole = JOB_ENDS_WITHOUT_PAYLOAD[type(read)]
+def test_a_job_end_read_without_its_payload_keeps_every_other_field(end: Any) -> None:
+    """Every field but the payload comes from the line (the fold applies the end as it is,
+    its evolver reading the payload from the job): a field added to a job end and missing
+    from the read fails here."""
+    read = trusted_decoder(2).decode(msgspec.json.encode(end))
     assert set(read.__struct_fields__) == set(end.__struct_fields__) - set(JOB_PAYLOAD)
-    assert whole(read, SimpleNamespace(**PAYLOAD)) == end
+    assert _stands_for(read, end)
+
+
+RANKED = [
+    *(e for e in JOB_ENDS if "rank" in e.__struct_fields__),
+    RankSucceeded(job_id=3, rank=1, seq=8),
+    LateResultIgnored(job_id=3, rank=0, ok=False, error="late", seq=9),
+]
+
+
+@pytest.mark.parametrize("end", RANKED, ids=lambda e: type(e).__name__)
+def test_a_rank_read_in_a_trusted_chunk_is_checked_as_it_is_decoded(end: Any) -> None:
+    """The reader does not walk a trusted chunk for its ranks: the decoding refuses one that
+    is no rank of the trace's world_size (-1: a job_failed's only), and keeps every field."""
+    for rank in (-2, -1, 0, 1, 2, 64, 2**70, True, 1.0):
+        line = msgspec.json.encode(msgspec.structs.replace(end, rank=rank))
+        fits = type(rank) is int and (0 <= rank < 2 or (rank == -1 and type(end) is JobFailed))
+        if fits:
+            read = trusted_decoder(2).decode(line)
+            assert _stands_for(read, msgspec.structs.replace(end, rank=rank))
+        else:
+            with pytest.raises(msgspec.ValidationError, match="not a rank of world_size 2"):
+                trusted_decoder(2).decode(line)
 
 
 def test_the_trusted_chunks_give_the_events_a_full_read_gives(chunk_bytes: int) -> None:
-    """Job ends without payload (made whole from the fold's state) and everything else equal
-    to the line-by-line decoding, line numbers included."""
+    """Job ends without payload (applied from the job the fold's state holds) and everything
+    else equal to the line-by-line decoding, line numbers included."""
     path = TRACES / "two_ranks.jsonl"
     with TraceReader(path) as reader:
         full = list(reader.records())
@@ -64,9 +99,11 @@ def test_the_trusted_chunks_give_the_events_a_full_read_gives(chunk_bytes: int) 
     assert [n for n, _ in fast] == [n for n, _ in full]
     without = [(n, r) for n, r in fast if type(r) in JOB_ENDS_WITHOUT_PAYLOAD]
     assert without or chunk_bytes > 30_000, "small chunks without a checkpoint take the fast path"
+    ranked = [(n, r) for n, r in fast if type(r) in TRUSTED_FORMS and type(r) not in JOB_ENDS_WITHOUT_PAYLOAD]
+    assert ranked or chunk_bytes > 30_000, "two ranks: their rank_succeeded events are read in a form of their own"
     by_line = dict(full)
-    for n, r in without:
-        assert JOB_ENDS_WITHOUT_PAYLOAD[type(r)](r, by_line[n]) == by_line[n]
+    for n, r in without + ranked:
+        assert _stands_for(r, by_line[n])
     assert replay(path).state.digest() == replay(path, strict=True).state.digest()
 
 

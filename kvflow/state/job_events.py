@@ -39,11 +39,25 @@ from kvflow.state.tables import (
 
 # (module constants: reading a member off an Enum class costs about 15 times a global's)
 _NEW, _QUEUED, _ABANDONED = JobState.NEW, JobState.QUEUED, JobState.ABANDONED
-_END_TAGS: dict[type, str] = {
-    t: t.__struct_config__.tag for t in (JobCompleted, JobFailed, JobTimedOut)  # type: ignore[attr-defined]
-}
+# the job ends' tags: ``_terminal`` tells the ends apart by them (``is``: each tag below is the
+# one string object ``_END_TAGS`` gives for it), not by the end's type
+_COMPLETED, _FAILED, _TIMED_OUT = (str(t.__struct_config__.tag) for t in (JobCompleted, JobFailed, JobTimedOut))
 # an outcome with ``fenced`` set reads as "<tag>:fenced" in JOB_TRANSITIONS
-_FENCED_TAGS = {tag: tag + ":fenced" for tag in _END_TAGS.values()}
+_FENCED_TAGS = {tag: tag + ":fenced" for tag in (_COMPLETED, _FAILED, _TIMED_OUT)}
+_END_TAGS: dict[type, str] = {JobCompleted: _COMPLETED, JobFailed: _FAILED, JobTimedOut: _TIMED_OUT}
+"""A job end's type -> its tag; ``_end_tag`` adds any other record type that carries an end's tag."""
+
+
+def _end_tag(kind: type) -> str:
+    """The tag of a record type that is no job end event but carries an end's tag: a trace
+    reader's job end read without its payload (``kvflow.trace.format``), which an unchecked
+    ``_terminal`` applies as it is (it reads the payload from the job). KeyError otherwise."""
+    tag = getattr(getattr(kind, "__struct_config__", None), "tag", None)
+    same = [known for known in _FENCED_TAGS if known == tag]
+    if not same:
+        raise KeyError(kind)
+    _END_TAGS[kind] = same[0]
+    return same[0]
 
 # What the queue events do to their entries, read from BLOCK_TRANSITIONS once (see
 # moves.entry_move; None: the entries stay as they are)
@@ -281,9 +295,13 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
 
 
 def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check: bool) -> None:
-    kind = type(event)
-    tag = _END_TAGS[kind]
-    fenced = kind is not JobCompleted and event.fenced  # type: ignore[union-attr]
+    # (unchecked, only the end's own fields are read, never its payload: the job's is applied,
+    # so a trace reader's end read without its payload is applied as it is; see _end_tag)
+    try:
+        tag = _END_TAGS[type(event)]
+    except KeyError:
+        tag = _end_tag(type(event))
+    fenced = tag is not _COMPLETED and event.fenced  # type: ignore[union-attr]
     job_tag = _FENCED_TAGS[tag] if fenced else tag
     if check:
         job, nxt = lg.check_job(state, event, job_tag, event.job_id)
@@ -293,12 +311,14 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
         nxt = JOB_TRANSITIONS[job.state][job_tag]
     was = job.state
     if nxt not in OUTCOME_JOB_STATES:
-        raise IllegalTransition(was.name, f"{tag}#{event.seq}", "the job table must end or fence the job here")
+        raise IllegalTransition(
+            was.name, f"{tag}#{event.seq}", "the job table must end or fence the job here"
+        )
     job.state = nxt
     abandoned = was is _ABANDONED
     if fenced:
-        if kind is JobFailed:
-            job.reported |= 1 << event.rank
+        if tag is _FAILED:
+            job.reported |= 1 << event.rank  # type: ignore[union-attr]
         if abandoned:
             return  # already fenced by the reset (its entries left the tier then)
         _fence(state, job)  # memory stays fenced; the outcome below applies now
@@ -313,7 +333,7 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
         write = WRITERS[STORE_QUEUED if was is _QUEUED else STORING][tag]
         if write is not None:
             write(state, job.hashes, job)
-        if direction == REMOTE_LOAD and kind is not JobCompleted:
+        if direction == REMOTE_LOAD and tag is not _COMPLETED:
             # a dead key never loops lookup -> load -> fail: it leaves the remote index now
             for h in job.hashes:
                 state.remote.pop(h, None)
@@ -323,7 +343,7 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
         write(state, job.hashes, job)
     unpin(state, job.hashes)
     if direction == REMOTE_STORE:
-        if kind is JobCompleted:
+        if tag is _COMPLETED:
             remember_remote(state, job.hashes)
     else:
         del state.requests[job.request_id].loading[job.job_id]  # type: ignore[index]

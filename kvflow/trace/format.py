@@ -12,7 +12,6 @@ text, a request id, a time, the header) is found too.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from typing import Any, Union
 
 import msgspec
@@ -62,66 +61,85 @@ JOB_PAYLOAD = ("hashes", "device_blocks", "slots")
 """The fields a job's end repeats from the job the state holds (its queued event's)."""
 
 
-def _without_payload(event: type) -> type:
-    """``event``'s tag and fields less ``JOB_PAYLOAD``: decoding a line into it checks the
-    payload's JSON and skips it without building three tuples of integers."""
+class TrustedRank(int):
+    """A rank read by ``trusted_decoder(world_size)``, which checks as it decodes that it is a
+    rank of the trace's world_size, so that the reader need not walk a chunk's records for the
+    ranks (``kvflow.trace.ranges``)."""
+
+
+class FailedRank(TrustedRank):
+    """A job_failed's rank: -1 too (the job was cancelled before any rank ran)."""
+
+
+def _trusted_form(event: type) -> type:
+    """``event`` as ``TrustedUnion`` reads it: its tag and its fields less ``JOB_PAYLOAD`` (decoding
+    a line into it checks the payload's JSON and skips it without building three tuples of
+    integers), its rank a ``TrustedRank``."""
+    rank = FailedRank if event is JobFailed else TrustedRank
+    names = msgspec.structs.fields(event)
     fields: list[Any] = []
-    for f in msgspec.structs.fields(event):
+    for f in names:
         if f.name in JOB_PAYLOAD:
             continue
-        fields.append((f.name, f.type) if f.required else (f.name, f.type, f.default))
+        kind = rank if f.name == "rank" else f.type
+        fields.append((f.name, kind) if f.required else (f.name, kind, f.default))
     tag = event.__struct_config__.tag  # type: ignore[attr-defined]
+    form = "WithoutPayload" if any(f.name in JOB_PAYLOAD for f in names) else "RankChecked"
     return msgspec.defstruct(
-        f"{event.__name__}WithoutPayload", fields, tag=tag, tag_field="type", frozen=True, kw_only=True, gc=False
+        f"{event.__name__}{form}", fields, tag=tag, tag_field="type", frozen=True, kw_only=True, gc=False
     )
 
 
-# Each job end made whole again from the job its payload repeats (kvflow.replay); a field
-# added to an end must be added here too (tests/test_tamper_evident.py round-trips each).
-def _completed(end: Any, job: Any) -> JobCompleted:
-    return JobCompleted(
-        seq=end.seq, job_id=end.job_id, direction=end.direction, request_id=end.request_id,
-        hashes=job.hashes, device_blocks=job.device_blocks, slots=job.slots, abandoned=end.abandoned,
-        rank=end.rank,
-    )  # fmt: skip
-
-
-def _failed(end: Any, job: Any) -> JobFailed:
-    return JobFailed(
-        seq=end.seq, job_id=end.job_id, direction=end.direction, request_id=end.request_id,
-        hashes=job.hashes, device_blocks=job.device_blocks, slots=job.slots, abandoned=end.abandoned,
-        rank=end.rank, error=end.error, fenced=end.fenced,
-    )  # fmt: skip
-
-
-def _timed_out(end: Any, job: Any) -> JobTimedOut:
-    return JobTimedOut(
-        seq=end.seq, job_id=end.job_id, direction=end.direction, request_id=end.request_id,
-        hashes=job.hashes, device_blocks=job.device_blocks, slots=job.slots, abandoned=end.abandoned,
-        now_ms=end.now_ms, deadline_ms=end.deadline_ms, fenced=end.fenced,
-    )  # fmt: skip
-
-
-JOB_ENDS_WITHOUT_PAYLOAD: dict[type, Callable[[Any, Any], Any]] = {
-    _without_payload(JobCompleted): _completed,
-    _without_payload(JobFailed): _failed,
-    _without_payload(JobTimedOut): _timed_out,
+JOB_ENDS_WITHOUT_PAYLOAD: dict[type, type] = {
+    _trusted_form(end): end for end in (JobCompleted, JobFailed, JobTimedOut)
 }
-"""Job ends read without their payload -> ``whole(end, job)``: the event, with the payload of
-``job`` (a ``kvflow.state.Job``) (``TrustedUnion``)."""
-_WHOLE_TYPES = (JobCompleted, JobFailed, JobTimedOut)
+"""Job ends read without their payload -> the event each stands for. The fold applies one
+unchecked as it is: an unchecked job end reads its payload from its job in the state, never
+from the event (``kvflow.state.job_events``)."""
+TRUSTED_FORMS: dict[type, type] = {
+    **JOB_ENDS_WITHOUT_PAYLOAD,
+    **{
+        _trusted_form(event): event
+        for event in EVENT_TYPES
+        if event not in JOB_ENDS_WITHOUT_PAYLOAD.values()
+        and any(f.name == "rank" for f in msgspec.structs.fields(event))
+    },
+}
+"""The events ``TrustedUnion`` reads in a form of their own -> the event each stands for: the job
+ends without their payload, and every other event with a rank (a ``TrustedRank``). The fold
+applies each with its event's evolver (kvflow.replay)."""
 TrustedUnion = Union[  # type: ignore[valid-type]
     (
         *SKIMMED_COMMANDS,
-        *(t for t in EVENT_TYPES if t not in _WHOLE_TYPES),
-        *JOB_ENDS_WITHOUT_PAYLOAD,
-        Checkpoint,
+        *(t for t in EVENT_TYPES if t not in TRUSTED_FORMS.values()),
+        *TRUSTED_FORMS,
     )
 ]
-"""``SkimUnion`` with the job ends read without their payload: what the fold needs where it
-applies events unchecked, as the live engine did, and lets the checkpoints judge (kvflow.replay):
-there the job in the state holds the payload, and the record digest vouches that the line
-carried the same."""
+"""``SkimUnion`` with ``TRUSTED_FORMS``: what the fold needs where it applies events unchecked, as
+the live engine did, and lets the checkpoints judge (kvflow.replay): there the job in the state
+holds the payload, and the record digest vouches that the line carried the same. Read with
+``trusted_decoder``. It holds no checkpoint: a chunk with one is read line by line (the record
+chain checks its digest against the bytes before its line)."""
+
+
+def trusted_decoder(world_size: int) -> msgspec.json.Decoder[Any]:
+    """The decoder of ``TrustedUnion`` for a trace of ``world_size`` ranks: a rank outside
+    ``0..world_size - 1`` (or -1 for a job_failed) fails the decoding like a bad line."""
+    # every rank there is, made once (world_size is at most MAX_WORLD_SIZE): a decoded rank is
+    # looked up, not built; a job_failed's from -1
+    ranks: dict[type, tuple[TrustedRank, ...]] = {
+        TrustedRank: tuple(map(TrustedRank, range(world_size))),
+        FailedRank: tuple(map(FailedRank, range(-1, world_size))),
+    }
+
+    def rank(kind: type, value: Any) -> TrustedRank:
+        if type(value) is int:
+            low = -1 if kind is FailedRank else 0
+            if low <= value < world_size:
+                return ranks[kind][value - low]
+        raise ValueError(f"not a rank of world_size {world_size}")
+
+    return msgspec.json.Decoder(TrustedUnion, dec_hook=rank)
 
 
 class Header(msgspec.Struct, frozen=True, kw_only=True):

@@ -22,7 +22,7 @@ import msgspec
 from kvflow.boundary import HASH_MIN, ID_LIMIT
 from kvflow.errors import TraceError
 from kvflow.events import JobFailed
-from kvflow.trace.format import JOB_ENDS_WITHOUT_PAYLOAD, RECORD_TYPES
+from kvflow.trace.format import RECORD_TYPES, TRUSTED_FORMS
 
 _ONE, _MANY, _NESTED = 0, 1, 2
 _HASH_FIELDS = frozenset({"hashes", "block_hashes", "corrupt"})
@@ -50,7 +50,7 @@ def _int_fields(cls: type) -> tuple[tuple[str, int, int, int], ...]:
             low, high = HASH_MIN, ID_LIMIT
         elif f.name == "rank":
             cancelled = cls.__struct_config__.tag == JobFailed.__struct_config__.tag  # type: ignore[attr-defined]
-            low, high = (-1 if cancelled else 0), _WORLD  # (a job_failed read without payload too)
+            low, high = (-1 if cancelled else 0), _WORLD
         else:
             low, high = 0, ID_LIMIT
         out.append((f.name, kind, low, high))
@@ -58,7 +58,7 @@ def _int_fields(cls: type) -> tuple[tuple[str, int, int, int], ...]:
 
 
 _INT_FIELDS: dict[type, tuple[tuple[str, int, int, int], ...]] = {
-    t: _int_fields(t) for t in (*RECORD_TYPES, *JOB_ENDS_WITHOUT_PAYLOAD)
+    t: _int_fields(t) for t in (*RECORD_TYPES, *TRUSTED_FORMS)
 }
 _RANKED = frozenset(t for t, fields in _INT_FIELDS.items() if any(f[0] == "rank" for f in fields))
 _NESTING = frozenset(t for t, fields in _INT_FIELDS.items() if any(f[1] == _NESTED for f in fields))
@@ -132,22 +132,24 @@ def check_ranges(
     recs: list[Any],
     world: int,
     scratch: bytearray,
-    widths_vouched: bool = False,
+    read_trusted: bool = False,
     kinds: set[type] | None = None,
 ) -> None:
     """Raise TraceError naming the first record of ``recs`` (read from ``block``, lines
     ``numbers``) with an integer out of its range; ``scratch`` is reused to encode into.
 
-    ``widths_vouched``: the 64-bit check is left to the record chain (kvflow.trace.reader
-    holds these lines and decodes in full those it does not vouch for); the ranks are still
-    checked, since an unchecked fold shifts by them. ``kinds``: the set of the records' types,
-    where the caller has it."""
+    ``read_trusted``: read by ``kvflow.trace.format.trusted_decoder``, which checked the ranks
+    as it decoded them (an unchecked fold shifts by them); the 64-bit check is left to the
+    record chain (kvflow.trace.reader holds these lines and decodes in full those it does not
+    vouch for). ``kinds``: the set of the records' types, where the caller has it."""
     try:
-        if not widths_vouched:
+        if read_trusted:
+            suspect = _may_hold_negative(block)
+        else:
             _encode_msgpack_into(recs, scratch)  # raises for an integer outside 64 bits
-        if kinds is None:
-            kinds = set(map(type, recs))
-        suspect = _may_hold_negative(block) or not _ranks_fit(recs, kinds, world)
+            if kinds is None:
+                kinds = set(map(type, recs))
+            suspect = _may_hold_negative(block) or not _ranks_fit(recs, kinds, world)
     except (OverflowError, ValueError, TypeError):
         suspect = True
     if not suspect:

@@ -32,7 +32,7 @@ from kvflow.trace.format import (
     RecordChain,
     RecordUnion,
     SkimUnion,
-    TrustedUnion,
+    trusted_decoder,
 )
 from kvflow.trace.problems import (
     DECODE_ERRORS,
@@ -48,7 +48,6 @@ CHUNK_BYTES = 1 << 16
 about this size (tests make it small to cut a trace into many chunks)."""
 
 _SKIM_DECODER = msgspec.json.Decoder(SkimUnion)
-_TRUSTED_DECODER = msgspec.json.Decoder(TrustedUnion)
 
 
 class TraceReader:
@@ -186,11 +185,12 @@ class TraceReader:
 
         ``trusted_through`` (while skimming): the caller applies the events up to this line
         unchecked and lets the checkpoints judge (kvflow.replay). A chunk within it is decoded
-        in one call for all its lines, its job ends without their payload
-        (``JOB_ENDS_WITHOUT_PAYLOAD``) and its integers' widths unchecked; it is walked line by
-        line as above unless it gave one record per newline and holds no checkpoint. Its lines
-        are held like the commands', so lines the record chain does not vouch for (two records
-        on one line beside a blank one included) are decoded in full, one by one. Where it is
+        in one call for all its lines (``trusted_decoder``: its job ends without their payload,
+        its ranks checked as they are decoded, ``TRUSTED_FORMS``) and its integers' widths
+        unchecked; it is walked line by line as above unless it gave one record per newline
+        and holds no checkpoint. Its lines are held like the commands', so lines the record
+        chain does not vouch for (two records on one line beside a blank one included) are
+        decoded in full, one by one. Where it is
         infinite (the replay's first fold), the newlines are not counted: the line numbers
         follow from the records, which is exact wherever the record chain verifies (a writer
         puts one record on each line). Where it does not, the caller must not report what this
@@ -198,7 +198,7 @@ class TraceReader:
         ``trusted_through`` (kvflow.replay does)."""
         skim = skim_commands and self.version >= CHAINED_SINCE
         decode = (_SKIM_DECODER if skim else self._decoder).decode
-        decode_trusted = _TRUSTED_DECODER.decode_lines if skim else None
+        decode_trusted = trusted_decoder(self.config.world_size).decode_lines if skim else None
         trust_all = trusted_through == float("inf")
         self._held = [] if skim else None
         upcast = UPCASTS.get(self.version)
@@ -211,29 +211,21 @@ class TraceReader:
         try:
             for block, complete in blocks:
                 recs: list[Any] | None = None
-                kinds: set[type] = set()  # the types of ``recs`` (found once: three checks ask)
-                trusted: tuple[list[Any], set[type]] | None = None
+                # the set of the types of ``recs`` read line by line (found once: two checks
+                # ask); none is needed where the block was read in one call
+                kinds: set[type] = set()
                 torn = False
-                lines: list[bytes] | None = None
+                lines: list[bytes] | None = None  # (None: read in one call, ``TrustedUnion``)
                 count = -1  # the block's lines, counted only where a number may be reported
                 if decode_trusted is not None:
                     if trust_all:
                         # the numbers follow from the records (see trusted_through)
-                        trusted = self._decode_trusted(decode_trusted, block, complete)
-                        count = -1 if trusted is None else len(trusted[0])
+                        recs = self._decode_trusted(decode_trusted, block, complete)
+                        count = -1 if recs is None else len(recs)
                     else:
                         count = block.count(b"\n") + (not complete)  # (a last line without newline)
                         if lineno + count <= trusted_through:
-                            trusted = self._decode_trusted(decode_trusted, block, complete, count)
-                    if trusted is not None:
-                        recs, kinds = trusted
-                        if Checkpoint in kinds:
-                            # (the record chain checks a checkpoint's digest against the bytes
-                            # before its line: its lines are needed, one record on each)
-                            lines = block.split(b"\n")
-                            lines.pop()
-                            if len(lines) != len(recs):  # (walked line by line below)
-                                recs = lines = None
+                            recs = self._decode_trusted(decode_trusted, block, complete, count)
                 numbers: Sequence[int] = range(lineno + 1, lineno + 1 + count)
                 if recs is None:
                     lines = block.split(b"\n")
@@ -249,8 +241,9 @@ class TraceReader:
                 self._chain_block(block, lines, lineno + 1, numbers, recs, kinds, torn)
                 lineno += count
                 if recs:
-                    vouched = lines is None  # (the record chain checks the widths)
-                    check_ranges(self.path, block, numbers, recs, world, self._scratch, vouched, kinds)
+                    # (read in one call: the record chain checks the widths, the decoding the ranks)
+                    trusted = lines is None
+                    check_ranges(self.path, block, numbers, recs, world, self._scratch, trusted, kinds)
                     if upcast is not None:
                         recs = [upcast(rec) for rec in recs]
                     yield numbers, recs
@@ -280,17 +273,18 @@ class TraceReader:
     @staticmethod
     def _decode_trusted(
         decode: Any, block: bytes, complete: bool, count: int = -1
-    ) -> tuple[list[Any], set[type]] | None:
-        """The block's records in one call and the set of their types, or None if it must be
-        walked line by line: a bad line, fewer or more records than ``count`` lines (a blank
-        line, two records on one) or a line without newline."""
+    ) -> list[Any] | None:
+        """The block's records in one call, or None if it must be walked line by line: a bad
+        line, a checkpoint (``TrustedUnion`` has none: the record chain needs its line), a rank
+        out of range, fewer or more records than ``count`` lines (a blank line, two records on
+        one) or a line without newline."""
         try:
             recs: list[Any] = decode(block)
         except DECODE_ERRORS:
             return None
         if not complete or (count >= 0 and len(recs) != count):
             return None
-        return recs, set(map(type, recs))
+        return recs
 
     def _chain_block(
         self, block: bytes, lines: list[bytes] | None, first: int, numbers: Sequence[int],

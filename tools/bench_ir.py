@@ -16,7 +16,14 @@ side, the anchor's ``CPUOffloadingManager`` pass over the same requests, and pri
 vLLM in instructions. That ratio sits below the one of times: per instruction kvflow misses the
 first-level caches about twice as often (tools/bench_vs_vllm_results.md says why).
 
-Usage: python tools/bench_ir.py [--policy lru|arc] [--requests 1500] [--trace] [--vllm-src DIR]
+``--cache-sim`` runs cachegrind's cache and branch simulation instead of callgrind (slower)
+and prints, per request, the instructions, the first-level data-cache misses and the
+mispredicted branches of each side (every thread counted) and their ratios: what the
+instruction ratio leaves out. The
+simulated caches are cachegrind's model of this machine's, so the figures compare two sides or
+two commits, not machines.
+
+Usage: python tools/bench_ir.py [--policy lru|arc] [--requests 1500] [--trace] [--vllm-src DIR] [--cache-sim]
 """
 
 from __future__ import annotations
@@ -78,12 +85,68 @@ def instructions(code: str, tmp: str) -> tuple[int, int]:
     return int(found.group(1)), int(main_thread.group(1))
 
 
+# cachegrind's event names: what --cache-sim prints per request
+_CACHE_EVENTS = {"D1 misses": ("D1mr", "D1mw"), "mispredicted branches": ("Bcm", "Bim")}
+
+
+def cache_counts(code: str, tmp: str) -> dict[str, int]:
+    """Instructions, first-level data-cache misses and mispredicted branches of one pass (every
+    thread), from cachegrind's summary line."""
+    out = os.path.join(tmp, "cachegrind.out")
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    proc = subprocess.run(
+        ["valgrind", "--tool=cachegrind", "--cache-sim=yes", "--branch-sim=yes", f"--cachegrind-out-file={out}",
+         sys.executable, "-c", code],
+        capture_output=True, text=True, env=env,
+    )
+    text = Path(out).read_text() if proc.returncode == 0 and os.path.exists(out) else ""
+    names = re.search(r"^events: (.+)$", text, re.MULTILINE)
+    totals = re.search(r"^summary: (.+)$", text, re.MULTILINE)
+    if names is None or totals is None:
+        raise SystemExit(f"valgrind run failed (rc {proc.returncode}): {proc.stderr.strip()[-400:]}")
+    by_name = dict(zip(names.group(1).split(), map(int, totals.group(1).split())))
+    counts = {"instructions": by_name["Ir"]}
+    for label, events in _CACHE_EVENTS.items():
+        counts[label] = sum(by_name[e] for e in events)
+    return counts
+
+
+def per_request_counts(passes: list[str], n: int, tmp: str) -> dict[str, float]:
+    """cache_counts of the pass over ``n`` requests minus that of the setup alone, per request."""
+    base, full = (cache_counts(code, tmp) for code in passes)
+    return {k: (full[k] - base[k]) / n for k in full}
+
+
+def print_cache_sim(args: argparse.Namespace, tmp: str, path: str | None) -> None:
+    n = args.requests
+    passes = [_PASS.format(tools=str(TOOLS), n=k, policy=args.policy, path=path) for k in (0, n)]
+    ours = per_request_counts(passes, n, tmp)
+    theirs = None
+    if args.vllm_src is not None:
+        vllm_passes = [_VLLM_PASS.format(tools=str(TOOLS), n=k, policy=args.policy, src=args.vllm_src) for k in (0, n)]
+        theirs = per_request_counts(vllm_passes, n, tmp)
+    print(f"{args.policy}{' + trace' if args.trace else ''}: per request (first {n:,} requests, cachegrind's "
+          "cache and branch simulation, setup subtracted, every thread)")
+    print(f"  {'':<36}{'kvflow':>12}" + (f"{'vLLM':>12}{'kvflow / vLLM':>15}" if theirs else ""))
+    for label, value in ours.items():
+        row = f"  {label:<36}{value:>12,.0f}"
+        if theirs:
+            row += f"{theirs[label]:>12,.0f}{value / theirs[label]:>15.3f}"
+        print(row)
+    for label in _CACHE_EVENTS:
+        row = f"  {label + ' per 1,000 instructions':<36}{1000 * ours[label] / ours['instructions']:>12.1f}"
+        if theirs:
+            row += f"{1000 * theirs[label] / theirs['instructions']:>12.1f}"
+        print(row)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--policy", choices=["lru", "arc"], default="lru")
     p.add_argument("--requests", type=int, default=1500, help="first N requests of the trace")
     p.add_argument("--trace", action="store_true", help="with the trace file being written")
     p.add_argument("--vllm-src", help="also count vLLM's side (an unpacked vLLM 0.33.0 sdist)")
+    p.add_argument("--cache-sim", action="store_true", help="count data-cache misses and mispredicted branches too (cachegrind)")
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
@@ -94,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     n = args.requests
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "run.jsonl") if args.trace else None
+        if args.cache_sim:
+            print_cache_sim(args, tmp, path)
+            return 0
         passes = [_PASS.format(tools=str(TOOLS), n=k, policy=args.policy, path=path) for k in (0, n)]
         base, base_main = instructions(passes[0], tmp)
         full, full_main = instructions(passes[1], tmp)

@@ -59,6 +59,7 @@ def _end_tag(kind: type) -> str:
     _END_TAGS[kind] = same[0]
     return same[0]
 
+
 # What the queue events do to their entries, read from BLOCK_TRANSITIONS once (see
 # moves.entry_move; None: the entries stay as they are)
 _QUEUE_STORE = entry_move(ABSENT, "store_queued")

@@ -22,7 +22,7 @@ def kv_events_command(trace: str, until: int | None) -> None:
     import msgspec
 
     from kvflow.events import EVENT_TYPES, Event
-    from kvflow.kvevents import kv_event
+    from kvflow.kvevents import KVEventPublisher
     from kvflow.trace.reader import TraceReader
 
     encoder = msgspec.json.Encoder()
@@ -30,15 +30,15 @@ def kv_events_command(trace: str, until: int | None) -> None:
     with user_errors():
         reader = TraceReader(trace)
         with reader:
-            block_tokens = reader.config.block_tokens
+            publisher = KVEventPublisher(reader.config.block_tokens)  # (one for the whole trace)
             for _, rec in reader.records():
                 if not isinstance(rec, EVENT_TYPES):
                     continue
                 rec = cast("Event", rec)
                 if until is not None and rec.seq > until:
                     break
-                kv = kv_event(rec, block_tokens)
-                if kv is not None:
+                publisher(rec)
+                for kv in publisher.take():
                     out.write(encoder.encode(kv).decode() + "\n")
         for warning in reader.findings():
             warn(warning)

@@ -1,5 +1,5 @@
 """``python -m kvflow``: the kvflow command."""
 
-from kvflow.cli import main
+from kvflow.cli.main import main
 
 main()

@@ -7,9 +7,11 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from kvflow.config import Config
-from kvflow.manager import OffloadManager
-from kvflow.state import State, check_invariants, fold
+from kvflow.core.config import Config
+from kvflow.core.state.apply import fold
+from kvflow.core.state.invariants import check_invariants
+from kvflow.core.state.model import State
+from kvflow.engine.manager import OffloadManager
 
 BT = 4  # tokens per block
 DEADLINE_MS = 1000.0

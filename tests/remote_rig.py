@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from kvflow.config import Config
-from kvflow.engine import SyncEngine
-from kvflow.executors.torch_executor import TorchExecutor
+from kvflow.core.config import Config
+from kvflow.engine.sync import SyncEngine
+from kvflow.executors.torch.executor import TorchExecutor
 from kvflow.tiers.redis_store import redis_tier
 
 LAYERS, NUM_BLOCKS, CPU_BLOCKS, B = 2, 16, 8, 16

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import bench_churn  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kvflow.executors.transfer_plan import slot_runs  # noqa: E402
+from kvflow.executors.torch.transfer_plan import slot_runs  # noqa: E402
 
 
 @pytest.fixture(scope="module")

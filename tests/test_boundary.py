@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from kvflow import boundary as bd
-from kvflow.commands import JobResult
-from kvflow.config import MAX_WORLD_SIZE, Config
-from kvflow.engine import SyncEngine
-from kvflow.errors import ConfigError, Rejected
-from kvflow.events import JobCompleted, JobFailed
+from kvflow.core import values as bd
+from kvflow.core.commands import JobResult
+from kvflow.core.config import MAX_WORLD_SIZE, Config
+from kvflow.core.errors import ConfigError, Rejected
+from kvflow.core.events import JobCompleted, JobFailed
+from kvflow.engine.manager import OffloadManager
+from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
-from kvflow.log import TraceWriter
-from kvflow.manager import OffloadManager
-from kvflow.replay import replay
+from kvflow.log.writer import TraceWriter
+from kvflow.replay.fold import replay
 
 np = pytest.importorskip("numpy")
 

@@ -1,4 +1,4 @@
-"""kvflow.state.bulk: the C-level bulk reads the legality checks use, against their plain forms."""
+"""kvflow.core.state.bulk: the C-level bulk reads the legality checks use, against their plain forms."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvflow.state.bulk import all_in, values_at
+from kvflow.core.state.bulk import all_in, values_at
 
 keys = st.lists(st.integers(min_value=-(2**63), max_value=2**64 - 1), max_size=20)
 

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvflow.config import Config, config_from_dict
-from kvflow.events import BlocksEvicted, BlocksTouched, ChainExtended
-from kvflow.manager import OffloadManager
-from kvflow.replay import replay
-from kvflow.state import check_invariants
+from kvflow.core.config import Config, config_from_dict
+from kvflow.core.events import BlocksEvicted, BlocksTouched, ChainExtended
+from kvflow.core.state.invariants import check_invariants
+from kvflow.engine.manager import OffloadManager
+from kvflow.replay.fold import replay
 
 BT = 4
 
@@ -138,7 +138,7 @@ def test_a_trace_header_without_the_flag_reads_as_off() -> None:
 
 @pytest.mark.parametrize("chain_recency", [True, False])
 def test_a_recorded_run_with_chain_recency_replays_and_redecides(tmp_path, chain_recency: bool) -> None:
-    from kvflow.log import TraceWriter
+    from kvflow.log.writer import TraceWriter
 
     path = str(tmp_path / "t.jsonl")
     config = Config(cpu_blocks=3, block_tokens=BT, chain_recency=chain_recency)

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from kvflow.cli import main
-from kvflow.state import BLOCK_TRANSITIONS, JOB_TRANSITIONS
+from kvflow.cli.main import main
+from kvflow.core.state.tables import BLOCK_TRANSITIONS, JOB_TRANSITIONS
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "traces"
@@ -90,8 +90,8 @@ def test_installed_script_runs_and_imports_nothing_heavy() -> None:
     done = subprocess.run([str(KVFLOW_SCRIPT), "--version"], check=False, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("kvflow ")
     probe = (
-        "import sys, kvflow.cli; "
-        "print(sorted(m for m in ('torch', 'rich', 'numpy', 'kvflow.replay', 'kvflow.state') "
+        "import sys, kvflow.cli.main; "
+        "print(sorted(m for m in ('torch', 'rich', 'numpy', 'kvflow.replay.fold', 'kvflow.core.state') "
         "if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

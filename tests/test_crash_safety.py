@@ -16,10 +16,11 @@ from pathlib import Path
 
 from core_helpers import mixed_run
 
-from kvflow.config import Config
-from kvflow.log import TraceReader, TraceWriter
-from kvflow.manager import OffloadManager
-from kvflow.replay import replay
+from kvflow.core.config import Config
+from kvflow.engine.manager import OffloadManager
+from kvflow.log.reader import TraceReader
+from kvflow.log.writer import TraceWriter
+from kvflow.replay.fold import replay
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "traces"

@@ -17,16 +17,18 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from kvflow.commands import JobResult
-from kvflow.config import Config
-from kvflow.engine import Counters, Engine, Latencies, StepReport, SyncEngine, percentile
-from kvflow.errors import BlockHeld, Rejected
-from kvflow.events import FenceLifted, LateResultIgnored
+from kvflow.core.commands import JobResult
+from kvflow.core.config import Config
+from kvflow.core.errors import BlockHeld, Rejected
+from kvflow.core.events import FenceLifted, LateResultIgnored
+from kvflow.core.jobs import LOAD, STORE, TransferJob
+from kvflow.core.state.invariants import check_invariants
+from kvflow.engine.api import Counters, Latencies, StepReport, percentile
+from kvflow.engine.async_engine import Engine
+from kvflow.engine.notices import Notices
+from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
-from kvflow.jobs import LOAD, STORE, TransferJob
-from kvflow.notices import Notices
-from kvflow.replay import replay
-from kvflow.state import check_invariants
+from kvflow.replay.fold import replay
 
 B = 16  # tokens per block
 BPB = 1_000_000  # bytes per block
@@ -634,7 +636,7 @@ def torch_kv(seed: int, num_blocks: int = 16) -> list[Any]:
 
 async def test_async_engine_round_trip_with_the_torch_executor(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from kvflow.executors.torch_executor import TorchExecutor
+    from kvflow.executors.torch.executor import TorchExecutor
 
     kv = torch_kv(1)
     original = [t.clone() for t in kv]
@@ -701,7 +703,7 @@ async def test_async_engine_times_out_a_hung_job_on_a_wall_driven_virtual_clock(
 
 async def test_cancelling_the_task_group_closes_the_executor_and_flushes_the_trace(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    from kvflow.executors.torch_executor import TorchExecutor
+    from kvflow.executors.torch.executor import TorchExecutor
 
     ex = TorchExecutor(torch_kv(2), 8)
     trace = tmp_path / "cancelled.jsonl"
@@ -749,7 +751,7 @@ def test_an_engine_without_a_trace_keeps_no_log_so_memory_stays_bounded() -> Non
 
 
 def test_latency_samples_stay_bounded() -> None:
-    from kvflow.engine import Latencies
+    from kvflow.engine.api import Latencies
 
     lat = Latencies(window=10)
     for i in range(100):
@@ -812,7 +814,7 @@ def test_every_public_engine_method_says_what_it_does() -> None:
 
 
 def test_calls_after_close_are_refused_and_change_nothing(tmp_path: Path) -> None:
-    from kvflow.errors import EngineClosed
+    from kvflow.core.errors import EngineClosed
 
     trace = tmp_path / "closed.jsonl"
     engine, ex, clock = make(trace=trace)
@@ -836,8 +838,8 @@ def test_a_call_from_a_second_thread_while_one_is_decided_is_refused() -> None:
     with ConcurrentCall instead of interleaving its events into A's."""
     import threading
 
-    from kvflow.errors import ConcurrentCall
-    from kvflow.events import PinsAcquired
+    from kvflow.core.errors import ConcurrentCall
+    from kvflow.core.events import PinsAcquired
 
     engine, ex, clock = make()
     inside, release = threading.Event(), threading.Event()

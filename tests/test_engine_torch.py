@@ -14,11 +14,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvflow.config import Config  # noqa: E402
-from kvflow.engine import StepReport, SyncEngine  # noqa: E402
-from kvflow.executors.rank_worker import RandomKV, RankGroup  # noqa: E402
-from kvflow.executors.torch_executor import TorchExecutor  # noqa: E402
-from kvflow.state import check_invariants  # noqa: E402
+from kvflow.core.config import Config  # noqa: E402
+from kvflow.core.state.invariants import check_invariants  # noqa: E402
+from kvflow.engine.api import StepReport  # noqa: E402
+from kvflow.engine.sync import SyncEngine  # noqa: E402
+from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
+from kvflow.executors.torch.ranks import RandomKV, RankGroup  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 LAYERS, NUM_BLOCKS, CPU_BLOCKS, B = 4, 32, 12, 16

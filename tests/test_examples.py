@@ -59,9 +59,9 @@ def test_bench_core_side_by_side_measures_both_checkouts_in_turn(tmp_path: Path)
 
 
 def test_the_documented_executor_imports_work() -> None:
-    """docs/executor.md imports TransferJob and names JobResult from ``kvflow.events``."""
-    import kvflow.events
-    from kvflow.commands import JobResult
-    from kvflow.jobs import TransferJob
+    """docs/executor.md imports TransferJob and names JobResult from ``kvflow.core.events``."""
+    import kvflow.core.events
+    from kvflow.core.commands import JobResult
+    from kvflow.core.jobs import TransferJob
 
-    assert kvflow.events.TransferJob is TransferJob and kvflow.events.JobResult is JobResult
+    assert kvflow.core.events.TransferJob is TransferJob and kvflow.core.events.JobResult is JobResult

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from core_helpers import BT, DEADLINE_MS, consistent, manager, store, tokens
 
-from kvflow.commands import JobResult
-from kvflow.config import Config, config_from_dict
-from kvflow.errors import (
+from kvflow.core.commands import JobResult
+from kvflow.core.config import Config, config_from_dict
+from kvflow.core.errors import (
     BlockHeld,
     ConfigError,
     IllegalTransition,
@@ -22,7 +22,7 @@ from kvflow.errors import (
     UnknownJob,
     UnknownRequest,
 )
-from kvflow.events import (
+from kvflow.core.events import (
     TERMINAL_TYPES,
     BlocksEvicted,
     FenceLifted,
@@ -35,9 +35,11 @@ from kvflow.events import (
     StoreQueued,
     StoreRejected,
 )
-from kvflow.jobs import TransferJob
-from kvflow.manager import OffloadManager
-from kvflow.state import BlockState, State, evolve
+from kvflow.core.jobs import TransferJob
+from kvflow.core.state.apply import evolve
+from kvflow.core.state.model import State
+from kvflow.core.state.tables import BlockState
+from kvflow.engine.manager import OffloadManager
 
 A, B, C, D, E = 11, 12, 13, 14, 15
 
@@ -691,9 +693,9 @@ def test_F14_touching_a_chain_deepest_first_evicts_tails_before_heads(
 
 
 def test_F17_an_integrity_failure_evicts_the_entries_it_names() -> None:
-    from kvflow.commands import JobResult
-    from kvflow.events import BlocksEvicted, JobFailed
-    from kvflow.kvevents import BlockRemoved, KVEventPublisher
+    from kvflow.core.commands import JobResult
+    from kvflow.core.events import BlocksEvicted, JobFailed
+    from kvflow.integrations.vllm.kv_events import BlockRemoved, KVEventPublisher
 
     m = manager(cpu_blocks=8)
     kv = KVEventPublisher(BT)
@@ -719,8 +721,8 @@ def test_F17_an_integrity_failure_evicts_the_entries_it_names() -> None:
 
 
 def test_F17_an_entry_another_request_still_pins_is_not_evicted() -> None:
-    from kvflow.commands import JobResult
-    from kvflow.events import BlocksEvicted
+    from kvflow.core.commands import JobResult
+    from kvflow.core.events import BlocksEvicted
 
     m = manager(cpu_blocks=8)
     store(m, "w", [A, B], [1, 2])
@@ -734,7 +736,7 @@ def test_F17_an_entry_another_request_still_pins_is_not_evicted() -> None:
 
 
 def test_F17_invalidate_evicts_resident_unpinned_blocks_and_nothing_else() -> None:
-    from kvflow.events import BlocksEvicted
+    from kvflow.core.events import BlocksEvicted
 
     m = manager(cpu_blocks=8)
     store(m, "w", [A, B, C], [1, 2, 3])
@@ -751,9 +753,9 @@ def test_F17_invalidate_evicts_resident_unpinned_blocks_and_nothing_else() -> No
 
 
 def test_F17_a_trace_with_integrity_failures_replays_and_redecides(tmp_path: Any) -> None:
-    from kvflow.commands import JobResult
-    from kvflow.log import TraceWriter
-    from kvflow.replay import replay
+    from kvflow.core.commands import JobResult
+    from kvflow.log.writer import TraceWriter
+    from kvflow.replay.fold import replay
 
     path = tmp_path / "corrupt.jsonl"
     cfg = Config(cpu_blocks=8, block_tokens=BT, job_deadline_ms=DEADLINE_MS)
@@ -775,7 +777,7 @@ def test_F17_a_trace_with_integrity_failures_replays_and_redecides(tmp_path: Any
 
 
 def test_F18_requests_survive_a_reset_and_hear_of_their_abandoned_loads() -> None:
-    from kvflow.engine import SyncEngine
+    from kvflow.engine.sync import SyncEngine
     from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
 
     clock = VirtualClock()
@@ -802,7 +804,7 @@ def test_F18_requests_survive_a_reset_and_hear_of_their_abandoned_loads() -> Non
 
 
 def test_F18_a_reset_recorded_before_keeps_requests_forgets_every_request() -> None:
-    from kvflow.events import PinsAcquired, Reset
+    from kvflow.core.events import PinsAcquired, Reset
 
     state = State(Config(cpu_blocks=4, block_tokens=BT))
     evolve(state, PinsAcquired(seq=1, request_id="r", hashes=(), num_tokens=5))
@@ -814,7 +816,7 @@ def test_F18_a_reset_recorded_before_keeps_requests_forgets_every_request() -> N
 
 
 def test_F16_a_store_never_evicts_its_own_chain() -> None:
-    from kvflow.events import BlocksEvicted
+    from kvflow.core.events import BlocksEvicted
 
     m = manager(cpu_blocks=3)
     store(m, "a", [100, 101], [1, 2])  # 100 is the least recent
@@ -827,7 +829,7 @@ def test_F16_a_store_never_evicts_its_own_chain() -> None:
 
 
 def test_F16_when_only_the_own_chain_could_go_the_rest_of_the_store_is_rejected() -> None:
-    from kvflow.events import BlocksEvicted, StoreRejected
+    from kvflow.core.events import BlocksEvicted, StoreRejected
 
     m = manager(cpu_blocks=2)
     store(m, "a", [100, 101], [1, 2])
@@ -845,7 +847,7 @@ def test_F18_a_preempted_request_comes_back_under_its_id_while_its_jobs_run() ->
     """Preempted with a load and a store in flight, the request is looked up and computes
     again under the same id: it resumes (``request_resumed``); its earlier jobs finish on
     their own and the engine tells them apart by job id."""
-    from kvflow.events import RequestClosed, RequestResumed
+    from kvflow.core.events import RequestClosed, RequestResumed
 
     m = manager(cpu_blocks=8)
     store(m, "w", [A, B], [1, 2])
@@ -899,7 +901,7 @@ def test_F18_a_request_is_known_from_its_first_call_even_when_no_job_was_queued(
     """Its blocks were all on the tier already (nothing to store): kvflow still knows it, so
     finishing it is a real finish (True), not the no-op for a request never seen. (With
     chain recency the event that records its chain makes it known.)"""
-    from kvflow.events import ChainExtended, RequestOpened
+    from kvflow.core.events import ChainExtended, RequestOpened
 
     m = manager(cpu_blocks=4, chain_recency=chain_recency)
     store(m, "w", [A], [1])
@@ -979,7 +981,7 @@ def test_F17_a_corrupt_report_in_a_batch_the_engine_must_split_still_evicts_the_
     """(Found by the swarm, seed 155.) A batch holding a result for a job nobody issued is
     refused, and the engine applies its results one by one: the integrity report (``corrupt``)
     must survive that split, or the bad host copy stays on offer."""
-    from kvflow.engine import SyncEngine
+    from kvflow.engine.sync import SyncEngine
     from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
 
     clock = VirtualClock()

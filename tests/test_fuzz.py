@@ -59,8 +59,8 @@ def test_every_mutation_kind_is_drawn() -> None:
 def test_a_traceback_and_a_hang_are_found_and_reproducible(monkeypatch: pytest.MonkeyPatch) -> None:
     """A planted bug in one verb and a planted hang in another (the workers are forked, so they
     inherit the patches)."""
-    import kvflow.inspect
-    import kvflow.kvevents
+    import kvflow.inspect.incidents
+    import kvflow.integrations.vllm.kv_events
 
     def broken(*_args: object, **_kwargs: object) -> None:
         raise ZeroDivisionError("planted")
@@ -68,8 +68,8 @@ def test_a_traceback_and_a_hang_are_found_and_reproducible(monkeypatch: pytest.M
     def stuck(*_args: object, **_kwargs: object) -> None:
         time.sleep(30)
 
-    monkeypatch.setattr(kvflow.inspect, "find_incidents", broken)
-    monkeypatch.setattr(kvflow.kvevents, "kv_event", stuck)
+    monkeypatch.setattr(kvflow.inspect.incidents, "find_incidents", broken)
+    monkeypatch.setattr(kvflow.integrations.vllm.kv_events.KVEventPublisher, "__call__", stuck)
     index = next(i for i in range(100) if fuzz.make_input(3, i).kind == "trace"
                  and fuzz.make_input(3, i).special is None)
     summary = fuzz.fuzz(1, seed=3, start=index, jobs=1, timeout=1.0)
@@ -77,7 +77,7 @@ def test_a_traceback_and_a_hang_are_found_and_reproducible(monkeypatch: pytest.M
     fuzz.report(summary, out)
     text = out.getvalue()
     tracebacks, hangs = summary.tracebacks, summary.hangs
-    # incidents always reaches find_incidents; kv-events reaches kv_event when a record reads
+    # incidents always reaches find_incidents; kv-events reaches its publisher when an event reads
     assert [o.verb for o in tracebacks] == ["incidents"], text
     assert "ZeroDivisionError" in tracebacks[0].where and "planted" in tracebacks[0].detail
     assert f"python tools/fuzz.py --seed 3 --only {index} --verb \"incidents\"" in text

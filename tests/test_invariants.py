@@ -9,8 +9,9 @@ from collections.abc import Callable
 import pytest
 from core_helpers import manager, store, tokens
 
-from kvflow.manager import OffloadManager
-from kvflow.state import JobState, check_invariants
+from kvflow.core.state.invariants import check_invariants
+from kvflow.core.state.tables import JobState
+from kvflow.engine.manager import OffloadManager
 
 
 def busy() -> OffloadManager:

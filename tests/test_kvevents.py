@@ -1,4 +1,4 @@
-"""vLLM-compatible KV events derived from a manager's events (kvflow.kvevents).
+"""vLLM-compatible KV events derived from a manager's events (kvflow.integrations.vllm.kv_events).
 
 The publisher is attached as a manager observer, as an engine would; at each step what it has
 collected is compared with what the rule says (BlockStored only at a completed, non-abandoned
@@ -11,9 +11,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvflow.config import Config
-from kvflow.events import BlocksEvicted, JobCompleted
-from kvflow.kvevents import (
+from kvflow.core.config import Config
+from kvflow.core.events import BlocksEvicted, JobCompleted
+from kvflow.core.state.invariants import check_invariants
+from kvflow.engine.manager import OffloadManager
+from kvflow.integrations.vllm.kv_events import (
     MEDIUM_CPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -22,8 +24,6 @@ from kvflow.kvevents import (
     kv_event,
     kv_events,
 )
-from kvflow.manager import OffloadManager
-from kvflow.state import check_invariants
 
 B = 16
 

@@ -18,10 +18,10 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from kvflow.config import Config  # noqa: E402
-from kvflow.kvevents import KVEventPublisher  # noqa: E402
-from kvflow.kvevents_zmq import END_SEQ, ZmqKVEventPublisher  # noqa: E402
-from kvflow.manager import OffloadManager  # noqa: E402
+from kvflow.core.config import Config  # noqa: E402
+from kvflow.engine.manager import OffloadManager  # noqa: E402
+from kvflow.integrations.vllm.kv_events import KVEventPublisher  # noqa: E402
+from kvflow.integrations.vllm.kv_events_zmq import END_SEQ, ZmqKVEventPublisher  # noqa: E402
 
 B = 16
 
@@ -157,7 +157,7 @@ def test_vllms_own_structs_decode_the_payload() -> None:
     job = m.blocks_computed("r", [1, 2], [10, 11])
     m.plan_step(0.0)
     m.job_result(job)
-    from kvflow.kvevents import KVEventBatch
+    from kvflow.integrations.vllm.kv_events import KVEventBatch
 
     wire = [msgspec.structs.replace(e, seq=0) for e in collect.take()]
     payload = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=wire))

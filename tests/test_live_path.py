@@ -32,15 +32,17 @@ from test_stateful import (
     OffloadMachineTwoRanks,
 )
 
-from kvflow.boundary import hashes as _hashes
-from kvflow.boundary import ints as _ints
-from kvflow.commands import BlocksComputed, Lookup
-from kvflow.config import Config
-from kvflow.errors import IllegalTransition, KvflowError
-from kvflow.events import EVENT_TYPES, ChainExtended, PinsAcquired, StoreQueued
-from kvflow.log import MemoryLog, NullLog, read_trace
-from kvflow.manager import OffloadManager
-from kvflow.state import State, evolve, fold
+from kvflow.core.commands import BlocksComputed, Lookup
+from kvflow.core.config import Config
+from kvflow.core.errors import IllegalTransition, KvflowError
+from kvflow.core.events import EVENT_TYPES, ChainExtended, PinsAcquired, StoreQueued
+from kvflow.core.state.apply import evolve, fold
+from kvflow.core.state.model import State
+from kvflow.core.values import hashes as _hashes
+from kvflow.core.values import ints as _ints
+from kvflow.engine.manager import OffloadManager
+from kvflow.log.memory import MemoryLog, NullLog
+from kvflow.log.reader import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -273,8 +275,8 @@ def test_a_raising_subscriber_stops_the_decision_with_state_and_log_agreeing() -
     """A subscriber that raises (a caller's bug) propagates out of the call; what was applied
     until then is recorded, so a fold of the log rebuilds the state, the invariants hold, and
     the manager keeps serving."""
-    from kvflow.events import StoreQueued
-    from kvflow.state import check_invariants
+    from kvflow.core.events import StoreQueued
+    from kvflow.core.state.invariants import check_invariants
 
     manager = OffloadManager(Config(cpu_blocks=2, block_tokens=4))
     store = manager.blocks_computed("a", [1, 2], [0, 1])

@@ -33,7 +33,7 @@ from typing import Any
 from test_live_path import TwinOneRank
 from test_stateful import OffloadMachine, OffloadMachineTwoRanks
 
-from kvflow.events import BlocksEvicted, LateResultIgnored
+from kvflow.core.events import BlocksEvicted, LateResultIgnored
 
 
 class Draws:

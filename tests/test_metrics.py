@@ -9,10 +9,10 @@ import pytest
 prom = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from kvflow.config import Config  # noqa: E402
-from kvflow.engine import SyncEngine  # noqa: E402
+from kvflow.core.config import Config  # noqa: E402
+from kvflow.engine.metrics import PrometheusMetrics  # noqa: E402
+from kvflow.engine.sync import SyncEngine  # noqa: E402
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock  # noqa: E402
-from kvflow.metrics import PrometheusMetrics  # noqa: E402
 
 B = 16
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import types
 
-from kvflow.executors.npu import (
+from kvflow.executors.torch.npu import (
     event_state,
     memory_stats,
     stream_kwargs,
@@ -64,7 +64,7 @@ def test_unknown_accelerators_get_the_conservative_choices() -> None:
 
 def test_importing_executors_does_not_import_torch() -> None:
     code = (
-        "import sys, kvflow.executors, kvflow.executors.npu; "
+        "import sys, kvflow.executors, kvflow.executors.torch.npu; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -33,7 +33,7 @@ def test_the_wheel_is_pure_python(wheel: Path) -> None:
     compiled = [n for n in names if n.endswith((".so", ".pyd", ".c", ".h", ".pyi"))]
     assert compiled == []
     assert "kvflow/py.typed" in names
-    assert any(n.startswith("kvflow/state/") for n in names) and any(n.startswith("kvflow/inspect/") for n in names)
+    assert any(n.startswith("kvflow/core/state/") for n in names) and any(n.startswith("kvflow/inspect/") for n in names)
 
 
 def test_the_wheel_carries_its_license(wheel: Path) -> None:

@@ -22,9 +22,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-import kvflow.policies as policies
-from kvflow.errors import ConfigError
-from kvflow.policies import POLICIES, ARCPolicy, LRUPolicy, make_policy, register_policy
+import kvflow.core.policies.registry as policies
+from kvflow.core.errors import ConfigError
+from kvflow.core.policies.arc import ARCPolicy
+from kvflow.core.policies.lru import LRUPolicy
+from kvflow.core.policies.registry import POLICIES, make_policy, register_policy
 
 A, B, C, D = 101, 102, 103, 104
 
@@ -265,7 +267,7 @@ _ACCESSES = [7, 3, 7, 9, 1, 3, 12, 7, 2, 9, 9, 4, 1, 15, 3, 2, 8, 7, 11, 4] * 3
 _SNAPSHOT_SCRIPT = """
 import json, sys
 import msgspec
-from kvflow.policies import make_policy
+from kvflow.core.policies.registry import make_policy
 policy = make_policy(sys.argv[1], 5)
 for h in json.loads(sys.argv[2]):
     if h in policy:
@@ -680,7 +682,7 @@ def test_bulk_forms_equal_the_one_by_one_methods(cls: PolicyClass, op: str) -> N
 def test_arc_ghost_steps_equal_the_papers_step_per_hit() -> None:
     """A run of ghost hits moves p by the sum of the paper's per-hit steps, whatever the
     lengths (the quotient-0 shortcut included)."""
-    from kvflow.policies.arc_runs import ghost_steps as _ghost_steps
+    from kvflow.core.policies.arc_runs import ghost_steps as _ghost_steps
 
     for other in range(0, 30):
         for own in range(1, 30):

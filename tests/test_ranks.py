@@ -10,10 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvflow.errors import Rejected, UnknownJob  # noqa: E402
-from kvflow.executors.layout import KVLayout  # noqa: E402
-from kvflow.executors.rank_worker import RandomKV, RankGroup  # noqa: E402
-from kvflow.jobs import TransferJob  # noqa: E402
+from kvflow.core.errors import Rejected, UnknownJob  # noqa: E402
+from kvflow.core.jobs import TransferJob  # noqa: E402
+from kvflow.executors.torch.layout import KVLayout  # noqa: E402
+from kvflow.executors.torch.ranks import RandomKV, RankGroup  # noqa: E402
 
 FACTORY = RandomKV(num_layers=2, num_blocks=16, page_shape=(4, 2, 8), stacked=True, seed=5)
 DEVICE_TYPES = ["cpu"] + (

@@ -1,7 +1,7 @@
 """The readers are total: every input gives valid records or the one documented error.
 
 ``TraceReader`` (kvflow traces) and ``read_workload`` (Mooncake JSONL) raise
-:class:`~kvflow.errors.TraceError` naming ``file:line`` and the field for every bad input,
+:class:`~kvflow.core.errors.TraceError` naming ``file:line`` and the field for every bad input,
 which the CLI prints as one line with exit 2. Each test below is one root cause that used to
 escape as a traceback (found by hand or by ``tools/fuzz.py``).
 """
@@ -18,17 +18,18 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-import kvflow.log as log
-import kvflow.trace.reader as trace_reader
-import kvflow.trace.source as trace_source
-import kvflow.workload as workload
-from kvflow.cli import main
-from kvflow.config import MAX_WORLD_SIZE, Config
-from kvflow.errors import TraceError
-from kvflow.log import MAX_CPU_BLOCKS, TraceReader, TraceWriter, read_trace
-from kvflow.manager import OffloadManager
-from kvflow.replay import replay
-from kvflow.workload import read_workload
+import kvflow.log.format as trace_format
+import kvflow.log.reader as trace_reader
+import kvflow.log.source as trace_source
+import kvflow.simulate.workload as workload
+from kvflow.cli.main import main
+from kvflow.core.config import MAX_CPU_BLOCKS, MAX_WORLD_SIZE, Config
+from kvflow.core.errors import TraceError
+from kvflow.engine.manager import OffloadManager
+from kvflow.log.reader import TraceReader, read_trace
+from kvflow.log.writer import TraceWriter
+from kvflow.replay.fold import replay
+from kvflow.simulate.workload import read_workload
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "traces"
@@ -209,7 +210,7 @@ def test_corrupt_deflate_data_in_a_workload_is_a_trace_error(tmp_path: Path) -> 
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
 def test_a_line_that_never_ends_is_refused() -> None:
     error = trace_error(Path("/dev/zero"))
-    assert error.line == 1 and f"longer than {log.MAX_LINE_BYTES:,} bytes" in str(error)
+    assert error.line == 1 and f"longer than {trace_format.MAX_LINE_BYTES:,} bytes" in str(error)
     assert "longer than" in str(workload_error(Path("/dev/zero")))
     assert_cli_refuses(Path("/dev/zero"), "/dev/zero:1:", "longer than", verbs=(["replay"],))
     one_line_error(kvflow("simulate", "/dev/zero"))

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import ref_engine as ref  # noqa: E402
 
-from kvflow.config import Config  # noqa: E402
-from kvflow.engine import SyncEngine  # noqa: E402
-from kvflow.executors.torch_executor import TorchExecutor  # noqa: E402
+from kvflow.core.config import Config  # noqa: E402
+from kvflow.engine.sync import SyncEngine  # noqa: E402
+from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
 
 B = 16
 TINY = ref.Dims(layers=2, d_model=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256, rope_base=10000.0)

@@ -23,9 +23,9 @@ from redis_servers import (  # noqa: E402
 )
 from remote_rig import HASHES, blocks_of, instance, load_prefix, random_kv, settle, store_prefix  # noqa: E402
 
-from kvflow.events import JobFailed, JobTimedOut
-from kvflow.jobs import REMOTE_LOAD, REMOTE_STORE  # noqa: E402
-from kvflow.state import check_invariants  # noqa: E402
+from kvflow.core.events import JobFailed, JobTimedOut
+from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE  # noqa: E402
+from kvflow.core.state.invariants import check_invariants  # noqa: E402
 
 RIG = Path(__file__).with_name("remote_rig.py")
 

@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 from core_helpers import DEADLINE_MS, config, consistent, manager, store, tokens
 
-from kvflow.config import Config, config_from_dict
-from kvflow.errors import ConfigError
-from kvflow.events import EVENT_TYPES, RemoteLoadQueued, RemoteStoreQueued
-from kvflow.jobs import REMOTE_LOAD, REMOTE_STORE
-from kvflow.log import TraceReader, TraceWriter
-from kvflow.manager import OffloadManager
-from kvflow.replay import replay
-from kvflow.state import BlockState
+from kvflow.core.config import Config, config_from_dict
+from kvflow.core.errors import ConfigError
+from kvflow.core.events import EVENT_TYPES, RemoteLoadQueued, RemoteStoreQueued
+from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE
+from kvflow.core.state.tables import BlockState
+from kvflow.engine.manager import OffloadManager
+from kvflow.log.reader import TraceReader
+from kvflow.log.writer import TraceWriter
+from kvflow.replay.fold import replay
 
 
 def remote_manager(cpu_blocks: int = 4, remote_blocks: int = 100, **kw) -> OffloadManager:
@@ -218,7 +219,7 @@ def test_ahead_of_eviction_copies_the_coldest_blocks_once_the_tier_runs_low() ->
 def test_inspect_follows_remote_jobs_blocks_and_the_remote_index(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from kvflow.cli import main
+    from kvflow.cli.main import main
 
     path = tmp_path / "remote.jsonl"
     cfg = config(4, remote_blocks=16)

@@ -13,17 +13,23 @@ import msgspec
 import pytest
 from click.testing import CliRunner, Result
 
-from kvflow.cli import main
-from kvflow.events import JobCompleted, JobFailed, JobTimedOut, LateResultIgnored, RankSucceeded
-from kvflow.replay import replay
-from kvflow.trace import reader as reader_module
-from kvflow.trace.format import (
+from kvflow.cli.main import main
+from kvflow.core.events import (
+    JobCompleted,
+    JobFailed,
+    JobTimedOut,
+    LateResultIgnored,
+    RankSucceeded,
+)
+from kvflow.log import reader as reader_module
+from kvflow.log.format import (
     JOB_ENDS_WITHOUT_PAYLOAD,
     JOB_PAYLOAD,
     TRUSTED_FORMS,
     trusted_decoder,
 )
-from kvflow.trace.reader import TraceReader
+from kvflow.log.reader import TraceReader
+from kvflow.replay.fold import replay
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 PAYLOAD = {"hashes": (2**63 + 5, -7, 12), "device_blocks": (3, 4, 5), "slots": (9, 8, 7)}
@@ -209,7 +215,7 @@ def test_a_bad_line_after_a_blank_one_is_named_at_its_own_line(tmp_path: Path, b
 
 def _outcome(path: Path) -> Any:
     """Everything a replay reports, or its TraceError's message."""
-    from kvflow.errors import TraceError
+    from kvflow.core.errors import TraceError
 
     try:
         r = replay(path)
@@ -228,9 +234,9 @@ def test_the_fast_path_reports_what_the_line_by_line_path_reports(
     warnings, digest, or TraceError) whether or not any chunk takes the fast path."""
     import random
 
-    from kvflow.config import Config
-    from kvflow.log import TraceWriter
-    from kvflow.manager import OffloadManager
+    from kvflow.core.config import Config
+    from kvflow.engine.manager import OffloadManager
+    from kvflow.log.writer import TraceWriter
 
     config = Config(cpu_blocks=64, block_tokens=16)
     clean = tmp_path / "clean.jsonl"

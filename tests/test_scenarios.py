@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from core_helpers import BT, DEADLINE_MS, config, consistent, manager, store, tokens
 
-from kvflow.config import Config
-from kvflow.errors import BlockHeld, TraceError
-from kvflow.events import (
+from kvflow.core.config import Config
+from kvflow.core.errors import BlockHeld, TraceError
+from kvflow.core.events import (
     BlocksEvicted,
     BlocksTouched,
     FenceLifted,
@@ -28,7 +28,11 @@ from kvflow.events import (
     StoreQueued,
     StoreRejected,
 )
-from kvflow.kvevents import (
+from kvflow.core.state.apply import fold
+from kvflow.core.state.model import State
+from kvflow.core.state.tables import BlockState
+from kvflow.engine.manager import OffloadManager
+from kvflow.integrations.vllm.kv_events import (
     MEDIUM_CPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -36,10 +40,10 @@ from kvflow.kvevents import (
     KVEventPublisher,
     kv_events,
 )
-from kvflow.log import TRACE_VERSION, TraceReader, TraceWriter, read_trace
-from kvflow.manager import OffloadManager
-from kvflow.replay import replay
-from kvflow.state import BlockState, State, fold
+from kvflow.log.format import TRACE_VERSION
+from kvflow.log.reader import TraceReader, read_trace
+from kvflow.log.writer import TraceWriter
+from kvflow.replay.fold import replay
 
 A, B, C, D, E, F = 21, 22, 23, 24, 25, 26
 

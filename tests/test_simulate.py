@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from reference_sim import reference_simulate
 
-from kvflow.errors import ConfigError
-from kvflow.replay import replay
-from kvflow.simulate import SUMMARY_KEYS, SimOptions, simulate
+from kvflow.core.errors import ConfigError
+from kvflow.replay.fold import replay
+from kvflow.simulate.run import SUMMARY_KEYS, SimOptions, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "traces" / "workloads" / "example.jsonl"
@@ -188,7 +188,7 @@ def test_a_recorded_simulation_replays_and_redecides_clean(workload: Path, tmp_p
 
 
 _SCRIPT = Path(sys.executable).with_name("kvflow")
-KVFLOW = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-c", "from kvflow.cli import main; main()"]
+KVFLOW = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-c", "from kvflow.cli.main import main; main()"]
 
 
 def _run_cli(hash_seed: str, record: Path, workload: Path) -> str:

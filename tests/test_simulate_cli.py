@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from kvflow.cli import main
-from kvflow.simulate import SUMMARY_KEYS
+from kvflow.cli.main import main
+from kvflow.simulate.run import SUMMARY_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "traces" / "workloads" / "example.jsonl"
 _SCRIPT = Path(sys.executable).with_name("kvflow")
-KVFLOW = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-c", "from kvflow.cli import main; main()"]
+KVFLOW = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-c", "from kvflow.cli.main import main; main()"]
 
 REQUIRED_KEYS = {
     "requests", "prompt_tokens", "hit_tokens", "cpu_hit_tokens", "device_hit_tokens",
@@ -359,7 +359,7 @@ def test_sweep_without_matplotlib_still_prints_its_numbers(monkeypatch: pytest.M
 @pytest.mark.parametrize("where", ["missing directory", "a directory"])
 def test_sweep_checks_the_plot_path_before_running(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str) -> None:
     pytest.importorskip("matplotlib")
-    import kvflow.simulate as sim
+    import kvflow.simulate.run as sim
 
     runs: list[object] = []
     real = sim.simulate
@@ -449,7 +449,7 @@ def test_kv_events_through_python_dash_m(tmp_path: Path) -> None:
     trace = tmp_path / "run.jsonl"
     assert kvflow("simulate", EXAMPLE, "--cpu-blocks", 32, "--record", trace, "--json").exit_code == 0
     proc = subprocess.run(
-        [sys.executable, "-m", "kvflow.cli", "kv-events", str(trace)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvflow.cli.main", "kv-events", str(trace)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == kvflow("kv-events", trace).stdout

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvflow.cli import main
-from kvflow.errors import ConfigError
-from kvflow.simulate import SimOptions, simulate
-from kvflow.simulate_fleet import run_fleet, simulate_fleet
+from kvflow.cli.main import main
+from kvflow.core.errors import ConfigError
+from kvflow.simulate.fleet import run_fleet, simulate_fleet
+from kvflow.simulate.run import SimOptions, simulate
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "traces" / "workloads" / "example.jsonl"
 OPTIONS = SimOptions(cpu_blocks=50)
@@ -79,8 +79,8 @@ def test_fleet_refuses_bad_input_before_any_work() -> None:
 
 
 def test_a_block_the_shared_tier_dropped_fails_its_remote_load_once() -> None:
-    from kvflow.config import Config
-    from kvflow.engine import SyncEngine
+    from kvflow.core.config import Config
+    from kvflow.engine.sync import SyncEngine
     from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
     from kvflow.tiers.simulated_remote import SimulatedRemoteExecutor, SimulatedRemoteStore
 

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvflow.commands import JobResult
-from kvflow.errors import ConfigError, KvflowError, UnknownJob
+from kvflow.core.commands import JobResult
+from kvflow.core.errors import ConfigError, KvflowError, UnknownJob
+from kvflow.core.jobs import LOAD, STORE, TransferJob
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
-from kvflow.jobs import LOAD, STORE, TransferJob
 
 # 1 MB blocks at 10 GB/s: 0.1 ms per block, plus 0.05 ms per job.
 MODEL = TransferModel(bytes_per_block=1_000_000, bandwidth_gbps=10.0, latency_us=50.0)

@@ -26,14 +26,28 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvflow.commands import JobResult
-from kvflow.config import Config
-from kvflow.errors import BlockHeld, Rejected
-from kvflow.events import EVENT_TYPES, TERMINAL_TYPES, BlocksEvicted, FenceLifted, LateResultIgnored
-from kvflow.jobs import TransferJob
-from kvflow.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
-from kvflow.manager import OffloadManager
-from kvflow.state import RESIDENT, JobState, State, check_invariants, fold
+from kvflow.core.commands import JobResult
+from kvflow.core.config import Config
+from kvflow.core.errors import BlockHeld, Rejected
+from kvflow.core.events import (
+    EVENT_TYPES,
+    TERMINAL_TYPES,
+    BlocksEvicted,
+    FenceLifted,
+    LateResultIgnored,
+)
+from kvflow.core.jobs import TransferJob
+from kvflow.core.state.apply import fold
+from kvflow.core.state.invariants import check_invariants
+from kvflow.core.state.model import State
+from kvflow.core.state.tables import RESIDENT, JobState
+from kvflow.engine.manager import OffloadManager
+from kvflow.integrations.vllm.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventPublisher,
+)
 
 BT = 4
 DEADLINE_MS = 100.0

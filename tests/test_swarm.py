@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from kvflow import decide_jobs
-from kvflow.events import JobTimedOut
+from kvflow.core.decide import jobs as decide_jobs
+from kvflow.core.events import JobTimedOut
 
 REPO = Path(__file__).resolve().parents[1]
 FAULT_MAX = 0.5

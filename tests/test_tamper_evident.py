@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from kvflow.cli import main
-from kvflow.log import TraceReader, TraceWriter
-from kvflow.replay import replay
-from kvflow.trace.format import CHAINED_SINCE, TRACE_VERSION
+from kvflow.cli.main import main
+from kvflow.log.format import CHAINED_SINCE, TRACE_VERSION
+from kvflow.log.reader import TraceReader
+from kvflow.log.writer import TraceWriter
+from kvflow.replay.fold import replay
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 
@@ -166,8 +167,8 @@ def test_records_after_the_last_checkpoint_are_reported_unverified(tmp_path: Pat
 def test_the_writer_chains_what_the_async_engine_detaches_too(tmp_path: Path) -> None:
     """Lines taken out with take_pending (the async engine's worker-thread writes) are part of
     the record digest like those written by flush."""
-    from kvflow.config import Config
-    from kvflow.manager import OffloadManager
+    from kvflow.core.config import Config
+    from kvflow.engine.manager import OffloadManager
 
     config = Config(cpu_blocks=16, block_tokens=16)
     path = tmp_path / "detached.jsonl"
@@ -223,9 +224,9 @@ def test_a_vouched_event_today_s_code_cannot_apply_is_an_illegal_divergence_not_
     """A trace whose digests verify but whose event today's code refuses (a writer's bug, or
     rules changed since it was recorded): the unchecked fold falls back to checking every event
     of that stretch, and reports the event's own line."""
-    from kvflow.commands import Evict
-    from kvflow.config import Config
-    from kvflow.events import BlocksEvicted
+    from kvflow.core.commands import Evict
+    from kvflow.core.config import Config
+    from kvflow.core.events import BlocksEvicted
 
     class Recorded:  # the state a buggy engine reported at the checkpoint
         last_seq = 1

@@ -9,12 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvflow.errors import ConfigError, Rejected, UnknownJob  # noqa: E402
-from kvflow.executors import batch_copy, page_kernel  # noqa: E402
-from kvflow.executors.host_pool import HostPool  # noqa: E402
-from kvflow.executors.layout import KVLayout  # noqa: E402
-from kvflow.executors.torch_executor import TorchExecutor  # noqa: E402
-from kvflow.jobs import TransferJob  # noqa: E402
+from kvflow.core.errors import ConfigError, Rejected, UnknownJob  # noqa: E402
+from kvflow.core.jobs import TransferJob  # noqa: E402
+from kvflow.executors.torch import batch_copy, page_kernel  # noqa: E402
+from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
+from kvflow.executors.torch.host_pool import HostPool  # noqa: E402
+from kvflow.executors.torch.layout import KVLayout  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 N_BLOCKS, LAYERS, BS, HEADS, DIM = 32, 3, 4, 2, 8
@@ -349,8 +349,8 @@ def test_a_compute_done_wait_that_raises_fails_the_batch_on_the_cpu_device() -> 
 
 
 def test_the_engine_refuses_a_config_whose_cpu_blocks_differ_from_the_pool() -> None:
-    from kvflow.config import Config
-    from kvflow.engine import SyncEngine
+    from kvflow.core.config import Config
+    from kvflow.engine.sync import SyncEngine
 
     with TorchExecutor(make_kv("stacked", "cpu"), 64) as ex:
         with pytest.raises(ConfigError, match="cpu_blocks=128 but the executor's host pool has 64 slots"):
@@ -501,7 +501,7 @@ def test_kernel_load_of_a_corrupted_slot_fails_its_checksum(kernel_device: str) 
 
 
 def test_auto_picks_the_kernel_for_small_pages_and_the_copy_engines_for_large_ones() -> None:
-    from kvflow.executors.copy_setup import BATCH_MIN_PAGE, KERNEL_MAX_PAGE, auto_scatter
+    from kvflow.executors.torch.copy_setup import BATCH_MIN_PAGE, KERNEL_MAX_PAGE, auto_scatter
 
     def pick(page: int, kernel: bool = True, uva: bool = True, batch: bool = False) -> str:
         return auto_scatter(kernel=kernel, uva=uva, batch=batch, page_bytes=page)
@@ -518,7 +518,7 @@ def test_auto_picks_the_kernel_for_small_pages_and_the_copy_engines_for_large_on
 
 
 def test_batch_descriptors_name_every_page_of_every_region() -> None:
-    from kvflow.executors.batch_copy import RegionAddresses
+    from kvflow.executors.torch.batch_copy import RegionAddresses
 
     addr = RegionAddresses([1000, 5000], [64, 128], [90000, 70000], [64, 32], [64, 32])
     blocks, slots = np.array([3, 0]), np.array([1, 4])

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from core_helpers import mixed_run
 
-from kvflow.config import Config
-from kvflow.log import TraceWriter
-from kvflow.manager import OffloadManager
-from kvflow.replay import replay
-from kvflow.trace.reader import TraceReader
+from kvflow.core.config import Config
+from kvflow.engine.manager import OffloadManager
+from kvflow.log.reader import TraceReader
+from kvflow.log.writer import TraceWriter
+from kvflow.replay.fold import replay
 
 CONFIG = Config(cpu_blocks=24, block_tokens=16)
 

@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvflow.executors.transfer_plan import _plan_job_by_job, plan_jobs
-from kvflow.jobs import TransferJob
+from kvflow.core.jobs import TransferJob
+from kvflow.executors.torch.transfer_plan import _plan_job_by_job, plan_jobs
 
 NB, CB = 12, 10
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvflow.config import Config
-from kvflow.errors import IllegalTransition
-from kvflow.events import (
+from kvflow.core.config import Config
+from kvflow.core.errors import IllegalTransition
+from kvflow.core.events import (
     EVENT_TYPES,
     BlocksCorrupt,
     BlocksEvicted,
@@ -47,16 +47,11 @@ from kvflow.events import (
     StoreRejected,
     event_name,
 )
-from kvflow.manager import OffloadManager
-from kvflow.state import (
-    BLOCK_TRANSITIONS,
-    JOB_TRANSITIONS,
-    BlockState,
-    JobState,
-    State,
-    check_invariants,
-    evolve,
-)
+from kvflow.core.state.apply import evolve
+from kvflow.core.state.invariants import check_invariants
+from kvflow.core.state.model import State
+from kvflow.core.state.tables import BLOCK_TRANSITIONS, JOB_TRANSITIONS, BlockState, JobState
+from kvflow.engine.manager import OffloadManager
 
 BT = 4  # tokens per block
 TOKENS = 3 * BT  # a lookup of a 3-block prompt may hit 2 blocks
@@ -739,8 +734,8 @@ def test_a_terminal_event_must_say_whether_the_job_was_abandoned(abandoned: bool
 def test_every_event_type_has_exactly_one_evolver() -> None:
     # the replay's chunk loop tells events from commands by EVOLVERS: an event type without
     # an evolver would be skipped there as if it were a command
-    from kvflow.events import EVENT_TYPES
-    from kvflow.state.apply import EVOLVERS
+    from kvflow.core.events import EVENT_TYPES
+    from kvflow.core.state.apply import EVOLVERS
 
     assert list(EVOLVERS) == [t for t in EVOLVERS if t in EVENT_TYPES]
     assert sorted(t.__name__ for t in EVOLVERS) == sorted(t.__name__ for t in EVENT_TYPES)

@@ -31,7 +31,7 @@ else:
 
 from click.testing import CliRunner  # noqa: E402
 
-from kvflow.cli import main as kvflow_cli  # noqa: E402
+from kvflow.cli.main import main as kvflow_cli  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import glassllm_model  # noqa: E402
@@ -82,7 +82,7 @@ def run(
     if extra is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVFlowConnector",
-            "kv_connector_module_path": "kvflow.integrations.vllm",
+            "kv_connector_module_path": "kvflow.integrations.vllm.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,
@@ -181,7 +181,7 @@ def test_kv_events_reach_vllm_as_its_own_with_vllms_block_hashes(model_dir: Path
     from vllm.distributed import kv_events as vk
     from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
 
-    from kvflow.integrations.vllm import KVFlowConnector
+    from kvflow.integrations.vllm.connector import KVFlowConnector
 
     taken: list[Any] = []
     original = KVFlowConnector.take_events
@@ -214,7 +214,7 @@ def test_transfer_stats_reach_vllms_logging_and_prometheus(model_dir: Path, monk
     its log line and its Prometheus metrics, ``kvflow_*_total`` in vLLM's registry)."""
     from prometheus_client import REGISTRY
 
-    from kvflow.integrations.vllm import KVFlowConnector
+    from kvflow.integrations.vllm.connector import KVFlowConnector
 
     seen: list[dict[str, Any]] = []
     original = KVFlowConnector.get_kv_connector_stats
@@ -254,7 +254,7 @@ def main():
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=128, block_size=32,
               enable_prefix_caching=True, num_gpu_blocks_override=8, max_num_seqs=2, max_num_batched_tokens=128,
               seed=0, enforce_eager=True, kv_transfer_config={
-                  "kv_connector": "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm",
+                  "kv_connector": "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm.connector",
                   "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_blocks": 64, "trace_path": trace}})
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     out = []

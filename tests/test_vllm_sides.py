@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.commands import JobResult
-from kvflow.errors import ConfigError
-from kvflow.integrations.vllm_sides import ConnectorConfig, SchedulerSide, kvflow_hash
+from kvflow.core.commands import JobResult
+from kvflow.core.errors import ConfigError
+from kvflow.integrations.vllm.sides import ConnectorConfig, SchedulerSide, kvflow_hash
 
 B = 32
 

@@ -1,4 +1,4 @@
-"""Tests of the Mooncake workload reader (kvflow.workload) and of the example workload."""
+"""Tests of the Mooncake workload reader (kvflow.simulate.workload) and of the example workload."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from types import ModuleType
 
 import pytest
 
-from kvflow.errors import ConfigError, TraceError
-from kvflow.workload import WorkloadRequest, read_workload
+from kvflow.core.errors import ConfigError, TraceError
+from kvflow.simulate.workload import WorkloadRequest, read_workload
 
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"

@@ -47,11 +47,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_transfer import Clock, Row, bench_link, gbps, make_kv, render  # noqa: E402
 
-from kvflow.events import BlocksEvicted, JobsSubmitted, LoadQueued, StoreQueued
-from kvflow.executors.torch_executor import TorchExecutor  # noqa: E402
-from kvflow.executors.transfer_plan import slot_runs  # noqa: E402
-from kvflow.jobs import STORE, TransferJob  # noqa: E402
-from kvflow.log import TraceReader  # noqa: E402
+from kvflow.core.events import BlocksEvicted, JobsSubmitted, LoadQueued, StoreQueued
+from kvflow.core.jobs import STORE, TransferJob  # noqa: E402
+from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
+from kvflow.executors.torch.transfer_plan import slot_runs  # noqa: E402
+from kvflow.log.reader import TraceReader  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _ids = itertools.count(1)
@@ -354,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _interpreting() -> bool:
-    from kvflow.executors.page_kernel import interpreting
+    from kvflow.executors.torch.page_kernel import interpreting
 
     return interpreting()
 

@@ -28,7 +28,7 @@ EXAMPLE = ROOT / "traces" / "workloads" / "example.jsonl"
 
 def kvflow_cmd() -> list[str]:
     exe = shutil.which("kvflow", path=str(Path(sys.executable).parent)) or shutil.which("kvflow")
-    return [exe] if exe else [sys.executable, "-m", "kvflow.cli"]
+    return [exe] if exe else [sys.executable, "-m", "kvflow.cli.main"]
 
 
 def bench_startup(runs: int = 10) -> tuple[float, bool]:
@@ -39,7 +39,7 @@ def bench_startup(runs: int = 10) -> tuple[float, bool]:
         subprocess.run(cmd, check=True, capture_output=True)
         times.append(time.perf_counter() - t0)
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, kvflow.cli; print('torch' in sys.modules)"],
+        [sys.executable, "-c", "import sys, kvflow.cli.main; print('torch' in sys.modules)"],
         check=True,
         capture_output=True,
         text=True,
@@ -51,9 +51,9 @@ def make_trace(path: str, min_events: int) -> int:
     sys.path.insert(0, str(ROOT / "tools"))
     from bench_core import engine_like_run
 
-    from kvflow.config import Config
-    from kvflow.log import TraceWriter
-    from kvflow.manager import OffloadManager
+    from kvflow.core.config import Config
+    from kvflow.engine.manager import OffloadManager
+    from kvflow.log.writer import TraceWriter
 
     config = Config(cpu_blocks=4096, block_tokens=16)
     writer = TraceWriter(path, config, checkpoint_every=10_000)

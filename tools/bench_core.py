@@ -32,9 +32,9 @@ import sys
 import tempfile
 import time
 
-from kvflow.commands import JobResult
-from kvflow.config import Config
-from kvflow.events import (
+from kvflow.core.commands import JobResult
+from kvflow.core.config import Config
+from kvflow.core.events import (
     BlocksEvicted,
     BlocksTouched,
     JobCompleted,
@@ -46,10 +46,11 @@ from kvflow.events import (
     PinsReleased,
     StoreQueued,
 )
-from kvflow.log import TraceWriter
-from kvflow.manager import OffloadManager
-from kvflow.replay import replay
-from kvflow.state import State, fold
+from kvflow.core.state.apply import fold
+from kvflow.core.state.model import State
+from kvflow.engine.manager import OffloadManager
+from kvflow.log.writer import TraceWriter
+from kvflow.replay.fold import replay
 
 
 def block_changes(events: list, store_jobs: dict[int, int]) -> int:

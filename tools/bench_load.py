@@ -17,10 +17,10 @@ import resource
 import sys
 import time
 
-from kvflow.config import Config
-from kvflow.engine import SyncEngine
+from kvflow.core.config import Config
+from kvflow.core.state.invariants import check_invariants
+from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
-from kvflow.state import check_invariants
 
 
 def rss_mib() -> float:

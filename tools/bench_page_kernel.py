@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_transfer import Clock, bench_link, gbps  # noqa: E402
 
-from kvflow.executors import page_kernel  # noqa: E402
+from kvflow.executors.torch import page_kernel  # noqa: E402
 
 
 def main() -> int:

@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ref_engine as ref  # noqa: E402
 
-from kvflow.config import Config  # noqa: E402
-from kvflow.engine import SyncEngine  # noqa: E402
-from kvflow.executors.torch_executor import TorchExecutor  # noqa: E402
+from kvflow.core.config import Config  # noqa: E402
+from kvflow.engine.sync import SyncEngine  # noqa: E402
+from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
 
 B = 16
 
@@ -94,7 +94,7 @@ def main() -> int:
             same = all(torch.equal(a, t.index_select(0, loaded)) for a, t in zip(snapshot, kv.tensors()))
             del snapshot
             on.forget_device_cache()
-            kvflow.manager.evict(len(kvflow.manager.state.policy))  # next round recomputes again
+            kvflow.engine.manager.evict(len(kvflow.engine.manager.state.policy))  # next round recomputes again
             if rep == 0:
                 continue
             ttft["recomputed"].append(st1.ttft_s)

@@ -74,8 +74,8 @@ def engine_thread_cost(url: str, payload: int, requests: int, blocks: int) -> di
     tier: the difference is what each remote block costs the engine."""
     import numpy as np
 
-    from kvflow.config import Config
-    from kvflow.engine import SyncEngine
+    from kvflow.core.config import Config
+    from kvflow.engine.sync import SyncEngine
     from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
     from kvflow.tiers.entry import Layout
     from kvflow.tiers.redis_store import RedisBlockStore, connect

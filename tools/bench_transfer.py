@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvflow.errors import ConfigError
-from kvflow.executors import batch_copy
-from kvflow.executors.torch_executor import TorchExecutor
-from kvflow.jobs import TransferJob
+from kvflow.core.errors import ConfigError
+from kvflow.core.jobs import TransferJob
+from kvflow.executors.torch import batch_copy
+from kvflow.executors.torch.executor import TorchExecutor
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _ids = itertools.count(1)

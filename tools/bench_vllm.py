@@ -54,7 +54,7 @@ def run(model_dir: Path, with_kvflow: bool, prompts: list[list[list[int]]], gpu_
     )
     if with_kvflow:
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm",
+            "kv_connector": "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"cpu_blocks": 4096},
         }

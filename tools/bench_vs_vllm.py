@@ -45,10 +45,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvflow.config import Config
-from kvflow.engine import SyncEngine
+from kvflow.core.config import Config
+from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
-from kvflow.kvevents import BlockRemoved, BlockStored, KVEventPublisher
+from kvflow.integrations.vllm.kv_events import BlockRemoved, BlockStored, KVEventPublisher
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ANCHOR = ROOT.parent / "shared" / "anchors" / "vllm_manager" / "bench_vllm_manager.py"

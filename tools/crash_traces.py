@@ -40,9 +40,9 @@ CHILD = """
 import sys
 sys.path.insert(0, {tools!r})
 from bench_core import engine_like_run
-from kvflow.config import Config
-from kvflow.log import TraceWriter
-from kvflow.manager import OffloadManager
+from kvflow.core.config import Config
+from kvflow.log.writer import TraceWriter
+from kvflow.engine.manager import OffloadManager
 config = Config(cpu_blocks=512, block_tokens=16)
 writer = TraceWriter(sys.argv[1], config, checkpoint_every=500, flush_records=int(sys.argv[4]))
 manager = OffloadManager(config, log=writer)
@@ -76,7 +76,7 @@ def run_child(path: str, requests: int, seed: int, flush: int, kill_after: float
 
 def plain_bytes(path: str) -> bytes:
     """The trace's text as far as it can be decompressed (all of it for a plain file)."""
-    from kvflow.trace.source import gzip_data
+    from kvflow.log.source import gzip_data
 
     with open(path, "rb") as raw:
         if not path.endswith(".gz"):
@@ -92,9 +92,9 @@ def plain_bytes(path: str) -> bytes:
 
 def check(path: str, reference: list[bytes]) -> tuple[int, bool, str | None]:
     """(records recovered, cut inside a line, problem or None) for a killed writer's trace."""
-    from kvflow.errors import TraceError
-    from kvflow.replay import replay
-    from kvflow.trace.reader import TraceReader
+    from kvflow.core.errors import TraceError
+    from kvflow.log.reader import TraceReader
+    from kvflow.replay.fold import replay
 
     text = plain_bytes(path)
     whole = text[: text.rfind(b"\n") + 1].splitlines(keepends=True)
@@ -131,9 +131,9 @@ def flush_cost(requests: int, repeat: int = 5) -> None:
 
     from bench_core import engine_like_run
 
-    from kvflow.config import Config
-    from kvflow.log import TraceWriter
-    from kvflow.manager import OffloadManager
+    from kvflow.core.config import Config
+    from kvflow.engine.manager import OffloadManager
+    from kvflow.log.writer import TraceWriter
 
     config = Config(cpu_blocks=512, block_tokens=16)
     policies = {"one write at close": 1 << 62, "every 4,096 records": 4096, "every command": 1}
@@ -175,7 +175,7 @@ def flush_cost(requests: int, repeat: int = 5) -> None:
 
 
 def writer_records(path: str) -> int:
-    from kvflow.trace.reader import TraceReader
+    from kvflow.log.reader import TraceReader
 
     with TraceReader(path) as reader:
         return sum(1 for _ in reader.records())

@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from kvflow.config import Config
-from kvflow.engine import SyncEngine
+from kvflow.core.config import Config
+from kvflow.engine.sync import SyncEngine
 from kvflow.executors import TorchExecutor
 
 BLOCK_TOKENS = 16

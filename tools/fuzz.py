@@ -136,7 +136,7 @@ def _source(path: Path) -> bytes:
 
 
 def _record_tags() -> list[str]:
-    from kvflow.log import RECORD_TYPES
+    from kvflow.log.format import RECORD_TYPES
 
     return sorted(t.__struct_config__.tag for t in RECORD_TYPES)
 
@@ -584,7 +584,7 @@ def run_verb(index: int, verb: str, path: str, extra: list[str], timeout: float)
     """Run one verb in-process through CliRunner and classify what happened."""
     from click.testing import CliRunner
 
-    from kvflow.cli import main
+    from kvflow.cli.main import main
 
     args = verb.split() + [path] + extra
     runner = CliRunner()
@@ -636,7 +636,7 @@ def _limit_memory(mb: int) -> None:
 
 def _worker(wid: int, seed: int, tasks: Any, results: Any, timeout: float, memory_mb: int) -> None:
     _limit_memory(memory_mb)
-    import kvflow.cli  # noqa: F401  (import once, before the clock of the first input starts)
+    import kvflow.cli.main  # noqa: F401  (import once, before the clock of the first input starts)
 
     workdir = Path(tempfile.mkdtemp(prefix=f"kvflow-fuzz-{wid}-"))
     try:

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvflow.config import Config
-from kvflow.jobs import LOAD, STORE, TransferJob
-from kvflow.log import TraceWriter
-from kvflow.manager import OffloadManager
+from kvflow.core.config import Config
+from kvflow.core.jobs import LOAD, STORE, TransferJob
+from kvflow.engine.manager import OffloadManager
+from kvflow.log.writer import TraceWriter
 
 BLOCK_TOKENS = 16
 STEP_MS = 10.0

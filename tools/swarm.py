@@ -35,7 +35,7 @@ when a scenario turns kvflow's own chain recency off, drains and closes. Then it
   the engine's counters agree with the trace;
 * before ``close()`` every remaining fence waits on a rank whose result never came, and after
   it nothing leaks: no job, hold, quarantined slot, fence; pins only of live requests;
-* ``kvflow.replay.replay(trace, strict=True)`` (every invariant after every event) and
+* ``kvflow.replay.fold.replay(trace, strict=True)`` (every invariant after every event) and
   ``replay(trace, redecide=True)`` are consistent and end at the live state's digest;
 * the seed re-run in this process gives the same trace bytes, and (every
   ``--subprocess-every``-th seed) so does a subprocess under another ``PYTHONHASHSEED``.
@@ -69,10 +69,9 @@ from typing import Any
 
 import msgspec
 
-from kvflow.commands import COMMAND_TYPES, BlocksComputed, DeviceBlocksEvicting, JobResult
-from kvflow.config import Config
-from kvflow.engine import StepReport, SyncEngine
-from kvflow.events import (
+from kvflow.core.commands import COMMAND_TYPES, BlocksComputed, DeviceBlocksEvicting, JobResult
+from kvflow.core.config import Config
+from kvflow.core.events import (
     BlocksEvicted,
     FenceLifted,
     JobCompleted,
@@ -84,11 +83,14 @@ from kvflow.events import (
     StoreQueued,
     event_name,
 )
+from kvflow.core.jobs import LOAD, TransferJob
+from kvflow.core.state.invariants import check_invariants
+from kvflow.engine.api import StepReport
+from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
-from kvflow.jobs import LOAD, TransferJob
-from kvflow.log import Checkpoint, TraceReader
-from kvflow.replay import replay
-from kvflow.state import check_invariants
+from kvflow.log.format import Checkpoint
+from kvflow.log.reader import TraceReader
+from kvflow.replay.fold import replay
 
 BLOCK_TOKENS = 16
 MAX_PROMPT_BLOCKS = 12

@@ -11,9 +11,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvflow.commands import JobResult
-from kvflow.jobs import LOAD, TransferJob
-from kvflow.manager import LoadFailure
+from kvflow.core.commands import JobResult
+from kvflow.core.jobs import LOAD, TransferJob
+from kvflow.engine.notices import LoadFailure
 
 
 class Executor(Protocol):

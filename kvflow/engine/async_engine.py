@@ -8,11 +8,11 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from kvflow.commands import JobResult
-from kvflow.config import Config
+from kvflow.core.commands import JobResult
+from kvflow.core.config import Config
 from kvflow.engine.api import Counters, Executor, Latencies, StepReport, merge_reports, monotonic_ms
+from kvflow.engine.manager import OffloadManager
 from kvflow.engine.sync import SyncEngine
-from kvflow.manager import OffloadManager
 
 
 def _forward(name: str) -> Any:

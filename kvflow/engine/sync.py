@@ -10,14 +10,16 @@ from typing import Any
 
 import structlog
 
-from kvflow.commands import JobResult
-from kvflow.config import Config
+from kvflow.core.commands import JobResult
+from kvflow.core.config import Config
+from kvflow.core.errors import ConfigError, Rejected
+from kvflow.core.jobs import TransferJob
 from kvflow.engine.api import Executor, StepReport, merge_reports, monotonic_ms
+from kvflow.engine.manager import OffloadManager
+from kvflow.engine.notices import Fence
 from kvflow.engine.watch import EngineWatch
-from kvflow.errors import ConfigError, Rejected
-from kvflow.jobs import TransferJob
-from kvflow.log import MemoryLog, NullLog, TraceWriter
-from kvflow.manager import Fence, OffloadManager
+from kvflow.log.memory import MemoryLog, NullLog
+from kvflow.log.writer import TraceWriter
 
 
 class SyncEngine:

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvflow.config import Config
-from kvflow.engine.api import Counters, Latencies
-from kvflow.events import (
+from kvflow.core.config import Config
+from kvflow.core.events import (
     TERMINAL_TYPES,
     BlocksEvicted,
     Event,
@@ -23,8 +22,9 @@ from kvflow.events import (
     StoreRejected,
     event_name,
 )
-from kvflow.jobs import LOAD, REMOTE_STORE, STORE
-from kvflow.manager import OffloadManager
+from kvflow.core.jobs import LOAD, REMOTE_STORE, STORE
+from kvflow.engine.api import Counters, Latencies
+from kvflow.engine.manager import OffloadManager
 
 
 class EngineWatch:

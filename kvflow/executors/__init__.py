@@ -1,8 +1,13 @@
 """Executors: what performs the copies that kvflow's decisions ask for.
 
-Importing this package imports no torch: the pure core and the CLI stay usable on machines
-without it. ``TorchExecutor``, ``HostPool``, ``KVLayout`` and ``RankGroup`` are loaded on first
-use (``from kvflow.executors import TorchExecutor``).
+- ``simulated``: ``SimulatedExecutor``, copies as time on a virtual clock (simulation, tests);
+- ``torch/``: ``TorchExecutor`` over real KV tensors on a CUDA, NPU or CPU device, its host
+  pool, KV layout, copy paths and rank workers.
+
+This package is also the face users import executors from: ``from kvflow.executors import
+TorchExecutor`` loads torch on first use only, so the core and the CLI stay usable without it.
+
+May import: ``kvflow.core``.
 """
 
 from __future__ import annotations
@@ -11,15 +16,14 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "TorchExecutor": "kvflow.executors.torch_executor",
-    "HostPool": "kvflow.executors.host_pool",
-    "PoolSpec": "kvflow.executors.host_pool",
-    "KVLayout": "kvflow.executors.layout",
-    "Region": "kvflow.executors.layout",
-    "RankGroup": "kvflow.executors.rank_worker",
-    "RandomKV": "kvflow.executors.rank_worker",
-    "DeviceTraits": "kvflow.executors.npu",
-    "traits_for": "kvflow.executors.npu",
+    "SimulatedExecutor": "kvflow.executors.simulated",
+    "TorchExecutor": "kvflow.executors.torch.executor",
+    "HostPool": "kvflow.executors.torch.host_pool",
+    "PoolSpec": "kvflow.executors.torch.host_pool",
+    "KVLayout": "kvflow.executors.torch.layout",
+    "Region": "kvflow.executors.torch.layout",
+    "RankGroup": "kvflow.executors.torch.ranks",
+    "RandomKV": "kvflow.executors.torch.ranks",
 }
 
 __all__ = sorted(_LAZY)

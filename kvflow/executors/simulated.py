@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from typing import Any
 
-from kvflow.commands import JobResult
-from kvflow.errors import ConfigError, Rejected, UnknownJob
-from kvflow.jobs import TransferJob
+from kvflow.core.commands import JobResult
+from kvflow.core.errors import ConfigError, Rejected, UnknownJob
+from kvflow.core.jobs import TransferJob
 
 _job_id = operator.attrgetter("job_id")
 

@@ -10,9 +10,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.commands import COMMAND_TYPES, JobResult
-from kvflow.errors import KvflowError
-from kvflow.events import (
+from kvflow.core.commands import COMMAND_TYPES, JobResult
+from kvflow.core.errors import KvflowError
+from kvflow.core.events import (
     JobCompleted,
     JobFailed,
     JobsSubmitted,
@@ -22,11 +22,11 @@ from kvflow.events import (
     Reset,
     event_name,
 )
+from kvflow.core.state.model import State
 from kvflow.inspect.render import describe, to_builtins
 from kvflow.inspect.views import _slot_owner, _view, focus_dict, state_to_dict
 from kvflow.inspect.walk import JobInfo, _Walk
-from kvflow.state import State
-from kvflow.trace.format import Checkpoint
+from kvflow.log.format import Checkpoint
 
 
 class InspectError(KvflowError):
@@ -150,7 +150,7 @@ def inspect_trace(
     """The history of ``selector``'s thing and/or the state at seq ``at``.
 
     Raises :class:`InspectError` when ``at`` is beyond the last event or the state there
-    cannot be computed, and :class:`~kvflow.errors.TraceError` for an unreadable trace.
+    cannot be computed, and :class:`~kvflow.core.errors.TraceError` for an unreadable trace.
     """
     selector = selector or Selector()
     if len(selector.given()) > 1:

@@ -11,13 +11,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.commands import COMMAND_TYPES
-from kvflow.decide import CANCELLED_BY_RESET
-from kvflow.events import BlocksEvicted, FenceLifted, JobFailed, JobTimedOut, LateResultIgnored
+from kvflow.core.commands import COMMAND_TYPES
+from kvflow.core.decide.jobs import CANCELLED_BY_RESET
+from kvflow.core.events import BlocksEvicted, FenceLifted, JobFailed, JobTimedOut, LateResultIgnored
+from kvflow.core.jobs import FILLING, LOAD, REMOTE_LOAD
+from kvflow.core.state.model import State
 from kvflow.inspect.walk import JobInfo, _Walk
-from kvflow.jobs import FILLING, LOAD, REMOTE_LOAD
-from kvflow.state import State
-from kvflow.trace.format import Checkpoint
+from kvflow.log.format import Checkpoint
 
 TERMINAL_FAILURES = (JobFailed, JobTimedOut)
 
@@ -187,7 +187,7 @@ def _recovery_from_event(event: JobFailed | JobTimedOut, info: JobInfo | None) -
 def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
     """Every failed, timed-out or cancelled job of the trace, in seq order.
 
-    Raises :class:`~kvflow.errors.TraceError` for an unreadable trace.
+    Raises :class:`~kvflow.core.errors.TraceError` for an unreadable trace.
     """
     walk = _Walk(path)
     incidents: list[Incident] = []

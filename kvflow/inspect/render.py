@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvflow.commands import (
+from kvflow.core.commands import (
     AcceptHits,
     BlocksComputed,
     DeviceBlocksEvicting,
@@ -23,7 +23,7 @@ from kvflow.commands import (
     Tick,
     Touch,
 )
-from kvflow.events import (
+from kvflow.core.events import (
     BlocksEvicted,
     BlocksTouched,
     ChainExtended,
@@ -49,7 +49,7 @@ from kvflow.events import (
     StoreRejected,
     event_name,
 )
-from kvflow.trace.format import Checkpoint
+from kvflow.log.format import Checkpoint
 
 if TYPE_CHECKING:
     from kvflow.inspect.incidents import Incident

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvflow.core.state.model import State
 from kvflow.inspect.render import few
 from kvflow.inspect.walk import JobInfo
-from kvflow.state import State
 
 if TYPE_CHECKING:
     from kvflow.inspect.history import Selector

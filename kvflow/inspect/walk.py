@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.commands import PlanStep, Tick
-from kvflow.errors import IllegalTransition
-from kvflow.events import (
+from kvflow.core.commands import PlanStep, Tick
+from kvflow.core.errors import IllegalTransition
+from kvflow.core.events import (
     FenceLifted,
     JobCompleted,
     JobFailed,
@@ -26,9 +26,10 @@ from kvflow.events import (
     Reset,
     StoreQueued,
 )
-from kvflow.jobs import LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
-from kvflow.state import State, evolve
-from kvflow.trace.reader import TraceReader
+from kvflow.core.jobs import LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
+from kvflow.core.state.apply import evolve
+from kvflow.core.state.model import State
+from kvflow.log.reader import TraceReader
 
 
 @dataclass

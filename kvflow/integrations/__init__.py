@@ -1,1 +1,4 @@
-"""Adapters that run kvflow inside serving engines (``kvflow.integrations.vllm``)."""
+"""kvflow inside serving engines: ``vllm/`` (the KV connector, its two sides, KV events).
+
+May import: anything but ``kvflow.cli``.
+"""

@@ -34,7 +34,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from kvflow.errors import ConfigError, KvflowError
+from kvflow.core.errors import ConfigError, KvflowError
 from kvflow.tiers.entry import Layout, Miss, decode, encode, key_of
 
 DEFAULT_TIMEOUT_S = 1.0

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.commands import JobResult
-from kvflow.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
+from kvflow.core.commands import JobResult
+from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
 from kvflow.tiers.entry import Miss
 
 REMOTE_DIRECTIONS = (REMOTE_STORE, REMOTE_LOAD)
@@ -46,7 +46,7 @@ class SlotPages:
 
     @classmethod
     def of_pool(cls, pool: Any) -> SlotPages:
-        """The slots of a ``HostPool`` (kvflow.executors.host_pool)."""
+        """The slots of a ``HostPool`` (kvflow.executors.torch.host_pool)."""
         return cls([pool.region(r).numpy() for r in range(len(pool.page_bytes))])
 
     def read(self, slot: int) -> list[memoryview]:

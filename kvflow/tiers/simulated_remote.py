@@ -1,5 +1,5 @@
 """A simulated remote tier, shared by the simulated instances of ``kvflow simulate
---instances N`` (``kvflow.simulate_fleet``): the same decisions and lifecycle as the Redis tier,
+--instances N`` (``kvflow.simulate.fleet``): the same decisions and lifecycle as the Redis tier,
 with a store that is a dict in memory.
 
 ``SimulatedRemoteStore`` holds block hashes up to a capacity and drops the least recently used
@@ -16,8 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvflow.commands import JobResult
-from kvflow.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
+from kvflow.core.commands import JobResult
+from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
 
 
 class SimulatedRemoteStore:

@@ -1,0 +1,134 @@
+"""Configuration: everything the decisions depend on, validated up front (F11)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from kvflow.core.errors import ConfigError
+
+STORE_MODES = ("eager", "lazy")
+# When blocks go to the remote tier: as soon as their CPU-tier store completes (write-through),
+# or when they come near eviction from the CPU tier (ahead of eviction: the policy's coldest)
+REMOTE_STORE_MODES = ("write_through", "ahead_of_eviction")
+# The most remote-tier hashes a state remembers (its remote index costs ~100 bytes a hash)
+MAX_REMOTE_BLOCKS = 1 << 26
+# Rank acknowledgements are kept as a bit mask that traces record as a 64-bit integer.
+MAX_WORLD_SIZE = 64
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    """Decision configuration. Recorded in every trace header; replay uses it verbatim.
+
+    ``cpu_blocks`` is the CPU tier's capacity in blocks; ``0`` disables offload.
+    ``block_tokens`` is the number of tokens per KV block. ``job_deadline_ms`` bounds how
+    long a submitted job may stay in flight before it times out (F2).
+
+    ``remote_blocks`` turns on the remote tier behind the CPU tier (``kvflow.tiers``): the
+    most remote hashes kvflow remembers (oldest forgotten first); ``0``: no remote tier.
+    ``remote_store_mode`` says when blocks are copied there.
+    ``chain_recency`` (a logic flag): kvflow keeps each request's chain (the full-block
+    hashes its lookups and stores name, in prefix order) and applies the chain's recency
+    itself (F14, DESIGN §7 rules 2 and 4): ``accept_hits`` touches the hits it loads deepest
+    first, ``finish_request`` touches the chain's blocks on the tier deepest first with
+    ``reuse=False``. Off, recency comes only from the engine's ``touch`` calls (how traces
+    recorded before the flag existed were decided: their headers lack it and read as off).
+    """
+
+    cpu_blocks: int
+    block_tokens: int = 16
+    policy: str = "lru"
+    store_mode: str = "eager"
+    world_size: int = 1
+    job_deadline_ms: float = 30_000.0
+    remote_blocks: int = 0
+    remote_store_mode: str = "write_through"
+    chain_recency: bool = True
+
+    def __post_init__(self) -> None:
+        validate_config(self)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cpu_blocks > 0
+
+    @property
+    def remote(self) -> bool:
+        return self.remote_blocks > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = msgspec.structs.asdict(self)
+        if not self.remote:  # (traces without a remote tier keep the header they always had)
+            del out["remote_blocks"], out["remote_store_mode"]
+        return out
+
+
+# The largest tier a state can be built for (the slot list costs ~80 bytes a slot: 1.3 GB here);
+# trace readers refuse a header above it (kvflow.log.memory).
+MAX_CPU_BLOCKS = 1 << 24
+
+
+def validate_config(config: Config) -> None:
+    """Raise ConfigError with a one-line message for the first bad field."""
+    from kvflow.core.policies.registry import POLICIES  # late: policies import nothing heavy
+
+    if not _is_int(config.cpu_blocks) or config.cpu_blocks < 0:
+        raise ConfigError(
+            f"cpu_blocks must be a whole number >= 0 (0 disables offload), got {config.cpu_blocks!r}"
+        )
+    if config.cpu_blocks > MAX_CPU_BLOCKS:  # (what a trace reader accepts: the same bound)
+        raise ConfigError(f"cpu_blocks must be at most {MAX_CPU_BLOCKS:,}, got {config.cpu_blocks:,}")
+    if not _is_int(config.block_tokens) or config.block_tokens <= 0:
+        raise ConfigError(f"block_tokens must be a whole number > 0, got {config.block_tokens!r}")
+    if not isinstance(config.policy, str) or config.policy not in POLICIES:
+        known = ", ".join(sorted(POLICIES))
+        raise ConfigError(f"unknown policy {config.policy!r}; known policies: {known}")
+    if config.store_mode not in STORE_MODES:
+        raise ConfigError(
+            f"store_mode must be one of {', '.join(STORE_MODES)}, got {config.store_mode!r}"
+        )
+    if not _is_int(config.world_size) or not 1 <= config.world_size <= MAX_WORLD_SIZE:
+        raise ConfigError(
+            f"world_size must be a whole number within 1..{MAX_WORLD_SIZE}, got {config.world_size!r}"
+        )
+    deadline = config.job_deadline_ms
+    if (
+        isinstance(deadline, bool)
+        or not isinstance(deadline, (int, float))
+        or not math.isfinite(deadline)
+        or deadline <= 0
+    ):
+        raise ConfigError(f"job_deadline_ms must be a finite number > 0, got {deadline!r}")
+    if not _is_int(config.remote_blocks) or not 0 <= config.remote_blocks <= MAX_REMOTE_BLOCKS:
+        raise ConfigError(
+            f"remote_blocks must be a whole number within 0..{MAX_REMOTE_BLOCKS:,} "
+            f"(0: no remote tier), got {config.remote_blocks!r}"
+        )
+    if config.remote_store_mode not in REMOTE_STORE_MODES:
+        raise ConfigError(
+            f"remote_store_mode must be one of {', '.join(REMOTE_STORE_MODES)}, "
+            f"got {config.remote_store_mode!r}"
+        )
+    if type(config.chain_recency) is not bool:
+        raise ConfigError(f"chain_recency must be true or false, got {config.chain_recency!r}")
+
+
+# Logic flags added after traces were first recorded, with the value that decided those
+# traces: a trace header without the flag reads as that value, so the trace re-decides exactly
+# as it was recorded.
+FLAGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"chain_recency": False}
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build a Config from a trace header, with one-line errors; a logic flag the header
+    lacks reads as the value that decided traces recorded before it existed."""
+    try:
+        return msgspec.convert({**FLAGS_BEFORE_THEY_EXISTED, **data}, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config: {exc}") from None

@@ -1,0 +1,132 @@
+"""Decisions of the remote tier (behind the CPU tier): what a lookup loads from it, what is
+copied to it, and what a probe of it found. Pure.
+
+The remote tier is reached only through host slots: a *remote load* fills CPU-tier entries
+(ABSENT -> STORE_QUEUED -> STORING -> RESIDENT, exactly a store's lifecycle: visible only when
+it completes, gone if it fails), and a *remote store* reads resident entries (pinned by the job
+while it reads, exactly a load's hold). Both are jobs with the lifecycle, deadline, fences and
+events of every other job, so replay, ``incidents`` and ``inspect`` need nothing new.
+
+The remote index (``state.remote``) is what this instance knows to be there: its own remote
+stores once they complete, and what probes found (``RemoteFound``). A remote load that fails
+drops its hashes from the index at once, so a dead key is tried once, not in a loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvflow.core.commands import RemoteFound
+from kvflow.core.decide.checks import Emit
+from kvflow.core.decide.store import _admission, eviction
+from kvflow.core.events import RemoteIndexed, RemoteLoadQueued, RemoteStoreQueued
+from kvflow.core.jobs import REMOTE_STORE
+from kvflow.core.state.bulk import values_at
+from kvflow.core.state.model import State
+
+
+def remote_run(state: State, window: Sequence[int]) -> list[int]:
+    """The blocks of ``window`` (a lookup's blocks after its CPU-tier hits) to load from the
+    remote tier: in prefix order, those the remote index holds, up to the first block that is
+    neither there nor already on its way to the CPU tier (a block beyond a gap is no hit)."""
+    slot_of, remote = state.slot_of, state.remote
+    run = []
+    for h in window:
+        if h in slot_of:
+            continue  # pending here already (being stored or loaded from the remote tier)
+        if h not in remote:
+            break
+        run.append(h)
+    return run
+
+
+def remote_loads(state: State, window: Sequence[int], emit: Emit) -> int | None:
+    """Queue the remote load of ``remote_run(window)``: each block takes a free slot, else
+    evicts the policy's next victim, never a pinned block (the request's hits are pinned) nor
+    one of the run (F16); what finds no slot is not loaded."""
+    if not state.config.remote:
+        return None
+    run = remote_run(state, window)
+    if not run:
+        return None
+    admitted, _, victims, _, _ = _admission(state, run, run)
+    if victims:
+        emit(eviction(state, victims, "capacity"))
+    if not admitted:
+        return None
+    free = state.free_slots
+    job_id = state.last_job_id + 1
+    emit(
+        RemoteLoadQueued(
+            seq=state.next_seq,
+            job_id=job_id,
+            hashes=tuple(admitted),
+            slots=tuple(free[len(free) - len(admitted) :][::-1]),
+        )
+    )
+    return job_id
+
+
+def write_through(state: State, hashes: Sequence[int], emit: Emit) -> int | None:
+    """``remote_store_mode="write_through"``: blocks whose CPU-tier store just completed are
+    copied to the remote tier, unless it holds them already."""
+    if not state.config.remote or state.config.remote_store_mode != "write_through":
+        return None
+    remote = state.remote
+    todo = [h for h in hashes if h not in remote and state.is_resident(h)]
+    if not todo:
+        return None
+    return _remote_store(state, todo, emit)
+
+
+def _remote_store(state: State, hashes: Sequence[int], emit: Emit) -> int:
+    todo, slot_of = tuple(hashes), state.slot_of
+    job_id = state.last_job_id + 1
+    emit(RemoteStoreQueued(seq=state.next_seq, job_id=job_id, hashes=todo, slots=values_at(slot_of, todo)))
+    return job_id
+
+
+def coldest_window(state: State) -> int:
+    """``ahead_of_eviction``: how many of the policy's coldest blocks are kept on the remote
+    tier (an eighth of the CPU tier), so that the tier rarely evicts a block it alone holds."""
+    return max(1, state.config.cpu_blocks // 8)
+
+
+def push_ahead_of_eviction(state: State, emit: Emit) -> None:
+    """``remote_store_mode="ahead_of_eviction"``: once the CPU tier has fewer free slots than
+    ``coldest_window``, its coldest resident blocks that the remote tier lacks (and no live
+    remote store is copying) are copied there. Pinned by that job, they are not evicted until
+    it ends; eviction takes the next victim meanwhile."""
+    window = coldest_window(state)
+    if not state.config.remote or len(state.free_slots) >= window:
+        return None
+    coldest = state.policy.victims(min(window, state.num_resident()), None) or []
+    pushing = {h for job in state.jobs.values() if job.direction == REMOTE_STORE for h in job.hashes}
+    todo = [h for h in coldest if h not in state.remote and h not in pushing]
+    if todo:
+        _remote_store(state, todo, emit)
+    return None
+
+
+def probe_candidates(state: State, window: Sequence[int]) -> list[int]:
+    """Which blocks of a lookup's ``window`` after its hits are worth asking the remote tier
+    about: those neither on the CPU tier (resident or on their way) nor in the remote index
+    (the engine's probe answers with ``RemoteFound``)."""
+    if not state.config.remote:
+        return []
+    slot_of, remote = state.slot_of, state.remote
+    out = []
+    for h in window:
+        if h in slot_of or h in remote:
+            continue
+        out.append(h)
+    return out
+
+
+def decide_remote_found(state: State, cmd: RemoteFound, emit: Emit) -> int:
+    if not state.config.remote:
+        return 0
+    new = tuple(h for h in dict.fromkeys(cmd.block_hashes) if h not in state.remote)
+    if new:
+        emit(RemoteIndexed(seq=state.next_seq, hashes=new))
+    return len(new)

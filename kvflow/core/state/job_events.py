@@ -1,0 +1,416 @@
+"""``evolve`` for the job events: a job queued, submitted, a rank's result, its end (or its
+fence, F15), a late result, a fence lifted. Each checks the event (when asked), reads the job's
+next state from ``JOB_TRANSITIONS`` and moves the job's entries with ``kvflow.core.state.moves``.
+Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvflow.core.errors import IllegalTransition
+from kvflow.core.events import (
+    FenceLifted,
+    JobCompleted,
+    JobFailed,
+    JobsSubmitted,
+    JobTimedOut,
+    LateResultIgnored,
+    LoadQueued,
+    RankSucceeded,
+    RemoteIndexed,
+    RemoteLoadQueued,
+    RemoteStoreQueued,
+    StoreQueued,
+)
+from kvflow.core.jobs import FILLING, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
+from kvflow.core.state import legality as lg
+from kvflow.core.state.bulk import all_in, values_at
+from kvflow.core.state.model import Job, State
+from kvflow.core.state.moves import (
+    WRITERS,
+    ensure_request,
+    entry_move,
+    note_chain_whole,
+    pin,
+    unpin,
+)
+from kvflow.core.state.tables import (
+    ABSENT,
+    JOB_TRANSITIONS,
+    OUTCOME_JOB_STATES,
+    RESIDENT,
+    STORE_QUEUED,
+    STORING,
+    JobState,
+)
+
+# (module constants: reading a member off an Enum class costs about 15 times a global's)
+_NEW, _QUEUED, _ABANDONED = JobState.NEW, JobState.QUEUED, JobState.ABANDONED
+# the job ends' tags: ``_terminal`` tells the ends apart by them (``is``: each tag below is the
+# one string object ``_END_TAGS`` gives for it), not by the end's type
+_COMPLETED, _FAILED, _TIMED_OUT = (str(t.__struct_config__.tag) for t in (JobCompleted, JobFailed, JobTimedOut))
+# an outcome with ``fenced`` set reads as "<tag>:fenced" in JOB_TRANSITIONS
+_FENCED_TAGS = {tag: tag + ":fenced" for tag in (_COMPLETED, _FAILED, _TIMED_OUT)}
+_END_TAGS: dict[type, str] = {JobCompleted: _COMPLETED, JobFailed: _FAILED, JobTimedOut: _TIMED_OUT}
+"""A job end's type -> its tag; ``_end_tag`` adds any other record type that carries an end's tag."""
+
+
+def _end_tag(kind: type) -> str:
+    """The tag of a record type that is no job end event but carries an end's tag: a trace
+    reader's job end read without its payload (``kvflow.log.format``), which an unchecked
+    ``_terminal`` applies as it is (it reads the payload from the job). KeyError otherwise."""
+    tag = getattr(getattr(kind, "__struct_config__", None), "tag", None)
+    same = [known for known in _FENCED_TAGS if known == tag]
+    if not same:
+        raise KeyError(kind)
+    _END_TAGS[kind] = same[0]
+    return same[0]
+
+
+# What the queue events do to their entries, read from BLOCK_TRANSITIONS once (see
+# moves.entry_move; None: the entries stay as they are)
+_QUEUE_STORE = entry_move(ABSENT, "store_queued")
+_QUEUE_REMOTE_LOAD = entry_move(ABSENT, "remote_load_queued")
+_QUEUE_LOAD = entry_move(RESIDENT, "load_queued")
+_QUEUE_REMOTE_STORE = entry_move(RESIDENT, "remote_store_queued")
+# submitting a job: a filling job's entries are STORE_QUEUED, any other's RESIDENT
+_SUBMIT_FILLING = entry_move(STORE_QUEUED, "jobs_submitted")
+_SUBMIT_OTHER = entry_move(RESIDENT, "jobs_submitted")
+_QUEUED_SUBMITS = "jobs_submitted" in JOB_TRANSITIONS[_QUEUED]  # (read once, as the moves are)
+
+# --- jobs -----------------------------------------------------------------------------------
+
+
+def _add_job(
+    state: State,
+    event: StoreQueued | LoadQueued | RemoteLoadQueued | RemoteStoreQueued,
+    direction: str,
+    tag: str,
+    request_id: str | None,
+    device_blocks: tuple[int, ...],
+) -> Job:
+    """The job the event queues (in the state the table gives it), holding its device blocks;
+    its request (``None`` for remote jobs and lazy stores) is created if new and lists it."""
+    job_id = event.job_id
+    job = Job(job_id, direction, request_id, event.hashes, device_blocks, event.slots, JOB_TRANSITIONS[_NEW][tag])
+    state.jobs[job_id] = job
+    state.queued[job_id] = None
+    state.last_job_id = job_id
+    held = state._held
+    if held is not None:
+        if len(state.jobs) == 1:  # the only live job: no index is kept (see State.held)
+            state._held = None
+        else:
+            for d in device_blocks:  # (a loop: about 0.6x the cost of update(dict.fromkeys(...)))
+                held[d] = job_id
+    req = ensure_request(state, request_id)
+    if req is not None:
+        req.jobs[job_id] = None
+    return job
+
+
+def _end_job(state: State, job: Job, abandoned: bool) -> None:
+    """A terminal job leaves the state: its holds end, its request forgets it (a job
+    abandoned by a reset was already forgotten by its request)."""
+    job_id, device_blocks = job.job_id, job.device_blocks
+    del state.jobs[job_id]
+    if state.queued:  # (a job cancelled before submission; usually none is queued)
+        state.queued.pop(job_id, None)
+    held = state._held
+    if held is None:
+        pass  # not kept (see State.held)
+    elif len(held) == len(device_blocks):
+        held.clear()  # its blocks are all that is held
+    else:
+        for d in device_blocks:
+            del held[d]
+    if job.request_id is not None and not abandoned:
+        del state.requests[job.request_id].jobs[job_id]
+
+
+def _quarantine(state: State, job: Job) -> None:
+    """Fence the job's slots: none is handed out again while its copy may still run."""
+    quarantine, jid = state.quarantine, job.job_id
+    for s in dict.fromkeys(job.slots):  # a load may read one slot twice
+        quarantine[s] = quarantine.get(s, ()) + (jid,)
+
+
+def _fence(state: State, job: Job) -> None:
+    """The job's outcome is applied but its copy may still run (F15): its slots are
+    quarantined and its device blocks stay held; its request forgets it."""
+    _quarantine(state, job)
+    if job.request_id is not None:
+        del state.requests[job.request_id].jobs[job.job_id]
+
+
+def _release_quarantine(state: State, job: Job) -> None:
+    """The fence ends: each of the job's slots no other fence uses is free again, unless
+    its entry still owns it (a fenced load's block may still be resident)."""
+    quarantine = state.quarantine
+    free, slot_of = state.free_slots, state.slot_of
+    jid = job.job_id
+    for h, s in reversed(dict.fromkeys(zip(job.hashes, job.slots))):
+        users = tuple(j for j in quarantine[s] if j != jid)
+        if users:
+            quarantine[s] = users  # another fenced job still uses this slot
+        else:
+            del quarantine[s]
+            if slot_of.get(h) != s:
+                free.append(s)
+
+
+# --- one function per job event ------------------------------------------------------------
+
+
+
+def _store_queued(state: State, event: StoreQueued, check: bool) -> None:
+    request_id = event.request_id
+    if check:
+        lg.check_new_job(state, event)
+        lg.check_new_entries(state, event)
+        req = state.requests.get(request_id) if request_id is not None else None
+        if req is not None and req.finished:
+            raise lg.illegal(state, event, "FINISHED", f"request {request_id} is finished")
+    job = _add_job(state, event, STORE, "store_queued", request_id, event.device_blocks)
+    if _QUEUE_STORE is not None:
+        _QUEUE_STORE(state, event.hashes, job)  # (on the tier from now on)
+        if request_id is not None:
+            note_chain_whole(state, state.requests[request_id], event.hashes)
+
+
+def _load_queued(state: State, event: LoadQueued, check: bool) -> None:
+    req = state.requests.get(event.request_id)
+    n = len(event.hashes)
+    if check:
+        lg.check_new_job(state, event)
+        if req is None or req.finished:
+            raise lg.illegal(state, event, "NO_REQUEST", f"request {event.request_id} is not live")
+        if req.offered[:n] != event.hashes:  # (offered hits are pinned, hence RESIDENT)
+            raise lg.illegal(state, event, "PINS", "a load must take the request's offered hits, in order")
+        if values_at(state.slot_of, event.hashes) != event.slots:
+            raise lg.illegal(state, event, "RESIDENT", "the load's slots are not where its blocks live")
+    if req is None:
+        raise lg.illegal(state, event, "NO_REQUEST", f"request {event.request_id} is not live")
+    # the request's pins move from "offered" to the job (counts are unchanged)
+    req.offered = req.offered[n:]
+    req.loading[event.job_id] = event.hashes
+    job = _add_job(state, event, LOAD, "load_queued", event.request_id, event.device_blocks)
+    if _QUEUE_LOAD is not None:
+        _QUEUE_LOAD(state, event.hashes, job)
+
+
+def _check_remote_job(state: State, event: RemoteLoadQueued | RemoteStoreQueued) -> None:
+    if event.job_id != state.last_job_id + 1:
+        raise lg.illegal(state, event, "NEW", f"job id {event.job_id} is not {state.last_job_id + 1}")
+    if len(event.hashes) != len(event.slots) or not event.hashes:
+        raise lg.illegal(state, event, "NEW", "hashes and slots must match, non-empty")
+
+
+def _remote_load_queued(state: State, event: RemoteLoadQueued, check: bool) -> None:
+    if check:
+        _check_remote_job(state, event)
+        lg.check_new_entries(state, event)
+    job = _add_job(state, event, REMOTE_LOAD, "remote_load_queued", None, ())
+    if _QUEUE_REMOTE_LOAD is not None:
+        _QUEUE_REMOTE_LOAD(state, event.hashes, job)
+
+
+def _remote_store_queued(state: State, event: RemoteStoreQueued, check: bool) -> None:
+    if check:
+        _check_remote_job(state, event)
+        lg.check_resident(state, event, "remote_store_queued", event.hashes)
+        if values_at(state.slot_of, event.hashes) != event.slots:
+            raise lg.illegal(state, event, "RESIDENT", "the remote store's slots are not where its blocks live")
+        if len(set(event.hashes)) != len(event.hashes):
+            raise lg.illegal(state, event, "RESIDENT", "a block is stored twice in one event")
+    job = _add_job(state, event, REMOTE_STORE, "remote_store_queued", None, ())
+    if _QUEUE_REMOTE_STORE is not None:
+        _QUEUE_REMOTE_STORE(state, event.hashes, job)
+    pin(state, event.hashes)  # its slots are read until the job ends
+
+
+def remember_remote(state: State, hashes: tuple[int, ...]) -> None:
+    """Add to the remote index (the most recent last); beyond its capacity the oldest go."""
+    remote = state.remote
+    for h in hashes:
+        remote.pop(h, None)
+        remote[h] = None
+    excess = len(remote) - state.config.remote_blocks
+    if excess > 0:
+        for h in list(remote)[:excess]:
+            del remote[h]
+
+
+def _remote_indexed(state: State, event: RemoteIndexed, check: bool) -> None:
+    remember_remote(state, event.hashes)
+
+
+def _check_submission(state: State, event: JobsSubmitted) -> None:
+    """Each job is live, queued, the table lets it be submitted, and it is named once."""
+    job_ids = event.job_ids
+    for jid in job_ids:
+        job, _ = lg.check_job(state, event, "jobs_submitted", jid)
+        if jid not in state.queued:
+            raise lg.illegal(state, event, job.state.name, f"job {jid} is not queued")
+    if len(set(job_ids)) != len(job_ids):
+        raise lg.illegal(state, event, "IN_FLIGHT", "a job is submitted twice in one event")
+
+
+def _jobs_submitted(state: State, event: JobsSubmitted, check: bool) -> None:
+    jobs, queued, job_ids = state.jobs, state.queued, event.job_ids
+    if check and not (
+        # the usual case at C level: every job in the queued index, which holds exactly the
+        # QUEUED jobs (an invariant every event keeps), and the table submits a QUEUED job;
+        # anything else is walked job by job, to name the offender
+        _QUEUED_SUBMITS and all_in(queued, job_ids) and len(set(job_ids)) == len(job_ids)
+    ):
+        _check_submission(state, event)
+    deadline = event.deadline_ms
+    for jid in job_ids:
+        job = jobs[jid]
+        job.state = JOB_TRANSITIONS[job.state]["jobs_submitted"]
+        job.deadline_ms = deadline
+        del queued[jid]
+        # a store's entries follow their job (STORE_QUEUED -> STORING: the job's state tells)
+        write = _SUBMIT_FILLING if job.direction in FILLING else _SUBMIT_OTHER
+        if write is not None:
+            write(state, (), job)
+
+
+def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, job: Job) -> None:
+    """The end describes ``job`` (whose table allows it: ``_terminal`` read that first)."""
+    if type(event) is JobFailed and event.fenced:
+        if not 0 <= event.rank < state.config.world_size:
+            raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+        if job.reported | (1 << event.rank) == (1 << state.config.world_size) - 1:
+            raise lg.illegal(state, event, job.state.name, "every rank has reported: nothing to fence")
+    if (
+        job.hashes != event.hashes
+        or job.direction != event.direction
+        or job.device_blocks != event.device_blocks
+    ):
+        raise lg.illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
+    if event.abandoned != job.abandoned:
+        raise lg.illegal(state, event, job.state.name, f"job {job.job_id} abandoned is {job.abandoned}")
+    # (Its entries need no check: a live store's hashes stay pending on it and a live load's
+    # stay pinned, hence RESIDENT, until this event: the invariants every earlier event kept.)
+    if type(event) is JobCompleted:
+        world = state.config.world_size
+        if not 0 <= event.rank < world:
+            raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+        if job.acks | (1 << event.rank) != (1 << world) - 1:
+            raise lg.illegal(state, event, job.state.name, f"job {job.job_id} lacks rank results")
+
+
+def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check: bool) -> None:
+    # (unchecked, only the end's own fields are read, never its payload: the job's is applied,
+    # so a trace reader's end read without its payload is applied as it is; see _end_tag)
+    try:
+        tag = _END_TAGS[type(event)]
+    except KeyError:
+        tag = _end_tag(type(event))
+    fenced = tag is not _COMPLETED and event.fenced  # type: ignore[union-attr]
+    job_tag = _FENCED_TAGS[tag] if fenced else tag
+    if check:
+        job, nxt = lg.check_job(state, event, job_tag, event.job_id)
+        _check_terminal(state, event, job)
+    else:  # (the decider's own event, or a trusted replay: its job is live, the table allows it)
+        job = state.jobs[event.job_id]
+        nxt = JOB_TRANSITIONS[job.state][job_tag]
+    was = job.state
+    if nxt not in OUTCOME_JOB_STATES:
+        raise IllegalTransition(
+            was.name, f"{tag}#{event.seq}", "the job table must end or fence the job here"
+        )
+    job.state = nxt
+    abandoned = was is _ABANDONED
+    if fenced:
+        if tag is _FAILED:
+            job.reported |= 1 << event.rank  # type: ignore[union-attr]
+        if abandoned:
+            return  # already fenced by the reset (its entries left the tier then)
+        _fence(state, job)  # memory stays fenced; the outcome below applies now
+    else:
+        _end_job(state, job, abandoned)
+        if abandoned:
+            # its entries left the tier at the reset; only its quarantined slots come back now
+            _release_quarantine(state, job)
+            return
+    direction = job.direction
+    if direction in FILLING:
+        write = WRITERS[STORE_QUEUED if was is _QUEUED else STORING][tag]
+        if write is not None:
+            write(state, job.hashes, job)
+        if direction == REMOTE_LOAD and tag is not _COMPLETED:
+            # a dead key never loops lookup -> load -> fail: it leaves the remote index now
+            for h in job.hashes:
+                state.remote.pop(h, None)
+        return
+    write = WRITERS[RESIDENT][tag]
+    if write is not None:
+        write(state, job.hashes, job)
+    unpin(state, job.hashes)
+    if direction == REMOTE_STORE:
+        if tag is _COMPLETED:
+            remember_remote(state, job.hashes)
+    else:
+        del state.requests[job.request_id].loading[job.job_id]  # type: ignore[index]
+
+
+def _rank_succeeded(state: State, event: RankSucceeded, check: bool) -> None:
+    job, nxt = lg.check_job(state, event, "rank_succeeded", event.job_id)
+    world = state.config.world_size
+    if not 0 <= event.rank < world:  # (before the shift: a negative rank cannot shift)
+        raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+    bit = 1 << event.rank
+    if job.acks & bit:
+        raise lg.illegal(state, event, job.state.name, f"rank {event.rank} cannot report again")
+    if job.acks | bit == (1 << world) - 1:
+        raise lg.illegal(state, event, job.state.name, "the last rank's success is JobCompleted")
+    job.state = nxt
+    job.acks |= bit
+    job.reported |= bit
+
+
+def _late(state: State, event: LateResultIgnored, check: bool) -> None:
+    job = state.jobs.get(event.job_id)
+    if job is not None and job.state is JobState.FENCED:
+        # a fenced job's rank reports: that rank's copy is over
+        if not 0 <= event.rank < state.config.world_size:
+            raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
+        job.state = lg.job_next(state, event, "late_result_ignored", job)
+        job.reported |= 1 << event.rank
+    elif job is not None:
+        # legal for a live job only as a repeat of a rank that already reported success
+        if not (0 <= event.rank < 64 and job.acks & (1 << event.rank)):
+            raise lg.illegal(state, event, job.state.name, f"job {event.job_id} is live")
+        job.state = lg.job_next(state, event, "late_result_ignored", job)
+    elif not 0 < event.job_id <= state.last_job_id:
+        raise lg.illegal(state, event, "NEW", f"job {event.job_id} was never queued")
+
+
+def _fence_lifted(state: State, event: FenceLifted, check: bool) -> None:
+    job, nxt = lg.check_job(state, event, "fence_lifted", event.job_id)
+    if job.device_blocks != event.device_blocks or job.slots != event.slots:
+        raise lg.illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
+    if event.reason == "copy over" and job.reported != (1 << state.config.world_size) - 1:
+        raise lg.illegal(state, event, job.state.name, f"job {job.job_id}: not every rank has reported")
+    job.state = nxt
+    _end_job(state, job, abandoned=True)  # its request forgot it when it was fenced
+    _release_quarantine(state, job)
+
+
+JOB_EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {
+    StoreQueued: _store_queued,  # type: ignore[dict-item]
+    RemoteLoadQueued: _remote_load_queued,  # type: ignore[dict-item]
+    RemoteStoreQueued: _remote_store_queued,  # type: ignore[dict-item]
+    RemoteIndexed: _remote_indexed,  # type: ignore[dict-item]
+    LoadQueued: _load_queued,  # type: ignore[dict-item]
+    JobsSubmitted: _jobs_submitted,  # type: ignore[dict-item]
+    RankSucceeded: _rank_succeeded,  # type: ignore[dict-item]
+    JobCompleted: _terminal,  # type: ignore[dict-item]
+    JobFailed: _terminal,  # type: ignore[dict-item]
+    JobTimedOut: _terminal,  # type: ignore[dict-item]
+    LateResultIgnored: _late,  # type: ignore[dict-item]
+    FenceLifted: _fence_lifted,  # type: ignore[dict-item]
+}

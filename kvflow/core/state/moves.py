@@ -1,0 +1,170 @@
+"""The writers of the state: each entry move of ``BLOCK_TRANSITIONS`` (one writer for each
+(from, to) pair), pins, and the requests ``evolve`` creates. Used by ``kvflow.core.state.apply``
+and ``kvflow.core.state.job_events`` once an event is known legal. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvflow.core.state.model import Job, Request, State
+from kvflow.core.state.tables import (
+    ABSENT,
+    BLOCK_TRANSITIONS,
+    RESIDENT,
+    STORE_QUEUED,
+    STORING,
+    BlockState,
+)
+
+# --- entry moves: the one writer for each (from, to) pair of BLOCK_TRANSITIONS ----------
+# The entries are stored column-wise (slot_of, pending, pin_count; the policy orders the
+# RESIDENT ones), so a move is a few dict operations per hash. (Plain loops of subscript
+# stores and deletes: in CPython 3.11 they beat map() over __setitem__ / __delitem__.)
+
+
+def _admit(state: State, hashes: tuple[int, ...], job: Job) -> None:
+    """ABSENT -> STORE_QUEUED: the store job's slots are taken, its hashes pending on it."""
+    free = state.free_slots
+    del free[len(free) - len(job.slots) :]
+    state.slot_of.update(zip(hashes, job.slots))
+    pending = state._pending
+    if pending is not None:
+        if len(state.jobs) == 1:  # the only live job: no index is kept (see State.pending)
+            state._pending = None
+        else:
+            job_id = job.job_id
+            for h in hashes:  # (a loop: about 0.6x the cost of update(dict.fromkeys(...)), which builds a dict)
+                pending[h] = job_id
+
+
+def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
+    """STORING -> RESIDENT: visible from now on, the most recent in the policy.
+
+    F14: a touch that named these entries while they were being stored is applied now, so
+    a chain's order is the engine's touch whatever order its stores land in."""
+    _unpend(state._pending, hashes)
+    state.policy.admit_new_many(hashes)
+    if state.deferred_touches:
+        deferred = state.deferred_touches.pop(job.job_id, None)
+        if deferred is not None:
+            touched, reuse = deferred
+            slot_of, pending = state.slot_of, state.pending
+            resident = tuple(h for h in touched if h in slot_of and h not in pending)
+            if reuse:
+                state.policy.touch_many(resident)
+            else:
+                state.policy.refresh_many(resident)
+
+
+def _unpend(pending: dict[int, int] | None, hashes: tuple[int, ...]) -> None:
+    """The job's hashes (distinct, each pending on it) are pending no more."""
+    if pending is None:
+        return  # not kept (see State.pending)
+    if len(pending) == len(hashes):
+        pending.clear()  # the usual case, one store at a time: they are all there is
+    else:
+        for h in hashes:
+            del pending[h]
+
+
+def _free(state: State, hashes: tuple[int, ...]) -> None:
+    """The entries leave their slots; a slot a fenced copy may still use stays out of the
+    free list until that fence is lifted (F15)."""
+    state.departures += 1
+    slots = map(state.slot_of.pop, reversed(hashes))
+    quarantine = state.quarantine
+    if quarantine:
+        state.free_slots.extend([s for s in slots if s not in quarantine])
+    else:
+        state.free_slots.extend(slots)
+
+
+def _drop_pending(state: State, hashes: tuple[int, ...], job: Job) -> None:
+    """STORE_QUEUED / STORING -> ABSENT: never visible; the slots are free again (or fenced,
+    when the job's copy may still be writing them)."""
+    if state.deferred_touches:
+        state.deferred_touches.pop(job.job_id, None)
+    _unpend(state._pending, hashes)
+    _free(state, hashes)
+
+
+def _evict(state: State, hashes: tuple[int, ...], job: Job | None) -> None:
+    """RESIDENT -> ABSENT: the slots are free again; the policy forgets (or ghosts) them."""
+    _free(state, hashes)
+    state.policy.remove_many(hashes)
+    if state.bad:
+        for h in hashes:
+            state.bad.pop(h, None)
+
+
+_ENTRY_MOVES: dict[tuple[BlockState, BlockState], Callable[..., None] | None] = {
+    (ABSENT, STORE_QUEUED): _admit,
+    (STORE_QUEUED, STORING): None,  # nothing to write: the store job's own state tells them apart
+    (STORING, RESIDENT): _publish,
+    (STORE_QUEUED, ABSENT): _drop_pending,
+    (STORING, ABSENT): _drop_pending,
+    (RESIDENT, ABSENT): _evict,
+}
+
+
+# BLOCK_TRANSITIONS with each next state replaced by the writer of that move (None for a
+# self-loop or a move with nothing to write): built from the table, so the table decides
+WRITERS: dict[BlockState, dict[str, Callable[..., None] | None]] = {
+    current: {tag: None if nxt is current else _ENTRY_MOVES[current, nxt] for tag, nxt in row.items()}
+    for current, row in BLOCK_TRANSITIONS.items()
+}
+
+
+def entry_move(current: BlockState, tag: str) -> Callable[..., None] | None:
+    """The writer that moves entries in ``current`` to where the table says ``tag`` takes
+    them, called ``write(state, hashes, job)``; None where they stay as they are (the event's
+    own effect does the rest). Read once, at import, by a call site whose ``current`` and
+    ``tag`` never vary: a per-event lookup would cost a call and two subscripts each time."""
+    return WRITERS[current][tag]
+
+
+# --- pins and requests --------------------------------------------------------------------
+
+
+def ensure_request(state: State, request_id: str | None) -> Request | None:
+    if request_id is None:
+        return None
+    req = state.requests.get(request_id)
+    if req is None:
+        req = state.requests[request_id] = Request(request_id)
+    return req
+
+
+def note_chain_whole(state: State, req: Request, stored: tuple[int, ...]) -> None:
+    """The request's store of ``stored`` was queued: if they are its chain's tail and the
+    rest of its chain is on the tier, the whole chain is (see Request.chain_whole_at)."""
+    start = req.chain_tail_start(stored)
+    if start == 0 or (start > 0 and all(map(state.slot_of.__contains__, req.chain_order[:start]))):  # type: ignore[index]
+        req.chain_whole_at = state.departures
+
+
+def pin(state: State, hashes: tuple[int, ...]) -> None:
+    pins = state.pin_count
+    # the common case, no other pin on them and each named once, at C level: faster than
+    # the loop below from about 8 hashes on (CPython 3.12; below that, about even)
+    ones = dict.fromkeys(hashes, 1)
+    if len(ones) == len(hashes) and (not pins or pins.keys().isdisjoint(ones)):
+        pins.update(ones)
+        return
+    for h in hashes:
+        pins[h] = pins.get(h, 0) + 1
+
+
+def unpin(state: State, hashes: tuple[int, ...]) -> None:
+    pins = state.pin_count
+    if len(pins) == len(hashes) and max(pins.values(), default=0) == 1:
+        # each pinned once, all by these hashes (which the caller's pins include): the
+        # usual end of the one load in flight
+        pins.clear()
+        return
+    for h in hashes:
+        left = pins[h] - 1
+        if left:
+            pins[h] = left
+        else:
+            del pins[h]

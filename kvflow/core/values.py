@@ -1,0 +1,173 @@
+"""The engine-facing boundary (F19): every argument is checked before anything changes.
+
+An engine calls kvflow with whatever its own code holds: numpy integers, ranges, lists, a NaN
+from a broken clock, a string where a flag belongs. Everything that reaches a command is
+normalised here to the plain values a trace can record and read back (ints within 64 bits,
+``str`` request ids, ``bool`` flags, finite times), or refused with
+:class:`~kvflow.core.errors.Rejected` and a one-line message, before the command exists: a refused
+call leaves state and trace unchanged. Pure: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kvflow.core.commands import JobResult
+from kvflow.core.errors import Rejected
+
+HASH_MIN = -(2**63)  # block hashes are 64-bit, signed or unsigned
+ID_LIMIT = 2**64  # device block ids and hashes stay below this (traces and digests encode them)
+# msgspec encodes exactly the ints in [HASH_MIN, ID_LIMIT) and raises OverflowError for any
+# other: the range check of a tuple of hashes is an encode (the bytes are thrown away)
+_encode_ints = msgspec.msgpack.Encoder().encode
+
+
+def ints(values: Sequence[int], what: str = "block ids") -> tuple[int, ...]:
+    """A tuple of plain ints. Tuples and lists of ints pass straight through; numpy integers
+    and other integer-likes are converted with ``operator.index``, which refuses lossy values
+    such as 1.5 (and bools are integers: True is 1)."""
+    kind = type(values)
+    if kind is tuple or kind is list:
+        if operator.countOf(map(type, values), int) == len(values):  # every one a plain int
+            return tuple(values)
+    elif kind is range:
+        return tuple(values)
+    try:
+        return tuple(map(operator.index, values))
+    except TypeError:
+        raise Rejected(f"{what} must be integers, got {list(values)[:4]!r}") from None
+
+
+def _only_64bit_ints(encoded: bytes, count: int) -> bool:
+    """Whether ``encoded``, the msgpack array of ``count`` values, holds nothing but ints
+    written in their 9-byte forms (a tag, 0xcf unsigned or 0xd3 signed, then 8 bytes): a
+    float, a bool, a string or a short int would be written otherwise. Real block hashes
+    (64-bit digests) all take that form, so one look at the tags, at C level, replaces a
+    pass that asks each value its type."""
+    header = 1 if count < 16 else 3 if count < 2**16 else 5  # (fixarray, array 16, array 32)
+    tags = encoded[header::9]
+    return len(encoded) == header + 9 * count and not tags.translate(None, b"\xcf\xd3")
+
+
+def hashes(values: Sequence[int]) -> tuple[int, ...]:
+    """Block hashes: integers that fit in 64 bits (signed or unsigned), so that traces and
+    state digests encode them exactly. Hash a longer digest down first (e.g. its first 8
+    bytes as an int)."""
+    kind = type(values)
+    if kind is tuple or kind is list:
+        # the usual call: the range check's encode also tells that every value is an int
+        # (msgspec refuses int subclasses other than IntEnum, which encode as the int they are)
+        try:
+            encoded = _encode_ints(values)
+        except (OverflowError, TypeError):
+            pass  # (the checks below name the fault)
+        else:
+            if _only_64bit_ints(encoded, len(values)):
+                return values if kind is tuple else tuple(values)  # type: ignore[return-value]
+    out = ints(values, "block hashes")
+    try:
+        _encode_ints(out)  # (one C pass; a min() and a max() over 64-bit ints cost 4x more)
+    except OverflowError:
+        raise Rejected("block hashes must fit in 64 bits; hash a longer digest down to 8 bytes first") from None
+    return out
+
+
+def device_blocks(values: Sequence[int]) -> tuple[int, ...]:
+    """Device block ids: integers below 2**64 (negative ids are refused by the decisions,
+    which also check them against the blocks live jobs hold)."""
+    out = ints(values, "device blocks")
+    try:
+        _encode_ints(out)  # (every one in [-2**63, 2**64): below ID_LIMIT; cheaper than max())
+    except OverflowError:
+        if max(out) >= ID_LIMIT:  # (else one below -2**63: the decisions refuse negative ids)
+            raise Rejected(f"device block {max(out)} does not fit in 64 bits") from None
+    return out
+
+
+def request_id(value: object) -> str:
+    if type(value) is not str:
+        raise Rejected(f"request ids are str, got {type(value).__name__} {value!r}")
+    return value
+
+
+def optional_request_id(value: object) -> str | None:
+    return None if value is None else request_id(value)
+
+
+def flag(value: object, name: str) -> bool:
+    if type(value) is not bool:
+        raise Rejected(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def count(value: object, name: str) -> int:
+    """A whole number >= 0 (numpy integers accepted, bools refused)."""
+    if type(value) is not int:
+        if isinstance(value, bool):
+            raise Rejected(f"{name} must be a whole number >= 0, got {value!r}")
+        try:
+            value = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            raise Rejected(f"{name} must be a whole number >= 0, got {type(value).__name__} {value!r}") from None
+    if value < 0:  # type: ignore[operator]
+        raise Rejected(f"{name} must be a whole number >= 0, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def time_ms(value: object, name: str) -> float:
+    """A finite time in milliseconds (a NaN or infinite clock would make a job that never
+    times out and a trace that does not read back)."""
+    if type(value) is not float:
+        # ints and numpy numbers are numbers.Real; bools, strings and None are refused
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise Rejected(f"{name} must be a number of milliseconds, got {type(value).__name__} {value!r}")
+        value = float(value)
+    if not math.isfinite(value):  # type: ignore[arg-type]
+        raise Rejected(f"{name} must be finite, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def result(value: Any) -> JobResult:
+    """An executor's outcome as the decisions take it. Job id and rank are normalised to ints
+    (a bad one is the decisions' to refuse, naming it); an ``ok`` that is not a bool or an
+    ``error`` that is not a string makes the result a failure with a clear error, never a
+    success (``ok="false"`` is truthy)."""
+    if (
+        type(value) is JobResult
+        and type(value.job_id) is int
+        and type(value.rank) is int
+        and type(value.ok) is bool
+        and (value.error is None or type(value.error) is str)
+        and value.corrupt == ()
+    ):
+        return value  # (an executor's own well-formed result: nothing to normalise)
+    job_id: Any = getattr(value, "job_id", None)
+    rank: Any = getattr(value, "rank", None)
+    try:
+        job_id, rank = operator.index(job_id), operator.index(rank)
+    except TypeError:
+        pass  # left as they are: the decisions refuse them with their values
+    ok, error = getattr(value, "ok", None), getattr(value, "error", None)
+    corrupt = getattr(value, "corrupt", ())
+    if type(corrupt) is not tuple or list(map(type, corrupt)).count(int) != len(corrupt):
+        try:
+            corrupt = hashes(corrupt)
+        except (Rejected, TypeError):
+            corrupt = ()  # unreadable: the failure itself still stands
+    if type(ok) is bool and (error is None or type(error) is str):
+        if type(value) is JobResult and job_id is value.job_id and rank is value.rank and corrupt is value.corrupt:
+            return value
+        return JobResult(job_id=job_id, rank=rank, ok=ok, error=error, corrupt=corrupt)
+    return JobResult(
+        job_id=job_id,
+        rank=rank,
+        ok=False,
+        error=f"malformed executor result (ok={ok!r}, error={error!r}): treated as failed",
+        corrupt=corrupt,
+    )

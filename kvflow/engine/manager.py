@@ -1,0 +1,403 @@
+"""The synchronous, engine-facing API: commands in, events applied, answers and notices out.
+
+``OffloadManager`` is what a vLLM-like scheduler embeds. Every method builds a command, runs
+its decider, which applies, records and dispatches each event as it emits it, and returns the
+answer. Outcomes that arrive later (loads finished or failed, device blocks released)
+accumulate as *notices* that the engine collects with :meth:`take_notices` whenever it likes,
+many steps later included (F4).
+
+A refused call raises a :class:`~kvflow.core.errors.Rejected` subclass and changes nothing (F12).
+This module is pure apart from the log it is handed (the log decides whether to write a file).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from math import isfinite
+from typing import Any
+
+from kvflow.core import values as bd
+from kvflow.core.commands import (
+    AcceptHits,
+    BlocksComputed,
+    Command,
+    DeviceBlocksEvicting,
+    EndFences,
+    Evict,
+    FinishRequest,
+    Invalidate,
+    JobResult,
+    JobResults,
+    Lookup,
+    PlanStep,
+    RemoteFound,
+    ResetAll,
+    Tick,
+    Touch,
+)
+from kvflow.core.config import Config
+from kvflow.core.decide.dispatch import DECIDERS, after_decision
+from kvflow.core.decide.jobs import expired_jobs
+from kvflow.core.decide.lookup import hit_cap_blocks
+from kvflow.core.decide.remote import probe_candidates
+from kvflow.core.errors import ConcurrentCall, EngineClosed
+from kvflow.core.events import EVENT_TYPES, Event, JobsSubmitted, Reset
+from kvflow.core.jobs import LOAD, TransferJob
+from kvflow.core.state.apply import live_applier
+from kvflow.core.state.model import State
+from kvflow.core.state.tables import JobState
+from kvflow.engine.notices import (
+    ABANDONED_BY_RESET,
+    NO_NOTICES,
+    NOTICE_TYPES,
+    Fence,
+    LoadFailure,
+    NoticeBook,
+    Notices,
+)
+from kvflow.log.memory import MemoryLog, NullLog
+
+
+class OffloadManager:
+    """The offload decisions for one engine (all ranks): pure state + log + notices."""
+
+    _emit: Callable[[Event], None]  # the deciders' emit (see _rebuild_dispatch)
+
+    def __init__(self, config: Config, log: Any = None, *, paranoid: bool = False) -> None:
+        """``paranoid=True`` re-checks every event's legality as it is applied (tests,
+        debugging); by default the decider's own validation is trusted on the live path."""
+        self.config = config
+        self.paranoid = paranoid
+        self.state = State(config)
+        # the notices not taken yet (``notice_book.notices``: None while nothing happened; an
+        # engine step reads it, without a call)
+        self.notice_book = NoticeBook()
+        self._told_abandoned: set[int] = set()  # abandoned loads already reported failed
+        # callables receiving the applied events, by event type (see subscribe)
+        self._subscribers: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
+        self._dispatch: dict[type, tuple[Callable[[Any], None], ...]] = {}
+        self._applied: list[Event] = []  # the events of the command being decided, for the log
+        self._no_deadline_before_ms = math.inf  # no submitted job is due before this
+        self.log = log if log is not None else MemoryLog(config)  # (builds the dispatch)
+        # one call at a time: a second thread (or a callback calling back in) is refused
+        self._deciding = threading.Lock()
+        self.closed = False
+
+    # -- the core loop -------------------------------------------------------------------
+
+    @property
+    def log(self) -> Any:
+        """Where commands and events are recorded (a MemoryLog, a TraceWriter, a NullLog)."""
+        return self._log
+
+    @log.setter
+    def log(self, log: Any) -> None:
+        self._log = log
+        self._recording = not isinstance(log, NullLog)  # a NullLog's calls are skipped
+        self._rebuild_dispatch()  # (the events are kept only for a log that records them)
+
+    def execute(self, command: Command) -> Any:
+        """Decide and apply one command; returns its answer. Each event is applied, kept for
+        the log and handed to its subscribers as the decider emits it (``_emit``, built once
+        per subscriber set). Refused, changing nothing, after ``close()`` (``EngineClosed``)
+        or while another call is being decided (``ConcurrentCall``: kvflow is called from
+        one thread)."""
+        if not self._deciding.acquire(False):  # (positional: half the cost of blocking=False)
+            if self.closed:  # (close() keeps the lock: a closed manager is found here)
+                raise EngineClosed(f"{type(command).__name__}: the engine is closed")
+            raise ConcurrentCall(
+                f"{type(command).__name__} while another call is being decided: call kvflow from one thread"
+            )
+        try:
+            applied = self._applied
+            if applied:  # (the events of the command before, kept for ``handle``)
+                applied.clear()
+            try:
+                state = self.state
+                answer = DECIDERS[type(command)](state, command, self._emit)
+                if state.bad:  # (``decide``'s epilogue, F17; skipped while nothing is bad)
+                    after_decision(state, command, self._emit)
+            except BaseException:
+                # what was applied is recorded (it was observed already), even if a paranoid
+                # check raised; a call refused before its first event leaves no record
+                if applied:
+                    self._log.record_command(command)
+                    self._log.record_events(applied)
+                raise
+            if self._recording:
+                log = self._log
+                log.record_command(command)
+                log.record_events(applied)
+                log.after_command(self.state)
+            return answer
+        finally:
+            self._deciding.release()
+
+    def handle(self, command: Command) -> tuple[Any, list[Event]]:
+        """``execute``, also returning the events the command appended."""
+        if self._recording:
+            return self.execute(command), self._applied.copy()
+        # (a NullLog keeps no events: this call has its own emit collect them)
+        events: list[Event] = []
+        emit = self._emit
+        self._emit = live_applier(self.state, self._dispatch, events, self.paranoid)
+        try:
+            return self.execute(command), events
+        finally:
+            self._emit = emit
+
+    def subscribe(self, callback: Callable[[Any], None], event_types: Sequence[type] | None = None) -> None:
+        """Call ``callback(event)`` for every event applied from now on whose type is in
+        ``event_types`` (default: the callback's own ``event_types`` attribute if it has
+        one, else every event), in log order, as each event is applied (before the decision's
+        next event). Naming the types keeps the other events free of the call.
+
+        A callback must not raise: an exception propagates out of the engine call at once and
+        the decision stops there. The events applied until then are kept and recorded, so the
+        state and its log still agree (every event legal, the invariants kept), but the rest
+        of that decision is not made (a callback raising on a store's eviction leaves the
+        blocks evicted and the store not queued)."""
+        types = event_types if event_types is not None else getattr(callback, "event_types", None)
+        self._subscribers.append((callback, None if types is None else tuple(types)))
+        self._rebuild_dispatch()
+
+    def _rebuild_dispatch(self) -> None:
+        notice = self.notice_book.observe
+        self._dispatch = {
+            kind: tuple(
+                [notice] * (kind in NOTICE_TYPES)
+                + [self._tell_abandoned_loads] * (kind is Reset)
+                + [self._on_submitted] * (kind is JobsSubmitted)
+                + [fn for fn, types in self._subscribers if types is None or kind in types]
+            )
+            for kind in EVENT_TYPES
+        }
+        # the deciders' emit: evolve (every check when paranoid), keep for a log that records,
+        # hand to the subscribers
+        kept = self._applied if self._recording else None
+        self._emit = live_applier(self.state, self._dispatch, kept, self.paranoid)
+
+    def _tell_abandoned_loads(self, event: Reset) -> None:
+        """F18: a load the reset abandoned never lands: its request recomputes those device
+        blocks (which stay held until the abandoned copy reports); told once, though a later
+        reset abandons the job again."""
+        if not event.keeps_requests:
+            return
+        jobs = self.state.jobs
+        # (the jobs that ended since are forgotten here, not as each ends: an ended job is
+        # never abandoned again, and its end then costs nothing)
+        told = self._told_abandoned = {jid for jid in self._told_abandoned if jid in jobs}
+        loads_failed = self.notice_book.current().loads_failed
+        for jid in event.abandoned_job_ids:
+            job = jobs.get(jid)
+            if job is not None and job.direction == LOAD and job.request_id is not None and jid not in told:
+                told.add(jid)
+                loads_failed.append(LoadFailure(job.request_id, jid, job.device_blocks, ABANDONED_BY_RESET, fenced=True))
+
+    def take_notices(self) -> Notices:
+        """What happened since the last call (F4: kept until taken)."""
+        book = self.notice_book
+        notices, book.notices = book.notices, None
+        return Notices() if notices is None else notices
+
+    def has_notices(self) -> bool:
+        """Whether ``take_notices`` would hand over anything."""
+        notices = self.notice_book.notices
+        return notices is not None and notices != NO_NOTICES  # (``bool(notices)`` without its call)
+
+    # -- the engine API ------------------------------------------------------------------
+
+    def lookup(
+        self, request_id: str, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0
+    ) -> int:
+        """How many blocks after the device hit can be loaded from the CPU tier; pins them (F7)."""
+        answer = self.execute(
+            Lookup(
+                request_id=bd.request_id(request_id),
+                block_hashes=bd.hashes(block_hashes),
+                num_tokens=bd.count(num_tokens, "num_tokens"),
+                device_hit_blocks=bd.count(device_hit_blocks, "device_hit_blocks"),
+            )
+        )
+        return int(answer)
+
+    def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
+        """The engine allocated device blocks for the first hits: queue their load."""
+        command = AcceptHits(request_id=bd.request_id(request_id), device_blocks=bd.device_blocks(device_blocks))
+        answer = self.execute(command)
+        return answer  # type: ignore[no-any-return]
+
+    def blocks_computed(
+        self, request_id: str | None, block_hashes: Sequence[int], device_blocks: Sequence[int]
+    ) -> int | None:
+        """Eager mode: store the computed blocks not yet on the tier (F3 dedupe)."""
+        answer = self.execute(
+            BlocksComputed(
+                request_id=bd.optional_request_id(request_id),
+                block_hashes=bd.hashes(block_hashes),
+                device_blocks=bd.device_blocks(device_blocks),
+            )
+        )
+        return answer  # type: ignore[no-any-return]
+
+    def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
+        """Lazy mode: store blocks the device cache is about to drop."""
+        command = DeviceBlocksEvicting(block_hashes=bd.hashes(block_hashes), device_blocks=bd.device_blocks(device_blocks))
+        answer = self.execute(command)
+        return answer  # type: ignore[no-any-return]
+
+    def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
+        """Recency for resident blocks in this order; ``reuse=False`` only reorders."""
+        answer = self.execute(Touch(block_hashes=bd.hashes(block_hashes), reuse=bd.flag(reuse, "reuse")))
+        return int(answer)
+
+    def evict(self, num_blocks: int) -> int:
+        """Evict ``num_blocks`` unpinned resident blocks through the policy (all or nothing)."""
+        answer = self.execute(Evict(num_blocks=bd.count(num_blocks, "num_blocks")))
+        return int(answer)
+
+    def plan_step(self, now_ms: float = 0.0) -> list[TransferJob]:
+        """The jobs to hand to the executor now; each job is returned once (F5).
+
+        With nothing queued there is nothing to decide, and no command is recorded (an
+        engine calls this every step)."""
+        return self.advance(now_ms, tick=False)[1]
+
+    def advance(self, now_ms: float, *, tick: bool = True, plan: bool = True) -> tuple[int, list[TransferJob]]:
+        """One engine step's decisions at ``now_ms``: ``tick`` (the timeouts, how many), then
+        ``plan_step`` (the jobs to hand over), with one check of ``now_ms``."""
+        if type(now_ms) is not float or not isfinite(now_ms):  # (a finite float, the usual, needs no call)
+            now_ms = bd.time_ms(now_ms, "now_ms")
+        timed_out = 0
+        if tick and now_ms >= self._no_deadline_before_ms:  # (before: no job can be due)
+            if expired_jobs(self.state, now_ms):
+                timed_out = int(self.execute(Tick(now_ms=now_ms)))
+            self._no_deadline_before_ms = self._earliest_deadline()
+        if plan and self.state.queued:  # (nothing queued: nothing to decide, nothing recorded)
+            return timed_out, self.execute(PlanStep(now_ms=now_ms))
+        return timed_out, []
+
+    def job_result(
+        self, job_id: int, rank: int = 0, ok: bool = True, error: str | None = None, corrupt: Sequence[int] = ()
+    ) -> None:
+        """One executor outcome (``ok`` must be a bool: anything else is a failed result);
+        ``corrupt`` names the blocks whose host copy failed its integrity check (F17)."""
+        # (bd.result checks and normalises every field, corrupt included)
+        outcome = JobResult(job_id=job_id, rank=rank, ok=ok, error=error, corrupt=corrupt)  # type: ignore[arg-type]
+        self.execute(bd.result(outcome))
+
+    def job_results(self, results: Sequence[JobResult]) -> None:
+        """Apply many outcomes in one command; a bad one refuses the batch (nothing applied)."""
+        if results:
+            self.execute(JobResults(results=tuple(map(bd.result, results))))
+
+    def tick(self, now_ms: float) -> int:
+        """Time out in-flight jobs whose deadline has passed (F2); returns how many.
+
+        When no job is due there is nothing to decide, and no command is recorded (an
+        engine calls this every step)."""
+        return self.advance(now_ms, plan=False)[0]
+
+    def next_deadline_ms(self) -> float | None:
+        """The earliest deadline of an in-flight job (when the next timeout can come)."""
+        earliest = self._earliest_deadline()
+        return None if earliest == math.inf else earliest
+
+    def _earliest_deadline(self) -> float:
+        in_flight = JobState.IN_FLIGHT
+        return min((j.deadline_ms for j in self.state.jobs.values() if j.state is in_flight), default=math.inf)
+
+    def _on_submitted(self, event: JobsSubmitted) -> None:
+        # a lower bound on every live job's deadline, so that idle steps skip the scan
+        self._no_deadline_before_ms = min(self._no_deadline_before_ms, event.deadline_ms)
+
+    def finish_request(self, request_id: str, preempted: bool = False) -> bool:
+        """The request is done (or preempted): its offered pins are released at once; it
+        leaves the state when its last live job ends. False (and nothing changes) for a
+        request kvflow does not know: one it never saw or already forgot (F18)."""
+        command = FinishRequest(request_id=bd.request_id(request_id), preempted=bd.flag(preempted, "preempted"))
+        answer = self.execute(command)
+        return bool(answer)
+
+    def invalidate(self, block_hashes: Sequence[int]) -> int:
+        """The engine learned that these blocks' bytes are bad (F17): the resident, unpinned
+        ones are evicted (reason ``invalidated``) so no lookup offers them again and a
+        recompute stores them anew. Returns how many were evicted; blocks pinned by a
+        request's lookup or load, or still being stored, stay (a load of them that fails
+        its integrity check evicts them)."""
+        answer = self.execute(Invalidate(block_hashes=bd.hashes(block_hashes)))
+        return int(answer)
+
+    def remote_found(self, block_hashes: Sequence[int]) -> int:
+        """A probe found these blocks on the remote tier: lookups that miss the CPU tier on
+        them load them from there. Returns how many were new to the remote index."""
+        answer = self.execute(RemoteFound(block_hashes=bd.hashes(block_hashes)))
+        return int(answer)
+
+    def remote_probe_candidates(
+        self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int, hits: int
+    ) -> list[int]:
+        """After a lookup that hit ``hits`` blocks: the blocks worth asking the remote tier
+        about (neither on the CPU tier nor known remotely), in prefix order. A query."""
+        cap = hit_cap_blocks(int(num_tokens), self.config.block_tokens)
+        window = list(block_hashes[int(device_hit_blocks) + int(hits) : cap])
+        return probe_candidates(self.state, window)
+
+    def reset(self) -> None:
+        """Forget the tier: queued jobs are cancelled, in-flight ones abandoned (their slots
+        and device blocks stay fenced until every rank reports, F15)."""
+        self.execute(ResetAll())
+
+    def end_fences(self) -> int:
+        """The executor is closed and its copies have stopped: every fence ends (its device
+        blocks are released, its slots freed). Returns how many. Call only once no copy can
+        run any more: ``SyncEngine.close`` does, after the executor's ``close()``."""
+        if not any(job.fenced for job in self.state.jobs.values()):
+            return 0
+        answer = self.execute(EndFences())
+        return int(answer)
+
+    def close(self) -> None:
+        """Close the log (a trace file gets its last checkpoint); later calls are refused.
+        Idempotent."""
+        if self.closed:
+            return
+        # waits for a call in progress, and is kept: every later call is refused (execute)
+        self._deciding.acquire()
+        self.closed = True
+        self.log.close(self.state)
+
+    # -- views ---------------------------------------------------------------------------
+
+    def held_device_blocks(self) -> list[int]:
+        """Device blocks the engine must not reuse yet (named by a live job)."""
+        return list(self.state.held)
+
+    def has_live_jobs(self) -> bool:
+        """Whether a job's outcome is still to come (queued or in flight). Fenced jobs are
+        not live: their outcome is known, only their memory waits (see ``fences``)."""
+        live = (JobState.QUEUED, JobState.IN_FLIGHT)
+        return any(job.state in live for job in self.state.jobs.values())
+
+    def fences(self) -> list[Fence]:
+        """The fenced jobs, oldest first: outcome known, copy perhaps still running (F15)."""
+        world = self.config.world_size
+        return [
+            Fence(
+                job_id=job.job_id,
+                direction=job.direction,
+                request_id=job.request_id,
+                device_blocks=job.device_blocks,
+                slots=job.slots,
+                deadline_ms=job.deadline_ms,
+                ranks_pending=tuple(r for r in range(world) if not job.reported >> r & 1),
+                abandoned=job.abandoned,
+            )
+            for job in self.state.jobs.values()
+            if job.fenced
+        ]
+
+
+__all__ = ["OffloadManager"]

@@ -1,0 +1,193 @@
+"""How the torch executor's copies are set up: which path (scatter mode) a batch of several
+runs takes on this device, and the tables and views each path needs (``CopySetup``, a mixin of
+``TorchExecutor`` through ``PageCopies``). What the paths launch is in ``page_copies`` and,
+for the staged path, ``staged_copies``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from kvflow.core.errors import ConfigError
+from kvflow.executors.torch import batch_copy, page_kernel
+from kvflow.executors.torch.host_pool import HostPool
+from kvflow.executors.torch.layout import KVLayout, word_bytes
+from kvflow.executors.torch.npu import DeviceTraits
+from kvflow.executors.torch.staged_copies import StagedCopies, StageTables
+from kvflow.executors.torch.transfer_plan import Plan
+from kvflow.executors.torch.uva import device_alias
+
+ScatterMode = Literal["auto", "runs", "host", "uva", "kernel", "batch", "staged"]
+# What a batch's host-side finish reports: job id -> (error, hashes whose host copy is bad)
+Failures = dict[int, tuple[str, tuple[int, ...]]]
+Finish = Callable[[], Failures]
+
+
+KERNEL_MAX_PAGE = 512 << 10  # bytes; at larger pages the copy engines move a page faster
+BATCH_MIN_PAGE = 512 << 10  # bytes; below, the driver's cost per page copy bounds ``batch``
+
+
+def auto_scatter(
+    *, kernel: bool, uva: bool, batch: bool, page_bytes: int, staged: bool = False
+) -> ScatterMode:
+    """What ``scatter="auto"`` picks for batches of several runs, from what this executor can
+    use and its largest page.
+
+    Measured on an H200 replaying a churned tier (tools/bench_churn_results.md) and with one
+    1 GiB submit (tools/bench_transfer_results.md): ``staged`` (a page-first pool; the page
+    kernel for one direction alone, whole blocks on the copy engines while both directions
+    copy) moves 0.91-0.95 of the link each way and 0.86-0.91 both ways at 16 KiB - 2 MiB
+    pages. Without it: the page kernel (0.90-0.95 each way, 0.69-0.78 both ways) below 512 KiB;
+    above, ``batch`` (each page a copy-engine transfer, 0.97; the driver costs the host about
+    1 us a page, 0.5-4 us at small pages, so it is no choice below) or the UVA kernels. Host
+    staging (a CPU gather per byte) is the portable fallback: NPU, CPU, unpinned pools.
+    """
+    if staged:
+        return "staged"
+    if batch and page_bytes >= BATCH_MIN_PAGE:
+        return "batch"
+    if kernel and page_bytes < KERNEL_MAX_PAGE:
+        return "kernel"
+    return "uva" if uva else "host"
+
+
+class CopySetup(StagedCopies):
+    """The executor's copy tables, built once by ``_init_copies``."""
+
+    # Set by TorchExecutor.__init__ before it calls _init_copies.
+    layout: KVLayout
+    device: torch.device
+    traits: DeviceTraits
+    pool: HostPool
+    checksums: bool
+    max_runs: int
+    scatter: ScatterMode
+    load_groups: int
+    copy_programs: int
+
+    def _init_copies(self, staging_bytes: int, max_runs: int | None) -> None:
+        """The pool's views per region, the scatter mode, checksum tables, batching tables."""
+        pool = self.pool
+        self._host_views: list[torch.Tensor] = []
+        self._uva_views: list[torch.Tensor] = []
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._addresses: batch_copy.RegionAddresses | None = None
+        self._stage: StageTables | None = None
+        self._load_events: list[tuple[int, Any]] = []
+        if pool.enabled:
+            self._host_views = [
+                pool.region(i, r.word_dtype) for i, r in enumerate(self.layout.regions)
+            ]
+            self._init_kernel()
+            self._init_batch()
+            self._init_staged(staging_bytes)
+            if self.scatter == "uva" or (
+                self.scatter == "auto" and self.device.type == "cuda" and pool.pinned
+            ):
+                try:
+                    self._uva_views = [device_alias(v, self.device) for v in self._host_views]
+                except ConfigError:
+                    if self.scatter == "uva":
+                        raise
+        if pool.spec.page_first and self.scatter not in ("auto", "staged", "kernel"):
+            raise ConfigError(
+                f"scatter={self.scatter!r} copies region by region: it needs a host pool laid "
+                "out region by region (page_first=False)"
+            )
+        if self.scatter == "auto":
+            self.scatter = auto_scatter(
+                kernel=self._tables is not None,
+                uva=bool(self._uva_views),
+                batch=self._addresses is not None,
+                page_bytes=max(r.page_bytes for r in self.layout.regions),
+                staged=self._stage is not None,
+            )
+        # The page kernel moves every batch in one launch, a single run too (0.93-0.95 of the
+        # link, as the copy engines; one launch where one copy per region cost 3 ms of host
+        # time at 64 regions). The batched copy engines take every batch of two runs or more:
+        # a single run is one copy per region already.
+        self.max_runs = int(max_runs) if max_runs is not None else (
+            0 if self.scatter in ("kernel", "staged") else 1 if self.scatter == "batch" else 16
+        )
+        self._cs_mult = None
+        self._cs_table = np.zeros(max(pool.cpu_blocks, 0), dtype=np.int64)
+        self._cs_valid = np.zeros(max(pool.cpu_blocks, 0), dtype=bool)
+        if self.checksums:
+            mult = torch.arange(1, 2 * self.layout.num_regions, 2, dtype=torch.int64)
+            self._cs_mult = mult.view(-1, 1).to(self.device)
+
+        # Batched single-run path: regions of one word type and page size are handled a chunk
+        # at a time (one staging tensor, one _foreach_copy_), which halves the Python calls per
+        # region; chunks keep device staging under staging_bytes.
+        self._batched = True
+        self.staging_bytes = int(staging_bytes)
+        self._pages = [r.pages for r in self.layout.regions]
+        self._words = [int(r.pages.shape[1]) for r in self.layout.regions]
+        self._dtypes = [r.word_dtype for r in self.layout.regions]
+        self._wbytes = [word_bytes(d) for d in self._dtypes]
+
+    def _init_kernel(self) -> None:
+        """The page kernel's region tables, when this device and mode can use it."""
+        wanted = self.scatter in ("kernel", "staged") or (
+            self.scatter == "auto" and self.device.type == "cuda" and self.pool.pinned
+        )
+        if not wanted:
+            return
+        if not page_kernel.available(self.device):
+            if self.scatter == "kernel":
+                raise ConfigError(
+                    "scatter='kernel' needs Triton and a CUDA device (or TRITON_INTERPRET=1 "
+                    "on the CPU device)"
+                )
+            return
+        regions = self.layout.regions
+        self._tables = page_kernel.region_table(
+            [r.pages for r in regions],
+            [r.block_stride_bytes for r in regions],
+            self._host_views,
+            [r.page_bytes for r in regions],
+            self.device,
+        )
+        if self._tables is None and self.scatter == "kernel":
+            raise ConfigError(
+                "scatter='kernel' needs pages of whole 8-byte words in every region"
+            )
+        self._max_words = max(r.page_bytes for r in regions) // 8
+
+    def _init_batch(self) -> None:
+        """The region addresses the batched copy-engine path builds its descriptors from, when
+        this device and mode can use it."""
+        wanted = self.scatter == "batch" or (
+            self.scatter == "auto" and self.device.type == "cuda" and self.pool.pinned
+        )
+        if not wanted:
+            return
+        if not (batch_copy.available(self.device.type) and self.pool.pinned):
+            if self.scatter == "auto":
+                return
+            raise ConfigError(
+                "scatter='batch' needs a CUDA driver with cuMemcpyBatchAsync (12.8 or later) "
+                "and a pinned pool"
+            )
+        regions = self.layout.regions
+        self._addresses = batch_copy.RegionAddresses(
+            [r.pages.data_ptr() for r in regions],
+            [r.block_stride_bytes for r in regions],
+            [v.data_ptr() for v in self._host_views],
+            [v.stride(0) * v.element_size() for v in self._host_views],
+            [r.page_bytes for r in regions],
+        )
+
+    def _batch_copy(
+        self, stream: Any, plan: Plan, first: int, count: int, store: bool, keep: list[Any]
+    ) -> None:
+        """Every page of regions [first, first+count) of the batch in one copy-engine call."""
+        assert self._addresses is not None and stream is not None
+        arrays = self._addresses.descriptors(
+            plan.device_blocks, plan.slots, first, count, store=store
+        )
+        batch_copy.copy(*arrays, stream.native_handle)
+        keep.extend(arrays)  # the driver reads them at the call; kept until the batch is over

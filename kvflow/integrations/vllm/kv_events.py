@@ -1,0 +1,129 @@
+"""vLLM-compatible KV cache events, derived from kvflow's event log.
+
+Consumers outside kvflow (a KV-aware router, a cache index) subscribe to vLLM's KV events:
+``BlockStored`` when blocks become available in a medium, ``BlockRemoved`` when they leave it,
+``AllBlocksCleared`` on a reset. kvflow derives them from its own events, with medium ``CPU``:
+
+* a store job completed (and was not abandoned by a reset) -> ``BlockStored``;
+* blocks evicted -> ``BlockRemoved``;
+* a reset -> ``AllBlocksCleared``.
+
+A hash becomes visible only when its store completes (F3), so consumers never learn of a
+block that is not readable. Pure: a function of the events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Union
+
+import msgspec
+
+from kvflow.core.events import BlocksEvicted, Event, JobCompleted, Reset
+from kvflow.core.jobs import FILLING
+
+MEDIUM_CPU = "CPU"
+
+
+# The structs follow vLLM's KV event schema (vllm/distributed/kv_events.py): the same tags
+# (the class name, in a ``type`` field), field names, order, required fields and None
+# defaults, omitted when default, so vLLM's own decoder and consumers (routers, cache
+# indexes) read them. ``seq`` is kvflow's alone (the event that caused it, for debugging);
+# left at 0 it is omitted, which is how they go on the wire (kvflow.integrations.vllm.kv_events_zmq).
+class BlockStored(msgspec.Struct, frozen=True, tag="BlockStored", omit_defaults=True):
+    """Blocks now readable in ``medium``."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+    seq: int = 0  # kvflow's: the event that caused it
+
+
+class BlockRemoved(msgspec.Struct, frozen=True, tag="BlockRemoved", omit_defaults=True):
+    """Blocks no longer readable in ``medium``."""
+
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    seq: int = 0
+
+
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag="AllBlocksCleared", omit_defaults=True):
+    """Every block of the publisher is gone (vLLM's has no fields: the medium is implied)."""
+
+    seq: int = 0
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    """vLLM's batch on the wire: ``[ts, events, data_parallel_rank]`` (msgpack)."""
+
+    ts: float
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    data_parallel_rank: int | None = None
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+def kv_event(event: Event, block_tokens: int) -> KVEvent | None:
+    """The KV event one kvflow event implies, or None."""
+    found = kv_events((event,), block_tokens)
+    return found[0] if found else None
+
+
+def kv_events(events: Iterable[Event], block_tokens: int) -> list[KVEvent]:
+    """Every KV event the log implies, in log order."""
+    publisher = KVEventPublisher(block_tokens)
+    for event in events:
+        publisher(event)
+    return publisher.take()
+
+
+class KVEventPublisher:
+    """Collects KV events as a manager applies events: ``manager.subscribe(pub)``, then
+    ``pub.take()`` each step (e.g. to hand to vLLM's ``KVEventBatch``)."""
+
+    # the kvflow events that can imply a KV event (``subscribe`` reads this)
+    event_types = (JobCompleted, BlocksEvicted, Reset)
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self._pending: list[KVEvent] = []
+
+    def __call__(self, event: Event) -> None:
+        """The KV event ``event`` implies, if any, is kept for ``take`` (the translation's
+        one home: ``kv_event`` and ``kv_events`` go through it too)."""
+        kind = type(event)
+        if kind is JobCompleted:
+            # a store, or a remote load, put these blocks on the CPU tier
+            if event.direction not in FILLING or event.abandoned:  # type: ignore[union-attr]
+                return
+            # (positional, in vLLM's field order: block_hashes, parent_block_hash, token_ids,
+            # block_size, lora_id, medium, lora_name; a quarter cheaper than by keyword)
+            hashes = list(event.hashes)  # type: ignore[union-attr]
+            kv: KVEvent = BlockStored(hashes, None, [], self.block_tokens, None, MEDIUM_CPU, None, seq=event.seq)
+        elif kind is BlocksEvicted:
+            kv = BlockRemoved(block_hashes=list(event.hashes), medium=MEDIUM_CPU, seq=event.seq)  # type: ignore[union-attr]
+        elif kind is Reset:
+            kv = AllBlocksCleared(seq=event.seq)
+        else:
+            return
+        self._pending.append(kv)
+
+    def take(self) -> list[KVEvent]:
+        out, self._pending = self._pending, []
+        return out

@@ -1,0 +1,417 @@
+"""The two halves of kvflow's vLLM KV connector, free of vLLM imports (tested without it).
+
+vLLM splits a KV connector in two: the *scheduler* side decides (which prefix blocks the CPU
+tier can load, which computed blocks to store) and the *worker* side copies, with a metadata
+object passed from one to the other each step and worker output passed back. kvflow maps
+that onto its own split: ``SchedulerSide`` owns the ``OffloadManager`` (decisions, the event
+log, the optional trace); ``WorkerSide`` owns the ``TorchExecutor`` over vLLM's KV tensors.
+Every executor result crosses back to the scheduler side and is applied there, so the trace
+holds the decisions and the workers' outcomes (``kvflow replay`` / ``incidents`` read it).
+
+Block hashes: vLLM's are bytes (a sha256 digest); kvflow's are 64-bit ints, the digest's first
+8 bytes, big-endian (as the anchor harness does).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvflow.core.commands import JobResult
+from kvflow.core.config import Config
+from kvflow.core.errors import ConfigError
+from kvflow.core.jobs import LOAD, STORE, TransferJob
+from kvflow.engine.manager import OffloadManager
+from kvflow.integrations.vllm.kv_events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
+from kvflow.log.memory import NullLog
+from kvflow.log.writer import TraceWriter
+
+_MASK64 = (1 << 64) - 1
+
+
+def kvflow_hash(block_hash: bytes | int) -> int:
+    """A vLLM block hash as kvflow's 64-bit int."""
+    if isinstance(block_hash, (bytes, bytearray)):
+        return int.from_bytes(bytes(block_hash[:8]), "big")
+    return int(block_hash) & _MASK64
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config`` of the vLLM command line, checked.
+
+    Capacity as vLLM, LMCache and SGLang users give it: ``cpu_bytes`` or ``cpu_gb`` (of KV,
+    divided by the bytes of one block of this model) or ``cpu_blocks``. Faults for tests:
+    ``fail_store_jobs`` / ``fail_load_jobs`` are kvflow job ids whose copy fails."""
+
+    cpu_blocks: int | None = None
+    cpu_bytes: int | None = None
+    policy: str = "lru"
+    job_deadline_ms: float = 30_000.0
+    trace_path: str | None = None
+    checksums: bool = False
+    fail_job_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {
+            "cpu_blocks",
+            "cpu_bytes",
+            "cpu_gb",
+            "policy",
+            "store_mode",
+            "job_deadline_ms",
+            "trace_path",
+            "checksums",
+            "fail_job_ids",
+        }
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        sizes = [k for k in ("cpu_blocks", "cpu_bytes", "cpu_gb") if k in extra]
+        if len(sizes) != 1:
+            raise ConfigError("kv_connector_extra_config: give exactly one of cpu_blocks, cpu_bytes, cpu_gb")
+        if extra.get("store_mode", "eager") != "eager":
+            # kvflow's lazy mode stores what the device cache is about to drop; vLLM tells a
+            # connector of no such moment (its eviction reuses the block at once)
+            raise ConfigError(
+                f"kv_connector_extra_config: store_mode {extra['store_mode']!r}: inside vLLM kvflow stores "
+                "eagerly (vLLM offers connectors no hook before it reuses an evicted block)"
+            )
+        cpu_blocks = cpu_bytes = None
+        if "cpu_blocks" in extra:
+            cpu_blocks = _whole(extra["cpu_blocks"], "cpu_blocks")
+        elif "cpu_bytes" in extra:
+            cpu_bytes = _whole(extra["cpu_bytes"], "cpu_bytes")
+        else:
+            gb = extra["cpu_gb"]
+            if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb <= 0:
+                raise ConfigError(f"kv_connector_extra_config: cpu_gb must be a number > 0, got {gb!r}")
+            cpu_bytes = int(gb * (1 << 30))
+        return cls(
+            cpu_blocks=cpu_blocks,
+            cpu_bytes=cpu_bytes,
+            policy=str(extra.get("policy", "lru")),
+            job_deadline_ms=float(extra.get("job_deadline_ms", 30_000.0)),
+            trace_path=extra.get("trace_path"),
+            checksums=bool(extra.get("checksums", False)),
+            fail_job_ids=tuple(int(j) for j in extra.get("fail_job_ids", ())),
+        )
+
+    def blocks(self, block_bytes: int) -> int:
+        """The tier's capacity in blocks of ``block_bytes`` (rounded down)."""
+        if self.cpu_blocks is not None:
+            return self.cpu_blocks
+        blocks = int(self.cpu_bytes or 0) // max(1, block_bytes)
+        if blocks <= 0:
+            raise ConfigError(f"kv_connector_extra_config: {self.cpu_bytes} bytes hold no block of {block_bytes} bytes")
+        return blocks
+
+
+def _whole(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"kv_connector_extra_config: {name} must be a whole number > 0, got {value!r}")
+    return value
+
+
+class StepPlan(msgspec.Struct, frozen=True):
+    """Scheduler -> worker, once per step: the jobs to run, and the requests whose blocks vLLM
+    keeps until their stores are over (``request_finished`` returned True for them), and the
+    requests preempted this step (their copies must end before vLLM reuses their blocks)."""
+
+    jobs: list[TransferJob] = []
+    delayed_free: list[str] = []
+    preempted: list[str] = []
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side remembers of a live vLLM request."""
+
+    hashes: list[int] = field(default_factory=list)  # kvflow hashes of its full blocks
+    block_ids: list[int] = field(default_factory=list)  # its device blocks, in order
+    next_store: int = 0  # blocks before this are stored, deduplicated or being loaded
+    device_hit: int = 0  # blocks vLLM's own prefix cache had at the lookup
+    load_job: int | None = None
+    load_range: tuple[int, int] = (0, 0)  # [first, end) blocks the load brings
+
+
+class SchedulerSide:
+    """kvflow's decisions behind vLLM's scheduler hooks."""
+
+    def __init__(self, config: ConnectorConfig, block_tokens: int, block_bytes: int) -> None:
+        self.block_tokens = block_tokens
+        cpu_blocks = config.blocks(block_bytes)
+        self.config = Config(
+            cpu_blocks=cpu_blocks, block_tokens=block_tokens, policy=config.policy, job_deadline_ms=config.job_deadline_ms
+        )
+        log: Any = NullLog()
+        if config.trace_path:
+            log = TraceWriter(config.trace_path, self.config, meta={"engine": "vllm"})
+        self.manager = OffloadManager(self.config, log=log)
+        self._kv_events = KVEventPublisher(block_tokens)
+        self.manager.subscribe(self._kv_events)
+        # kvflow hash -> vLLM's own hash of the block, so KV events name blocks as vLLM does
+        self._vllm_hash: dict[int, bytes | int] = {}
+        self.requests: dict[str, _Tracked] = {}
+        self._load_failed: set[str] = set()  # live requests whose load failed: no more hits
+        self._delayed: list[str] = []
+        self._waiting_free: set[str] = set()
+        self.loads_landed = 0
+        self.loads_failed = 0
+        self._closed = False
+
+    # -- lookup and allocation -------------------------------------------------------------
+
+    def matched_tokens(self, request_id: str, block_hashes: Sequence[bytes | int], num_tokens: int, num_computed_tokens: int) -> int:
+        """How many tokens after the ``num_computed_tokens`` vLLM has can come from the tier.
+        A request whose load failed is offered nothing again: vLLM recomputes its blocks
+        (a load that keeps failing must not loop lookup -> load -> fail)."""
+        if request_id in self._load_failed:
+            return 0
+        tracked = self.requests.setdefault(request_id, _Tracked())
+        tracked.hashes = [kvflow_hash(h) for h in block_hashes]
+        self._vllm_hash.update(zip(tracked.hashes, block_hashes))
+        tracked.device_hit = num_computed_tokens // self.block_tokens
+        hits = self.manager.lookup(request_id, tracked.hashes, num_tokens, tracked.device_hit)
+        return hits * self.block_tokens
+
+    def allocated(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks: load the hits it took into the blocks after
+        its own prefix hits (as counted at the lookup: the request's ``num_computed_tokens``
+        is not updated yet here), or release them."""
+        tracked = self.requests.setdefault(request_id, _Tracked())
+        tracked.block_ids = list(block_ids)
+        n = num_external_tokens // self.block_tokens
+        if request_id not in self.manager.state.requests:
+            return
+        if n <= 0:
+            if self.manager.state.requests[request_id].offered:
+                self.manager.accept_hits(request_id, [])
+            return
+        first = tracked.device_hit
+        job = self.manager.accept_hits(request_id, tracked.block_ids[first : first + n])
+        tracked.load_job = job
+        tracked.load_range = (first, first + n)
+
+    # -- each step ---------------------------------------------------------------------------
+
+    def step(
+        self,
+        scheduled: Iterable[tuple[str, int, Sequence[int] | None, bool]],
+        preempted: Sequence[str],
+        now_ms: float | None = None,
+    ) -> StepPlan:
+        """One scheduler step: ``scheduled`` lists (request, tokens it will have computed after
+        this step, new block ids or None, whether the ids replace the old ones). Stores the
+        blocks that become full, plans every queued job."""
+        for request_id in preempted:
+            self.requests.pop(request_id, None)
+            self.manager.finish_request(request_id, preempted=True)
+        for request_id, computed_after, new_ids, replace in scheduled:
+            tracked = self.requests.get(request_id)
+            if tracked is None:
+                continue
+            if new_ids is not None:
+                tracked.block_ids = list(new_ids) if replace else tracked.block_ids + list(new_ids)
+            self._store_full_blocks(request_id, tracked, computed_after)
+        now = time.monotonic() * 1000.0 if now_ms is None else now_ms
+        self.manager.tick(now)
+        jobs = self.manager.plan_step(now)
+        delayed, self._delayed = self._delayed, []
+        return StepPlan(jobs=jobs, delayed_free=delayed, preempted=list(preempted))
+
+    def _store_full_blocks(self, request_id: str, tracked: _Tracked, computed_after: int) -> None:
+        full = min(computed_after // self.block_tokens, len(tracked.hashes), len(tracked.block_ids))
+        start = tracked.next_store
+        if full <= start:
+            return
+        first, end = tracked.load_range
+        for a, b in ((start, min(full, first)), (max(start, end), full)):
+            if a < b:
+                self.manager.blocks_computed(request_id, tracked.hashes[a:b], tracked.block_ids[a:b])
+        tracked.next_store = full
+
+    def results(self, results: Sequence[JobResult], now_ms: float | None = None) -> None:
+        """The workers' outcomes for this step, applied (each is recorded in the trace)."""
+        if results:
+            self.manager.job_results(results)
+        flush = getattr(self.manager.log, "flush", None)
+        if flush is not None and not self._closed:
+            flush()  # each step on disk: vLLM may end its engine process without shutdown()
+        notices = self.manager.take_notices()
+        self.loads_landed += len(notices.loads_finished)
+        self.loads_failed += len(notices.loads_failed)
+        self._load_failed.update(f.request_id for f in notices.loads_failed)
+
+    def finished(self, request_id: str) -> bool:
+        """The request ended: its pins are released and kvflow touches its chain (the hashes
+        its lookups and stores named) deepest first (F14, ``Config.chain_recency``). True when
+        a store of it still reads its blocks: vLLM must keep them until the worker reports the
+        request's saves over."""
+        self.requests.pop(request_id, None)
+        self._load_failed.discard(request_id)
+        self.manager.finish_request(request_id)
+        storing = any(
+            job.direction == STORE and job.request_id == request_id for job in self.manager.state.jobs.values()
+        )
+        if storing:
+            self._delayed.append(request_id)
+        return storing
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The tier's KV events since the last call, naming blocks by vLLM's own hashes."""
+        events = self._kv_events.take()
+        if not events:
+            return []
+        original = self._vllm_hash
+        out: list[KVEvent] = []
+        for event in events:
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                named = [original.get(h, h) for h in event.block_hashes]
+                out.append(msgspec.structs.replace(event, block_hashes=named, seq=0))  # type: ignore[arg-type]
+            else:
+                out.append(msgspec.structs.replace(event, seq=0))
+        if len(original) > 4 * self.config.cpu_blocks:  # forget blocks neither stored nor asked for
+            keep = set(self.manager.state.slot_of)
+            for tracked in self.requests.values():
+                keep.update(tracked.hashes)
+            self._vllm_hash = {h: v for h, v in original.items() if h in keep}
+        return out
+
+    def close(self) -> None:
+        """End the trace (its last checkpoint). Idempotent: vLLM may shut down twice."""
+        if not self._closed:
+            self._closed = True
+            self.manager.close()
+
+
+class WorkerSide:
+    """kvflow's copies behind vLLM's worker hooks: a ``TorchExecutor`` over vLLM's KV tensors."""
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        self.executor: Any = None
+        self._jobs: dict[int, TransferJob] = {}  # submitted, not reported
+        self._pending_loads: list[TransferJob] = []
+        self._pending_stores: list[TransferJob] = []
+        self._results: list[JobResult] = []
+        self._recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._delayed: set[str] = set()
+        self._stats: dict[str, int] = {}  # since the last take_stats (vLLM's connector stats)
+        self.block_bytes = 0
+
+    def register(self, kv_caches: Mapping[str, Any]) -> int:
+        """Build the executor over vLLM's KV tensors (block dimension first, as vLLM lays them
+        out); the host pool is sized once. Returns the bytes of one block (all layers)."""
+        from kvflow.executors.torch.executor import TorchExecutor
+        from kvflow.executors.torch.layout import KVLayout
+
+        layout = KVLayout.from_caches(dict(kv_caches), block_dim=0)
+        self.block_bytes = int(layout.block_bytes)
+        cpu_blocks = self.config.blocks(layout.block_bytes)
+        self.executor = TorchExecutor(
+            dict(kv_caches), cpu_blocks, block_dim=0, checksums=self.config.checksums, fail_job_ids=self.config.fail_job_ids
+        )
+        return int(layout.block_bytes)
+
+    def bind(self, plan: StepPlan) -> None:
+        self._pending_loads = [j for j in plan.jobs if j.direction == LOAD]
+        self._pending_stores = [j for j in plan.jobs if j.direction == STORE]
+        self._delayed.update(plan.delayed_free)
+        if plan.preempted:
+            self._wait_for(set(plan.preempted))
+
+    def start_loads(self) -> None:
+        """Before the forward pass. (A loading request is not scheduled until its load is
+        reported over, so nothing of this step reads the blocks being loaded.)"""
+        self._submit(self._pending_loads, None)
+        self._pending_loads = []
+
+    def start_stores(self) -> None:
+        """After the forward pass was enqueued: the copies wait for an event recorded on the
+        compute stream now (F9), so they read the blocks this step computed. (On the CPU the
+        forward pass is over already: no event is needed.)"""
+        if not self._pending_stores:
+            return
+        compute_done = None
+        if self.executor is not None:
+            from kvflow.executors.torch.streams import compute_done_event  # (torch lives there)
+
+            compute_done = compute_done_event(self.executor.device)
+        self._submit(self._pending_stores, compute_done)
+        self._pending_stores = []
+
+    def _submit(self, jobs: list[TransferJob], compute_done: Any) -> None:
+        if not jobs or self.executor is None:
+            return
+        for job in jobs:
+            self._jobs[job.job_id] = job
+        try:
+            self.executor.submit(jobs, compute_done)
+        except Exception as exc:  # F2: a failed submission fails its jobs, never the engine
+            for job in jobs:
+                self._accept(JobResult(job_id=job.job_id, ok=False, error=f"submit failed: {exc!r}"))
+
+    def poll(self) -> None:
+        if self.executor is None:
+            return
+        for result in self.executor.poll():
+            self._accept(result)
+
+    def _accept(self, result: JobResult) -> None:
+        self._results.append(result)
+        job = self._jobs.pop(result.job_id, None)
+        if job is not None:
+            kind = f"{job.direction}_{'ok' if result.ok else 'failed'}"
+            stats = self._stats
+            stats[f"{kind}_jobs"] = stats.get(f"{kind}_jobs", 0) + 1
+            stats[f"{kind}_blocks"] = stats.get(f"{kind}_blocks", 0) + len(job.device_blocks)
+            if result.ok:
+                moved = len(job.device_blocks) * self.block_bytes
+                stats[f"{job.direction}_bytes"] = stats.get(f"{job.direction}_bytes", 0) + moved
+        if job is None or job.direction != LOAD or job.request_id is None:
+            return
+        self._recving.add(job.request_id)
+        if not result.ok:
+            self._load_errors.update(job.device_blocks)
+
+    def _wait_for(self, requests: set[str], timeout_s: float = 60.0) -> None:
+        """Block until no copy of ``requests`` runs (vLLM frees a preempted request's blocks)."""
+        deadline = time.monotonic() + timeout_s
+        while any(j.request_id in requests for j in self._jobs.values()) and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.0005)
+
+    def finished(self) -> tuple[set[str], set[str]]:
+        """(requests whose delayed stores are over, requests whose load is over)."""
+        self.poll()
+        busy = {j.request_id for j in self._jobs.values() if j.direction == STORE}
+        sending = {r for r in self._delayed if r not in busy}
+        self._delayed -= sending
+        recving, self._recving = self._recving, set()
+        return sending, recving
+
+    def take_results(self) -> list[JobResult]:
+        out, self._results = self._results, []
+        return out
+
+    def take_stats(self) -> dict[str, int]:
+        """Jobs, blocks and bytes by direction and outcome since the last call."""
+        out, self._stats = self._stats, {}
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()

@@ -1,0 +1,11 @@
+"""The event log: where the engine records its commands and events.
+
+- ``memory``: ``NullLog`` (keeps nothing) and ``MemoryLog`` (a list: tests, tools, short runs);
+- ``format``: the trace file's records, header and record chain;
+- ``writer``: ``TraceWriter``, a crash-safe trace file written off the engine's thread;
+- ``reader``: ``TraceReader`` and ``read_trace``, the streaming reader of every trace version;
+- ``source`` (plain or gzip bytes), ``problems`` (decode errors), ``ranges`` (the integers a
+  live engine could have recorded): what the reader checks in each line.
+
+May import: ``kvflow.core``.
+"""

@@ -1,0 +1,9 @@
+"""``kvflow simulate``: a workload through the real engine on a virtual clock.
+
+- ``workload``: the Mooncake-format workload reader;
+- ``run``: ``simulate`` and ``Simulation``, one instance (sequential or timed);
+- ``fleet``: several instances sharing a simulated remote tier.
+
+May import: ``kvflow.core``, ``kvflow.log``, ``kvflow.engine``, ``kvflow.executors``,
+``kvflow.tiers``.
+"""

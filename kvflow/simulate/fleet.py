@@ -1,0 +1,151 @@
+"""``kvflow simulate --instances N``: a Mooncake workload routed across N kvflow instances, each
+with its own device cache and CPU tier, run twice: once with a remote tier all instances share,
+once with per-instance tiers only. Every instance is the sequential simulation of DESIGN §7
+(the real decision code); the shared tier is ``kvflow.tiers.simulated_remote``, reached through
+the same remote-tier lifecycle as the Redis tier (probe, remote load, write-through).
+
+Routing: ``round-robin`` (request i to instance i mod N) or ``session`` (session-affine: a
+request goes where its first block's chain went; Mooncake traces carry no session id, and a
+shared first block is what a session shares).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from kvflow.core.errors import ConfigError
+from kvflow.simulate.run import SimOptions, Simulation
+from kvflow.simulate.workload import WorkloadRequest, read_workload
+from kvflow.tiers.simulated_remote import SimulatedRemoteExecutor, SimulatedRemoteStore
+
+ROUTINGS = ("round-robin", "session")
+
+
+class FleetInstance(Simulation):
+    """One instance of the fleet: the sequential simulation, its executor beside the shared
+    remote tier (when there is one)."""
+
+    def __init__(self, options: SimOptions, remote: SimulatedRemoteStore | None) -> None:
+        super().__init__(options)
+        if remote is not None:
+            self.executor = SimulatedRemoteExecutor(self.executor, remote, self.clock)
+            self.engine.executor = self.executor
+
+    def _before_lookup(self, rid: str, full: tuple[int, ...], L: int, d: int) -> int:
+        """A first lookup probes the remote tier for what the CPU tier lacks, a second
+        queues the remote load of what it found; both run to their end. Returns how many
+        more blocks the CPU tier offers now than before."""
+        if not self.config.remote:
+            return 0
+        engine = self.engine
+        before = engine.lookup(rid, full, L, d)
+        engine.accept_hits(rid, [])
+        engine.step()  # the probe's answer is recorded
+        engine.lookup(rid, full, L, d)
+        engine.accept_hits(rid, [])
+        self._run_until_idle()
+        after = engine.lookup(rid, full, L, d)
+        engine.accept_hits(rid, [])
+        return after - before
+
+
+def route(routing: str, instances: int) -> Callable[[int, WorkloadRequest], int]:
+    """The instance index of the ``i``-th request."""
+    if routing == "round-robin":
+        return lambda i, req: i % instances
+    # ints hash to themselves: the same first block goes to the same instance in every run
+    return lambda i, req: (hash(req.hash_ids[0]) if req.hash_ids else i) % instances
+
+
+def run_fleet(
+    path: str, options: SimOptions, instances: int, routing: str, remote_blocks: int
+) -> dict[str, Any]:
+    """One run over ``instances``; a shared remote tier of ``remote_blocks`` (0: none)."""
+    shared = SimulatedRemoteStore(remote_blocks) if remote_blocks else None
+    per = replace(options, remote_blocks=remote_blocks, record=None)
+    sims = [FleetInstance(per, shared) for _ in range(instances)]
+    pick = route(routing, instances)
+    try:
+        for i, req in enumerate(read_workload(path, options.block_tokens)):
+            sims[pick(i, req)]._sequential_request(req)
+    finally:
+        for sim in sims:
+            sim.engine.close()
+    totals = {key: sum(getattr(s.totals, key) for s in sims) for key in (
+        "requests", "prompt_tokens", "hit_tokens", "cpu_hit_tokens", "device_hit_tokens", "remote_hit_tokens"
+    )}  # fmt: skip
+    counters = [s.engine.counters for s in sims]
+    bpb = options.bytes_per_block
+    out: dict[str, Any] = {
+        **totals,
+        "hit_rate": totals["hit_tokens"] / totals["prompt_tokens"] if totals["prompt_tokens"] else 0.0,
+        "cpu_bytes_stored": sum(c.bytes_stored for c in counters),
+        "cpu_bytes_loaded": sum(c.bytes_loaded for c in counters),
+        "remote_bytes_stored": sum(c.remote_bytes_stored for c in counters),
+        "remote_bytes_loaded": sum(c.remote_bytes_loaded for c in counters),
+        "cpu_bytes_held": sum(s.engine.manager.state.num_resident() for s in sims) * bpb,
+        "remote_bytes_held": len(shared) * bpb if shared is not None else 0,
+        "per_instance_hit_rate": [
+            s.totals.hit_tokens / s.totals.prompt_tokens if s.totals.prompt_tokens else 0.0 for s in sims
+        ],
+    }
+    return out
+
+
+def simulate_fleet(path: str, options: SimOptions, instances: int, routing: str, remote_blocks: int) -> dict[str, Any]:
+    """Both runs, side by side: ``shared`` (the remote tier) and ``local`` (CPU tiers only)."""
+    options.validate()
+    if not isinstance(instances, int) or isinstance(instances, bool) or not 1 <= instances <= 1024:
+        raise ConfigError(f"--instances must be a whole number within 1..1024, got {instances!r}")
+    if routing not in ROUTINGS:
+        raise ConfigError(f"--routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    if not isinstance(remote_blocks, int) or remote_blocks <= 0:
+        raise ConfigError(f"--remote-blocks must be a whole number > 0 with --instances, got {remote_blocks!r}")
+    if options.mode != "sequential" or options.record is not None:
+        raise ConfigError("--instances runs the sequential mode and records no trace (no --mode timed, --record)")
+    replace(options, remote_blocks=remote_blocks).config()  # F11: bad sizes fail before any work
+    return {
+        "instances": instances,
+        "routing": routing,
+        "remote_blocks": remote_blocks,
+        "remote_store_mode": options.remote_store_mode,
+        "cpu_blocks_per_instance": options.cpu_blocks,
+        "shared": run_fleet(path, options, instances, routing, remote_blocks),
+        "local": run_fleet(path, options, instances, routing, 0),
+    }
+
+
+def print_fleet(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"kvflow simulate: {summary['instances']} instances, {summary['routing']} routing",
+        caption=(
+            f"cpu {summary['cpu_blocks_per_instance']:,} blocks per instance · shared remote tier "
+            f"{summary['remote_blocks']:,} blocks, {summary['remote_store_mode'].replace('_', '-')}"
+        ),
+    )
+    table.add_column("metric")
+    table.add_column("shared remote tier", justify="right")
+    table.add_column("per-instance tiers only", justify="right")
+    shared, local = summary["shared"], summary["local"]
+
+    def gb(x: int) -> str:
+        return f"{x / 1e9:,.1f} GB"
+
+    rows = [
+        ("hit rate", lambda s: f"{s['hit_rate']:.1%}"),
+        ("hit tokens", lambda s: f"{s['hit_tokens']:,}"),
+        ("  cpu hit tokens", lambda s: f"{s['cpu_hit_tokens']:,}"),
+        ("    from the remote tier", lambda s: f"{s['remote_hit_tokens']:,}"),
+        ("  device hit tokens", lambda s: f"{s['device_hit_tokens']:,}"),
+        ("cpu tier stored / loaded", lambda s: f"{gb(s['cpu_bytes_stored'])} / {gb(s['cpu_bytes_loaded'])}"),
+        ("remote tier stored / loaded", lambda s: f"{gb(s['remote_bytes_stored'])} / {gb(s['remote_bytes_loaded'])}"),
+        ("held at the end: cpu / remote", lambda s: f"{gb(s['cpu_bytes_held'])} / {gb(s['remote_bytes_held'])}"),
+    ]
+    for name, cell in rows:
+        table.add_row(name, cell(shared), cell(local))
+    Console().print(table)

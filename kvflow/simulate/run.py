@@ -1,0 +1,412 @@
+"""``kvflow simulate``: a Mooncake workload through the real engine, decisions and a simulated
+executor on a virtual clock (DESIGN §7).
+
+Sequential mode (the default) follows §7's rules one request at a time, so that an independent
+implementation of those rules gets the same numbers (``tests/reference_sim.py`` is one).
+Timed mode keeps every decision rule but lets requests arrive at their ``timestamp``, run
+concurrently (prefill time from a token rate) and overlap their transfers; it reports load
+and store latency percentiles.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.core.config import Config
+from kvflow.core.errors import ConfigError
+from kvflow.engine.api import StepReport
+from kvflow.engine.sync import SyncEngine
+from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
+from kvflow.simulate.workload import WorkloadRequest, read_workload
+
+SUMMARY_KEYS = (
+    "requests",
+    "prompt_tokens",
+    "hit_tokens",
+    "cpu_hit_tokens",
+    "device_hit_tokens",
+    "stored_blocks",
+    "loaded_blocks",
+    "evicted_blocks",
+    "failed_jobs",
+)
+
+GB = 10**9  # decimal, like the GB of the summary and of --bandwidth-gbps
+
+
+def blocks_for_gb(gb: float, bytes_per_block: int) -> int:
+    """A CPU tier of ``gb`` GB as whole blocks of ``bytes_per_block`` bytes (the bytes per block
+    the simulated transfers move), rounded down: a partial block holds nothing, and rounding
+    down never gives the tier more memory than asked. ``0`` disables offload, like
+    ``--cpu-blocks 0``; a positive size below one block is refused rather than silently
+    disabling offload."""
+    if not isinstance(bytes_per_block, int) or isinstance(bytes_per_block, bool) or bytes_per_block <= 0:
+        raise ConfigError(f"--bytes-per-block must be a whole number > 0, got {bytes_per_block!r}")
+    if not math.isfinite(gb) or gb < 0:
+        raise ConfigError(f"--cpu-gb must be a finite number >= 0, got {gb}")
+    # to the nearest byte first, so that float noise (0.3 * 1e9 = 299999999.99...) cannot
+    # cost a whole block when GB is an exact multiple of the block size
+    blocks = round(gb * GB) // bytes_per_block
+    if blocks == 0 and gb > 0:
+        raise ConfigError(
+            f"--cpu-gb {gb:g} is less than one block of {bytes_per_block:,} bytes "
+            "(rounds down to 0 blocks; use 0 to disable offload)"
+        )
+    return blocks
+
+
+@dataclass
+class SimOptions:
+    cpu_blocks: int
+    device_blocks: int = 0
+    policy: str = "lru"
+    store: str = "eager"
+    block_tokens: int = 512
+    fault_rate: float = 0.0
+    seed: int = 0
+    mode: str = "sequential"  # or "timed"
+    bytes_per_block: int = 2 * 1024 * 1024
+    bandwidth_gbps: float = 55.5
+    latency_us: float = 20.0
+    prefill_tokens_per_ms: float = 10.0  # timed mode: prefill speed of the simulated engine
+    job_deadline_ms: float = 30_000.0
+    hang_jobs: tuple[int, ...] = ()
+    record: str | None = None
+    remote_blocks: int = 0  # the remote index's capacity (kvflow.simulate.fleet sets it)
+    remote_store_mode: str = "write_through"
+
+    def validate(self) -> None:
+        def whole(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not whole(self.device_blocks) or self.device_blocks < 0:
+            raise ConfigError(f"--device-blocks must be a whole number >= 0, got {self.device_blocks!r}")
+        if not 0.0 <= self.fault_rate <= 1.0:
+            raise ConfigError(f"--fault-rate must be within 0..1, got {self.fault_rate!r}")
+        if self.mode not in ("sequential", "timed"):
+            raise ConfigError(f"--mode must be sequential or timed, got {self.mode!r}")
+        if not math.isfinite(self.prefill_tokens_per_ms) or self.prefill_tokens_per_ms <= 0:
+            raise ConfigError(f"--prefill-tokens-per-ms must be a finite number > 0, got {self.prefill_tokens_per_ms}")
+
+    def config(self) -> Config:
+        return Config(
+            cpu_blocks=self.cpu_blocks,
+            block_tokens=self.block_tokens,
+            policy=self.policy,
+            store_mode=self.store,
+            job_deadline_ms=self.job_deadline_ms,
+            remote_blocks=self.remote_blocks,
+            remote_store_mode=self.remote_store_mode,
+        )
+
+
+class DeviceCache:
+    """The device prefix cache of §7: LRU over hashes, capacity ``M`` (0 holds nothing)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def prefix_hits(self, hashes: tuple[int, ...], cap: int) -> int:
+        n = 0
+        lru = self._lru
+        for h in hashes[:cap]:
+            if h not in lru:
+                break
+            n += 1
+        return n
+
+    def use(self, hashes: tuple[int, ...]) -> list[int]:
+        """Touch ``hashes`` deepest first (head most recent); return what falls out, LRU first."""
+        lru = self._lru
+        for h in reversed(hashes):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+        evicted: list[int] = []
+        while len(lru) > self.capacity:
+            evicted.append(lru.popitem(last=False)[0])
+        return evicted
+
+
+@dataclass
+class _Totals:
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+    device_hit_tokens: int = 0
+    remote_hit_tokens: int = 0  # of the cpu hits, those the remote tier brought
+
+
+class _Ids:
+    """Fresh device block ids (the simulated engine never reuses one)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def take(self, n: int) -> tuple[int, ...]:
+        start = self.next
+        self.next += n
+        return tuple(range(start, start + n))
+
+
+class Simulation:
+    def __init__(self, options: SimOptions) -> None:
+        options.validate()
+        self.options = options
+        self.config = options.config()
+        self.clock = VirtualClock()
+        self.executor: Any = SimulatedExecutor(
+            self.clock,
+            TransferModel(options.bytes_per_block, options.bandwidth_gbps, options.latency_us),
+            fault_rate=options.fault_rate,
+            seed=options.seed,
+            hang_jobs=options.hang_jobs,
+        )
+        meta = {
+            "tool": "kvflow simulate",
+            "mode": options.mode,
+            "device_blocks": options.device_blocks,
+            "fault_rate": options.fault_rate,
+            "seed": options.seed,
+        }
+        self.engine = SyncEngine(
+            self.config,
+            self.executor,
+            clock=self.clock,
+            trace_path=options.record,
+            trace_meta=meta,
+            bytes_per_block=options.bytes_per_block,
+            checkpoint_every=1_000,
+        )
+        self.device = DeviceCache(options.device_blocks)
+        self.ids = _Ids()
+        self.totals = _Totals()
+        self.lazy = options.store == "lazy"
+
+    # -- sequential (§7) -----------------------------------------------------------------
+
+    def _run_until_idle(self) -> StepReport:
+        engine, executor, clock = self.engine, self.executor, self.clock
+        merged = engine.step()
+        while engine.has_live_jobs():
+            due = executor.next_completion_ms()
+            if due is None:  # a hung job: jump to the earliest deadline
+                due = engine.manager.next_deadline_ms()
+            if due is None:  # (cannot happen: step() submitted every queued job)
+                break
+            clock.advance_to(due)
+            report = engine.step()
+            merged.loads_failed.extend(report.loads_failed)
+            merged.loads_finished.extend(report.loads_finished)
+        return merged
+
+    def _sequential_request(self, req: WorkloadRequest) -> None:
+        B = self.config.block_tokens
+        engine = self.engine
+        L = req.input_length
+        full = req.hash_ids[: L // B]
+        cap = max(0, (L - 1) // B)
+        rid = f"r{req.line}"
+        d = self.device.prefix_hits(full, cap)
+        r = self._before_lookup(rid, full, L, d)
+        c = engine.lookup(rid, full, L, d)
+        if c:
+            engine.accept_hits(rid, self.ids.take(c))  # (touches the hits deepest first: §7 rule 2)
+            report = self._run_until_idle()
+            if report.loads_failed:
+                c = r = 0  # a failed load's blocks are computed, not hit
+        self.totals.remote_hit_tokens += min(r, c) * B  # (what the hook brought, if hit)
+        if not self.lazy and self.config.enabled and full:
+            engine.blocks_computed(rid, full, self.ids.take(len(full)))
+            self._run_until_idle()
+        engine.finish_request(rid)  # (touches its chain deepest first: §7 rule 4)
+        evicted = self.device.use(full)
+        if self.lazy and evicted and self.config.enabled:
+            engine.device_blocks_evicting(evicted, self.ids.take(len(evicted)))
+            self._run_until_idle()
+        self._count(L, d, c)
+
+    def _before_lookup(self, rid: str, full: tuple[int, ...], L: int, d: int) -> int:
+        """A hook before the lookup that counts: how many blocks it brought to the CPU tier
+        (kvflow.simulate.fleet's instances fetch from their shared remote tier here)."""
+        return 0
+
+    def _count(self, L: int, d: int, c: int) -> None:
+        B = self.config.block_tokens
+        t = self.totals
+        t.requests += 1
+        t.prompt_tokens += L
+        t.device_hit_tokens += d * B
+        t.cpu_hit_tokens += c * B
+        t.hit_tokens += (d + c) * B
+
+    def run_sequential(self, requests: Iterable[WorkloadRequest], progress: Callable[[], None] | None = None) -> None:
+        for req in requests:
+            self._sequential_request(req)
+            if progress is not None:
+                progress()
+
+    # -- timed ---------------------------------------------------------------------------
+
+    def run_timed(self, requests: Iterable[WorkloadRequest], progress: Callable[[], None] | None = None) -> None:
+        """Arrivals at ``timestamp``; prefill takes ``uncached tokens / rate``; transfers
+        overlap. Each decision follows the same rules as the sequential mode."""
+        engine, clock, executor = self.engine, self.clock, self.executor
+        B = self.config.block_tokens
+        agenda: list[tuple[float, int, str, Any]] = []
+        order = 0
+        waiting_load: dict[int, _Live] = {}
+        waiting_store: dict[int, _Live] = {}
+        source = iter(requests)
+        pending_arrival: WorkloadRequest | None = next(source, None)
+
+        def schedule(at: float, what: str, live: Any) -> None:
+            nonlocal order
+            order += 1
+            heapq.heappush(agenda, (at, order, what, live))
+
+        def start_compute(live: _Live) -> None:
+            uncached = live.req.input_length - (live.d + live.c) * B
+            schedule(clock.now_ms + uncached / self.options.prefill_tokens_per_ms, "computed", live)
+
+        def end(live: _Live) -> None:
+            engine.finish_request(live.rid)  # (touches its chain deepest first: §7 rule 4)
+            evicted = self.device.use(live.full)
+            if self.lazy and evicted and self.config.enabled:
+                engine.device_blocks_evicting(evicted, self.ids.take(len(evicted)))
+            self._count(live.req.input_length, live.d, live.c)
+            if progress is not None:
+                progress()
+
+        while True:
+            # what happens next: an arrival, an agenda item, a transfer completing, a deadline
+            candidates = []
+            if pending_arrival is not None:
+                candidates.append(pending_arrival.timestamp_ms)
+            if agenda:
+                candidates.append(agenda[0][0])
+            due = executor.next_completion_ms()
+            if due is not None:
+                candidates.append(due)
+            elif engine.has_live_jobs():
+                deadline = engine.manager.next_deadline_ms()
+                if deadline is not None:
+                    candidates.append(deadline)
+            if not candidates:
+                break
+            clock.advance_to(min(candidates))
+            now = clock.now_ms
+            while pending_arrival is not None and pending_arrival.timestamp_ms <= now:
+                req = pending_arrival
+                pending_arrival = next(source, None)
+                live = _Live(req, f"r{req.line}", req.hash_ids[: req.input_length // B])
+                cap = max(0, (req.input_length - 1) // B)
+                live.d = self.device.prefix_hits(live.full, cap)
+                live.c = engine.lookup(live.rid, live.full, req.input_length, live.d)
+                if live.c:
+                    job = engine.accept_hits(live.rid, self.ids.take(live.c))  # (touches the hits)
+                    assert job is not None
+                    waiting_load[job] = live
+                else:
+                    start_compute(live)
+            while agenda and agenda[0][0] <= now:
+                _, _, what, live = heapq.heappop(agenda)
+                if what == "computed":
+                    job = None
+                    if not self.lazy and self.config.enabled and live.full:
+                        job = engine.blocks_computed(live.rid, live.full, self.ids.take(len(live.full)))
+                    if job is None:
+                        end(live)
+                    else:
+                        waiting_store[job] = live
+            report = engine.step()
+            for _, job_id in report.loads_finished:
+                start_compute(waiting_load.pop(job_id))
+            for failure in report.loads_failed:
+                live = waiting_load.pop(failure.job_id)
+                live.c = 0
+                start_compute(live)
+            for job_id in report.stores_finished:
+                live_s = waiting_store.pop(job_id, None)
+                if live_s is not None:
+                    end(live_s)
+            for job_id, _ in report.stores_failed:
+                live_s = waiting_store.pop(job_id, None)
+                if live_s is not None:
+                    end(live_s)
+            if agenda and agenda[0][0] <= clock.now_ms:
+                continue
+            # submit what the agenda items above queued, at this same instant
+            if engine.manager.state.queued:
+                engine.step()
+
+    # -- driver --------------------------------------------------------------------------
+
+    def run(self, path: str, progress: Callable[[], None] | None = None) -> dict[str, Any]:
+        requests = read_workload(path, self.config.block_tokens)
+        try:
+            if self.options.mode == "timed":
+                self.run_timed(requests, progress)
+            else:
+                self.run_sequential(requests, progress)
+        finally:
+            self.engine.close()
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        t = self.totals
+        c = self.engine.counters
+        out: dict[str, Any] = {
+            "requests": t.requests,
+            "prompt_tokens": t.prompt_tokens,
+            "hit_tokens": t.hit_tokens,
+            "cpu_hit_tokens": t.cpu_hit_tokens,
+            "device_hit_tokens": t.device_hit_tokens,
+            "stored_blocks": c.blocks_stored,
+            "loaded_blocks": c.blocks_loaded,
+            "evicted_blocks": c.blocks_evicted,
+            "failed_jobs": c.jobs_failed + c.jobs_timed_out,
+            "hit_rate": (t.hit_tokens / t.prompt_tokens) if t.prompt_tokens else 0.0,
+            "rejected_blocks": c.blocks_rejected,
+            "timed_out_jobs": c.jobs_timed_out,
+            "jobs": c.jobs_submitted,
+            "bytes_stored": c.bytes_stored,
+            "bytes_loaded": c.bytes_loaded,
+            "events": self.engine.manager.state.last_seq,
+            "sim_time_ms": self.clock.now_ms,
+            "mode": self.options.mode,
+            "config": {
+                "cpu_blocks": self.options.cpu_blocks,
+                "device_blocks": self.options.device_blocks,
+                "policy": self.options.policy,
+                "store": self.options.store,
+                "block_tokens": self.options.block_tokens,
+                "fault_rate": self.options.fault_rate,
+                "seed": self.options.seed,
+            },
+        }
+        if self.options.mode == "timed":
+            out.update(self.engine.latencies.summary())
+        return out
+
+
+@dataclass
+class _Live:
+    req: WorkloadRequest
+    rid: str
+    full: tuple[int, ...]
+    d: int = 0
+    c: int = 0
+
+
+def simulate(path: str, options: SimOptions, progress: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run one simulation and return its summary (the ``--json`` object)."""
+    return Simulation(options).run(path, progress)

@@ -20,9 +20,11 @@ TESTS = Path(__file__).resolve().parent
 
 def hypothesis_tests() -> Iterator[tuple[str, settings]]:
     """(name, settings) of every @given test and every machine's TestCase under tests/."""
-    for path in sorted(TESTS.glob("test_*.py")):
+    for path in sorted(TESTS.rglob("test_*.py")):
         if path.stem == Path(__file__).stem or "hypothesis" not in path.read_text():
             continue
+        if str(path.parent) not in sys.path:  # (as pytest imports a test module: by its folder)
+            sys.path.insert(0, str(path.parent))
         module = importlib.import_module(path.stem)
         for name, obj in vars(module).items():
             if callable(obj) and hasattr(obj, "hypothesis"):

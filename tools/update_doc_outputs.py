@@ -1,6 +1,6 @@
 """Re-run every ``$ kvflow ...`` command pasted in README.md and docs/debugging.md and paste its
 real output under it (commands piped into ``head -n N`` are cut the same way; other pipes are
-left alone). ``tests/test_cli.py`` checks that the pasted output is what the commands print.
+left alone). ``tests/cli/test_cli.py`` checks that the pasted output is what the commands print.
 
 Usage: python tools/update_doc_outputs.py
 """

@@ -6,5 +6,5 @@ asks), ``events`` (what happened), ``jobs`` (what moves where), ``config``, ``er
 machine (``state/``), the decisions (``decide/``) and the eviction policies (``policies/``).
 
 May import: only ``kvflow.core`` and the standard library plus msgspec. No I/O, clock,
-randomness, logging or threads (``tests/test_layout.py`` and ``tests/test_purity.py`` enforce it).
+randomness, logging or threads (``tests/test_layout.py`` and ``tests/core/test_purity.py`` enforce it).
 """

@@ -165,7 +165,7 @@ class ARCPolicy:
         return replace_choices(self._t1, self._t2, self._p, num_blocks, pinned)
 
     # Bulk forms, one call per event: each equals the single-hash method applied to every
-    # hash in order (tests/test_policies.py checks it on random histories and against the
+    # hash in order (tests/core/test_policies.py checks it on random histories and against the
     # list reference), for the inputs evolve hands them: hashes resident where the single
     # method needs them resident, distinct where the event makes them so (a store's, an
     # eviction's). Their cost is per call plus C-level work per hash where CPython has it:

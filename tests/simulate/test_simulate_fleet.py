@@ -14,7 +14,7 @@ from kvflow.core.errors import ConfigError
 from kvflow.simulate.fleet import run_fleet, simulate_fleet
 from kvflow.simulate.run import SimOptions, simulate
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "traces" / "workloads" / "example.jsonl"
+EXAMPLE = Path(__file__).resolve().parents[2] / "traces" / "workloads" / "example.jsonl"
 OPTIONS = SimOptions(cpu_blocks=50)
 
 

@@ -21,7 +21,7 @@ import pytest
 from kvflow.core.decide import jobs as decide_jobs
 from kvflow.core.events import JobTimedOut
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAULT_MAX = 0.5
 
 

@@ -454,7 +454,7 @@ def test_F8_every_slot_a_store_evicts_goes_to_that_store() -> None:
 
 # --- F9 ------------------------------------------------------------------------------------
 # The copy waiting on a compute-done event is the executor's part: see
-# tests/test_torch_executor.py::test_compute_done_event_orders_the_copy.
+# tests/executors/test_torch_executor.py::test_compute_done_event_orders_the_copy.
 
 
 def test_F9_transfer_jobs_carry_everything_and_are_handed_out_once() -> None:

@@ -31,7 +31,7 @@ from kvflow.log.writer import TraceWriter
 from kvflow.replay.fold import replay
 from kvflow.simulate.workload import read_workload
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "traces"
 EXAMPLE_WORKLOAD = TRACES / "workloads" / "example.jsonl"
 TRACE_VERBS = (["replay"], ["replay", "--redecide"], ["incidents"], ["inspect", "--at", "5"], ["kv-events"])

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from reference_sim import COUNTER_KEYS, reference_simulate
 
 B = 4
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 EXAMPLE_WORKLOAD = REPO / "traces" / "workloads" / "example.jsonl"
 

@@ -44,7 +44,7 @@ from kvflow.engine.manager import OffloadManager
 from kvflow.log.memory import MemoryLog, NullLog
 from kvflow.log.reader import read_trace
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class TwinManager(OffloadManager):

@@ -1,5 +1,5 @@
 """The two halves of the vLLM connector without vLLM: configuration, hashes, and the scheduler
-side's decisions for the call sequences vLLM makes (tests/test_vllm_connector.py runs them
+side's decisions for the call sequences vLLM makes (tests/integrations/test_vllm_connector.py runs them
 inside the real engine)."""
 
 from __future__ import annotations

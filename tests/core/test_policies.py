@@ -285,7 +285,7 @@ def test_same_ops_same_snapshot_across_processes(name: str) -> None:
     policy = make_policy(name, 5)
     run_tier(policy, 5, _ACCESSES)  # type: ignore[arg-type]
     local = msgspec.json.encode(policy.snapshot()).decode()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": root}
         remote = subprocess.run(

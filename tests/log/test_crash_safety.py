@@ -22,7 +22,7 @@ from kvflow.log.reader import TraceReader
 from kvflow.log.writer import TraceWriter
 from kvflow.replay.fold import replay
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "traces"
 
 

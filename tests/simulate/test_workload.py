@@ -15,7 +15,7 @@ import pytest
 from kvflow.core.errors import ConfigError, TraceError
 from kvflow.simulate.workload import WorkloadRequest, read_workload
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 EXAMPLE_WORKLOAD = REPO / "traces" / "workloads" / "example.jsonl"
 

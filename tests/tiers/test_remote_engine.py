@@ -27,7 +27,7 @@ from kvflow.core.events import JobFailed, JobTimedOut
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE  # noqa: E402
 from kvflow.core.state.invariants import check_invariants  # noqa: E402
 
-RIG = Path(__file__).with_name("remote_rig.py")
+RIG = Path(__file__).resolve().parents[1] / "remote_rig.py"
 
 
 @pytest.fixture(params=["standalone", "cluster"])

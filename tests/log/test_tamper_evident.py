@@ -23,7 +23,7 @@ from kvflow.log.reader import TraceReader
 from kvflow.log.writer import TraceWriter
 from kvflow.replay.fold import replay
 
-TRACES = Path(__file__).resolve().parents[1] / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 
 
 def kvflow(*args: object) -> Result:

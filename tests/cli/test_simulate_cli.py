@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 from kvflow.cli.main import main
 from kvflow.simulate.run import SUMMARY_KEYS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "traces" / "workloads" / "example.jsonl"
 _SCRIPT = Path(sys.executable).with_name("kvflow")
 KVFLOW = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-c", "from kvflow.cli.main import main; main()"]

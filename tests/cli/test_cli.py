@@ -22,7 +22,7 @@ from click.testing import CliRunner, Result
 from kvflow.cli.main import main
 from kvflow.core.state.tables import BLOCK_TRANSITIONS, JOB_TRANSITIONS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "traces"
 GOLDEN = sorted(p.name for p in TRACES.glob("*.jsonl"))
 # recorded by an earlier build and kept as recorded (traces/README.md), not regenerated

@@ -31,7 +31,7 @@ from kvflow.log.format import (
 from kvflow.log.reader import TraceReader
 from kvflow.replay.fold import replay
 
-TRACES = Path(__file__).resolve().parents[1] / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 PAYLOAD = {"hashes": (2**63 + 5, -7, 12), "device_blocks": (3, 4, 5), "slots": (9, 8, 7)}
 COMMON = {"seq": 41, "job_id": 17, "direction": "load", "request_id": "r-9", "abandoned": True, **PAYLOAD}
 JOB_ENDS = [

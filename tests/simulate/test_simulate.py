@@ -22,9 +22,9 @@ from kvflow.core.errors import ConfigError
 from kvflow.replay.fold import replay
 from kvflow.simulate.run import SUMMARY_KEYS, SimOptions, simulate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "traces" / "workloads" / "example.jsonl"
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 needs_mooncake = pytest.mark.skipif(not MOONCAKE.exists(), reason=f"{MOONCAKE} not present")
 
 def ours(path: Path, **kw: object) -> dict[str, object]:

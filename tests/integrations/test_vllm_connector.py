@@ -33,7 +33,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from kvflow.cli.main import main as kvflow_cli  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import glassllm_model  # noqa: E402
 
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
@@ -282,7 +282,7 @@ def test_scheduler_and_worker_in_vllms_engine_process(
     script, trace = tmp_path / "serve.py", tmp_path / "mp.jsonl"
     script.write_text(MULTIPROCESS_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, str(script), str(model_dir), str(trace), json.dumps(conversations())],
         capture_output=True, text=True, timeout=300, env=env,

@@ -10,9 +10,10 @@ extra annotations still read.
 
 The reader streams (one line in memory at a time) and checks every line, because a simulator fed a
 subtly wrong workload reports plausible but wrong hit rates; a bad line stops the read with a
-:class:`~kvflow.core.errors.TraceError` naming the file, the line and the field. The fast path decodes a
-line straight into a typed msgspec Struct; only a line that fails is decoded a second time,
-generically, to tell broken JSON from a wrong field and to quote the offending value.
+:class:`~kvflow.core.errors.TraceError` naming the file, the line and the field. A line is decoded
+into a typed msgspec Struct whose constraints are the per-value checks; a line that fails is
+decoded a second time, generically, to tell broken JSON from a wrong field and to quote the
+offending value.
 
 The package carries one workload, :data:`EXAMPLE_WORKLOAD`, for ``kvflow simulate --example``.
 
@@ -77,7 +78,7 @@ _NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _MooncakeLine(msgspec.Struct):
-    """The wire shape of one line; the constraints make msgspec do the per-value checks in C."""
+    """The wire shape of one line; its constraints are the checks of each value."""
 
     timestamp: Annotated[float, msgspec.Meta(ge=0)]
     input_length: Annotated[int, msgspec.Meta(ge=1)]

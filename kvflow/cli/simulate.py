@@ -462,7 +462,7 @@ def simulate(
     from kvflow.simulate.run import SimOptions
     from kvflow.simulate.workload import EXAMPLE_WORKLOAD
 
-    path = EXAMPLE_WORKLOAD if workload is None else workload
+    path = str(EXAMPLE_WORKLOAD) if workload is None else workload
     name = "example.jsonl, the example that ships with kvflow" if workload is None else workload
     try:
         if example == (workload is not None):

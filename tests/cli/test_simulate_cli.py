@@ -354,6 +354,19 @@ def test_help_names_the_models_and_the_example() -> None:
         assert word in out, word
 
 
+def test_instances_sized_in_gb_of_a_model() -> None:
+    result = kvflow("simulate", EXAMPLE_WORKLOAD, "--instances", 2, "--cpu-gb", 1, "--model", "llama3-8b", "--json")
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    data = json.loads(result.stdout)
+    block = 512 * 128 * 1024
+    assert data["config"]["cpu_blocks"] == 10**9 // block and data["config"]["bytes_per_block"] == block
+    assert data["remote_blocks"] == 10 * data["config"]["cpu_blocks"]  # the default: 10 x the CPU tier
+    assert data["shared"]["cpu_bytes_held"] % block == 0 and data["shared"]["cpu_bytes_held"] > 0
+    table = table_rows(kvflow("simulate", EXAMPLE_WORKLOAD, "--instances", 2, "--cpu-gb", 1, "--model", "llama3-8b").stdout)
+    assert table["CPU tier (each)"].startswith(f"{data['config']['cpu_blocks']} blocks = ")
+    assert table["KV per block"].startswith("67,108,864 bytes")
+
+
 # --- the example that ships with kvflow -----------------------------------------------------------
 
 

@@ -64,7 +64,7 @@ def _print_incidents(report: Any) -> None:
 
 def _incident_cells(incident: Any) -> dict[str, str]:
     """One incident's texts, shared by the table and the narrow layout."""
-    from kvflow.inspect.render import few, recovery_summary
+    from kvflow.inspect.render import exact_ms, few, recovery_summary
 
     what = f"{incident.direction} {incident.outcome.replace('_', ' ')}"
     if incident.rank is not None and incident.outcome == "failed":
@@ -72,8 +72,7 @@ def _incident_cells(incident: Any) -> dict[str, str]:
     late = ", ".join(
         f"seq {r.seq}: rank {r.rank} {'ok' if r.ok else 'error'}" for r in incident.late_results
     )
-    t = incident.time_ms
-    ms = "-" if t is None else f"{t:,.1f}" if t >= 1000 else f"{t:.3f}".rstrip("0").rstrip(".")
+    ms = "-" if incident.time_ms is None else exact_ms(incident.time_ms)
     return {
         "seq": str(incident.seq),
         "step": str(incident.step),
@@ -242,7 +241,7 @@ def _print_focus(result: Any) -> None:
 def _print_state(path: str, state: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from kvflow.inspect.render import few
+    from kvflow.inspect.render import exact_ms, few
 
     by_state: dict[str, int] = {}
     for entry in state["entries"]:
@@ -297,7 +296,7 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
                 j["state"] + flags,
                 str(j["blocks"]),
                 j["request"] or "-",
-                "-" if j["deadline_ms"] is None else f"{j['deadline_ms']:g}",
+                "-" if j["deadline_ms"] is None else exact_ms(j["deadline_ms"]),
                 few(j["slots"], 6),
                 few(j["device_blocks"], 6),
             )

@@ -16,6 +16,7 @@ from kvflow.core.decide.jobs import CANCELLED_BY_RESET
 from kvflow.core.events import BlocksEvicted, FenceLifted, JobFailed, JobTimedOut, LateResultIgnored
 from kvflow.core.jobs import FILLING, LOAD, REMOTE_LOAD
 from kvflow.core.state.model import State
+from kvflow.inspect.render import exact_ms
 from kvflow.inspect.walk import JobInfo, _Walk
 from kvflow.log.format import Checkpoint
 
@@ -221,7 +222,7 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
                 outcome, rank, error = (
                     "timed_out",
                     None,
-                    (f"timed out at {rec.now_ms:g} ms (deadline {rec.deadline_ms:g} ms)"),
+                    (f"timed out at {exact_ms(rec.now_ms)} ms (deadline {exact_ms(rec.deadline_ms)} ms)"),
                 )
                 time_ms: float | None = rec.now_ms
             else:

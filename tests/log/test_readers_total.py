@@ -29,11 +29,10 @@ from kvflow.engine.manager import OffloadManager
 from kvflow.log.reader import TraceReader, read_trace
 from kvflow.log.writer import TraceWriter
 from kvflow.replay.fold import replay
-from kvflow.simulate.workload import read_workload
+from kvflow.simulate.workload import EXAMPLE_WORKLOAD, read_workload
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "traces"
-EXAMPLE_WORKLOAD = TRACES / "workloads" / "example.jsonl"
 TRACE_VERBS = (["replay"], ["replay", "--redecide"], ["incidents"], ["inspect", "--at", "5"], ["kv-events"])
 
 

@@ -19,10 +19,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from reference_sim import COUNTER_KEYS, reference_simulate
 
+from kvflow.simulate.workload import EXAMPLE_WORKLOAD
+
 B = 4
 REPO = Path(__file__).resolve().parents[2]
 MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
-EXAMPLE_WORKLOAD = REPO / "traces" / "workloads" / "example.jsonl"
 
 
 def workload(directory: Path, *prompts: tuple[int, list[int]]) -> Path:

@@ -200,8 +200,8 @@ def recovery_summary(incident: Incident) -> str:
     """The recovery of one incident in one line."""
     rec = incident.recovery
     parts = []
-    if "quarantined_slots_released" in rec:
-        parts.append(f"quarantined slots released {few(rec['quarantined_slots_released'], 6)}")
+    if "fenced_slots_released" in rec:
+        parts.append(f"fenced slots released {few(rec['fenced_slots_released'], 6)}")
     if "slots_freed" in rec:
         parts.append(f"slots freed {few(rec['slots_freed'], 6)}")
     if "hashes_never_visible" in rec:

@@ -310,9 +310,9 @@ def test_reset_incidents_note_cancelled_and_abandoned_jobs() -> None:
     for incident in abandoned:
         assert incident["abandoned_at_seq"] == reset["seq"]
         # a slot two abandoned loads read is freed by the last of them to report
-        assert set(incident["recovery"]["quarantined_slots_released"]) <= set(incident["slots"])
+        assert set(incident["recovery"]["fenced_slots_released"]) <= set(incident["slots"])
     assert any(
-        incident["recovery"]["quarantined_slots_released"] == incident["slots"]
+        incident["recovery"]["fenced_slots_released"] == incident["slots"]
         for incident in abandoned
     )
     assert {i["direction"] for i in abandoned} == {"store", "load"}

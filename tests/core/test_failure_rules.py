@@ -239,8 +239,8 @@ def test_F2_late_result_after_timeout_is_recorded_and_changes_nothing_but_seq(
     # F15: the late result says the copy is over: the fence is lifted, nothing else changes
     assert isinstance(lifted, FenceLifted) and (lifted.job_id, lifted.reason) == (job_id, "copy over")
     assert m.state.block_state(A) is BlockState.ABSENT
-    assert job_id not in m.state.jobs and m.held_device_blocks() == [] and not m.state.quarantine
-    assert sorted(m.state.free_slots) == sorted([*fenced.free_slots, *fenced.quarantine])
+    assert job_id not in m.state.jobs and m.held_device_blocks() == [] and not m.state.fenced_slots
+    assert sorted(m.state.free_slots) == sorted([*fenced.free_slots, *fenced.fenced_slots])
     assert m.state.policy.snapshot() == fenced.policy.snapshot()
     consistent(m)
 
@@ -499,9 +499,9 @@ def test_F10_capacity_is_fixed_at_config_and_slots_always_add_up() -> None:
         s = m.state
         assert s.capacity == 5 and m.config.cpu_blocks == 5
         owned = {e.slot for e in s.entries.values()}
-        quarantined_only = [q for q in s.quarantine if q not in owned]  # (a fenced load's slot may be both)
-        assert len(s.free_slots) + used_slots(s) + len(quarantined_only) == 5
-        slots = [*s.free_slots, *owned, *quarantined_only]
+        fenced_only = [q for q in s.fenced_slots if q not in owned]  # (a fenced load's slot may be both)
+        assert len(s.free_slots) + used_slots(s) + len(fenced_only) == 5
+        slots = [*s.free_slots, *owned, *fenced_only]
         assert sorted(slots) == list(range(5))
 
     check()
@@ -514,8 +514,8 @@ def test_F10_capacity_is_fixed_at_config_and_slots_always_add_up() -> None:
     m.plan_step(3.0)
     check()
     m.reset()
-    check()  # in-flight slots quarantined
-    assert m.state.quarantine
+    check()  # in-flight slots fenced
+    assert m.state.fenced_slots
     m.blocks_computed("y", [30, 31, 32], [40, 41, 42])
     check()
     m.tick(100 * DEADLINE_MS)
@@ -524,10 +524,10 @@ def test_F10_capacity_is_fixed_at_config_and_slots_always_add_up() -> None:
     check()
     m.job_result(m.state.last_job_id)
     check()
-    assert m.state.quarantine  # the abandoned copies never reported: still fenced (F15)
+    assert m.state.fenced_slots  # the abandoned copies never reported: still fenced (F15)
     m.end_fences()
     check()
-    assert not m.state.quarantine
+    assert not m.state.fenced_slots
 
 
 # --- F11 -----------------------------------------------------------------------------------

@@ -2,12 +2,12 @@
 through the machine that found it: its own rules with their draws scripted, and every one of
 its invariants after each step. They run on every test run, whatever the profile draws.
 
-* Two in-flight loads of one resident block share its slot; a reset quarantined the slot
+* Two in-flight loads of one resident block share its slot; a reset fenced the slot
   once, so the first abandoned report freed it and the second raised ``KeyError`` out of
   evolve (found by test_stateful's machine; fixed in c77df30; also the plain test
   test_scenarios.py::test_reset_with_two_loads_of_one_block_in_flight).
 * A load naming one block twice (so one slot twice) at a reset: its report raised
-  ``KeyError`` in the quarantine release (test_stateful's machine; fixed in 04941c7;
+  ``KeyError`` when its fenced slot was released (test_stateful's machine; fixed in 04941c7;
   test_scenarios.py::test_reset_with_a_load_that_names_one_block_twice).
 * A rank repeating its success for a job another rank still copies: decide yielded
   ``LateResultIgnored``, which evolve refused for a live job, so ``IllegalTransition``

@@ -253,23 +253,23 @@ def test_reset_with_jobs_in_flight_quarantines_slots_until_they_report() -> None
     assert notices.all_blocks_cleared
     cancelled = [e for e in m.log.events() if isinstance(e, JobFailed)]
     assert [e.job_id for e in cancelled] == [queued_id]
-    quarantined = {m.state.jobs[load_id].slots[0], m.state.jobs[store_id].slots[0]}
-    assert set(m.state.quarantine) == quarantined
+    fenced = {m.state.jobs[load_id].slots[0], m.state.jobs[store_id].slots[0]}
+    assert set(m.state.fenced_slots) == fenced
     assert m.state.entries == {}
     # F18: the live requests stay known (no pins, no jobs); the abandoned load is reported
     assert sorted(m.state.requests) == ["r", "s", "s2"]
     assert [(f.request_id, f.job_id, f.device_blocks) for f in notices.loads_failed] == [("r", load_id, (10,))]
     assert sorted(m.held_device_blocks()) == [10, 11]  # still being copied
-    # new stores may not take quarantined slots: only 2 of 4 are usable
+    # new stores may not take fenced slots: only 2 of 4 are usable
     m.blocks_computed("n", [E, F, 27], [20, 21, 22])
     used = {e.slot for e in m.state.entries.values()}
-    assert len(used) == 2 and not used & quarantined
+    assert len(used) == 2 and not used & fenced
     assert sum(len(e.hashes) for e in m.log.events() if isinstance(e, StoreRejected)) == 1
     # the abandoned jobs report: their slots are freed, nothing becomes visible
     m.job_result(store_id)
     m.job_result(load_id, ok=False, error="late")
-    assert m.state.quarantine == {} and not {10, 11} & set(m.held_device_blocks())
-    assert quarantined <= set(m.state.free_slots)
+    assert m.state.fenced_slots == {} and not {10, 11} & set(m.held_device_blocks())
+    assert fenced <= set(m.state.free_slots)
     assert m.state.block_state(C) is BlockState.ABSENT
     assert m.lookup("q", [C, 99], tokens(2)) == 0
     consistent(m)
@@ -287,9 +287,9 @@ def test_reset_with_two_loads_of_one_block_in_flight() -> None:
     m.reset()
     slot = m.state.jobs[jobs[0]].slots[0]
     m.job_result(jobs[0])
-    assert slot in m.state.quarantine, "the other load still reads this slot"
+    assert slot in m.state.fenced_slots, "the other load still reads this slot"
     m.job_result(jobs[1])
-    assert m.state.quarantine == {} and slot in m.state.free_slots
+    assert m.state.fenced_slots == {} and slot in m.state.free_slots
     consistent(m)
 
 
@@ -319,7 +319,7 @@ def test_reset_with_a_load_that_names_one_block_twice() -> None:
     m.plan_step(0.0)
     m.reset()
     m.job_result(job_id)
-    assert m.state.quarantine == {}
+    assert m.state.fenced_slots == {}
     consistent(m)
 
 
@@ -357,12 +357,12 @@ def test_world_size_two_fails_if_either_rank_fails(failing_rank: int, failure_fi
     # F15: while the other rank has not reported, its copy may still write the slot
     assert failed[0].fenced is failure_first and bool(m.state.jobs) is failure_first
     if failure_first:
-        assert m.held_device_blocks() == [1] and m.state.quarantine
+        assert m.held_device_blocks() == [1] and m.state.fenced_slots
         m.job_result(job_id, rank=other)
         late, lifted = m.log.events()[-2:]
         assert isinstance(late, LateResultIgnored) and (late.job_id, late.rank) == (job_id, other)
         assert isinstance(lifted, FenceLifted) and lifted.job_id == job_id
-    assert m.state.block_state(A) is BlockState.ABSENT and not m.state.jobs and not m.state.quarantine
+    assert m.state.block_state(A) is BlockState.ABSENT and not m.state.jobs and not m.state.fenced_slots
     consistent(m)
 
 

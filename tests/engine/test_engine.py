@@ -325,7 +325,7 @@ def test_a_load_that_outlives_its_deadline_never_has_its_blocks_handed_back_earl
     # free no slot while the late copy may read it: eviction for space passes them over
     assert engine.lookup("C", A_HASHES + (105,), 3 * B + 5) == 3
     engine.accept_hits("C", [])
-    assert engine.manager.state.quarantine
+    assert engine.manager.state.fenced_slots
     with pytest.raises(Rejected):
         engine.manager.evict(1)
     due = ex.next_completion_ms()

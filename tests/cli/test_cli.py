@@ -298,7 +298,7 @@ def test_two_ranks_shows_ranks_and_late_successes() -> None:
     assert any(r["ok"] and r["rank"] == 0 for i in found for r in i["late_results"])
 
 
-def test_reset_incidents_note_cancelled_and_abandoned_jobs() -> None:
+def test_F15_reset_incidents_note_cancelled_and_abandoned_jobs() -> None:
     reset = of_type("reset_inflight.jsonl", "reset")[0]
     cancelled = [r for r in of_type("reset_inflight.jsonl", "job_failed") if r["rank"] == -1]
     found = json.loads(kvflow("incidents", TRACES / "reset_inflight.jsonl", "--json").stdout)

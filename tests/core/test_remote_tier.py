@@ -80,7 +80,7 @@ def test_a_dead_key_is_tried_once_never_in_a_loop() -> None:
     consistent(m)
 
 
-def test_a_timed_out_remote_load_is_fenced_until_its_copy_reports() -> None:
+def test_F15_a_timed_out_remote_load_is_fenced_until_its_copy_reports() -> None:
     m = remote_manager()
     m.remote_found([5])
     m.lookup("r", [5, 9], tokens(2))

@@ -84,7 +84,7 @@ def test_eager_store_then_load_round_trip() -> None:
     consistent(m)
 
 
-def test_prompt_exactly_two_blocks_long_hits_only_one_block() -> None:
+def test_F13_a_prompt_exactly_two_blocks_long_loads_one_block_and_computes_the_last() -> None:
     m = manager()
     store(m, "w", [A, B], [1, 2])
     assert m.lookup("r", [A, B], 2 * BT) == 1
@@ -98,7 +98,7 @@ def test_prompt_exactly_two_blocks_long_hits_only_one_block() -> None:
     consistent(m)
 
 
-def test_second_request_reusing_in_flight_device_blocks_stores_nothing_new() -> None:
+def test_F3_a_second_request_sharing_in_flight_device_blocks_stores_nothing_new() -> None:
     m = manager(cpu_blocks=8)
     first = m.blocks_computed("r1", [A, B], [1, 2])
     m.plan_step(0.0)
@@ -154,7 +154,7 @@ def test_touched_blocks_survive_eviction() -> None:
     consistent(m)
 
 
-def test_hit_pinned_at_lookup_survives_cache_pressure_before_allocation() -> None:
+def test_F7_a_hit_pinned_at_lookup_survives_cache_pressure_before_allocation() -> None:
     m = manager(cpu_blocks=3)
     store(m, "w", [A, B, C], [1, 2, 3])
     assert m.lookup("r", [A, B, 99], tokens(3)) == 2  # pins A, B (the coldest)
@@ -179,7 +179,7 @@ def test_hit_pinned_at_lookup_survives_cache_pressure_before_allocation() -> Non
 
 @pytest.mark.parametrize("outcome", ["ok", "failed", "timed_out"])
 @pytest.mark.parametrize("direction", ["load", "store"])
-def test_finish_during_in_flight_job_closes_only_after_completion(
+def test_F4_a_request_finished_during_its_job_closes_only_after_the_job_ends(
     direction: str, outcome: str
 ) -> None:
     m = manager(cpu_blocks=8)
@@ -238,7 +238,7 @@ def test_engine_accepts_two_of_four_offered_hits() -> None:
 # --- reset ---------------------------------------------------------------------------------
 
 
-def test_reset_with_jobs_in_flight_quarantines_slots_until_they_report() -> None:
+def test_F15_a_reset_fences_the_slots_of_jobs_in_flight_until_they_report() -> None:
     m = manager(cpu_blocks=4)
     store(m, "w", [A, B], [1, 2])
     m.finish_request("w")
@@ -275,7 +275,7 @@ def test_reset_with_jobs_in_flight_quarantines_slots_until_they_report() -> None
     consistent(m)
 
 
-def test_reset_with_two_loads_of_one_block_in_flight() -> None:
+def test_F15_a_slot_two_abandoned_loads_read_is_freed_when_both_report() -> None:
     m = manager(cpu_blocks=4)
     store(m, "w", [A], [1])
     m.finish_request("w")
@@ -293,7 +293,7 @@ def test_reset_with_two_loads_of_one_block_in_flight() -> None:
     consistent(m)
 
 
-def test_abandoned_store_completing_after_reset_is_not_reported_as_stored() -> None:
+def test_F15_an_abandoned_store_that_completes_releases_its_blocks_and_shows_nothing() -> None:
     m = manager(cpu_blocks=4)
     job_id = m.blocks_computed("r", [A], [1])
     m.plan_step(0.0)
@@ -310,7 +310,7 @@ def test_abandoned_store_completing_after_reset_is_not_reported_as_stored() -> N
     consistent(m)
 
 
-def test_reset_with_a_load_that_names_one_block_twice() -> None:
+def test_F15_a_load_reading_one_slot_twice_frees_it_once_after_a_reset() -> None:
     m = manager(cpu_blocks=4)
     store(m, "w", [A], [1])
     m.finish_request("w")
@@ -326,7 +326,7 @@ def test_reset_with_a_load_that_names_one_block_twice() -> None:
 # --- several ranks -------------------------------------------------------------------------
 
 
-def test_world_size_two_completes_only_after_both_ranks() -> None:
+def test_F3_a_store_on_two_ranks_becomes_visible_only_after_both_report() -> None:
     m = manager(cpu_blocks=4, world_size=2)
     job_id = m.blocks_computed("r", [A], [1])
     m.plan_step(0.0)
@@ -343,7 +343,7 @@ def test_world_size_two_completes_only_after_both_ranks() -> None:
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
 @pytest.mark.parametrize("failure_first", [True, False])
-def test_world_size_two_fails_if_either_rank_fails(failing_rank: int, failure_first: bool) -> None:
+def test_F15_a_job_failed_on_one_rank_stays_fenced_until_the_other_reports(failing_rank: int, failure_first: bool) -> None:
     m = manager(cpu_blocks=4, world_size=2)
     job_id = m.blocks_computed("r", [A], [1])
     m.plan_step(0.0)
@@ -624,7 +624,7 @@ def test_a_trace_streams_records_with_line_numbers(tmp_path: Path) -> None:
     assert first_line == 2 and type(first).__name__ == "BlocksComputed"
 
 
-def test_a_store_cannot_reuse_a_device_block_still_copied_by_an_abandoned_job() -> None:
+def test_F15_a_store_cannot_reuse_a_device_block_an_abandoned_copy_still_reads() -> None:
     """After a reset, an abandoned in-flight store still reads its device blocks: storing the
     same hash from the same device block again is not a duplicate (the hash left the tier)
     and must wait until the abandoned copy reports."""

@@ -157,7 +157,7 @@ def test_multi_job_batching_and_both_directions_in_one_submit(device: str) -> No
         assert ex.poll() == []
 
 
-def test_bad_jobs_fail_alone_and_executor_keeps_serving(device: str) -> None:
+def test_F2_bad_jobs_fail_alone_and_the_executor_keeps_serving(device: str) -> None:
     kv = make_kv("stacked", device)
     with TorchExecutor(kv, 8) as ex:
         ex.submit(
@@ -179,7 +179,7 @@ def test_bad_jobs_fail_alone_and_executor_keeps_serving(device: str) -> None:
         assert run(ex, [TransferJob(6, "load", (7, 8), (0, 1))])[6].ok
 
 
-def test_copy_that_raises_becomes_failed_result(device: str) -> None:
+def test_F2_a_copy_that_raises_becomes_a_failed_result(device: str) -> None:
     kv = make_kv("stacked", device)
     with TorchExecutor(kv, 8, fail_job_ids={2}) as ex:
         assert run(ex, [TransferJob(1, "store", (1,), (0,))])[1].ok
@@ -192,7 +192,7 @@ def test_copy_that_raises_becomes_failed_result(device: str) -> None:
         assert run(ex, [TransferJob(3, "load", (5,), (0,))])[3].ok  # still serving
 
 
-def test_wait_unknown_and_duplicate_submission(device: str) -> None:
+def test_F12_waiting_on_an_unknown_job_or_submitting_one_twice_is_refused(device: str) -> None:
     kv = make_kv("stacked", device)
     with TorchExecutor(kv, 8) as ex:
         with pytest.raises(UnknownJob, match="never submitted"):
@@ -206,7 +206,7 @@ def test_wait_unknown_and_duplicate_submission(device: str) -> None:
         assert ex.stats["jobs_submitted"] == 1  # the rejected calls launched nothing
 
 
-def test_checksum_mismatch_fails_the_load(device: str) -> None:
+def test_F17_a_checksum_mismatch_fails_the_load_and_names_the_bad_block(device: str) -> None:
     kv = make_kv("separate", device)
     with TorchExecutor(kv, 8, checksums=True) as ex:
         assert run(ex, [TransferJob(1, "store", (1, 2, 3), (0, 1, 2))])[1].ok
@@ -222,14 +222,14 @@ def test_checksum_mismatch_fails_the_load(device: str) -> None:
         assert not never.ok and "no checksum recorded for slot 7" in never.error
 
 
-def test_cpu_blocks_zero_disables_offload(device: str) -> None:
+def test_F11_zero_cpu_blocks_disables_offload_in_the_executor(device: str) -> None:
     with TorchExecutor(make_kv("stacked", device), 0) as ex:
         assert not ex.pool.enabled
         with pytest.raises(ConfigError, match="offload is disabled"):
             ex.submit([TransferJob(1, "store", (1,), (0,))])
 
 
-def test_compute_done_event_orders_the_copy() -> None:
+def test_F9_a_store_on_cuda_waits_for_the_compute_done_event() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA events")
     kv = make_kv("stacked", "cuda")
@@ -286,7 +286,7 @@ def test_layout_sizes_pages_from_shape_not_storage() -> None:
 # --- host pool -------------------------------------------------------------------------------
 
 
-def test_host_pool_errors_are_clear() -> None:
+def test_F11_host_pool_errors_are_clear() -> None:
     with pytest.raises(ConfigError, match="cpu_blocks must be >= 0"):
         HostPool.create([64], -1)
     with pytest.raises(ConfigError, match="cannot allocate host pool"):
@@ -309,7 +309,7 @@ def test_every_pool_page_starts_on_a_page_boundary(device: str, shared: bool) ->
         pool.close()
 
 
-def test_shared_pool_is_one_memory_and_fixed_layout() -> None:
+def test_F10_a_shared_pool_is_one_memory_with_a_fixed_layout() -> None:
     pool = HostPool.create([64, 128], 4, shared=True)
     try:
         assert pool.path is not None and pool.nbytes == 2 * 4096
@@ -337,7 +337,7 @@ class _BrokenComputeDone:
         raise RuntimeError("device lost while waiting for compute")
 
 
-def test_a_compute_done_wait_that_raises_fails_the_batch_on_the_cpu_device() -> None:
+def test_F9_a_compute_done_wait_that_raises_fails_the_batch_and_copies_nothing() -> None:
     kv = make_kv("stacked", "cpu")
     with TorchExecutor(kv, 8) as ex:
         host = ex.pool.region(0, ex.layout.regions[0].word_dtype)
@@ -348,7 +348,7 @@ def test_a_compute_done_wait_that_raises_fails_the_batch_on_the_cpu_device() -> 
         assert torch.equal(host, before)  # nothing was copied out of order
 
 
-def test_the_engine_refuses_a_config_whose_cpu_blocks_differ_from_the_pool() -> None:
+def test_F10_the_engine_refuses_a_config_whose_cpu_blocks_differ_from_the_pool() -> None:
     from kvflow.core.config import Config
     from kvflow.engine.sync import SyncEngine
 
@@ -490,7 +490,7 @@ def test_page_first_pool_views_agree_with_its_blocks() -> None:
         HostPool.create([64], 4).blocks()
 
 
-def test_kernel_load_of_a_corrupted_slot_fails_its_checksum(kernel_device: str) -> None:
+def test_F17_a_kernel_load_of_a_corrupted_slot_fails_its_checksum(kernel_device: str) -> None:
     kv = make_kv("separate", kernel_device)
     with TorchExecutor(kv, 16, scatter="kernel", checksums=True) as ex:
         assert run(ex, [TransferJob(1, "store", (3, 9, 1), (2, 7, 12), hashes=(31, 32, 33))])[1].ok

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -309,6 +310,22 @@ def test_every_pool_page_starts_on_a_page_boundary(device: str, shared: bool) ->
         pool.close()
 
 
+def test_F10_the_host_pool_keeps_its_memory_for_the_executor_s_life() -> None:
+    """Sized once when the executor is built; every slot filled and read back again and again
+    never moves or resizes it (a worker that mapped it keeps seeing the same memory)."""
+    with TorchExecutor(make_kv("stacked", "cpu"), 8) as ex:
+        pool = ex.pool
+        regions = range(ex.layout.num_regions)
+        where, size = [pool.region(r).data_ptr() for r in regions], pool.nbytes
+        for n in range(24):  # three rounds over every slot, both directions
+            store, load = 2 * n + 1, 2 * n + 2
+            jobs = [TransferJob(store, "store", (n,), (n % 8,))]
+            assert run(ex, jobs)[store].ok
+            assert run(ex, [TransferJob(load, "load", (N_BLOCKS - 1 - n,), (n % 8,))])[load].ok
+        assert ex.pool is pool and (pool.nbytes, pool.cpu_blocks) == (size, 8)
+        assert [pool.region(r).data_ptr() for r in regions] == where
+
+
 def test_F10_a_shared_pool_is_one_memory_with_a_fixed_layout() -> None:
     pool = HostPool.create([64, 128], 4, shared=True)
     try:
@@ -335,6 +352,43 @@ class _BrokenComputeDone:
 
     def synchronize(self) -> None:
         raise RuntimeError("device lost while waiting for compute")
+
+
+class _ComputeDoneOnCpu:
+    """The engine's compute-done event on the CPU device, where the copy waits on it before it
+    starts: the compute it stands for happens when the copy waits (``synchronize``), so a copy
+    that did not wait, or copied first, is seen."""
+
+    def __init__(self, at_wait: Any) -> None:
+        self.at_wait, self.waits = at_wait, 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.at_wait()
+
+
+def test_F9_both_directions_wait_for_the_compute_done_event() -> None:
+    kv = make_kv("stacked", "cpu")
+    with TorchExecutor(kv, 8) as ex:
+        # a store: the forward writes block 3 until the event; the store must copy what it wrote
+        def forward_writes_block_3() -> None:
+            for layer in kv:
+                layer[:, 3].fill_(3.0)
+
+        written = _ComputeDoneOnCpu(forward_writes_block_3)
+        ex.submit([TransferJob(1, "store", (3,), (0,))], compute_done=written)
+        assert ex.wait(1, timeout_s=30).ok and written.waits == 1
+        assert run(ex, [TransferJob(2, "load", (9,), (0,))])[2].ok
+        assert same(pages(ex, [9]), pages(ex, [3]))
+
+        # a load: an earlier forward still reads block 7 until the event; the load must not
+        # have written it by then
+        before = pages(ex, [7])
+        seen: list[list[torch.Tensor]] = []
+        read = _ComputeDoneOnCpu(lambda: seen.append(pages(ex, [7])))
+        ex.submit([TransferJob(3, "load", (7,), (0,))], compute_done=read)
+        assert ex.wait(3, timeout_s=30).ok and read.waits == 1
+        assert same(seen[0], before) and same(pages(ex, [7]), pages(ex, [3]))
 
 
 def test_F9_a_compute_done_wait_that_raises_fails_the_batch_and_copies_nothing() -> None:

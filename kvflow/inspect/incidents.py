@@ -286,6 +286,6 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
     if held:
         walk.warnings.append(
             f"{len(held)} fenced job{'s' if len(held) > 1 else ''} never reported the copy over "
-            f"by the end of the trace (slots and device blocks still held): jobs {held[:8]}"
+            f"by the end of the trace (their slots and device blocks still fenced): jobs {held[:8]}"
         )
     return IncidentReport(walk.path, incidents, len(walk.jobs), walk.last_seq, walk.warnings)

@@ -221,7 +221,7 @@ def recovery_summary(incident: Incident) -> str:
     if incident.fenced:
         lifted = incident.fence_lifted
         if lifted is None:
-            parts.append("FENCED to the end of the trace: the copy never reported over (slots and device blocks held)")
+            parts.append("FENCED to the end of the trace: the copy never reported over (its slots and device blocks still fenced)")
         else:
             parts.append(
                 f"fenced until seq {lifted['seq']} ({lifted['reason']}): device blocks "

@@ -250,7 +250,7 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
     click.echo(f"state of {path} at seq {state['seq']} (digest {state['digest']})")
     click.echo(
         f"  tier: {state['capacity']} slots ({state['policy']}): {states}; "
-        f"{state['free_slots']} free, {len(state['quarantine'])} quarantined"
+        f"{state['free_slots']} free, {len(state['fenced_slots'])} fenced"
     )
     if "remote_index" in state:
         click.echo(f"  remote tier: {len(state['remote_index'])} blocks known there {few(state['remote_index'], 8)}")
@@ -289,7 +289,7 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
         ):
             table.add_column(column)
         for j in state["jobs"]:
-            flags = " (abandoned: fenced)" if j["abandoned"] else ""
+            flags = " (fenced)" if j["abandoned"] else ""
             table.add_row(
                 str(j["job"]),
                 j["direction"],
@@ -303,8 +303,8 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
         print_rich(table)
     else:
         click.echo("live jobs: none")
-    quarantine = ", ".join(f"slot {q['slot']} (job {q['job']})" for q in state["quarantine"])
-    click.echo(f"quarantine: {quarantine or 'none'}")
+    fenced = ", ".join(f"slot {q['slot']} (job {q['job']})" for q in state["fenced_slots"])
+    click.echo(f"fenced slots: {fenced or 'none'}")
     held = state["held_device_blocks"]
     click.echo(
         "held device blocks: "

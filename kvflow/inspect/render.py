@@ -207,8 +207,8 @@ def recovery_summary(incident: Incident) -> str:
     """The recovery of one incident in one line."""
     rec = incident.recovery
     parts = []
-    if "quarantined_slots_released" in rec:
-        parts.append(f"quarantined slots released {few(rec['quarantined_slots_released'], 6)}")
+    if "fenced_slots_released" in rec:
+        parts.append(f"fenced slots released {few(rec['fenced_slots_released'], 6)}")
     if "slots_freed" in rec:
         parts.append(f"slots freed {few(rec['slots_freed'], 6)}")
     if "hashes_never_visible" in rec:
@@ -228,7 +228,7 @@ def recovery_summary(incident: Incident) -> str:
     if incident.fenced:
         lifted = incident.fence_lifted
         if lifted is None:
-            parts.append("FENCED to the end of the trace: the copy never reported over (slots and device blocks held)")
+            parts.append("FENCED to the end of the trace: the copy never reported over (its slots and device blocks still fenced)")
         else:
             parts.append(
                 f"fenced until seq {lifted['seq']} ({lifted['reason']}): device blocks "

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.simulate.workload import EXAMPLE_WORKLOAD
+
 pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -27,7 +29,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("churn")
     trace, patterns = out / "sim.jsonl", out / "churn.npz"
     subprocess.run(
-        [sys.executable, "-m", "kvflow", "simulate", str(ROOT / "traces/workloads/example.jsonl"),
+        [sys.executable, "-m", "kvflow", "simulate", str(EXAMPLE_WORKLOAD),
          "--cpu-blocks", "40", "--device-blocks", "8", "--record", str(trace), "--no-progress", "--json"],
         check=True, capture_output=True, cwd=ROOT,
     )

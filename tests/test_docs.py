@@ -1,5 +1,5 @@
-"""The user documentation stands on its own: every Python block of README.md and
-docs/embedding.md runs as written, every ``kvflow ...`` command the README and docs/simulate.md
+"""The user documentation stands on its own: every Python block of README.md,
+docs/embedding.md and docs/simulate.md runs as written, every ``kvflow ...`` command the README and docs/simulate.md
 show exits as documented, every relative link leads to a file of the repository, and no document
 leans on what a user of the repository does not have (files outside it, issue numbers, the
 story of how the code was written)."""
@@ -23,16 +23,12 @@ DOCS = ROOT / "docs"
 # The documents a user reads: the README, docs/, and the notes beside the golden traces
 # (CHANGELOG.md, a history by nature, is not one of them).
 USER_DOCS = sorted([ROOT / "README.md", *DOCS.glob("**/*.md"), ROOT / "traces" / "README.md"])
-RUN_PYTHON = [ROOT / "README.md", DOCS / "embedding.md"]
+RUN_PYTHON = [ROOT / "README.md", DOCS / "embedding.md", DOCS / "simulate.md"]
 RUN_COMMANDS = [ROOT / "README.md", DOCS / "simulate.md"]
 
-# `kvflow simulate` options that documents already show while the code that adds them is
-# merged in separately: a command using one is skipped only while `kvflow simulate --help`
-# does not list it. Once every option here is listed, this set goes.
-PENDING_SIMULATE_OPTIONS = ("--example", "--model", "--kv-dtype", "--kv-bytes-per-token", "--sweep-gb")
 # Documents written alongside this one that the README links to: a link to one is skipped only
-# while the file is absent. Once both exist, this set goes.
-PENDING_DOCS = {"docs/failure-rules.md", "docs/policies.md"}
+# while the file is absent. Once it exists, this set goes.
+PENDING_DOCS = {"docs/policies.md"}
 
 FENCE = re.compile(r"^[ \t]*```(\w*)[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
 
@@ -72,7 +68,7 @@ PY_BLOCKS = [
 
 
 def test_the_documents_have_python_to_run() -> None:
-    assert {p.id.split(":")[0] for p in PY_BLOCKS} == {"README.md", "docs/embedding.md"}
+    assert {p.id.split(":")[0] for p in PY_BLOCKS} == {"README.md", "docs/embedding.md", "docs/simulate.md"}
 
 
 @pytest.mark.parametrize("code", PY_BLOCKS)
@@ -118,20 +114,6 @@ def test_the_documents_have_commands_to_run() -> None:
     assert {p.id.split(":")[0] for p in COMMANDS} == {"README.md", "docs/simulate.md"}
 
 
-@functools.cache
-def simulate_options() -> frozenset[str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvflow", "simulate", "--help"], env=env(), capture_output=True, text=True
-    )
-    return frozenset(re.findall(r"^\s+(--[\w-]+)", done.stdout, re.M))
-
-
-def not_yet(command: str) -> str | None:
-    """The pending option this command uses that ``kvflow simulate`` does not have yet."""
-    args = shlex.split(command)
-    return next((a for a in args if a in PENDING_SIMULATE_OPTIONS and a not in simulate_options()), None)
-
-
 def kvflow(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     args = shlex.split(command)[1:]
     return subprocess.run(
@@ -155,11 +137,6 @@ def test_a_documented_command_exits_as_documented(
     before = [
         c for ln, c, _ in command_lines(path) if ln < line and recorded(c) is not None and recorded(c) in names
     ]
-    for earlier in [*before, command]:
-        missing = not_yet(earlier)
-        if missing:
-            # (the documents show options whose code lands separately; see PENDING_SIMULATE_OPTIONS)
-            pytest.skip(f"`kvflow simulate` has no {missing} yet: {earlier}")
     for earlier in before:
         assert kvflow(earlier, tmp_path).returncode == 0, earlier
     done = kvflow(command, tmp_path)

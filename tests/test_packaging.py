@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -47,3 +49,31 @@ def test_the_wheel_carries_its_license(wheel: Path) -> None:
     assert "Apache License" in license_text and "Version 2.0" in license_text
     assert "Classifier: Typing :: Typed" in meta
     assert "Project-URL: Source," in meta
+
+
+def test_the_wheel_carries_the_example_workload_and_an_install_runs_it(wheel: Path, tmp_path: Path) -> None:
+    example = ROOT / "kvflow" / "simulate" / "example.jsonl"
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("kvflow/simulate/example.jsonl") == example.read_bytes()
+    # installed (without its dependencies, which this environment has), away from the checkout
+    target = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    ran = subprocess.run(
+        [sys.executable, "-m", "kvflow", "simulate", "--example", "--cpu-blocks", "256", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert ran.returncode == 0, ran.stderr
+    summary = json.loads(ran.stdout)
+    assert summary["workload"] == str(target / "kvflow" / "simulate" / "example.jsonl")
+    assert (summary["requests"], summary["hit_tokens"]) == (200, 865_792)

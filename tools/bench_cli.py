@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
-EXAMPLE = ROOT / "traces" / "workloads" / "example.jsonl"
+EXAMPLE = ROOT / "kvflow" / "simulate" / "example.jsonl"
 
 
 def kvflow_cmd() -> list[str]:

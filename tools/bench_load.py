@@ -85,8 +85,8 @@ def main() -> int:
             print(f"  {jobs:>10,} jobs  {at:7.1f} s  {mib:7.1f} MiB")
     print(f"  {ex.stats.jobs:>10,} jobs  {seconds:7.1f} s  {rss_mib():7.1f} MiB (end)")
     state = engine.manager.state
-    clean = not state.jobs and not state.held and not state.quarantine and not check_invariants(state)
-    print(f"end state: {len(state.jobs)} jobs, {len(state.held)} held device blocks, {len(state.quarantine)} quarantined slots, "
+    clean = not state.jobs and not state.held and not state.fenced_slots and not check_invariants(state)
+    print(f"end state: {len(state.jobs)} jobs, {len(state.held)} held device blocks, {len(state.fenced_slots)} fenced slots, "
           f"{len(state.requests)} requests; consistent: {clean}")
     engine.close()
     return 0 if clean else 1

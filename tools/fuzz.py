@@ -1,6 +1,6 @@
 """A seeded fuzzer of kvflow's readers and CLI verbs ("readers are total").
 
-Every input is a golden trace (``traces/*.jsonl``) or workload (``traces/workloads/*.jsonl``)
+Every input is a golden trace (``traces/*.jsonl``) or the example workload (``kvflow/simulate/example.jsonl``)
 damaged by one to three mutations: byte flips, truncation, duplicated / deleted / swapped /
 moved lines, boundary numbers (0, -1, 2**31, 2**63, 2**64, 1e308, NaN...), values of the wrong
 JSON type, deep nesting, bytes that are not UTF-8, CRLF, a BOM, blank lines, very long lines,
@@ -50,7 +50,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = sorted((ROOT / "traces").glob("*.jsonl"))
-WORKLOADS = sorted((ROOT / "traces" / "workloads").glob("*.jsonl"))
+WORKLOADS = [ROOT / "kvflow" / "simulate" / "example.jsonl"]  # the workload kvflow ships
 
 TRACE_VERBS = ("replay", "replay --redecide", "incidents", "inspect", "kv-events")
 WORKLOAD_VERBS = ("simulate",)

@@ -13,7 +13,7 @@ randomness), so a generated workload can be reproduced from its command line.
 
 Usage::
 
-    python tools/gen_workload.py --requests 200 --seed 7 --out traces/workloads/example.jsonl
+    python tools/gen_workload.py --requests 200 --seed 7 --block-tokens 512 --out kvflow/simulate/example.jsonl
 """
 
 from __future__ import annotations

@@ -488,7 +488,7 @@ def reset_inflight(out: Path) -> None:
         if step >= reset_step:
             return [Report(step + rng.randint(1, 2), 0)]
         # Slow jobs are still in flight at the reset (abandoned) and report afterwards, some
-        # failing; abandoned loads may share a quarantined slot (freed when the last reports).
+        # failing; abandoned loads may share a fenced slot (freed when the last reports).
         if job.job_id % 5 == 0:
             ok = job.direction == STORE and rng.random() < 0.6  # abandoned loads all fail
             error = None if ok else "stream destroyed by reset"
@@ -504,7 +504,7 @@ def reset_inflight(out: Path) -> None:
         outcomes=outcomes,
         description=(
             "a reset at step 30 with jobs queued (cancelled) and in flight (abandoned: slots "
-            "quarantined until they report); the run goes on afterwards"
+            "fenced until they report); the run goes on afterwards"
         ),
     )
 

@@ -34,7 +34,7 @@ when a scenario turns kvflow's own chain recency off, drains and closes. Then it
   every load gets exactly one notice (finished or failed), every store not abandoned one;
   the engine's counters agree with the trace;
 * before ``close()`` every remaining fence waits on a rank whose result never came, and after
-  it nothing leaks: no job, hold, quarantined slot, fence; pins only of live requests;
+  it nothing leaks: no job, hold, fenced slot, fence; pins only of live requests;
 * ``kvflow.replay.fold.replay(trace, strict=True)`` (every invariant after every event) and
   ``replay(trace, redecide=True)`` are consistent and end at the live state's digest;
 * the seed re-run in this process gives the same trace bytes, and (every
@@ -1004,8 +1004,8 @@ class Driver:
             problems.append(f"jobs left after close: {list(state.jobs.values())[:4]}")
         if state.held:
             problems.append(f"device blocks still held after close: {sorted(state.held)[:8]}")
-        if state.quarantine:
-            problems.append(f"slots still quarantined after close: {sorted(state.quarantine)[:8]}")
+        if state.fenced_slots:
+            problems.append(f"slots still fenced after close: {sorted(state.fenced_slots)[:8]}")
         if eng.fences():
             problems.append("fences left after close")
         if state.queued or state.deferred_touches:

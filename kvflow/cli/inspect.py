@@ -64,7 +64,7 @@ def _print_incidents(report: Any) -> None:
 
 def _incident_cells(incident: Any) -> dict[str, str]:
     """One incident's texts, shared by the table and the narrow layout."""
-    from kvflow.inspect.render import few, recovery_summary
+    from kvflow.inspect.render import exact_ms, few, recovery_summary
 
     what = f"{incident.direction} {incident.outcome.replace('_', ' ')}"
     if incident.rank is not None and incident.outcome == "failed":
@@ -72,8 +72,7 @@ def _incident_cells(incident: Any) -> dict[str, str]:
     late = ", ".join(
         f"seq {r.seq}: rank {r.rank} {'ok' if r.ok else 'error'}" for r in incident.late_results
     )
-    t = incident.time_ms
-    ms = "-" if t is None else f"{t:,.1f}" if t >= 1000 else f"{t:.3f}".rstrip("0").rstrip(".")
+    ms = "-" if incident.time_ms is None else exact_ms(incident.time_ms)
     return {
         "seq": str(incident.seq),
         "step": str(incident.step),
@@ -242,7 +241,7 @@ def _print_focus(result: Any) -> None:
 def _print_state(path: str, state: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from kvflow.inspect.render import few
+    from kvflow.inspect.render import exact_ms, few
 
     by_state: dict[str, int] = {}
     for entry in state["entries"]:
@@ -251,7 +250,7 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
     click.echo(f"state of {path} at seq {state['seq']} (digest {state['digest']})")
     click.echo(
         f"  tier: {state['capacity']} slots ({state['policy']}): {states}; "
-        f"{state['free_slots']} free, {len(state['quarantine'])} quarantined"
+        f"{state['free_slots']} free, {len(state['fenced_slots'])} fenced"
     )
     if "remote_index" in state:
         click.echo(f"  remote tier: {len(state['remote_index'])} blocks known there {few(state['remote_index'], 8)}")
@@ -290,22 +289,22 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
         ):
             table.add_column(column)
         for j in state["jobs"]:
-            flags = " (abandoned: fenced)" if j["abandoned"] else ""
+            flags = " (fenced)" if j["abandoned"] else ""
             table.add_row(
                 str(j["job"]),
                 j["direction"],
                 j["state"] + flags,
                 str(j["blocks"]),
                 j["request"] or "-",
-                "-" if j["deadline_ms"] is None else f"{j['deadline_ms']:g}",
+                "-" if j["deadline_ms"] is None else exact_ms(j["deadline_ms"]),
                 few(j["slots"], 6),
                 few(j["device_blocks"], 6),
             )
         print_rich(table)
     else:
         click.echo("live jobs: none")
-    quarantine = ", ".join(f"slot {q['slot']} (job {q['job']})" for q in state["quarantine"])
-    click.echo(f"quarantine: {quarantine or 'none'}")
+    fenced = ", ".join(f"slot {q['slot']} (job {q['job']})" for q in state["fenced_slots"])
+    click.echo(f"fenced slots: {fenced or 'none'}")
     held = state["held_device_blocks"]
     click.echo(
         "held device blocks: "

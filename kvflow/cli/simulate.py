@@ -1,18 +1,28 @@
-"""The ``kvflow simulate`` verb (DESIGN §6, §7). Heavy imports (rich, matplotlib) are lazy."""
+"""The ``kvflow simulate`` verb: it parses, refuses what a run would ignore, and renders;
+the runs are ``kvflow.simulate``'s. At load time it imports only click and
+``kvflow.simulate.capacity`` (the option defaults); the simulator, rich and matplotlib when used.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any
 
 import click
 
-from kvflow.cli.common import fail, warn
+from kvflow.cli.common import fail, print_rich, warn
 from kvflow.core.errors import KvflowError
-
-DEFAULT_CPU_BLOCKS = 2000
+from kvflow.simulate.capacity import (
+    DEFAULT_BYTES_PER_TOKEN,
+    DEFAULT_CPU_BLOCKS,
+    DEFAULT_KV_DTYPE,
+    GB,
+    KV_DTYPES,
+    MODELS,
+)
 
 
 def _count_lines(path: str) -> int | None:
@@ -53,19 +63,74 @@ def _run(path: str, options: Any, show_progress: bool) -> dict[str, Any]:
         return simulate(path, options, progress=lambda: progress.advance(task))
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
+def _binary(nbytes: int) -> str:
+    """A size of KV cache in binary units (per token and per block, as models are sized)."""
+    for unit, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if nbytes >= unit:
+            return f"{nbytes / unit:.4g} {name}"
+    return f"{nbytes} bytes"
+
+
+def _gb(nbytes: int) -> str:
+    """A capacity in GB (10^9 bytes), as --cpu-gb takes it."""
+    gb = nbytes / GB
+    return f"{gb:,.2f} GB" if gb >= 1 else f"{gb:.3g} GB"
+
+
+def _kv_text(kv: dict[str, Any]) -> str:
+    """The KV geometry of a summary's ``config["kv"]``, for people."""
+    if kv["source"] == "default":
+        return "none given, so kvflow's default (set one with --model or --kv-bytes-per-token)"
+    if kv["source"] == "kv_bytes_per_token":
+        return f"--kv-bytes-per-token {kv['bytes_per_token']}"
+    return (
+        f"{kv['model']} ({MODELS[kv['model']].title}), {kv['kv_dtype']}: 2 (K, V) x {kv['layers']} layers "
+        f"x {kv['kv_heads']} KV heads x {kv['head_dim']} head dim x {kv['dtype_bytes']} bytes"
+    )
+
+
+def _kv_short(cfg: dict[str, Any]) -> str:
+    """The geometry in a few words (a plot's title)."""
+    kv = cfg["kv"]
+    per_token = f"{_binary(kv['bytes_per_token'])}/token"
+    if kv["source"] == "model":
+        return f"{kv['model']} {kv['kv_dtype']} ({per_token})"
+    return per_token + (" (no model given)" if kv["source"] == "default" else "")
+
+
+def _setup_rows(cfg: dict[str, Any], workload: str) -> list[tuple[str, str]]:
+    """What ran, from a summary's ``config``: the workload, the geometry, the sizes in blocks
+    and in bytes."""
+    kv = cfg["kv"]
+    tier = f"{cfg['cpu_blocks']:,} blocks = {_gb(cfg['cpu_bytes'])}"
+    if cfg["cpu_gb"] is not None:
+        tier += f" (--cpu-gb {cfg['cpu_gb']:g}, in whole blocks)"
+    faults = "none" if not cfg["fault_rate"] else f"rate {cfg['fault_rate']:g}, seed {cfg['seed']}"
+    return [
+        ("workload", workload),
+        ("KV geometry", _kv_text(kv)),
+        ("KV per token", f"{kv['bytes_per_token']:,} bytes ({_binary(kv['bytes_per_token'])})"),
+        (
+            "KV per block",
+            f"{cfg['bytes_per_block']:,} bytes ({_binary(cfg['bytes_per_block'])}), {cfg['block_tokens']} tokens",
+        ),
+        ("CPU tier", tier),
+        ("policy, stores", f"{cfg['policy']}, {cfg['store']}"),
+        ("device cache", f"{cfg['device_blocks']:,} blocks"),
+        ("faults", faults),
+    ]
+
+
+def _print_summary(summary: dict[str, Any], workload: str) -> None:
     from rich.table import Table
 
-    cfg = summary["config"]
-    table = Table(
-        title=f"kvflow simulate ({summary['mode']})",
-        caption=(
-            f"cpu {cfg['cpu_blocks']:,} blocks · device {cfg['device_blocks']:,} · {cfg['policy']} · "
-            f"{cfg['store']} · {cfg['block_tokens']} tokens/block · faults {cfg['fault_rate']} seed {cfg['seed']}"
-        ),
-        show_header=True,
-    )
+    setup = Table(title=f"kvflow simulate ({summary['mode']})", show_header=False, title_justify="left")
+    setup.add_column("setting")
+    setup.add_column("value", overflow="fold")
+    for name, value in _setup_rows(summary["config"], workload):
+        setup.add_row(name, value)
+    print_rich(setup)
+    table = Table(title="results", show_header=True, title_justify="left")
     table.add_column("metric")
     table.add_column("value", justify="right")
     prompt = summary["prompt_tokens"] or 1
@@ -80,7 +145,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
         ("evicted blocks", f"{summary['evicted_blocks']:,}"),
         ("rejected blocks", f"{summary['rejected_blocks']:,}"),
         ("failed jobs", f"{summary['failed_jobs']:,} (timed out {summary['timed_out_jobs']:,})"),
-        ("bytes stored / loaded", f"{summary['bytes_stored'] / 1e9:,.1f} GB / {summary['bytes_loaded'] / 1e9:,.1f} GB"),
+        ("bytes stored / loaded", f"{_gb(summary['bytes_stored'])} / {_gb(summary['bytes_loaded'])}"),
         ("simulated time", f"{summary['sim_time_ms'] / 1000:,.1f} s"),
     ]
     for key in (f"{d}_p{q}_ms" for d in ("load", "store") for q in (50, 90, 99)):
@@ -88,24 +153,26 @@ def _print_summary(summary: dict[str, Any]) -> None:
             rows.append((key.replace("_", " "), f"{summary[key]:.3f} ms"))
     for name, value in rows:
         table.add_row(name, value)
-    Console().print(table)
+    print_rich(table)
 
 
-def _parse_caps(text: str) -> list[int]:
-    caps = []
+def _parse_caps(text: str, in_gb: bool) -> list[Any]:
+    """The capacities of --sweep (whole blocks) or --sweep-gb (GB), in the order given."""
+    flag, unit = ("--sweep-gb", "GB") if in_gb else ("--sweep", "blocks")
+    caps: list[Any] = []
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
         try:
-            value = int(part)
+            value: Any = float(part) if in_gb else int(part)
         except ValueError:
-            raise KvflowError(f"--sweep: {part!r} is not a whole number of CPU blocks") from None
-        if value < 0:
-            raise KvflowError(f"--sweep: capacity {value} is negative")
+            raise KvflowError(f"{flag}: {part!r} is not a {'number' if in_gb else 'whole number'} of {unit}") from None
+        if not math.isfinite(value) or value < 0:
+            raise KvflowError(f"{flag}: capacity {part} is not a finite number >= 0")
         caps.append(value)
     if not caps:
-        raise KvflowError("--sweep needs at least one capacity, e.g. --sweep 500,1000,2000")
+        raise KvflowError(f"{flag} needs at least one capacity, e.g. {flag} {'4,8,16' if in_gb else '500,1000,2000'}")
     return caps
 
 
@@ -135,10 +202,13 @@ def _check_writable(path: str) -> None:
         os.remove(path)
 
 
-def _plot(plt: Any, base: Any, caps: list[int], results: dict[str, list[dict[str, Any]]], path: str) -> None:
+def _plot(plt: Any, sweep: dict[str, Any], name: str, path: str) -> None:
+    caps, in_gb = sweep["capacities"], sweep["unit"] == "GB"
+    first = next(iter(sweep["results"].values()))[0]
+    cfg = first["config"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for policy, rows in results.items():
-        ax.plot(caps, [r["hit_rate"] * 100 for r in rows], marker="o", label=policy.upper())
+    for policy, rows in sweep["results"].items():
+        ax.plot(caps, [r["hit_rate"] * 100 for r in rows], marker="o", label=policy)
     # capacities usually span orders of magnitude (500 .. 16,000): a log axis spaces them
     # evenly. Capacity 0 (offload off) has no place on a log axis, so then the axis is linear
     # up to the smallest positive capacity (symlog).
@@ -148,12 +218,16 @@ def _plot(plt: Any, base: Any, caps: list[int], results: dict[str, list[dict[str
     else:
         ax.set_xscale("symlog", linthresh=min(positive, default=1))
     ax.minorticks_off()
-    ax.set_xticks(caps, [f"{c:,}" for c in caps])  # the capacities run, not powers of ten
-    ax.set_xlabel("CPU tier capacity (blocks, log scale)")
+    ax.set_xticks(caps, [f"{c:g}" if in_gb else f"{c:,}" for c in caps])  # the capacities run
+    ax.set_xlabel(f"CPU tier capacity ({'GB of KV cache' if in_gb else 'blocks'}, log scale)")
     ax.set_ylabel("prefix hit rate (% of prompt tokens)")
-    ax.set_title(f"kvflow simulate --sweep · device {base.device_blocks} blocks · {base.store}")
+    ax.set_title(
+        f"{name}: {first['requests']:,} requests, {sweep['mode']}\n{_kv_short(cfg)}, "
+        f"{cfg['block_tokens']}-token blocks · device {cfg['device_blocks']:,} blocks · {cfg['store']} stores",
+        fontsize=10,
+    )
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(title="policy")
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)
@@ -163,10 +237,10 @@ def _plot(plt: Any, base: Any, caps: list[int], results: dict[str, list[dict[str
         plt.close(fig)
 
 
-def _sweep(path: str, base: Any, caps: list[int], plot: str, as_json: bool) -> None:
-    import dataclasses
-
-    from kvflow.simulate.run import simulate
+def _sweep(
+    path: str, name: str, base: Any, caps: list[Any], in_gb: bool, policies: list[str], plot: str, as_json: bool
+) -> None:
+    from kvflow.simulate.run import sweep
 
     plt = _pyplot()
     if plt is None:
@@ -174,87 +248,189 @@ def _sweep(path: str, base: Any, caps: list[int], plot: str, as_json: bool) -> N
              "(pip install 'kvflow[plot]')")
     else:
         _check_writable(plot)
-    results: dict[str, list[dict[str, Any]]] = {}
-    for policy in ("lru", "arc"):
-        for cap in caps:
-            options = dataclasses.replace(base, cpu_blocks=cap, policy=policy, record=None)
-            summary = simulate(path, options)
-            results.setdefault(policy, []).append(summary)
-            if not as_json:
-                click.echo(
-                    f"{policy:>4} cpu_blocks={cap:>8,}  hit rate {summary['hit_rate']:.2%}  "
-                    f"(cpu {summary['cpu_hit_tokens'] / max(1, summary['prompt_tokens']):.2%})"
-                )
-    written = None
+
+    def line(policy: str, cap: Any, summary: dict[str, Any]) -> None:
+        if not printed:  # (after the sweep's checks: a refused sweep prints nothing on stdout)
+            cfg = summary["config"]
+            click.echo(
+                f"sweep of {name}: {_kv_short(cfg)}, {cfg['block_tokens']}-token blocks, "
+                f"{base.mode} mode, policies {', '.join(policies)}"
+            )
+            printed.append(True)
+        blocks = summary["config"]["cpu_blocks"]
+        size = f"cpu_gb={cap:g} ({blocks:,} blocks)" if in_gb else f"cpu_blocks={cap:,}"
+        click.echo(
+            f"{policy:>4} {size:<30} hit rate {summary['hit_rate']:.2%}  "
+            f"(cpu {summary['cpu_hit_tokens'] / max(1, summary['prompt_tokens']):.2%})"
+        )
+
+    printed: list[bool] = []
+    result = sweep(
+        path, base, [] if in_gb else caps, caps if in_gb else [], policies, None if as_json else line
+    )
+    result["plot"] = None
     if plt is not None:
-        _plot(plt, base, caps, results, plot)
-        written = plot
+        _plot(plt, result, os.path.basename(name), plot)
+        result["plot"] = plot
     if as_json:
-        click.echo(json.dumps({"plot": written, "capacities": caps, "results": results}))
-    elif written is not None:
-        click.echo(f"plot written to {written}")
+        click.echo(json.dumps(result))
+    elif result["plot"] is not None:
+        click.echo(f"plot written to {plot}")
 
 
-def _fleet(path: str, options: Any, instances: int, routing: str, remote_blocks: int | None, as_json: bool) -> None:
-    from kvflow.simulate.fleet import print_fleet, simulate_fleet
+def _fleet(path: str, name: str, options: Any, instances: int, routing: str, remote_blocks: int | None,
+           as_json: bool) -> None:
+    from kvflow.simulate.fleet import simulate_fleet
 
-    remote = 10 * options.cpu_blocks if remote_blocks is None else remote_blocks
+    remote = 10 * options.capacity_blocks() if remote_blocks is None else remote_blocks
     summary = simulate_fleet(path, options, instances, routing, remote)
     if as_json:
         click.echo(json.dumps(summary))
     else:
-        print_fleet(summary)
+        _print_fleet(summary, name)
 
 
-def _cpu_blocks(cpu_blocks: int | None, cpu_gb: float | None, bytes_per_block: int) -> int:
-    """The CPU capacity in blocks from whichever of --cpu-blocks / --cpu-gb was given."""
-    from kvflow.simulate.run import blocks_for_gb
+def _print_fleet(summary: dict[str, Any], workload: str) -> None:
+    from rich.table import Table
 
-    if cpu_gb is None:
-        return DEFAULT_CPU_BLOCKS if cpu_blocks is None else cpu_blocks
-    if cpu_blocks is not None:
-        raise KvflowError("give the CPU capacity once: --cpu-blocks or --cpu-gb, not both")
-    return blocks_for_gb(cpu_gb, bytes_per_block)
+    setup = Table(
+        title=f"kvflow simulate: {summary['instances']} instances, {summary['routing']} routing",
+        show_header=False,
+        title_justify="left",
+    )
+    setup.add_column("setting")
+    setup.add_column("value", overflow="fold")
+    for name, value in _setup_rows(summary["config"], workload):
+        setup.add_row(f"{name} (each)" if name == "CPU tier" else name, value)
+    cfg = summary["config"]
+    setup.add_row(
+        "shared remote tier",
+        f"{summary['remote_blocks']:,} blocks = {_gb(summary['remote_blocks'] * cfg['bytes_per_block'])}, "
+        f"{summary['remote_store_mode'].replace('_', '-')}",
+    )
+    print_rich(setup)
+    table = Table(title="results", title_justify="left")
+    table.add_column("metric")
+    table.add_column("shared remote tier", justify="right")
+    table.add_column("per-instance tiers only", justify="right")
+    shared, local = summary["shared"], summary["local"]
+    rows = [
+        ("hit rate", lambda s: f"{s['hit_rate']:.1%}"),
+        ("hit tokens", lambda s: f"{s['hit_tokens']:,}"),
+        ("  cpu hit tokens", lambda s: f"{s['cpu_hit_tokens']:,}"),
+        ("    from the remote tier", lambda s: f"{s['remote_hit_tokens']:,}"),
+        ("  device hit tokens", lambda s: f"{s['device_hit_tokens']:,}"),
+        ("cpu tier stored / loaded", lambda s: f"{_gb(s['cpu_bytes_stored'])} / {_gb(s['cpu_bytes_loaded'])}"),
+        ("remote tier stored / loaded", lambda s: f"{_gb(s['remote_bytes_stored'])} / {_gb(s['remote_bytes_loaded'])}"),
+        ("held at the end: cpu / remote", lambda s: f"{_gb(s['cpu_bytes_held'])} / {_gb(s['remote_bytes_held'])}"),
+    ]
+    for name, cell in rows:
+        table.add_row(name, cell(shared), cell(local))
+    print_rich(table)
+
+
+# What each kind of run reads: an option given for a run that would not read it is refused
+# (one line, exit 2), never silently dropped.
+_SWEEP_IGNORES = {
+    "cpu_blocks": "the sweep gives the capacities",
+    "cpu_gb": "the sweep gives the capacities",
+    "record": "a sweep runs many simulations and records no trace",
+    "instances": "a sweep runs one instance",
+    "routing": "a sweep runs one instance",
+    "remote_blocks": "a sweep runs one instance",
+    "remote_store": "a sweep runs one instance",
+}
+_FLEET_ONLY = ("routing", "remote_store")  # --remote-blocks alone asks for a fleet (of one)
+
+
+def _refuse_ignored(given: set[str], sweeping: bool, fleet: bool, progress: bool | None) -> None:
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    if sweeping:
+        sweep_flag = "--sweep-gb" if "sweep_gb" in given else "--sweep"
+        for name, why in _SWEEP_IGNORES.items():
+            if name in given:
+                raise KvflowError(f"{flag(name)} does not apply to {sweep_flag} ({why})")
+        if progress:
+            raise KvflowError(f"--progress does not apply to {sweep_flag} (it prints a line per run)")
+        return
+    if "plot" in given:
+        raise KvflowError("--plot applies to --sweep or --sweep-gb only")
+    if fleet:
+        if progress:
+            raise KvflowError("--progress does not apply to --instances (it draws no progress bar)")
+        return
+    for name in _FLEET_ONLY:
+        if name in given:
+            raise KvflowError(f"{flag(name)} applies to --instances only")
+
+
+def _given() -> set[str]:
+    """The parameters given on the command line (or by environment), not left at their default."""
+    ctx = click.get_current_context()
+    defaults = (click.core.ParameterSource.DEFAULT, click.core.ParameterSource.DEFAULT_MAP, None)
+    return {p.name for p in ctx.command.params if p.name and ctx.get_parameter_source(p.name) not in defaults}
+
+
+_MODEL_NAMES = ", ".join(MODELS)
 
 
 @click.command()
-@click.argument("workload", type=click.Path(dir_okay=False))
+@click.argument("workload", required=False, type=click.Path(dir_okay=False))
+@click.option("--example", is_flag=True,
+              help="Run the example workload that ships with kvflow (200 chat requests) instead of a WORKLOAD file.")
 @click.option("--cpu-blocks", type=int, default=None,
               help=f"CPU tier capacity in blocks (0 disables offload).  [default: {DEFAULT_CPU_BLOCKS}]")
 @click.option("--cpu-gb", type=float, default=None, metavar="GB",
-              help="CPU tier capacity in GB (10^9 bytes) instead of --cpu-blocks: rounded down to whole "
-                   "blocks of --bytes-per-block (0 disables offload; less than one block is an error).")
+              help="CPU tier capacity in GB (10^9 bytes) of KV cache instead of --cpu-blocks, rounded down to "
+                   "whole blocks of the KV geometry (give --model or --kv-bytes-per-token; 0 disables offload).")
+@click.option("--model", type=click.Choice(list(MODELS), case_sensitive=False), default=None,
+              help="The model whose KV cache is simulated: its layers x KV heads x head dim x dtype bytes size "
+                   "each block (and so --cpu-gb and the bytes moved).")
+@click.option("--kv-dtype", type=click.Choice(list(KV_DTYPES), case_sensitive=False), default=None,
+              help=f"With --model: the KV cache's dtype.  [default: {DEFAULT_KV_DTYPE}]")
+@click.option("--kv-bytes-per-token", type=int, default=None, metavar="N",
+              help="KV bytes per token (K and V, all layers) of a model not in --model's list.  "
+                   f"[default without --model: {DEFAULT_BYTES_PER_TOKEN}]")
 @click.option("--device-blocks", type=int, default=0, show_default=True, help="Device prefix-cache capacity in blocks (0 allowed).")
-@click.option("--policy", default="lru", show_default=True, help="Eviction policy (lru, arc).")
+@click.option("--policy", default="lru", show_default=True,
+              help="Eviction policy (lru, arc). With a sweep: only this one (default: both lru and arc).")
 @click.option("--store", "store", default="eager", show_default=True, help="Store mode: eager or lazy.")
 @click.option("--block-tokens", type=int, default=512, show_default=True, help="Tokens per block (Mooncake: 512).")
 @click.option("--fault-rate", type=float, default=0.0, show_default=True, help="Probability that a transfer job fails.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the fault draws.")
 @click.option("--mode", type=click.Choice(["sequential", "timed"]), default="sequential", show_default=True,
-              help="sequential: DESIGN §7 one request at a time; timed: arrivals at timestamp, concurrent.")
-@click.option("--bytes-per-block", type=int, default=2 * 1024 * 1024, show_default=True, help="Bytes per KV block (all layers).")
+              help="sequential: one request at a time; timed: arrivals at their timestamp, concurrent.")
 @click.option("--bandwidth-gbps", type=float, default=55.5, show_default=True, help="Copy bandwidth per direction, GB/s.")
 @click.option("--latency-us", type=float, default=20.0, show_default=True, help="Fixed cost per transfer job, µs.")
 @click.option("--prefill-tokens-per-ms", type=float, default=10.0, show_default=True, help="Timed mode: prefill speed.")
 @click.option("--record", type=click.Path(dir_okay=False), default=None, help="Write a kvflow trace of the run here.")
-@click.option("--sweep", default=None, metavar="CAPS", help="Comma-separated CPU capacities: run both policies at each, plot hit rate.")
-@click.option("--plot", default="sweep.png", show_default=True, help="PNG written by --sweep.")
+@click.option("--sweep", default=None, metavar="BLOCKS",
+              help="Comma-separated CPU capacities in blocks: run lru and arc at each, plot the hit rates.")
+@click.option("--sweep-gb", default=None, metavar="GBS",
+              help="The same sweep with capacities in GB of KV cache (give --model or --kv-bytes-per-token).")
+@click.option("--plot", default="sweep.png", show_default=True, help="PNG written by a sweep.")
 @click.option("--instances", type=int, default=1, show_default=True,
               help="Route the requests across N instances (own device cache and CPU tier each) and compare a "
                    "shared remote tier with per-instance tiers only.")
 @click.option("--routing", type=click.Choice(["round-robin", "session"]), default="round-robin", show_default=True,
               help="With --instances: round-robin, or session-affine (by the request's first block).")
 @click.option("--remote-blocks", type=int, default=None, metavar="N",
-              help="With --instances: the shared remote tier's capacity in blocks.  [default: 10 x --cpu-blocks]")
+              help="With --instances: the shared remote tier's capacity in blocks.  [default: 10 x the CPU tier]")
 @click.option("--remote-store", type=click.Choice(["write-through", "ahead-of-eviction"]), default="write-through",
               show_default=True, help="With --instances: when blocks are copied to the shared tier.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar on stderr, drawn only when stderr is a terminal (default: not with --json).")
 def simulate(
-    workload: str,
+    workload: str | None,
+    example: bool,
     cpu_blocks: int | None,
     cpu_gb: float | None,
+    model: str | None,
+    kv_dtype: str | None,
+    kv_bytes_per_token: int | None,
     device_blocks: int,
     policy: str,
     store: str,
@@ -262,12 +438,12 @@ def simulate(
     fault_rate: float,
     seed: int,
     mode: str,
-    bytes_per_block: int,
     bandwidth_gbps: float,
     latency_us: float,
     prefill_tokens_per_ms: float,
     record: str | None,
     sweep: str | None,
+    sweep_gb: str | None,
     plot: str,
     instances: int,
     routing: str,
@@ -276,12 +452,35 @@ def simulate(
     as_json: bool,
     progress: bool | None,
 ) -> None:
-    """Drive the real decision code over a Mooncake-format WORKLOAD on a virtual clock."""
-    from kvflow.simulate.run import SimOptions
+    """Run a Mooncake-format WORKLOAD (JSON Lines), or with --example the workload that ships
+    with kvflow, through kvflow's real decision code on a virtual clock, and report the prefix
+    hit rate and what moved.
 
+    Size the CPU tier in blocks (--cpu-blocks) or in GB of KV cache (--cpu-gb) of a model
+    (--model) or of a number of KV bytes per token (--kv-bytes-per-token); the output says
+    the geometry and the bytes per block it used."""
+    from kvflow.simulate.run import SimOptions
+    from kvflow.simulate.workload import EXAMPLE_WORKLOAD
+
+    path = str(EXAMPLE_WORKLOAD) if workload is None else workload
+    name = "example.jsonl, the example that ships with kvflow" if workload is None else workload
     try:
+        if example == (workload is not None):
+            raise KvflowError(
+                "give a WORKLOAD file or --example, not both" if example else
+                "give a WORKLOAD file (Mooncake JSON Lines), or --example to run the example that ships with kvflow"
+            )
+        if sweep is not None and sweep_gb is not None:
+            raise KvflowError("give one sweep: --sweep (blocks) or --sweep-gb (GB), not both")
+        given = _given()
+        fleet = instances != 1 or remote_blocks is not None
+        _refuse_ignored(given, sweep is not None or sweep_gb is not None, fleet, progress)
         options = SimOptions(
-            cpu_blocks=_cpu_blocks(cpu_blocks, cpu_gb, bytes_per_block),
+            cpu_blocks=cpu_blocks,
+            cpu_gb=cpu_gb,
+            model=model,
+            kv_dtype=kv_dtype,
+            kv_bytes_per_token=kv_bytes_per_token,
             device_blocks=device_blocks,
             policy=policy,
             store=store,
@@ -289,7 +488,6 @@ def simulate(
             fault_rate=fault_rate,
             seed=seed,
             mode=mode,
-            bytes_per_block=bytes_per_block,
             bandwidth_gbps=bandwidth_gbps,
             latency_us=latency_us,
             prefill_tokens_per_ms=prefill_tokens_per_ms,
@@ -297,23 +495,33 @@ def simulate(
         )
         options.validate()
         options.config()  # F11: bad capacities / policy names fail before any work
-        if sweep is not None:
-            _sweep(workload, options, _parse_caps(sweep), plot, as_json)
+        sized_in_gb = cpu_gb is not None or sweep_gb is not None
+        if sized_in_gb and options.geometry().default:
+            warn(
+                f"{'--cpu-gb' if cpu_gb is not None else '--sweep-gb'} without a KV geometry: assuming "
+                f"{DEFAULT_BYTES_PER_TOKEN:,} bytes per token ({options.bytes_per_block:,} per block); "
+                f"give --model ({_MODEL_NAMES}) or --kv-bytes-per-token"
+            )
+        if sweep is not None or sweep_gb is not None:
+            in_gb = sweep_gb is not None
+            caps = _parse_caps(sweep_gb if sweep_gb is not None else sweep or "", in_gb)
+            policies = [policy] if "policy" in given else ["lru", "arc"]
+            _sweep(path, name, options, caps, in_gb, policies, plot, as_json)
             return
-        if instances != 1 or remote_blocks is not None:
+        if fleet:
             options.remote_store_mode = remote_store.replace("-", "_")
-            _fleet(workload, options, instances, routing, remote_blocks, as_json)
+            _fleet(path, name, options, instances, routing, remote_blocks, as_json)
             return
         # a bar redraws itself with cursor controls: junk in a captured or redirected stderr
         wanted = progress if progress is not None else not as_json
-        summary = _run(workload, options, wanted and sys.stderr.isatty())
+        summary = _run(path, options, wanted and sys.stderr.isatty())
     except KvflowError as exc:
         fail(str(exc))
     except OSError as exc:
-        fail(f"{getattr(exc, 'filename', None) or workload}: {exc.strerror or exc}")
+        fail(f"{getattr(exc, 'filename', None) or path}: {exc.strerror or exc}")
     if as_json:
         click.echo(json.dumps(summary))
     else:
-        _print_summary(summary)
+        _print_summary(summary, name)
         if record:
             click.echo(f"trace written to {record}")

@@ -116,7 +116,7 @@ class _Terminal(_Event, frozen=True, kw_only=True):
     hashes: Hashes
     device_blocks: Blocks
     slots: Blocks
-    # True for a job a reset abandoned: its end only frees quarantined slots and device
+    # True for a job a reset abandoned: its end only frees its fenced slots and device
     # blocks; nothing becomes visible and no request is told.
     abandoned: bool = False
 
@@ -134,7 +134,7 @@ class JobFailed(_Terminal, frozen=True, tag="job_failed"):
     the job's pins are released and ``device_blocks`` must be recomputed by the engine.
 
     ``fenced`` (F15): other ranks had not reported yet, so their copies may still run: the
-    outcome applies at once, but the job's slots stay quarantined and its device blocks held
+    outcome applies at once, but the job's slots and device blocks stay fenced
     until every rank has reported (``FenceLifted``). Traces from before it read as False.
     """
 
@@ -168,7 +168,7 @@ FenceReason = Literal["copy over", "executor closed"]
 class FenceLifted(_Event, frozen=True, tag="fence_lifted"):
     """The copy of a fenced job (timed out, failed on one rank, or abandoned by a reset) is
     over (F15): every rank reported, or the executor was closed and its copies stopped. Its
-    quarantined ``slots`` are free again unless an entry still owns them, and its
+    fenced ``slots`` are free again unless an entry still owns them, and its
     ``device_blocks`` are released to the engine."""
 
     job_id: int
@@ -281,7 +281,7 @@ class Reset(_Event, frozen=True, tag="reset"):
     """Everything cleared (vLLM's AllBlocksCleared).
 
     Queued jobs are failed before this event. Jobs still in flight are *abandoned*: their
-    slots and device blocks stay quarantined until the executor reports them (or they time
+    slots and device blocks stay fenced until the executor reports them (or they time
     out), because a copy may still be writing there; then the slots are freed and nothing
     becomes visible.
 

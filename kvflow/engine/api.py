@@ -56,7 +56,7 @@ class Counters:
     jobs_fenced: int = 0  # outcome known while a copy may still run (F15)
     fences_lifted: int = 0  # of those, the copies reported over (or the executor closed)
     fences_overdue: int = 0  # fences held past ``fence_warn_ms`` (each warned about once)
-    pins_overdue: int = 0  # requests holding lookup hits past ``pin_warn_ms`` (F18)
+    pins_overdue: int = 0  # requests holding lookup hits past ``pin_warn_ms`` (F7)
     unknown_results: int = 0
     executor_errors: int = 0
     blocks_stored: int = 0

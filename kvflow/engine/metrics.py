@@ -83,8 +83,8 @@ class PrometheusMetrics:
         state = self._engine.manager.state
         yield GaugeMetricFamily("kvflow_cpu_tier_capacity_blocks", "Slots of the CPU tier", value=state.capacity)
         storing = len(state.pending)
-        owned = set(state.slot_of.values()) if state.quarantine else ()
-        fenced = sum(1 for s in state.quarantine if s not in owned)
+        owned = set(state.slot_of.values()) if state.fenced_slots else ()
+        fenced = sum(1 for s in state.fenced_slots if s not in owned)
         tier = GaugeMetricFamily("kvflow_cpu_tier_blocks", "Slots of the CPU tier by what holds them", labels=["state"])
         tier.add_metric(["resident"], len(state.slot_of) - storing)
         tier.add_metric(["storing"], storing)

@@ -16,6 +16,7 @@ from kvflow.core.decide.jobs import CANCELLED_BY_RESET
 from kvflow.core.events import BlocksEvicted, FenceLifted, JobFailed, JobTimedOut, LateResultIgnored
 from kvflow.core.jobs import FILLING, LOAD, REMOTE_LOAD
 from kvflow.core.state.model import State
+from kvflow.inspect.render import exact_ms
 from kvflow.inspect.walk import JobInfo, _Walk
 from kvflow.log.format import Checkpoint
 
@@ -128,12 +129,12 @@ def _recovery_from_state(
     abandoned = info is not None and info.abandoned_at_seq is not None
     recovery: dict[str, Any] = {}
     if abandoned:
-        recovery["quarantined_slots_released"] = [
-            s for s in event.slots if s in before["quarantine"] and s in free_after
+        recovery["fenced_slots_released"] = [
+            s for s in event.slots if s in before["fenced_slots"] and s in free_after
         ]
         recovery["note"] = (
             f"abandoned by the reset at seq {info.abandoned_at_seq}: its slots stayed "  # type: ignore[union-attr]
-            "quarantined until this result; nothing became visible"
+            "fenced until this result; nothing became visible"
         )
     elif event.direction in FILLING:  # a store, or a remote load into host slots
         recovery["slots_freed"] = [
@@ -153,7 +154,7 @@ def _recovery_from_state(
         recovery["recompute_device_blocks"] = list(event.device_blocks)
     recovery["device_blocks_released"] = released
     if event.fenced:
-        recovery["slots_fenced"] = [s for s in event.slots if s in state.quarantine]
+        recovery["slots_fenced"] = [s for s in event.slots if s in state.fenced_slots]
         recovery["device_blocks_fenced"] = [d for d in event.device_blocks if d in held_after]
     return recovery
 
@@ -162,7 +163,7 @@ def _recovery_from_event(event: JobFailed | JobTimedOut, info: JobInfo | None) -
     """What the lifecycle rules say recovery does, for a trace that no longer folds."""
     recovery: dict[str, Any] = {}
     if info is not None and info.abandoned_at_seq is not None:
-        recovery["quarantined_slots_released"] = list(event.slots)
+        recovery["fenced_slots_released"] = list(event.slots)
     elif event.direction in FILLING:
         recovery["slots_freed"] = list(event.slots)
         recovery["hashes_never_visible"] = list(event.hashes)
@@ -207,7 +208,7 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
                 entries = state.entries
                 before = {
                     "free": set(state.free_slots),
-                    "quarantine": dict(state.quarantine),
+                    "fenced_slots": dict(state.fenced_slots),
                     "pins": {h: entries[h].pins for h in rec.hashes if h in entries},
                 }
             walk.apply(line, rec)
@@ -221,7 +222,7 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
                 outcome, rank, error = (
                     "timed_out",
                     None,
-                    (f"timed out at {rec.now_ms:g} ms (deadline {rec.deadline_ms:g} ms)"),
+                    (f"timed out at {exact_ms(rec.now_ms)} ms (deadline {exact_ms(rec.deadline_ms)} ms)"),
                 )
                 time_ms: float | None = rec.now_ms
             else:
@@ -286,6 +287,6 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
     if held:
         walk.warnings.append(
             f"{len(held)} fenced job{'s' if len(held) > 1 else ''} never reported the copy over "
-            f"by the end of the trace (slots and device blocks still held): jobs {held[:8]}"
+            f"by the end of the trace (their slots and device blocks still fenced): jobs {held[:8]}"
         )
     return IncidentReport(walk.path, incidents, len(walk.jobs), walk.last_seq, walk.warnings)

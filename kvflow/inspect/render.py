@@ -55,6 +55,13 @@ if TYPE_CHECKING:
     from kvflow.inspect.incidents import Incident
 
 
+def exact_ms(t: float) -> str:
+    """A time in ms at the full resolution the trace holds: the shortest text that reads back
+    as the same float (``1653390.125``), whole numbers without ``.0`` (``60``)."""
+    value = float(t)
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
 def few(values: Any, limit: int = 4) -> str:
     """``[1, 2, 3, 4, +5 more]``: a list short enough for one line."""
     values = list(values)
@@ -102,7 +109,7 @@ def describe(record: Any) -> str:
         return f"probe of the remote tier found {_blocks(len(r.block_hashes))} {few(r.block_hashes)}"
     if kind is JobsSubmitted:
         return (
-            f"jobs {few(r.job_ids, 8)} submitted at {r.now_ms:g} ms, deadline {r.deadline_ms:g} ms"
+            f"jobs {few(r.job_ids, 8)} submitted at {exact_ms(r.now_ms)} ms, deadline {exact_ms(r.deadline_ms)} ms"
         )
     if kind is RankSucceeded:
         return f"job {r.job_id}: rank {r.rank} succeeded; waiting for the other ranks"
@@ -116,8 +123,8 @@ def describe(record: Any) -> str:
     if kind is JobTimedOut:
         fence = "; memory FENCED until the copy reports over" if r.fenced else ""
         return (
-            f"{r.direction} job {r.job_id} TIMED OUT at {r.now_ms:g} ms "
-            f"(deadline {r.deadline_ms:g} ms; {_req(r.request_id)}){fence}"
+            f"{r.direction} job {r.job_id} TIMED OUT at {exact_ms(r.now_ms)} ms "
+            f"(deadline {exact_ms(r.deadline_ms)} ms; {_req(r.request_id)}){fence}"
         )
     if kind is FenceLifted:
         return (
@@ -176,12 +183,12 @@ def describe(record: Any) -> str:
     if kind is Evict:
         return f"evict {_blocks(r.num_blocks)} on request"
     if kind is PlanStep:
-        return f"plan step at {r.now_ms:g} ms"
+        return f"plan step at {exact_ms(r.now_ms)} ms"
     if kind is JobResult:
         outcome = "ok" if r.ok else f"error: {r.error}"
         return f"executor result: job {r.job_id} rank {r.rank} {outcome}"
     if kind is Tick:
-        return f"tick at {r.now_ms:g} ms"
+        return f"tick at {exact_ms(r.now_ms)} ms"
     if kind is FinishRequest:
         return f"request {r.request_id} {'preempted' if r.preempted else 'finished'} by the engine"
     if kind is ResetAll:
@@ -200,8 +207,8 @@ def recovery_summary(incident: Incident) -> str:
     """The recovery of one incident in one line."""
     rec = incident.recovery
     parts = []
-    if "quarantined_slots_released" in rec:
-        parts.append(f"quarantined slots released {few(rec['quarantined_slots_released'], 6)}")
+    if "fenced_slots_released" in rec:
+        parts.append(f"fenced slots released {few(rec['fenced_slots_released'], 6)}")
     if "slots_freed" in rec:
         parts.append(f"slots freed {few(rec['slots_freed'], 6)}")
     if "hashes_never_visible" in rec:
@@ -221,7 +228,7 @@ def recovery_summary(incident: Incident) -> str:
     if incident.fenced:
         lifted = incident.fence_lifted
         if lifted is None:
-            parts.append("FENCED to the end of the trace: the copy never reported over (slots and device blocks held)")
+            parts.append("FENCED to the end of the trace: the copy never reported over (its slots and device blocks still fenced)")
         else:
             parts.append(
                 f"fenced until seq {lifted['seq']} ({lifted['reason']}): device blocks "

@@ -75,7 +75,7 @@ def state_to_dict(state: State) -> dict[str, Any]:
         },
         "requests": [request_dict(state.requests[rid]) for rid in sorted(state.requests)],
         "jobs": [job_dict(state.jobs[jid]) for jid in sorted(state.jobs)],
-        "quarantine": [{"slot": s, "job": list(j)} for s, j in sorted(state.quarantine.items())],
+        "fenced_slots": [{"slot": s, "job": list(j)} for s, j in sorted(state.fenced_slots.items())],
         "held_device_blocks": [
             {"device_block": d, "job": j} for d, j in sorted(state.held.items())
         ],
@@ -86,9 +86,9 @@ def state_to_dict(state: State) -> dict[str, Any]:
 
 
 def _slot_owner(state: State, slot: int) -> tuple[str, Any]:
-    """Who owns a slot: ("quarantine", [fenced job ids]), ("block", hash) or ("free", None)."""
-    if slot in state.quarantine:
-        return "quarantine", list(state.quarantine[slot])
+    """Who owns a slot: ("fenced", [fenced job ids]), ("block", hash) or ("free", None)."""
+    if slot in state.fenced_slots:
+        return "fenced", list(state.fenced_slots[slot])
     for h, s in state.slot_of.items():
         if s == slot:
             return "block", h
@@ -131,7 +131,7 @@ def focus_dict(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> di
         out.update({"slot": selector.slot, "owner": owner})
         if owner == "block":
             out["entry"] = entry_dict(who, state)  # type: ignore[arg-type]
-        elif owner == "quarantine":
+        elif owner == "fenced":
             out["jobs"] = who
     return out
 
@@ -159,6 +159,6 @@ def _view(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> str:
     owner, who = _slot_owner(state, selector.slot)  # type: ignore[arg-type]
     if owner == "block":
         return f"block {who} ({state.entries[who].state.name})"  # type: ignore[index]
-    if owner == "quarantine":
-        return f"quarantined by job{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}"
+    if owner == "fenced":
+        return f"fenced by job{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}"
     return owner

@@ -107,45 +107,12 @@ def simulate_fleet(path: str, options: SimOptions, instances: int, routing: str,
         raise ConfigError("--instances runs the sequential mode and records no trace (no --mode timed, --record)")
     replace(options, remote_blocks=remote_blocks).config()  # F11: bad sizes fail before any work
     return {
+        "workload": str(path),
         "instances": instances,
         "routing": routing,
         "remote_blocks": remote_blocks,
         "remote_store_mode": options.remote_store_mode,
-        "cpu_blocks_per_instance": options.cpu_blocks,
+        "config": options.described(),  # (its CPU tier is each instance's)
         "shared": run_fleet(path, options, instances, routing, remote_blocks),
         "local": run_fleet(path, options, instances, routing, 0),
     }
-
-
-def print_fleet(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
-        title=f"kvflow simulate: {summary['instances']} instances, {summary['routing']} routing",
-        caption=(
-            f"cpu {summary['cpu_blocks_per_instance']:,} blocks per instance · shared remote tier "
-            f"{summary['remote_blocks']:,} blocks, {summary['remote_store_mode'].replace('_', '-')}"
-        ),
-    )
-    table.add_column("metric")
-    table.add_column("shared remote tier", justify="right")
-    table.add_column("per-instance tiers only", justify="right")
-    shared, local = summary["shared"], summary["local"]
-
-    def gb(x: int) -> str:
-        return f"{x / 1e9:,.1f} GB"
-
-    rows = [
-        ("hit rate", lambda s: f"{s['hit_rate']:.1%}"),
-        ("hit tokens", lambda s: f"{s['hit_tokens']:,}"),
-        ("  cpu hit tokens", lambda s: f"{s['cpu_hit_tokens']:,}"),
-        ("    from the remote tier", lambda s: f"{s['remote_hit_tokens']:,}"),
-        ("  device hit tokens", lambda s: f"{s['device_hit_tokens']:,}"),
-        ("cpu tier stored / loaded", lambda s: f"{gb(s['cpu_bytes_stored'])} / {gb(s['cpu_bytes_loaded'])}"),
-        ("remote tier stored / loaded", lambda s: f"{gb(s['remote_bytes_stored'])} / {gb(s['remote_bytes_loaded'])}"),
-        ("held at the end: cpu / remote", lambda s: f"{gb(s['cpu_bytes_held'])} / {gb(s['remote_bytes_held'])}"),
-    ]
-    for name, cell in rows:
-        table.add_row(name, cell(shared), cell(local))
-    Console().print(table)

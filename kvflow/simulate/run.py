@@ -13,8 +13,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvflow.core.config import Config
@@ -22,6 +22,7 @@ from kvflow.core.errors import ConfigError
 from kvflow.engine.api import StepReport
 from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
+from kvflow.simulate.capacity import DEFAULT_CPU_BLOCKS, KvGeometry, blocks_for_gb, kv_geometry
 from kvflow.simulate.workload import WorkloadRequest, read_workload
 
 SUMMARY_KEYS = (
@@ -36,33 +37,15 @@ SUMMARY_KEYS = (
     "failed_jobs",
 )
 
-GB = 10**9  # decimal, like the GB of the summary and of --bandwidth-gbps
-
-
-def blocks_for_gb(gb: float, bytes_per_block: int) -> int:
-    """A CPU tier of ``gb`` GB as whole blocks of ``bytes_per_block`` bytes (the bytes per block
-    the simulated transfers move), rounded down: a partial block holds nothing, and rounding
-    down never gives the tier more memory than asked. ``0`` disables offload, like
-    ``--cpu-blocks 0``; a positive size below one block is refused rather than silently
-    disabling offload."""
-    if not isinstance(bytes_per_block, int) or isinstance(bytes_per_block, bool) or bytes_per_block <= 0:
-        raise ConfigError(f"--bytes-per-block must be a whole number > 0, got {bytes_per_block!r}")
-    if not math.isfinite(gb) or gb < 0:
-        raise ConfigError(f"--cpu-gb must be a finite number >= 0, got {gb}")
-    # to the nearest byte first, so that float noise (0.3 * 1e9 = 299999999.99...) cannot
-    # cost a whole block when GB is an exact multiple of the block size
-    blocks = round(gb * GB) // bytes_per_block
-    if blocks == 0 and gb > 0:
-        raise ConfigError(
-            f"--cpu-gb {gb:g} is less than one block of {bytes_per_block:,} bytes "
-            "(rounds down to 0 blocks; use 0 to disable offload)"
-        )
-    return blocks
-
 
 @dataclass
 class SimOptions:
-    cpu_blocks: int
+    """What one simulation runs with. The CPU tier is sized by ``cpu_blocks`` or by ``cpu_gb``
+    (GB of KV cache, rounded down to whole blocks), :data:`DEFAULT_CPU_BLOCKS` when neither is
+    given; a block's bytes come from the KV geometry: a known ``model`` (in ``kv_dtype``) or
+    ``kv_bytes_per_token``, see :mod:`kvflow.simulate.capacity`."""
+
+    cpu_blocks: int | None = None
     device_blocks: int = 0
     policy: str = "lru"
     store: str = "eager"
@@ -70,7 +53,10 @@ class SimOptions:
     fault_rate: float = 0.0
     seed: int = 0
     mode: str = "sequential"  # or "timed"
-    bytes_per_block: int = 2 * 1024 * 1024
+    cpu_gb: float | None = None
+    model: str | None = None  # a name of kvflow.simulate.capacity.MODELS
+    kv_dtype: str | None = None  # with model: bf16 unless told
+    kv_bytes_per_token: int | None = None  # instead of model
     bandwidth_gbps: float = 55.5
     latency_us: float = 20.0
     prefill_tokens_per_ms: float = 10.0  # timed mode: prefill speed of the simulated engine
@@ -80,22 +66,41 @@ class SimOptions:
     remote_blocks: int = 0  # the remote index's capacity (kvflow.simulate.fleet sets it)
     remote_store_mode: str = "write_through"
 
+    def geometry(self) -> KvGeometry:
+        return kv_geometry(self.model, self.kv_dtype, self.kv_bytes_per_token)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """The bytes of one block of ``block_tokens`` tokens, all layers (what a transfer moves)."""
+        return self.geometry().bytes_per_block(self.block_tokens)
+
+    def capacity_blocks(self) -> int:
+        """The CPU tier's capacity in blocks, from whichever of ``cpu_blocks`` / ``cpu_gb`` was given."""
+        if self.cpu_gb is None:
+            return DEFAULT_CPU_BLOCKS if self.cpu_blocks is None else self.cpu_blocks
+        if self.cpu_blocks is not None:
+            raise ConfigError("give the CPU capacity once: --cpu-blocks or --cpu-gb, not both")
+        return blocks_for_gb(self.cpu_gb, self.bytes_per_block)
+
     def validate(self) -> None:
         def whole(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
         if not whole(self.device_blocks) or self.device_blocks < 0:
             raise ConfigError(f"--device-blocks must be a whole number >= 0, got {self.device_blocks!r}")
+        if not whole(self.block_tokens) or self.block_tokens <= 0:
+            raise ConfigError(f"--block-tokens must be a whole number > 0, got {self.block_tokens!r}")
         if not 0.0 <= self.fault_rate <= 1.0:
             raise ConfigError(f"--fault-rate must be within 0..1, got {self.fault_rate!r}")
         if self.mode not in ("sequential", "timed"):
             raise ConfigError(f"--mode must be sequential or timed, got {self.mode!r}")
         if not math.isfinite(self.prefill_tokens_per_ms) or self.prefill_tokens_per_ms <= 0:
             raise ConfigError(f"--prefill-tokens-per-ms must be a finite number > 0, got {self.prefill_tokens_per_ms}")
+        self.capacity_blocks()  # (and the geometry it needs)
 
     def config(self) -> Config:
         return Config(
-            cpu_blocks=self.cpu_blocks,
+            cpu_blocks=self.capacity_blocks(),
             block_tokens=self.block_tokens,
             policy=self.policy,
             store_mode=self.store,
@@ -103,6 +108,25 @@ class SimOptions:
             remote_blocks=self.remote_blocks,
             remote_store_mode=self.remote_store_mode,
         )
+
+    def described(self) -> dict[str, Any]:
+        """What the summary's ``config`` says: the options as run, the geometry and the sizes
+        derived from it (the CPU tier in blocks and in bytes)."""
+        blocks = self.capacity_blocks()
+        bytes_per_block = self.bytes_per_block
+        return {
+            "cpu_blocks": blocks,
+            "cpu_gb": self.cpu_gb,
+            "cpu_bytes": blocks * bytes_per_block,
+            "kv": self.geometry().as_dict(),
+            "bytes_per_block": bytes_per_block,
+            "device_blocks": self.device_blocks,
+            "policy": self.policy,
+            "store": self.store,
+            "block_tokens": self.block_tokens,
+            "fault_rate": self.fault_rate,
+            "seed": self.seed,
+        }
 
 
 class DeviceCache:
@@ -162,10 +186,11 @@ class Simulation:
         options.validate()
         self.options = options
         self.config = options.config()
+        self.bytes_per_block = options.bytes_per_block
         self.clock = VirtualClock()
         self.executor: Any = SimulatedExecutor(
             self.clock,
-            TransferModel(options.bytes_per_block, options.bandwidth_gbps, options.latency_us),
+            TransferModel(self.bytes_per_block, options.bandwidth_gbps, options.latency_us),
             fault_rate=options.fault_rate,
             seed=options.seed,
             hang_jobs=options.hang_jobs,
@@ -176,6 +201,7 @@ class Simulation:
             "device_blocks": options.device_blocks,
             "fault_rate": options.fault_rate,
             "seed": options.seed,
+            "kv": options.geometry().as_dict(),
         }
         self.engine = SyncEngine(
             self.config,
@@ -183,7 +209,7 @@ class Simulation:
             clock=self.clock,
             trace_path=options.record,
             trace_meta=meta,
-            bytes_per_block=options.bytes_per_block,
+            bytes_per_block=self.bytes_per_block,
             checkpoint_every=1_000,
         )
         self.device = DeviceCache(options.device_blocks)
@@ -359,7 +385,7 @@ class Simulation:
                 self.run_sequential(requests, progress)
         finally:
             self.engine.close()
-        return self.summary()
+        return {"workload": str(path), **self.summary()}
 
     def summary(self) -> dict[str, Any]:
         t = self.totals
@@ -383,15 +409,7 @@ class Simulation:
             "events": self.engine.manager.state.last_seq,
             "sim_time_ms": self.clock.now_ms,
             "mode": self.options.mode,
-            "config": {
-                "cpu_blocks": self.options.cpu_blocks,
-                "device_blocks": self.options.device_blocks,
-                "policy": self.options.policy,
-                "store": self.options.store,
-                "block_tokens": self.options.block_tokens,
-                "fault_rate": self.options.fault_rate,
-                "seed": self.options.seed,
-            },
+            "config": self.options.described(),
         }
         if self.options.mode == "timed":
             out.update(self.engine.latencies.summary())
@@ -410,3 +428,42 @@ class _Live:
 def simulate(path: str, options: SimOptions, progress: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run one simulation and return its summary (the ``--json`` object)."""
     return Simulation(options).run(path, progress)
+
+
+def sweep(
+    path: str,
+    base: SimOptions,
+    cpu_blocks: Sequence[int] = (),
+    cpu_gb: Sequence[float] = (),
+    policies: Sequence[str] = ("lru", "arc"),
+    on_run: Callable[[str, float, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``base`` with its CPU tier at each of ``cpu_blocks`` or of ``cpu_gb`` (GB of KV
+    cache; give one of the two) under each of ``policies``; ``on_run(policy, capacity,
+    summary)`` after each run. Every capacity and policy is checked before the first run
+    (F11). Returns the ``--json`` object of ``kvflow simulate --sweep``: the capacities, and
+    per policy one summary per capacity."""
+    if bool(cpu_blocks) == bool(cpu_gb):
+        raise ConfigError("a sweep needs capacities: in blocks (--sweep) or in GB (--sweep-gb), one of the two")
+    sized = [replace(base, cpu_blocks=n, cpu_gb=None) for n in cpu_blocks] or [
+        replace(base, cpu_blocks=None, cpu_gb=gb) for gb in cpu_gb
+    ]
+    capacities: list[float] = [*cpu_blocks, *cpu_gb]
+    runs = {policy: [replace(o, policy=policy, record=None) for o in sized] for policy in policies}
+    for options in (o for row in runs.values() for o in row):
+        options.validate()
+        options.config()
+    results: dict[str, list[dict[str, Any]]] = {}
+    for policy, row in runs.items():
+        for cap, options in zip(capacities, row):
+            summary = simulate(path, options)
+            results.setdefault(policy, []).append(summary)
+            if on_run is not None:
+                on_run(policy, cap, summary)
+    return {
+        "workload": str(path),
+        "mode": base.mode,
+        "unit": "GB" if cpu_gb else "blocks",
+        "capacities": capacities,
+        "results": results,
+    }

@@ -10,9 +10,12 @@ extra annotations still read.
 
 The reader streams (one line in memory at a time) and checks every line, because a simulator fed a
 subtly wrong workload reports plausible but wrong hit rates; a bad line stops the read with a
-:class:`~kvflow.core.errors.TraceError` naming the file, the line and the field. The fast path decodes a
-line straight into a typed msgspec Struct; only a line that fails is decoded a second time,
-generically, to tell broken JSON from a wrong field and to quote the offending value.
+:class:`~kvflow.core.errors.TraceError` naming the file, the line and the field. A line is decoded
+into a typed msgspec Struct whose constraints are the per-value checks; a line that fails is
+decoded a second time, generically, to tell broken JSON from a wrong field and to quote the
+offending value.
+
+The package carries one workload, :data:`EXAMPLE_WORKLOAD`, for ``kvflow simulate --example``.
 
 This module does no clock or randomness work and imports no torch.
 """
@@ -24,16 +27,29 @@ import os
 import re
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO, Annotated, cast
 
 import msgspec
 
 from kvflow.core.errors import ConfigError, TraceError
 
-__all__ = ["MOONCAKE_BLOCK_TOKENS", "WorkloadRequest", "read_workload"]
+__all__ = ["EXAMPLE_WORKLOAD", "MOONCAKE_BLOCK_TOKENS", "WorkloadRequest", "read_workload"]
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per hash id in Mooncake's released traces."""
+
+EXAMPLE_WORKLOAD = Path(__file__).with_name("example.jsonl")
+"""The workload that ships with kvflow (``kvflow simulate --example``): 200 requests from 4 shared
+system prompts and 10 interleaved multi-turn conversations (each turn resends the whole history,
+so prompts grow and share prefixes), Poisson arrivals (mean 400 ms), prompts of 2-29 blocks of
+512 tokens, 589 distinct blocks. From the repository root,
+``python tools/gen_workload.py --requests 200 --seed 7 --block-tokens 512 --out
+kvflow/simulate/example.jsonl`` regenerates it byte for byte (a test checks it).
+
+What the sequential simulation gives on it (LRU, eager stores, no device cache; the tests pin
+these): 256 CPU blocks hit 865,792 of its 1,198,285 prompt tokens (72%) with 298 evictions;
+an unbounded tier hits 950,272 (79%), the most its prefix reuse allows."""
 
 MAX_LINE_BYTES = 64 << 20
 """The longest line the reader accepts (64 MiB, a prompt of millions of blocks): a longer one,
@@ -62,7 +78,7 @@ _NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _MooncakeLine(msgspec.Struct):
-    """The wire shape of one line; the constraints make msgspec do the per-value checks in C."""
+    """The wire shape of one line; its constraints are the checks of each value."""
 
     timestamp: Annotated[float, msgspec.Meta(ge=0)]
     input_length: Annotated[int, msgspec.Meta(ge=1)]

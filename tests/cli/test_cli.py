@@ -298,7 +298,7 @@ def test_two_ranks_shows_ranks_and_late_successes() -> None:
     assert any(r["ok"] and r["rank"] == 0 for i in found for r in i["late_results"])
 
 
-def test_reset_incidents_note_cancelled_and_abandoned_jobs() -> None:
+def test_F15_reset_incidents_note_cancelled_and_abandoned_jobs() -> None:
     reset = of_type("reset_inflight.jsonl", "reset")[0]
     cancelled = [r for r in of_type("reset_inflight.jsonl", "job_failed") if r["rank"] == -1]
     found = json.loads(kvflow("incidents", TRACES / "reset_inflight.jsonl", "--json").stdout)
@@ -310,12 +310,42 @@ def test_reset_incidents_note_cancelled_and_abandoned_jobs() -> None:
     for incident in abandoned:
         assert incident["abandoned_at_seq"] == reset["seq"]
         # a slot two abandoned loads read is freed by the last of them to report
-        assert set(incident["recovery"]["quarantined_slots_released"]) <= set(incident["slots"])
+        assert set(incident["recovery"]["fenced_slots_released"]) <= set(incident["slots"])
     assert any(
-        incident["recovery"]["quarantined_slots_released"] == incident["slots"]
+        incident["recovery"]["fenced_slots_released"] == incident["slots"]
         for incident in abandoned
     )
     assert {i["direction"] for i in abandoned} == {"store", "load"}
+
+
+def test_F15_a_fence_the_executor_never_answers_shows_in_incidents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store timed out and its copy never reported: the trace ends with its memory fenced,
+    and ``kvflow incidents`` says so in its JSON, its table and a warning."""
+    from kvflow.core.config import Config
+    from kvflow.engine.manager import OffloadManager
+    from kvflow.log.writer import TraceWriter
+
+    path = tmp_path / "hung.jsonl"
+    cfg = Config(cpu_blocks=4, block_tokens=4, job_deadline_ms=100.0)
+    m = OffloadManager(cfg, log=TraceWriter(path, cfg))
+    done = m.blocks_computed("a", [1], [0])
+    hung = m.blocks_computed("b", [2, 3], [1, 2])
+    m.plan_step(0.0)
+    m.job_result(done)
+    assert m.tick(100.0) == 1
+    m.close()  # the executor never answered
+
+    (incident,) = json.loads(kvflow("incidents", path, "--json").stdout)
+    assert (incident["job_id"], incident["fenced"], incident["fence_lifted"]) == (hung, True, None)
+    assert incident["recovery"]["device_blocks_fenced"] == [1, 2]
+    assert sorted(incident["recovery"]["slots_fenced"]) == sorted(incident["slots"])
+    monkeypatch.setenv("COLUMNS", "400")
+    table = kvflow("incidents", path)
+    assert table.exit_code == 0
+    assert "FENCED to the end of the trace" in table.stdout
+    assert "1 fenced job never reported the copy over" in table.stderr and f"[{hung}]" in table.stderr
 
 
 def test_incidents_table_and_empty_trace() -> None:

@@ -1,6 +1,6 @@
-"""One named test (or a few) per failure rule of DESIGN §2, F1–F14, through ``OffloadManager``.
-
-F6, F9 and F10 belong mostly to the executor; here we test the part the core owns.
+"""The failure rules (docs/failure-rules.md) through ``OffloadManager``: the part of each rule
+the decisions and the state own. F6, F9 and F10 belong mostly to the executor (its tests are
+in tests/executors); F19's boundary checks are in test_values.py.
 """
 
 from __future__ import annotations
@@ -239,8 +239,8 @@ def test_F2_late_result_after_timeout_is_recorded_and_changes_nothing_but_seq(
     # F15: the late result says the copy is over: the fence is lifted, nothing else changes
     assert isinstance(lifted, FenceLifted) and (lifted.job_id, lifted.reason) == (job_id, "copy over")
     assert m.state.block_state(A) is BlockState.ABSENT
-    assert job_id not in m.state.jobs and m.held_device_blocks() == [] and not m.state.quarantine
-    assert sorted(m.state.free_slots) == sorted([*fenced.free_slots, *fenced.quarantine])
+    assert job_id not in m.state.jobs and m.held_device_blocks() == [] and not m.state.fenced_slots
+    assert sorted(m.state.free_slots) == sorted([*fenced.free_slots, *fenced.fenced_slots])
     assert m.state.policy.snapshot() == fenced.policy.snapshot()
     consistent(m)
 
@@ -375,12 +375,44 @@ def test_F5_polling_twice_does_not_resubmit() -> None:
     assert m.state.digest() == digest
 
 
+def test_F5_a_job_is_handed_out_once_with_everything_its_copy_needs() -> None:
+    """Each job reaches the executor once, naming the device blocks, slots and hashes its copy
+    needs (a load reads exactly the slots the store wrote)."""
+    m = manager(cpu_blocks=8)
+    handed: list[TransferJob] = []
+    store_id = m.blocks_computed("w", [A, B, C], [1, 2, 3])
+    handed += m.plan_step(0.0)
+    handed += m.plan_step(0.5)
+    m.job_result(store_id)
+    assert m.lookup("r", [A, B, 99], tokens(3)) == 2
+    load_id = m.accept_hits("r", [30, 31])
+    handed += m.plan_step(1.0)
+    handed += m.plan_step(2.0)
+    assert [j.job_id for j in handed] == [store_id, load_id]
+    store_job, load_job = handed
+    assert store_job == TransferJob(
+        job_id=store_id,
+        direction="store",
+        device_blocks=(1, 2, 3),
+        slots=store_job.slots,
+        hashes=(A, B, C),
+        request_id="w",
+    )
+    assert len(set(store_job.slots)) == 3 and all(0 <= s < 8 for s in store_job.slots)
+    assert load_job.direction == "load" and load_job.device_blocks == (30, 31)
+    assert load_job.hashes == (A, B) and load_job.request_id == "r"
+    assert load_job.slots == tuple(m.state.entries[h].slot for h in (A, B))
+    assert load_job.slots == store_job.slots[:2]  # reads exactly where the store wrote
+    assert sorted(m.held_device_blocks()) == [30, 31]
+
+
 # --- F6 ------------------------------------------------------------------------------------
 
 
 def test_F6_results_can_arrive_in_any_order_from_any_rank() -> None:
-    """The thread-safe channel is the executor's (its tests); the core must accept results in
-    whatever order the channel delivers them: every interleaving of 2 jobs x 2 ranks."""
+    """The thread-safe channel is the executor's (tests/executors/test_result_channel.py); the
+    core must accept results in whatever order it delivers them: every interleaving of 2 jobs
+    x 2 ranks."""
     outcomes = set()
     for order in itertools.permutations([(j, r) for j in (1, 2) for r in (0, 1)]):
         m = manager(cpu_blocks=8, world_size=2)
@@ -452,40 +484,6 @@ def test_F8_every_slot_a_store_evicts_goes_to_that_store() -> None:
     consistent(m)
 
 
-# --- F9 ------------------------------------------------------------------------------------
-# The copy waiting on a compute-done event is the executor's part: see
-# tests/executors/test_torch_executor.py::test_compute_done_event_orders_the_copy.
-
-
-def test_F9_transfer_jobs_carry_everything_and_are_handed_out_once() -> None:
-    m = manager(cpu_blocks=8)
-    handed: list[TransferJob] = []
-    store_id = m.blocks_computed("w", [A, B, C], [1, 2, 3])
-    handed += m.plan_step(0.0)
-    handed += m.plan_step(0.5)
-    m.job_result(store_id)
-    assert m.lookup("r", [A, B, 99], tokens(3)) == 2
-    load_id = m.accept_hits("r", [30, 31])
-    handed += m.plan_step(1.0)
-    handed += m.plan_step(2.0)
-    assert [j.job_id for j in handed] == [store_id, load_id]
-    store_job, load_job = handed
-    assert store_job == TransferJob(
-        job_id=store_id,
-        direction="store",
-        device_blocks=(1, 2, 3),
-        slots=store_job.slots,
-        hashes=(A, B, C),
-        request_id="w",
-    )
-    assert len(set(store_job.slots)) == 3 and all(0 <= s < 8 for s in store_job.slots)
-    assert load_job.direction == "load" and load_job.device_blocks == (30, 31)
-    assert load_job.hashes == (A, B) and load_job.request_id == "r"
-    assert load_job.slots == tuple(m.state.entries[h].slot for h in (A, B))
-    assert load_job.slots == store_job.slots[:2]  # reads exactly where the store wrote
-    assert sorted(m.held_device_blocks()) == [30, 31]
-
-
 # --- F10 -----------------------------------------------------------------------------------
 
 
@@ -499,9 +497,9 @@ def test_F10_capacity_is_fixed_at_config_and_slots_always_add_up() -> None:
         s = m.state
         assert s.capacity == 5 and m.config.cpu_blocks == 5
         owned = {e.slot for e in s.entries.values()}
-        quarantined_only = [q for q in s.quarantine if q not in owned]  # (a fenced load's slot may be both)
-        assert len(s.free_slots) + used_slots(s) + len(quarantined_only) == 5
-        slots = [*s.free_slots, *owned, *quarantined_only]
+        fenced_only = [q for q in s.fenced_slots if q not in owned]  # (a fenced load's slot may be both)
+        assert len(s.free_slots) + used_slots(s) + len(fenced_only) == 5
+        slots = [*s.free_slots, *owned, *fenced_only]
         assert sorted(slots) == list(range(5))
 
     check()
@@ -514,8 +512,8 @@ def test_F10_capacity_is_fixed_at_config_and_slots_always_add_up() -> None:
     m.plan_step(3.0)
     check()
     m.reset()
-    check()  # in-flight slots quarantined
-    assert m.state.quarantine
+    check()  # in-flight slots fenced
+    assert m.state.fenced_slots
     m.blocks_computed("y", [30, 31, 32], [40, 41, 42])
     check()
     m.tick(100 * DEADLINE_MS)
@@ -524,10 +522,10 @@ def test_F10_capacity_is_fixed_at_config_and_slots_always_add_up() -> None:
     check()
     m.job_result(m.state.last_job_id)
     check()
-    assert m.state.quarantine  # the abandoned copies never reported: still fenced (F15)
+    assert m.state.fenced_slots  # the abandoned copies never reported: still fenced (F15)
     m.end_fences()
     check()
-    assert not m.state.quarantine
+    assert not m.state.fenced_slots
 
 
 # --- F11 -----------------------------------------------------------------------------------
@@ -627,19 +625,6 @@ def test_F12_unknown_request_is_refused() -> None:
     unchanged_after(m, lambda: m.accept_hits("ghost", [1]), UnknownRequest)
 
 
-def test_F18_finishing_a_request_kvflow_never_saw_is_a_no_op() -> None:
-    m = manager()
-    digest = m.state.digest()
-    assert m.finish_request("ghost") is False
-    assert m.state.digest() == digest and not m.log.events()
-    m.lookup("r", [A], tokens(1))
-    assert m.finish_request("r") is True  # closed and forgotten
-    events = len(m.log.events())
-    assert m.finish_request("r") is False  # routine for an engine: nothing happens
-    assert len(m.log.events()) == events
-    consistent(m)
-
-
 @pytest.mark.parametrize("bad_hash", [2**64, -(2**63) - 1, 2**70])
 def test_F12_a_block_hash_the_digest_cannot_encode_is_refused_up_front(bad_hash: int) -> None:
     m = manager()
@@ -686,6 +671,129 @@ def test_F14_touching_a_chain_deepest_first_evicts_tails_before_heads(
         m.evict(1)
         evicted += [h for h in (head, mid, tail) if h not in m.state.entries and h not in evicted]
     assert evicted == [tail, mid, head]
+    consistent(m)
+
+
+# --- F15 -----------------------------------------------------------------------------------
+
+
+def fence_a_job(m: OffloadManager, direction: str, cause: str) -> int:
+    """A store or a load of A, B (device blocks 10, 11) in flight on two ranks, fenced by
+    ``cause``; returns its id."""
+    if direction == "store":
+        job_id = m.blocks_computed("r", [A, B], [10, 11])
+        assert job_id is not None
+        m.plan_step(0.0)
+    else:
+        store(m, "w", [A, B], [1, 2])
+        m.finish_request("w")
+        job_id = load(m, "r", [A, B], [10, 11])
+    m.take_notices()
+    if cause == "timed_out":
+        assert m.tick(1.0 + DEADLINE_MS) == 1
+    elif cause == "failed_on_one_rank":
+        m.job_result(job_id, rank=0, ok=False, error="rank 0 lost its stream")
+    else:
+        m.reset()
+    return job_id
+
+
+@pytest.mark.parametrize("cause", ["timed_out", "failed_on_one_rank", "reset"])
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_F15_fenced_memory_is_reused_only_after_the_copy_is_over(direction: str, cause: str) -> None:
+    """The engine learns the outcome at once, but the job's slots and device blocks are not
+    handed out again until every rank has reported its copy over."""
+    m = manager(cpu_blocks=4, world_size=2)
+    job_id = fence_a_job(m, direction, cause)
+    job = m.state.jobs[job_id]
+    slots, device_blocks = set(job.slots), [10, 11]
+
+    # the outcome is known now
+    told = m.take_notices()
+    if direction == "load":
+        assert [(f.job_id, f.fenced) for f in told.loads_failed] == [(job_id, True)]
+    elif cause == "reset":
+        assert told.all_blocks_cleared and told.stores_failed == []
+    else:
+        assert [jid for jid, _ in told.stores_failed] == [job_id]
+    assert told.released_device_blocks == [] and not m.has_live_jobs()
+    (fence,) = m.fences()
+    assert (fence.job_id, fence.abandoned) == (job_id, cause == "reset")
+    assert fence.ranks_pending == ((1,) if cause == "failed_on_one_rank" else (0, 1))
+
+    # ...but its memory is fenced: no slot of it is free or given to a new store, and its
+    # device blocks cannot be named by another job
+    def fenced() -> None:
+        assert slots <= set(m.state.fenced_slots) and not slots & set(m.state.free_slots)
+        assert all(m.state.held.get(d) == job_id for d in device_blocks)
+        assert not set(device_blocks) & set(m.take_notices().released_device_blocks)
+
+    fenced()
+    new_store = m.blocks_computed("x", [30, 31, 32, 33], [40, 41, 42, 43])
+    assert new_store is not None and not slots & set(m.state.jobs[new_store].slots)
+    assert m.take_notices().rejected_store_blocks == 2  # only the two unfenced slots were usable
+    unchanged_after(m, lambda: m.blocks_computed("y", [50], [10]), BlockHeld)
+    fenced()
+
+    # every rank's report but the last leaves the fence in place; the last lifts it
+    pending = list(fence.ranks_pending)
+    for rank in pending[:-1]:
+        m.job_result(job_id, rank=rank)
+        fenced()
+    m.job_result(job_id, rank=pending[-1])
+    assert m.fences() == [] and job_id not in m.state.jobs and not m.state.fenced_slots
+    assert sorted(m.take_notices().released_device_blocks) == device_blocks
+    assert not set(device_blocks) & set(m.held_device_blocks())
+    owned = set(m.state.slot_of.values())
+    assert all(s in m.state.free_slots or s in owned for s in slots)
+    consistent(m)
+
+
+def test_F15_a_fence_the_executor_never_answers_ends_only_when_it_is_closed() -> None:
+    m = manager(cpu_blocks=4)
+    job_id = m.blocks_computed("r", [A, B], [10, 11])
+    m.plan_step(0.0)
+    assert m.tick(DEADLINE_MS) == 1
+    for later in (10, 100, 1000):  # time alone never lifts a fence
+        assert m.tick(later * DEADLINE_MS) == 0
+        assert [f.job_id for f in m.fences()] == [job_id]
+        assert sorted(m.held_device_blocks()) == [10, 11]
+    assert m.end_fences() == 1  # the executor was closed: its copies stopped
+    (lifted,) = [e for e in m.log.events() if isinstance(e, FenceLifted)]
+    assert (lifted.job_id, lifted.reason) == (job_id, "executor closed")
+    assert m.held_device_blocks() == [] and not m.state.fenced_slots
+    assert m.end_fences() == 0
+    consistent(m)
+
+
+# --- F16 -----------------------------------------------------------------------------------
+
+
+def test_F16_a_store_never_evicts_its_own_chain() -> None:
+    from kvflow.core.events import BlocksEvicted
+
+    m = manager(cpu_blocks=3)
+    store(m, "a", [100, 101], [1, 2])  # 100 is the least recent
+    store(m, "b", [900], [3])
+    job = m.blocks_computed("c", [100, 101, 102], [4, 5, 6])
+    (evicted,) = [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
+    assert evicted.hashes == (900,)  # not 100, the head of the chain being extended
+    assert [j.hashes for j in m.plan_step(1.0) if j.job_id == job] == [(102,)]
+    consistent(m)
+
+
+def test_F16_when_only_the_own_chain_could_go_the_rest_of_the_store_is_rejected() -> None:
+    from kvflow.core.events import BlocksEvicted, StoreRejected
+
+    m = manager(cpu_blocks=2)
+    store(m, "a", [100, 101], [1, 2])
+    m.take_notices()
+    assert m.blocks_computed("c", [100, 101, 102, 103], [3, 4, 5, 6]) is None
+    assert not [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
+    (rejected,) = [e for e in m.log.events() if isinstance(e, StoreRejected)]
+    assert rejected.hashes == (102, 103) and rejected.device_blocks == (5, 6)
+    assert m.state.is_resident(100) and m.state.is_resident(101)
+    assert m.take_notices().rejected_store_blocks == 2
     consistent(m)
 
 
@@ -773,7 +881,102 @@ def test_F17_a_trace_with_integrity_failures_replays_and_redecides(tmp_path: Any
         assert result.state.digest() == m.state.digest()
 
 
+def test_F17_a_corrupt_report_after_the_timeout_still_evicts_the_bad_block() -> None:
+    """(Found by the swarm, seed 16.) The load timed out (fenced); its late result names a
+    corrupt block: that block leaves the tier all the same, the others stay."""
+    m = manager(cpu_blocks=4)
+    store(m, "w", [A, B], [1, 2])
+    m.finish_request("w")
+    assert m.lookup("r", [A, B, C], tokens(3)) == 2
+    job = m.accept_hits("r", [10, 11])
+    m.plan_step(1.0)
+    assert m.tick(1.0 + DEADLINE_MS) == 1
+    m.job_results([JobResult(job_id=job, ok=False, error="checksum mismatch", corrupt=(B,))])
+    assert m.state.is_resident(A) and not m.state.is_resident(B)
+    evicted = [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
+    assert [(e.hashes, e.reason) for e in evicted] == [((B,), "corrupt")]
+    consistent(m)
+
+
+@pytest.mark.parametrize("how", ["times_out", "fails_otherwise", "hits_released"])
+def test_F17_a_block_reported_corrupt_while_pinned_leaves_with_its_last_pin(how: str) -> None:
+    """(Found by the swarm, seed 16.) b's load finds block A corrupt while c still pins it:
+    A is remembered, and when c's pin goes, whatever way, A leaves the tier (reason corrupt)."""
+    m = manager(cpu_blocks=4)
+    store(m, "w", [A, B], [1, 2])
+    m.finish_request("w")
+    assert m.lookup("b", [A, C], tokens(2)) == 1
+    bad_load = m.accept_hits("b", [10])
+    assert m.lookup("c", [A, C], tokens(2)) == 1
+    other = m.accept_hits("c", [20]) if how != "hits_released" else None
+    m.plan_step(1.0)
+    m.job_results([JobResult(job_id=bad_load, ok=False, error="checksum mismatch", corrupt=(A,))])
+    assert m.state.is_resident(A) and A in m.state.bad  # still pinned by c: kept for now
+    if how == "times_out":
+        m.tick(1.0 + DEADLINE_MS)
+    elif how == "fails_otherwise":
+        m.job_result(other, ok=False, error="CUDA error")
+    else:
+        m.accept_hits("c", [])
+    assert not m.state.is_resident(A) and not m.state.bad
+    assert m.lookup("d", [A, C], tokens(2)) == 0  # never offered again
+    consistent(m)
+
+
+def test_F17_a_corrupt_report_in_a_batch_the_engine_must_split_still_evicts_the_bad_block() -> None:
+    """(Found by the swarm, seed 155.) A batch holding a result for a job nobody issued is
+    refused, and the engine applies its results one by one: the integrity report (``corrupt``)
+    must survive that split, or the bad host copy stays on offer."""
+    from kvflow.engine.sync import SyncEngine
+    from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
+
+    clock = VirtualClock()
+    cfg = Config(cpu_blocks=4, block_tokens=BT, job_deadline_ms=DEADLINE_MS)
+    engine = SyncEngine(cfg, SimulatedExecutor(clock), clock=clock, keep_log=True)
+    engine.blocks_computed("w", [A, B], [1, 2])
+    engine.step()
+    clock.advance_to(100.0)
+    engine.step()
+    engine.finish_request("w")
+    assert engine.lookup("r", [A, B, C], tokens(3)) == 2
+    job = engine.accept_hits("r", [10, 11])
+    engine.step(results=[])  # submitted; its outcome is the one handed in below
+    bad = JobResult(job_id=job, ok=False, error="checksum mismatch", corrupt=(B,))
+    unknown = JobResult(job_id=job + 1000, ok=True)
+    report = engine.step(results=[bad, unknown])
+    assert engine.counters.unknown_results == 1  # the batch was split, the stray one refused
+    assert [f.job_id for f in report.loads_failed] == [job]
+    state = engine.manager.state
+    assert state.is_resident(A) and not state.is_resident(B)
+    evicted = [e for e in engine.manager.log.events() if isinstance(e, BlocksEvicted)]
+    assert [(e.hashes, e.reason) for e in evicted] == [((B,), "corrupt")]
+    consistent(engine.manager)
+
+
+def test_F17_a_single_result_carries_its_integrity_report() -> None:
+    m = manager(cpu_blocks=4)
+    store(m, "w", [A, B], [1, 2])
+    m.finish_request("w")
+    job = load(m, "r", [A, B], [3, 4])
+    m.job_result(job, ok=False, error="checksum mismatch", corrupt=[A])
+    assert not m.state.is_resident(A) and m.state.is_resident(B)
+    consistent(m)
+
+
 # --- F18 -----------------------------------------------------------------------------------
+
+
+def test_F18_finishing_a_request_kvflow_never_saw_is_a_no_op() -> None:
+    m = manager()
+    digest = m.state.digest()
+    assert m.finish_request("ghost") is False
+    assert m.state.digest() == digest and not m.log.events()
+    m.lookup("r", [A], tokens(1))
+    assert m.finish_request("r") is True  # closed and forgotten
+    events = len(m.log.events())
+    assert m.finish_request("r") is False  # routine for an engine: nothing happens
+    assert len(m.log.events()) == events
+    consistent(m)
 
 
 def test_F18_requests_survive_a_reset_and_hear_of_their_abandoned_loads() -> None:
@@ -810,37 +1013,6 @@ def test_F18_a_reset_recorded_before_keeps_requests_forgets_every_request() -> N
     evolve(state, PinsAcquired(seq=1, request_id="r", hashes=(), num_tokens=5))
     evolve(state, Reset(seq=2, abandoned_job_ids=()))  # as a trace from before F18 reads
     assert state.requests == {}
-
-
-# --- F16 -----------------------------------------------------------------------------------
-
-
-def test_F16_a_store_never_evicts_its_own_chain() -> None:
-    from kvflow.core.events import BlocksEvicted
-
-    m = manager(cpu_blocks=3)
-    store(m, "a", [100, 101], [1, 2])  # 100 is the least recent
-    store(m, "b", [900], [3])
-    job = m.blocks_computed("c", [100, 101, 102], [4, 5, 6])
-    (evicted,) = [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
-    assert evicted.hashes == (900,)  # not 100, the head of the chain being extended
-    assert [j.hashes for j in m.plan_step(1.0) if j.job_id == job] == [(102,)]
-    consistent(m)
-
-
-def test_F16_when_only_the_own_chain_could_go_the_rest_of_the_store_is_rejected() -> None:
-    from kvflow.core.events import BlocksEvicted, StoreRejected
-
-    m = manager(cpu_blocks=2)
-    store(m, "a", [100, 101], [1, 2])
-    m.take_notices()
-    assert m.blocks_computed("c", [100, 101, 102, 103], [3, 4, 5, 6]) is None
-    assert not [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
-    (rejected,) = [e for e in m.log.events() if isinstance(e, StoreRejected)]
-    assert rejected.hashes == (102, 103) and rejected.device_blocks == (5, 6)
-    assert m.state.is_resident(100) and m.state.is_resident(101)
-    assert m.take_notices().rejected_store_blocks == 2
-    consistent(m)
 
 
 def test_F18_a_preempted_request_comes_back_under_its_id_while_its_jobs_run() -> None:
@@ -933,85 +1105,3 @@ def test_F18_a_load_abandoned_by_two_resets_is_reported_failed_once() -> None:
     consistent(m)
     m.reset()
     assert m._told_abandoned == set()  # the ended job is forgotten at the next reset
-
-
-def test_F17_a_corrupt_report_after_the_timeout_still_evicts_the_bad_block() -> None:
-    """(Found by the swarm, seed 16.) The load timed out (fenced); its late result names a
-    corrupt block: that block leaves the tier all the same, the others stay."""
-    m = manager(cpu_blocks=4)
-    store(m, "w", [A, B], [1, 2])
-    m.finish_request("w")
-    assert m.lookup("r", [A, B, C], tokens(3)) == 2
-    job = m.accept_hits("r", [10, 11])
-    m.plan_step(1.0)
-    assert m.tick(1.0 + DEADLINE_MS) == 1
-    m.job_results([JobResult(job_id=job, ok=False, error="checksum mismatch", corrupt=(B,))])
-    assert m.state.is_resident(A) and not m.state.is_resident(B)
-    evicted = [e for e in m.log.events() if isinstance(e, BlocksEvicted)]
-    assert [(e.hashes, e.reason) for e in evicted] == [((B,), "corrupt")]
-    consistent(m)
-
-
-@pytest.mark.parametrize("how", ["times_out", "fails_otherwise", "hits_released"])
-def test_F17_a_block_reported_corrupt_while_pinned_leaves_with_its_last_pin(how: str) -> None:
-    """(Found by the swarm, seed 16.) b's load finds block A corrupt while c still pins it:
-    A is remembered, and when c's pin goes, whatever way, A leaves the tier (reason corrupt)."""
-    m = manager(cpu_blocks=4)
-    store(m, "w", [A, B], [1, 2])
-    m.finish_request("w")
-    assert m.lookup("b", [A, C], tokens(2)) == 1
-    bad_load = m.accept_hits("b", [10])
-    assert m.lookup("c", [A, C], tokens(2)) == 1
-    other = m.accept_hits("c", [20]) if how != "hits_released" else None
-    m.plan_step(1.0)
-    m.job_results([JobResult(job_id=bad_load, ok=False, error="checksum mismatch", corrupt=(A,))])
-    assert m.state.is_resident(A) and A in m.state.bad  # still pinned by c: kept for now
-    if how == "times_out":
-        m.tick(1.0 + DEADLINE_MS)
-    elif how == "fails_otherwise":
-        m.job_result(other, ok=False, error="CUDA error")
-    else:
-        m.accept_hits("c", [])
-    assert not m.state.is_resident(A) and not m.state.bad
-    assert m.lookup("d", [A, C], tokens(2)) == 0  # never offered again
-    consistent(m)
-
-
-def test_F17_a_corrupt_report_in_a_batch_the_engine_must_split_still_evicts_the_bad_block() -> None:
-    """(Found by the swarm, seed 155.) A batch holding a result for a job nobody issued is
-    refused, and the engine applies its results one by one: the integrity report (``corrupt``)
-    must survive that split, or the bad host copy stays on offer."""
-    from kvflow.engine.sync import SyncEngine
-    from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
-
-    clock = VirtualClock()
-    cfg = Config(cpu_blocks=4, block_tokens=BT, job_deadline_ms=DEADLINE_MS)
-    engine = SyncEngine(cfg, SimulatedExecutor(clock), clock=clock, keep_log=True)
-    engine.blocks_computed("w", [A, B], [1, 2])
-    engine.step()
-    clock.advance_to(100.0)
-    engine.step()
-    engine.finish_request("w")
-    assert engine.lookup("r", [A, B, C], tokens(3)) == 2
-    job = engine.accept_hits("r", [10, 11])
-    engine.step(results=[])  # submitted; its outcome is the one handed in below
-    bad = JobResult(job_id=job, ok=False, error="checksum mismatch", corrupt=(B,))
-    unknown = JobResult(job_id=job + 1000, ok=True)
-    report = engine.step(results=[bad, unknown])
-    assert engine.counters.unknown_results == 1  # the batch was split, the stray one refused
-    assert [f.job_id for f in report.loads_failed] == [job]
-    state = engine.manager.state
-    assert state.is_resident(A) and not state.is_resident(B)
-    evicted = [e for e in engine.manager.log.events() if isinstance(e, BlocksEvicted)]
-    assert [(e.hashes, e.reason) for e in evicted] == [((B,), "corrupt")]
-    consistent(engine.manager)
-
-
-def test_F17_a_single_result_carries_its_integrity_report() -> None:
-    m = manager(cpu_blocks=4)
-    store(m, "w", [A, B], [1, 2])
-    m.finish_request("w")
-    job = load(m, "r", [A, B], [3, 4])
-    m.job_result(job, ok=False, error="checksum mismatch", corrupt=[A])
-    assert not m.state.is_resident(A) and m.state.is_resident(B)
-    consistent(m)

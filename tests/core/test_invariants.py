@@ -68,9 +68,9 @@ def job_state_index(m: OffloadManager) -> None:
     job.state = JobState.IN_FLIGHT  # but still in the queued index
 
 
-def quarantine_stray(m: OffloadManager) -> None:
+def fence_stray(m: OffloadManager) -> None:
     slot = m.state.free_slots.pop()
-    m.state.quarantine[slot] = (4242,)
+    m.state.fenced_slots[slot] = (4242,)
 
 
 def chain_tuple_astray(m: OffloadManager) -> None:
@@ -98,7 +98,7 @@ CASES: list[tuple[Callable[[OffloadManager], None], str]] = [
     (stray_hold, "device-block holds do not match the live jobs"),
     (request_lists_dead_job, "request b lists job 999 which is not live"),
     (job_state_index, "queued index disagrees"),
-    (quarantine_stray, "quarantined for job 4242"),
+    (fence_stray, "fenced for job 4242"),
 ]
 
 

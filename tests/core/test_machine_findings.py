@@ -2,13 +2,13 @@
 through the machine that found it: its own rules with their draws scripted, and every one of
 its invariants after each step. They run on every test run, whatever the profile draws.
 
-* Two in-flight loads of one resident block share its slot; a reset quarantined the slot
+* Two in-flight loads of one resident block share its slot; a reset fenced the slot
   once, so the first abandoned report freed it and the second raised ``KeyError`` out of
   evolve (found by test_stateful's machine; fixed in c77df30; also the plain test
-  test_scenarios.py::test_reset_with_two_loads_of_one_block_in_flight).
+  test_scenarios.py::test_F15_a_slot_two_abandoned_loads_read_is_freed_when_both_report).
 * A load naming one block twice (so one slot twice) at a reset: its report raised
-  ``KeyError`` in the quarantine release (test_stateful's machine; fixed in 04941c7;
-  test_scenarios.py::test_reset_with_a_load_that_names_one_block_twice).
+  ``KeyError`` when its fenced slot was released (test_stateful's machine; fixed in 04941c7;
+  test_scenarios.py::test_F15_a_load_reading_one_slot_twice_frees_it_once_after_a_reset).
 * A rank repeating its success for a job another rank still copies: decide yielded
   ``LateResultIgnored``, which evolve refused for a live job, so ``IllegalTransition``
   escaped (test_stateful's two-rank machine; fixed in c77df30;
@@ -16,7 +16,7 @@ its invariants after each step. They run on every test run, whatever the profile
 * A store "deduplicated" onto a device block still copied by a store a reset abandoned, so
   the new job took over blocks the old copy still wrote (the differential twin machines,
   now test_live_path's; fixed in d4d2fd6;
-  test_scenarios.py::test_a_store_cannot_reuse_a_device_block_still_copied_by_an_abandoned_job).
+  test_scenarios.py::test_F15_a_store_cannot_reuse_a_device_block_an_abandoned_copy_still_reads).
 
 The machines reach these cases again on their own (a repeated hash anywhere in a prefix,
 lookups that mostly hit and loads that mostly run, a reset whenever loads share a slot, a rule
@@ -74,7 +74,7 @@ def report(job: int, rank: int = 0, ok: int = 1) -> tuple[str, dict[str, Any]]:
     return ("job_result", {"data": Draws(job=[job], rank=[rank]), "ok": ok})
 
 
-def test_two_loads_of_one_block_abandoned_by_a_reset_free_its_slot_only_when_both_reported() -> None:
+def test_F15_two_loads_of_one_block_abandoned_by_a_reset_free_its_slot_only_when_both_reported() -> None:
     machine = OffloadMachine()
     replay(
         machine,
@@ -95,7 +95,7 @@ def test_two_loads_of_one_block_abandoned_by_a_reset_free_its_slot_only_when_bot
     assert slot in state.free_slots and not state.jobs
 
 
-def test_a_load_reading_one_slot_twice_abandoned_by_a_reset_frees_it_once() -> None:
+def test_F15_a_load_reading_one_slot_twice_abandoned_by_a_reset_frees_it_once() -> None:
     machine = OffloadMachine()
     replay(
         machine,
@@ -114,7 +114,7 @@ def test_a_load_reading_one_slot_twice_abandoned_by_a_reset_frees_it_once() -> N
     assert slot in state.free_slots and state.free_slots.count(slot) == 1
 
 
-def test_a_rank_repeating_its_success_while_another_copies_changes_nothing() -> None:
+def test_F2_a_rank_repeating_its_success_while_another_copies_changes_nothing() -> None:
     machine = OffloadMachineTwoRanks()
     replay(
         machine,
@@ -131,7 +131,7 @@ def test_a_rank_repeating_its_success_while_another_copies_changes_nothing() -> 
     assert not machine.m.state.jobs
 
 
-def test_a_store_never_takes_a_device_block_a_reset_abandoned_copy_still_reads() -> None:
+def test_F15_a_store_never_takes_a_device_block_a_reset_abandoned_copy_still_reads() -> None:
     machine = TwinOneRank()  # the live path shadowed by the checked one, as when it was found
     store = Draws(no_request=[1], existing_request=[False], fenced_block=[0], held_block=[1000])
     replay(

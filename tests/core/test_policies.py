@@ -74,14 +74,14 @@ def test_lru_evicts_least_recent_and_touch_refreshes() -> None:
 
 
 @pytest.mark.parametrize("cls", BOTH)
-def test_victims_skip_non_evictable(cls: PolicyClass) -> None:
+def test_F7_victims_skip_pinned_blocks(cls: PolicyClass) -> None:
     policy = build(cls, [A, B, C, D])
     pinned = {A, C}
     assert policy.victims(2, pinned.__contains__) == [B, D]
 
 
 @pytest.mark.parametrize("cls", BOTH)
-def test_victims_all_or_nothing(cls: PolicyClass) -> None:
+def test_F8_victims_are_all_or_nothing(cls: PolicyClass) -> None:
     policy = build(cls, [A, B, C])
     before = policy.snapshot()
     assert policy.victims(3, lambda h: h == B) is None  # only 2 evictable
@@ -93,7 +93,7 @@ def test_victims_all_or_nothing(cls: PolicyClass) -> None:
 
 
 @pytest.mark.parametrize("cls", BOTH)
-def test_chain_touched_deepest_first_evicts_tails_before_heads(cls: PolicyClass) -> None:
+def test_F14_a_chain_touched_deepest_first_loses_its_tail_before_its_head(cls: PolicyClass) -> None:
     # A prefix chain head -> tail, stored head first (so the tail is the most recent).
     chain = [A, B, C, D]
     policy = build(cls, chain)

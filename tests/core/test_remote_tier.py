@@ -80,7 +80,7 @@ def test_a_dead_key_is_tried_once_never_in_a_loop() -> None:
     consistent(m)
 
 
-def test_a_timed_out_remote_load_is_fenced_until_its_copy_reports() -> None:
+def test_F15_a_timed_out_remote_load_is_fenced_until_its_copy_reports() -> None:
     m = remote_manager()
     m.remote_found([5])
     m.lookup("r", [5, 9], tokens(2))
@@ -89,9 +89,9 @@ def test_a_timed_out_remote_load_is_fenced_until_its_copy_reports() -> None:
     slot = job.slots[0]
     assert m.tick(DEADLINE_MS + 1) == 1
     assert 5 not in m.state.slot_of and 5 not in m.state.remote
-    assert slot in m.state.quarantine and slot not in m.state.free_slots  # F15
+    assert slot in m.state.fenced_slots and slot not in m.state.free_slots  # F15
     m.job_result(job.job_id)  # the thread's copy is over (late)
-    assert slot not in m.state.quarantine and slot in m.state.free_slots
+    assert slot not in m.state.fenced_slots and slot in m.state.free_slots
     consistent(m)
 
 

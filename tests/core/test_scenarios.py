@@ -84,7 +84,7 @@ def test_eager_store_then_load_round_trip() -> None:
     consistent(m)
 
 
-def test_prompt_exactly_two_blocks_long_hits_only_one_block() -> None:
+def test_F13_a_prompt_exactly_two_blocks_long_loads_one_block_and_computes_the_last() -> None:
     m = manager()
     store(m, "w", [A, B], [1, 2])
     assert m.lookup("r", [A, B], 2 * BT) == 1
@@ -98,7 +98,7 @@ def test_prompt_exactly_two_blocks_long_hits_only_one_block() -> None:
     consistent(m)
 
 
-def test_second_request_reusing_in_flight_device_blocks_stores_nothing_new() -> None:
+def test_F3_a_second_request_sharing_in_flight_device_blocks_stores_nothing_new() -> None:
     m = manager(cpu_blocks=8)
     first = m.blocks_computed("r1", [A, B], [1, 2])
     m.plan_step(0.0)
@@ -154,7 +154,7 @@ def test_touched_blocks_survive_eviction() -> None:
     consistent(m)
 
 
-def test_hit_pinned_at_lookup_survives_cache_pressure_before_allocation() -> None:
+def test_F7_a_hit_pinned_at_lookup_survives_cache_pressure_before_allocation() -> None:
     m = manager(cpu_blocks=3)
     store(m, "w", [A, B, C], [1, 2, 3])
     assert m.lookup("r", [A, B, 99], tokens(3)) == 2  # pins A, B (the coldest)
@@ -179,7 +179,7 @@ def test_hit_pinned_at_lookup_survives_cache_pressure_before_allocation() -> Non
 
 @pytest.mark.parametrize("outcome", ["ok", "failed", "timed_out"])
 @pytest.mark.parametrize("direction", ["load", "store"])
-def test_finish_during_in_flight_job_closes_only_after_completion(
+def test_F4_a_request_finished_during_its_job_closes_only_after_the_job_ends(
     direction: str, outcome: str
 ) -> None:
     m = manager(cpu_blocks=8)
@@ -238,7 +238,7 @@ def test_engine_accepts_two_of_four_offered_hits() -> None:
 # --- reset ---------------------------------------------------------------------------------
 
 
-def test_reset_with_jobs_in_flight_quarantines_slots_until_they_report() -> None:
+def test_F15_a_reset_fences_the_slots_of_jobs_in_flight_until_they_report() -> None:
     m = manager(cpu_blocks=4)
     store(m, "w", [A, B], [1, 2])
     m.finish_request("w")
@@ -253,29 +253,29 @@ def test_reset_with_jobs_in_flight_quarantines_slots_until_they_report() -> None
     assert notices.all_blocks_cleared
     cancelled = [e for e in m.log.events() if isinstance(e, JobFailed)]
     assert [e.job_id for e in cancelled] == [queued_id]
-    quarantined = {m.state.jobs[load_id].slots[0], m.state.jobs[store_id].slots[0]}
-    assert set(m.state.quarantine) == quarantined
+    fenced = {m.state.jobs[load_id].slots[0], m.state.jobs[store_id].slots[0]}
+    assert set(m.state.fenced_slots) == fenced
     assert m.state.entries == {}
     # F18: the live requests stay known (no pins, no jobs); the abandoned load is reported
     assert sorted(m.state.requests) == ["r", "s", "s2"]
     assert [(f.request_id, f.job_id, f.device_blocks) for f in notices.loads_failed] == [("r", load_id, (10,))]
     assert sorted(m.held_device_blocks()) == [10, 11]  # still being copied
-    # new stores may not take quarantined slots: only 2 of 4 are usable
+    # new stores may not take fenced slots: only 2 of 4 are usable
     m.blocks_computed("n", [E, F, 27], [20, 21, 22])
     used = {e.slot for e in m.state.entries.values()}
-    assert len(used) == 2 and not used & quarantined
+    assert len(used) == 2 and not used & fenced
     assert sum(len(e.hashes) for e in m.log.events() if isinstance(e, StoreRejected)) == 1
     # the abandoned jobs report: their slots are freed, nothing becomes visible
     m.job_result(store_id)
     m.job_result(load_id, ok=False, error="late")
-    assert m.state.quarantine == {} and not {10, 11} & set(m.held_device_blocks())
-    assert quarantined <= set(m.state.free_slots)
+    assert m.state.fenced_slots == {} and not {10, 11} & set(m.held_device_blocks())
+    assert fenced <= set(m.state.free_slots)
     assert m.state.block_state(C) is BlockState.ABSENT
     assert m.lookup("q", [C, 99], tokens(2)) == 0
     consistent(m)
 
 
-def test_reset_with_two_loads_of_one_block_in_flight() -> None:
+def test_F15_a_slot_two_abandoned_loads_read_is_freed_when_both_report() -> None:
     m = manager(cpu_blocks=4)
     store(m, "w", [A], [1])
     m.finish_request("w")
@@ -287,13 +287,13 @@ def test_reset_with_two_loads_of_one_block_in_flight() -> None:
     m.reset()
     slot = m.state.jobs[jobs[0]].slots[0]
     m.job_result(jobs[0])
-    assert slot in m.state.quarantine, "the other load still reads this slot"
+    assert slot in m.state.fenced_slots, "the other load still reads this slot"
     m.job_result(jobs[1])
-    assert m.state.quarantine == {} and slot in m.state.free_slots
+    assert m.state.fenced_slots == {} and slot in m.state.free_slots
     consistent(m)
 
 
-def test_abandoned_store_completing_after_reset_is_not_reported_as_stored() -> None:
+def test_F15_an_abandoned_store_that_completes_releases_its_blocks_and_shows_nothing() -> None:
     m = manager(cpu_blocks=4)
     job_id = m.blocks_computed("r", [A], [1])
     m.plan_step(0.0)
@@ -310,7 +310,7 @@ def test_abandoned_store_completing_after_reset_is_not_reported_as_stored() -> N
     consistent(m)
 
 
-def test_reset_with_a_load_that_names_one_block_twice() -> None:
+def test_F15_a_load_reading_one_slot_twice_frees_it_once_after_a_reset() -> None:
     m = manager(cpu_blocks=4)
     store(m, "w", [A], [1])
     m.finish_request("w")
@@ -319,14 +319,14 @@ def test_reset_with_a_load_that_names_one_block_twice() -> None:
     m.plan_step(0.0)
     m.reset()
     m.job_result(job_id)
-    assert m.state.quarantine == {}
+    assert m.state.fenced_slots == {}
     consistent(m)
 
 
 # --- several ranks -------------------------------------------------------------------------
 
 
-def test_world_size_two_completes_only_after_both_ranks() -> None:
+def test_F3_a_store_on_two_ranks_becomes_visible_only_after_both_report() -> None:
     m = manager(cpu_blocks=4, world_size=2)
     job_id = m.blocks_computed("r", [A], [1])
     m.plan_step(0.0)
@@ -343,7 +343,7 @@ def test_world_size_two_completes_only_after_both_ranks() -> None:
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
 @pytest.mark.parametrize("failure_first", [True, False])
-def test_world_size_two_fails_if_either_rank_fails(failing_rank: int, failure_first: bool) -> None:
+def test_F15_a_job_failed_on_one_rank_stays_fenced_until_the_other_reports(failing_rank: int, failure_first: bool) -> None:
     m = manager(cpu_blocks=4, world_size=2)
     job_id = m.blocks_computed("r", [A], [1])
     m.plan_step(0.0)
@@ -357,12 +357,12 @@ def test_world_size_two_fails_if_either_rank_fails(failing_rank: int, failure_fi
     # F15: while the other rank has not reported, its copy may still write the slot
     assert failed[0].fenced is failure_first and bool(m.state.jobs) is failure_first
     if failure_first:
-        assert m.held_device_blocks() == [1] and m.state.quarantine
+        assert m.held_device_blocks() == [1] and m.state.fenced_slots
         m.job_result(job_id, rank=other)
         late, lifted = m.log.events()[-2:]
         assert isinstance(late, LateResultIgnored) and (late.job_id, late.rank) == (job_id, other)
         assert isinstance(lifted, FenceLifted) and lifted.job_id == job_id
-    assert m.state.block_state(A) is BlockState.ABSENT and not m.state.jobs and not m.state.quarantine
+    assert m.state.block_state(A) is BlockState.ABSENT and not m.state.jobs and not m.state.fenced_slots
     consistent(m)
 
 
@@ -624,7 +624,7 @@ def test_a_trace_streams_records_with_line_numbers(tmp_path: Path) -> None:
     assert first_line == 2 and type(first).__name__ == "BlocksComputed"
 
 
-def test_a_store_cannot_reuse_a_device_block_still_copied_by_an_abandoned_job() -> None:
+def test_F15_a_store_cannot_reuse_a_device_block_an_abandoned_copy_still_reads() -> None:
     """After a reset, an abandoned in-flight store still reads its device blocks: storing the
     same hash from the same device block again is not a duplicate (the hash left the tier)
     and must wait until the abandoned copy reports."""

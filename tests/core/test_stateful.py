@@ -7,7 +7,7 @@ the executor closing (F15).
 
 After every step: the structural invariants hold, folding the log into a fresh ``State`` gives
 the live digest, every issued job has at most one terminal event (exactly one once it left the
-state), no pin is negative, free + used + quarantined == capacity, the vLLM-style KV
+state), no pin is negative, free + used + fenced == capacity, the vLLM-style KV
 events announce exactly the resident blocks, and (F15) no slot or device block is handed out
 while a copy that targets it may still run: the machine keeps its own record of which handed-out
 copies have not reported on every rank yet.
@@ -351,7 +351,7 @@ class OffloadMachine(RuleBasedStateMachine):
                     self.m.handle(result)
             for result in results:
                 self.reported(result.job_id, result.rank)
-        assert not self.reporting() and not self.m.state.jobs and not self.m.state.quarantine
+        assert not self.reporting() and not self.m.state.jobs and not self.m.state.fenced_slots
 
     @precondition(lambda self: any(j.acks and j.state in SUBMITTED for j in self.m.state.jobs.values()))
     @rule(data=st.data())
@@ -443,11 +443,11 @@ class OffloadMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 4))
     def evict(self, n: int) -> None:
         # (an entry whose slot a fenced load may still read would free nothing: not a victim)
-        quarantine = self.m.state.quarantine
+        fenced_slots = self.m.state.fenced_slots
         evictable = sum(
             1
             for h, e in self.m.state.entries.items()
-            if e.state is RESIDENT and e.pins == 0 and e.slot not in quarantine
+            if e.state is RESIDENT and e.pins == 0 and e.slot not in fenced_slots
         )
         if n > evictable:
             assert self.refused(lambda: self.m.evict(n))  # all or nothing (F8)
@@ -577,8 +577,8 @@ class OffloadMachine(RuleBasedStateMachine):
     def slots_add_up(self) -> None:
         s = self.m.state
         owned = set(s.slot_of.values())
-        only_quarantined = [q for q in s.quarantine if q not in owned]  # a fenced load's slot may be both
-        assert len(s.free_slots) + len(s.entries) + len(only_quarantined) == s.capacity == self.CPU_BLOCKS
+        only_fenced = [q for q in s.fenced_slots if q not in owned]  # a fenced load's slot may be both
+        assert len(s.free_slots) + len(s.entries) + len(only_fenced) == s.capacity == self.CPU_BLOCKS
 
 
 class OffloadMachineTwoRanks(OffloadMachine):

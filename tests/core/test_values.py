@@ -40,7 +40,7 @@ def refused(m: OffloadManager, call: Callable[[], Any], match: str) -> None:
     assert m.state.digest() == digest and len(m.log.records) == records
 
 
-def test_f19_request_ids_are_str() -> None:
+def test_F19_request_ids_are_str() -> None:
     m = manager()
     refused(m, lambda: m.lookup(7, [1], 9), "request ids are str")  # type: ignore[arg-type]
     refused(m, lambda: m.accept_hits(b"a", []), "request ids are str")  # type: ignore[arg-type]
@@ -49,7 +49,7 @@ def test_f19_request_ids_are_str() -> None:
     assert m.blocks_computed(None, [5], [0]) is not None  # a store without a request is allowed
 
 
-def test_f19_flags_are_bool() -> None:
+def test_F19_flags_are_bool() -> None:
     m = manager()
     refused(m, lambda: m.touch([1], reuse="no"), "reuse must be True or False")  # type: ignore[arg-type]
     refused(m, lambda: m.touch([1], reuse=0), "reuse must be True or False")  # type: ignore[arg-type]
@@ -57,7 +57,7 @@ def test_f19_flags_are_bool() -> None:
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "5", None, True])
-def test_f19_times_are_finite_numbers(bad: Any) -> None:
+def test_F19_times_are_finite_numbers(bad: Any) -> None:
     m = manager()
     m.blocks_computed("a", [5], [0])
     refused(m, lambda: m.plan_step(bad), "now_ms must be")
@@ -66,7 +66,7 @@ def test_f19_times_are_finite_numbers(bad: Any) -> None:
     assert m.state.jobs[jobs[0].job_id].deadline_ms == 1.0 + m.config.job_deadline_ms
 
 
-def test_f19_a_nan_clock_cannot_make_a_job_that_never_times_out() -> None:
+def test_F19_a_nan_clock_cannot_make_a_job_that_never_times_out() -> None:
     clock = VirtualClock()
     engine = SyncEngine(Config(cpu_blocks=8, block_tokens=4), SimulatedExecutor(clock, hang_jobs=[1]), clock=lambda: math.nan)
     engine.blocks_computed("a", [5], [0])
@@ -75,7 +75,7 @@ def test_f19_a_nan_clock_cannot_make_a_job_that_never_times_out() -> None:
     assert engine.manager.state.queued  # nothing was submitted with a NaN deadline
 
 
-def test_f19_hashes_and_device_blocks_fit_in_64_bits() -> None:
+def test_F19_hashes_and_device_blocks_fit_in_64_bits() -> None:
     m = manager()
     refused(m, lambda: m.blocks_computed("a", [2**64], [0]), "64 bits")
     refused(m, lambda: m.blocks_computed("a", [-(2**63) - 1], [0]), "64 bits")
@@ -87,7 +87,7 @@ def test_f19_hashes_and_device_blocks_fit_in_64_bits() -> None:
     assert m.state.digest()  # every accepted value encodes
 
 
-def test_f19_numpy_integers_are_accepted_where_ints_are() -> None:
+def test_F19_numpy_integers_are_accepted_where_ints_are() -> None:
     m = OffloadManager(Config(cpu_blocks=8, block_tokens=4))
     job = m.blocks_computed("a", np.array([5, 6], dtype=np.uint64), np.arange(2))
     for j in m.plan_step(np.float64(1.0)):
@@ -101,7 +101,7 @@ def test_f19_numpy_integers_are_accepted_where_ints_are() -> None:
     refused(m, lambda: m.lookup("c", [5], 9.0), "num_tokens must be")  # type: ignore[arg-type]
 
 
-def test_f19_world_size_within_what_the_acknowledgements_support() -> None:
+def test_F19_world_size_within_what_the_acknowledgements_support() -> None:
     Config(cpu_blocks=4, world_size=MAX_WORLD_SIZE)
     with pytest.raises(ConfigError, match="world_size"):
         Config(cpu_blocks=4, world_size=MAX_WORLD_SIZE + 1)
@@ -110,7 +110,7 @@ def test_f19_world_size_within_what_the_acknowledgements_support() -> None:
 @pytest.mark.parametrize(
     ("ok", "error"), [("false", None), ("true", None), (1, None), (None, None), (True, 404), (False, b"oops")]
 )
-def test_f19_a_malformed_executor_result_is_a_failure_never_a_success(ok: Any, error: Any) -> None:
+def test_F19_a_malformed_executor_result_is_a_failure_never_a_success(ok: Any, error: Any) -> None:
     m = OffloadManager(Config(cpu_blocks=8, block_tokens=4))
     m.blocks_computed("a", [5, 6], [0, 1])
     (job,) = m.plan_step(0.0)
@@ -120,7 +120,7 @@ def test_f19_a_malformed_executor_result_is_a_failure_never_a_success(ok: Any, e
     assert 5 not in m.state.slot_of  # the store's hashes never became visible
 
 
-def test_f19_every_recorded_trace_reads_back_after_refusals(tmp_path: Path) -> None:
+def test_F19_every_recorded_trace_reads_back_after_refusals(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     config = Config(cpu_blocks=8, block_tokens=4)
     m = OffloadManager(config, log=TraceWriter(path, config, checkpoint_every=2))
@@ -141,7 +141,7 @@ def test_f19_every_recorded_trace_reads_back_after_refusals(tmp_path: Path) -> N
     assert result.events == m.state.last_seq
 
 
-def test_f19_64_bit_hashes_pass_as_they_are_and_anything_else_is_still_checked() -> None:
+def test_F19_64_bit_hashes_pass_as_they_are_and_anything_else_is_still_checked() -> None:
     # the fast path reads the encoded tags: real 64-bit hashes (signed or unsigned, any count
     # of them, the msgpack array header's three sizes included) come back as the same tuple
     for count in (0, 1, 15, 16, 70_000):

@@ -171,7 +171,7 @@ def test_released_device_blocks_are_exactly_what_was_held() -> None:
     assert_clean(engine)
 
 
-def test_held_device_blocks_cannot_be_reused_until_released() -> None:
+def test_F12_a_device_block_held_by_a_live_job_is_refused_until_released() -> None:
     engine, ex, clock = make()
     engine.lookup("A", A_HASHES, 3 * B + 1)
     engine.blocks_computed("A", A_HASHES, (0, 1, 2))
@@ -183,7 +183,7 @@ def test_held_device_blocks_cannot_be_reused_until_released() -> None:
     assert engine.blocks_computed("A", (999,), (1,)) is not None  # free again
 
 
-def test_a_failed_load_names_the_device_blocks_and_keeps_the_entries() -> None:
+def test_F1_a_failed_load_names_the_device_blocks_and_keeps_the_entries() -> None:
     engine, ex, clock = make(fail_jobs=[2])  # the 2nd submitted job: B's load
     store_a(engine, ex, clock)
     assert engine.lookup("B", (*A_HASHES, 104), 3 * B + 5) == 3
@@ -204,7 +204,7 @@ def test_a_failed_load_names_the_device_blocks_and_keeps_the_entries() -> None:
     assert (c.jobs_failed, c.blocks_loaded) == (1, 0)
 
 
-def test_a_failed_store_frees_its_slots_and_never_shows_the_hashes() -> None:
+def test_F1_a_failed_store_frees_its_slots_and_never_shows_the_hashes() -> None:
     engine, ex, clock = make(fail_jobs=[1])
     report = store_a(engine, ex, clock)
     assert report.stores_finished == []
@@ -245,7 +245,7 @@ def test_drain_gives_up_after_its_timeout_on_the_engine_clock() -> None:
 # --- deadlines and late results ----------------------------------------------------------
 
 
-def test_a_hung_job_times_out_by_the_engine_clock_and_its_late_result_is_ignored() -> None:
+def test_F2_a_hung_job_times_out_by_the_engine_clock_and_its_late_result_is_ignored() -> None:
     engine, ex, clock = make(hang_jobs=[1])
     engine.lookup("A", A_HASHES, 3 * B + 1)
     job = engine.blocks_computed("A", A_HASHES, (0, 1, 2))
@@ -294,7 +294,7 @@ def store_a_again(engine: SyncEngine, ex: SimulatedExecutor, clock: VirtualClock
     return report
 
 
-def test_a_hung_load_times_out_as_a_failed_load() -> None:
+def test_F2_a_hung_load_times_out_as_a_failed_load() -> None:
     engine, ex, clock = make(hang_jobs=[2])
     store_a(engine, ex, clock)
     engine.lookup("B", A_HASHES + (104,), 3 * B + 5)
@@ -311,7 +311,7 @@ def test_a_hung_load_times_out_as_a_failed_load() -> None:
     assert_clean(engine)
 
 
-def test_a_load_that_outlives_its_deadline_never_has_its_blocks_handed_back_early() -> None:
+def test_F15_a_load_that_outlives_its_deadline_never_has_its_blocks_handed_back_early() -> None:
     """F15 on the simulated executor: the load reports 25 ms after its deadline; until then
     its device blocks and slots stay fenced, then the late result lifts the fence."""
     engine, ex, clock = make(slow_jobs=[2], slow_by_ms=DEADLINE_MS + 25)
@@ -325,7 +325,7 @@ def test_a_load_that_outlives_its_deadline_never_has_its_blocks_handed_back_earl
     # free no slot while the late copy may read it: eviction for space passes them over
     assert engine.lookup("C", A_HASHES + (105,), 3 * B + 5) == 3
     engine.accept_hits("C", [])
-    assert engine.manager.state.quarantine
+    assert engine.manager.state.fenced_slots
     with pytest.raises(Rejected):
         engine.manager.evict(1)
     due = ex.next_completion_ms()
@@ -387,7 +387,7 @@ def faulty_engine(wrapper: type[RaisingSubmit], fail_on: int) -> tuple[SyncEngin
     return engine, inner, clock
 
 
-def test_an_executor_whose_submit_raises_fails_the_batch_and_leaks_nothing() -> None:
+def test_F2_an_executor_whose_submit_raises_fails_the_batch_and_leaks_nothing() -> None:
     engine, inner, clock = faulty_engine(RaisingSubmit, fail_on=2)
     store_a(engine, inner, clock)  # 1st submit: fine
     engine.lookup("B", (*A_HASHES, 104, 105), 5 * B + 1)
@@ -418,7 +418,7 @@ def test_an_executor_whose_submit_raises_fails_the_batch_and_leaks_nothing() -> 
     assert_clean(engine)
 
 
-def test_an_executor_whose_poll_raises_once_does_not_kill_the_engine() -> None:
+def test_F2_an_executor_whose_poll_raises_once_does_not_kill_the_engine() -> None:
     engine, inner, clock = faulty_engine(RaisingPoll, fail_on=1)
     engine.lookup("A", A_HASHES, 3 * B + 1)
     engine.blocks_computed("A", A_HASHES, (0, 1, 2))
@@ -433,7 +433,7 @@ def test_an_executor_whose_poll_raises_once_does_not_kill_the_engine() -> None:
     assert engine.counters.executor_errors == 1
 
 
-def test_a_result_for_an_unknown_job_is_counted_not_raised() -> None:
+def test_F2_a_result_for_an_unknown_job_is_counted_not_raised() -> None:
     engine, ex, clock = make()
     engine.lookup("A", A_HASHES, 3 * B + 1)
     engine.blocks_computed("A", A_HASHES, (0, 1, 2))
@@ -467,7 +467,7 @@ def test_world_size_two_fails_the_job_when_either_rank_fails(fail_rank: int) -> 
     assert_clean(engine)
 
 
-def test_world_size_two_completes_only_when_both_ranks_report() -> None:
+def test_F3_a_store_on_two_ranks_is_visible_only_when_both_report() -> None:
     engine, ex, clock = make(world_size=2)
     engine.lookup("A", A_HASHES, 3 * B + 1)
     engine.blocks_computed("A", A_HASHES, (0, 1, 2))
@@ -672,7 +672,7 @@ async def test_async_engine_round_trip_with_the_torch_executor(tmp_path: Path) -
     assert result.events >= 10
 
 
-async def test_async_engine_times_out_a_hung_job_on_a_wall_driven_virtual_clock() -> None:
+async def test_F2_the_async_engine_times_out_a_hung_job_on_a_wall_driven_virtual_clock() -> None:
     clock = VirtualClock()
     ex = SimulatedExecutor(clock, MODEL, hang_jobs=[1])
     start = time.monotonic()
@@ -761,7 +761,7 @@ def test_latency_samples_stay_bounded() -> None:
     assert lat.summary()["load_p50_ms"] is not None and lat.store_ms == []
 
 
-def test_f18_a_request_that_keeps_its_lookup_pins_is_made_visible(restore_structlog: None) -> None:
+def test_F7_a_request_that_keeps_its_lookup_pins_is_made_visible(restore_structlog: None) -> None:
     """A request looked up again every step but never scheduled keeps its hits pinned (they
     cannot be evicted): past ``pin_warn_ms`` it is counted and warned about once; releasing
     them with ``accept_hits(request, [])`` ends it."""
@@ -782,7 +782,7 @@ def test_f18_a_request_that_keeps_its_lookup_pins_is_made_visible(restore_struct
     assert_clean(engine)
 
 
-def test_f15_a_fence_the_executor_never_answers_is_counted_and_warned_about_once(
+def test_F15_a_fence_the_executor_never_answers_is_counted_and_warned_about_once(
     restore_structlog: None,
 ) -> None:
     engine, ex, clock = make(hang_jobs=[1])
@@ -813,7 +813,7 @@ def test_every_public_engine_method_says_what_it_does() -> None:
         assert missing == [], f"{cls.__name__}: {missing}"
 
 
-def test_calls_after_close_are_refused_and_change_nothing(tmp_path: Path) -> None:
+def test_F19_calls_after_close_are_refused_and_change_nothing(tmp_path: Path) -> None:
     from kvflow.core.errors import EngineClosed
 
     trace = tmp_path / "closed.jsonl"

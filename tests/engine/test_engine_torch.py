@@ -142,7 +142,7 @@ def test_stored_blocks_come_back_byte_for_byte_into_other_device_blocks(rig: Any
     assert engine.counters.bytes_loaded == 3 * ex.layout.block_bytes
 
 
-def test_an_injected_load_failure_reports_the_device_blocks_and_keeps_the_entries(rig: Any) -> None:
+def test_F1_an_injected_load_failure_reports_the_device_blocks_and_keeps_the_entries(rig: Any) -> None:
     engine, ex, kv = rig(fail_job_ids={2})  # job 1: A's store; job 2: B's load
     store_request_a(engine)
     assert engine.lookup("B", (*A_HASHES, 14), 3 * B + 7) == 3
@@ -166,7 +166,7 @@ def test_an_injected_load_failure_reports_the_device_blocks_and_keeps_the_entrie
     assert all(torch.equal(x, y) for x, y in zip(blocks_of(kv, (25, 26, 27)), original, strict=True))
 
 
-def test_f17_a_corrupted_host_slot_fails_the_load_and_leaves_the_tier(rig: Any) -> None:
+def test_F17_a_corrupted_host_slot_fails_the_load_and_leaves_the_tier(rig: Any) -> None:
     engine, ex, kv = rig(checksums=True)
     store_request_a(engine)
     slot = engine.manager.state.entries[A_HASHES[1]].slot
@@ -274,7 +274,7 @@ class ManualClock:
         return self.now_ms
 
 
-def test_f15_a_load_that_outlives_its_deadline_never_writes_into_blocks_the_engine_got_back(
+def test_F15_a_load_that_outlives_its_deadline_never_writes_into_blocks_the_engine_got_back(
     device: str,
 ) -> None:
     """F15 with real copies. The load times out while its copy may still run (on CUDA a

@@ -71,7 +71,7 @@ def test_load_back_into_other_blocks_on_each_rank(group: RankGroup) -> None:
         assert got == want
 
 
-def test_poll_reports_every_rank_once_and_ids_are_checked(group: RankGroup) -> None:
+def test_F6_every_rank_reports_each_job_once_through_one_poll(group: RankGroup) -> None:
     polled = group.poll()
     assert sorted((r.job_id, r.rank) for r in polled) == [
         (1, 0),
@@ -88,7 +88,7 @@ def test_poll_reports_every_rank_once_and_ids_are_checked(group: RankGroup) -> N
         group.submit([TransferJob(1, "store", (3,), (0,))])
 
 
-def test_a_dead_rank_fails_its_jobs(group: RankGroup) -> None:
+def test_F2_a_dead_rank_fails_its_jobs(group: RankGroup) -> None:
     os.kill(group._procs[1].pid, signal.SIGKILL)  # type: ignore[arg-type]
     group._procs[1].join(timeout=10)
     group.submit([TransferJob(4, "store", (7,), (4,))])

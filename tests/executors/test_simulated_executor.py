@@ -234,7 +234,7 @@ def test_world_size_two_reports_every_rank_and_fails_only_fail_rank(fail_rank: i
 # --- submission errors and wait ---------------------------------------------------------------
 
 
-def test_double_submit_is_an_error() -> None:
+def test_F5_a_job_submitted_twice_is_refused() -> None:
     clock = VirtualClock()
     ex = SimulatedExecutor(clock, MODEL)
     ex.submit([job(1)])
@@ -247,7 +247,7 @@ def test_double_submit_is_an_error() -> None:
         ex.submit([job(1)])
 
 
-def test_duplicate_in_one_call_is_an_error() -> None:
+def test_F5_a_job_named_twice_in_one_call_is_refused() -> None:
     ex = SimulatedExecutor(VirtualClock(), MODEL)
     with pytest.raises((ValueError, KvflowError)):
         ex.submit([job(3), job(3)])
@@ -277,7 +277,7 @@ def test_a_refused_submit_draws_no_fault() -> None:
     assert got == {j: not (mine.random() < rate) for j in (1, 2, 3)}
 
 
-def test_wait_on_unknown_job_raises() -> None:
+def test_F12_wait_on_an_unknown_job_raises() -> None:
     ex = SimulatedExecutor(VirtualClock(), MODEL)
     with pytest.raises(UnknownJob):
         ex.wait(42)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -157,7 +158,7 @@ def test_multi_job_batching_and_both_directions_in_one_submit(device: str) -> No
         assert ex.poll() == []
 
 
-def test_bad_jobs_fail_alone_and_executor_keeps_serving(device: str) -> None:
+def test_F2_bad_jobs_fail_alone_and_the_executor_keeps_serving(device: str) -> None:
     kv = make_kv("stacked", device)
     with TorchExecutor(kv, 8) as ex:
         ex.submit(
@@ -179,7 +180,7 @@ def test_bad_jobs_fail_alone_and_executor_keeps_serving(device: str) -> None:
         assert run(ex, [TransferJob(6, "load", (7, 8), (0, 1))])[6].ok
 
 
-def test_copy_that_raises_becomes_failed_result(device: str) -> None:
+def test_F2_a_copy_that_raises_becomes_a_failed_result(device: str) -> None:
     kv = make_kv("stacked", device)
     with TorchExecutor(kv, 8, fail_job_ids={2}) as ex:
         assert run(ex, [TransferJob(1, "store", (1,), (0,))])[1].ok
@@ -192,7 +193,7 @@ def test_copy_that_raises_becomes_failed_result(device: str) -> None:
         assert run(ex, [TransferJob(3, "load", (5,), (0,))])[3].ok  # still serving
 
 
-def test_wait_unknown_and_duplicate_submission(device: str) -> None:
+def test_F12_waiting_on_an_unknown_job_or_submitting_one_twice_is_refused(device: str) -> None:
     kv = make_kv("stacked", device)
     with TorchExecutor(kv, 8) as ex:
         with pytest.raises(UnknownJob, match="never submitted"):
@@ -206,7 +207,7 @@ def test_wait_unknown_and_duplicate_submission(device: str) -> None:
         assert ex.stats["jobs_submitted"] == 1  # the rejected calls launched nothing
 
 
-def test_checksum_mismatch_fails_the_load(device: str) -> None:
+def test_F17_a_checksum_mismatch_fails_the_load_and_names_the_bad_block(device: str) -> None:
     kv = make_kv("separate", device)
     with TorchExecutor(kv, 8, checksums=True) as ex:
         assert run(ex, [TransferJob(1, "store", (1, 2, 3), (0, 1, 2))])[1].ok
@@ -222,14 +223,14 @@ def test_checksum_mismatch_fails_the_load(device: str) -> None:
         assert not never.ok and "no checksum recorded for slot 7" in never.error
 
 
-def test_cpu_blocks_zero_disables_offload(device: str) -> None:
+def test_F11_zero_cpu_blocks_disables_offload_in_the_executor(device: str) -> None:
     with TorchExecutor(make_kv("stacked", device), 0) as ex:
         assert not ex.pool.enabled
         with pytest.raises(ConfigError, match="offload is disabled"):
             ex.submit([TransferJob(1, "store", (1,), (0,))])
 
 
-def test_compute_done_event_orders_the_copy() -> None:
+def test_F9_a_store_on_cuda_waits_for_the_compute_done_event() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA events")
     kv = make_kv("stacked", "cuda")
@@ -286,7 +287,7 @@ def test_layout_sizes_pages_from_shape_not_storage() -> None:
 # --- host pool -------------------------------------------------------------------------------
 
 
-def test_host_pool_errors_are_clear() -> None:
+def test_F11_host_pool_errors_are_clear() -> None:
     with pytest.raises(ConfigError, match="cpu_blocks must be >= 0"):
         HostPool.create([64], -1)
     with pytest.raises(ConfigError, match="cannot allocate host pool"):
@@ -309,7 +310,23 @@ def test_every_pool_page_starts_on_a_page_boundary(device: str, shared: bool) ->
         pool.close()
 
 
-def test_shared_pool_is_one_memory_and_fixed_layout() -> None:
+def test_F10_the_host_pool_keeps_its_memory_for_the_executor_s_life() -> None:
+    """Sized once when the executor is built; every slot filled and read back again and again
+    never moves or resizes it (a worker that mapped it keeps seeing the same memory)."""
+    with TorchExecutor(make_kv("stacked", "cpu"), 8) as ex:
+        pool = ex.pool
+        regions = range(ex.layout.num_regions)
+        where, size = [pool.region(r).data_ptr() for r in regions], pool.nbytes
+        for n in range(24):  # three rounds over every slot, both directions
+            store, load = 2 * n + 1, 2 * n + 2
+            jobs = [TransferJob(store, "store", (n,), (n % 8,))]
+            assert run(ex, jobs)[store].ok
+            assert run(ex, [TransferJob(load, "load", (N_BLOCKS - 1 - n,), (n % 8,))])[load].ok
+        assert ex.pool is pool and (pool.nbytes, pool.cpu_blocks) == (size, 8)
+        assert [pool.region(r).data_ptr() for r in regions] == where
+
+
+def test_F10_a_shared_pool_is_one_memory_with_a_fixed_layout() -> None:
     pool = HostPool.create([64, 128], 4, shared=True)
     try:
         assert pool.path is not None and pool.nbytes == 2 * 4096
@@ -337,7 +354,44 @@ class _BrokenComputeDone:
         raise RuntimeError("device lost while waiting for compute")
 
 
-def test_a_compute_done_wait_that_raises_fails_the_batch_on_the_cpu_device() -> None:
+class _ComputeDoneOnCpu:
+    """The engine's compute-done event on the CPU device, where the copy waits on it before it
+    starts: the compute it stands for happens when the copy waits (``synchronize``), so a copy
+    that did not wait, or copied first, is seen."""
+
+    def __init__(self, at_wait: Any) -> None:
+        self.at_wait, self.waits = at_wait, 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.at_wait()
+
+
+def test_F9_both_directions_wait_for_the_compute_done_event() -> None:
+    kv = make_kv("stacked", "cpu")
+    with TorchExecutor(kv, 8) as ex:
+        # a store: the forward writes block 3 until the event; the store must copy what it wrote
+        def forward_writes_block_3() -> None:
+            for layer in kv:
+                layer[:, 3].fill_(3.0)
+
+        written = _ComputeDoneOnCpu(forward_writes_block_3)
+        ex.submit([TransferJob(1, "store", (3,), (0,))], compute_done=written)
+        assert ex.wait(1, timeout_s=30).ok and written.waits == 1
+        assert run(ex, [TransferJob(2, "load", (9,), (0,))])[2].ok
+        assert same(pages(ex, [9]), pages(ex, [3]))
+
+        # a load: an earlier forward still reads block 7 until the event; the load must not
+        # have written it by then
+        before = pages(ex, [7])
+        seen: list[list[torch.Tensor]] = []
+        read = _ComputeDoneOnCpu(lambda: seen.append(pages(ex, [7])))
+        ex.submit([TransferJob(3, "load", (7,), (0,))], compute_done=read)
+        assert ex.wait(3, timeout_s=30).ok and read.waits == 1
+        assert same(seen[0], before) and same(pages(ex, [7]), pages(ex, [3]))
+
+
+def test_F9_a_compute_done_wait_that_raises_fails_the_batch_and_copies_nothing() -> None:
     kv = make_kv("stacked", "cpu")
     with TorchExecutor(kv, 8) as ex:
         host = ex.pool.region(0, ex.layout.regions[0].word_dtype)
@@ -348,7 +402,7 @@ def test_a_compute_done_wait_that_raises_fails_the_batch_on_the_cpu_device() -> 
         assert torch.equal(host, before)  # nothing was copied out of order
 
 
-def test_the_engine_refuses_a_config_whose_cpu_blocks_differ_from_the_pool() -> None:
+def test_F10_the_engine_refuses_a_config_whose_cpu_blocks_differ_from_the_pool() -> None:
     from kvflow.core.config import Config
     from kvflow.engine.sync import SyncEngine
 
@@ -490,7 +544,7 @@ def test_page_first_pool_views_agree_with_its_blocks() -> None:
         HostPool.create([64], 4).blocks()
 
 
-def test_kernel_load_of_a_corrupted_slot_fails_its_checksum(kernel_device: str) -> None:
+def test_F17_a_kernel_load_of_a_corrupted_slot_fails_its_checksum(kernel_device: str) -> None:
     kv = make_kv("separate", kernel_device)
     with TorchExecutor(kv, 16, scatter="kernel", checksums=True) as ex:
         assert run(ex, [TransferJob(1, "store", (3, 9, 1), (2, 7, 12), hashes=(31, 32, 33))])[1].ok

@@ -53,7 +53,7 @@ def kinds(events: list[object]) -> list[tuple[str, list[int]]]:
     return out
 
 
-def test_block_stored_only_when_the_store_completes(rig: tuple[OffloadManager, KVEventPublisher]) -> None:
+def test_F3_block_stored_only_when_the_store_completes(rig: tuple[OffloadManager, KVEventPublisher]) -> None:
     manager, pub = rig
     manager.lookup("A", (1, 2), 2 * B + 1)
     job = manager.blocks_computed("A", (1, 2), (0, 1))
@@ -70,7 +70,7 @@ def test_block_stored_only_when_the_store_completes(rig: tuple[OffloadManager, K
     assert pub.take() == []  # taken once
 
 
-def test_no_block_stored_for_a_failed_or_timed_out_store(rig: tuple[OffloadManager, KVEventPublisher]) -> None:
+def test_F1_no_block_stored_for_a_failed_or_timed_out_store(rig: tuple[OffloadManager, KVEventPublisher]) -> None:
     manager, pub = rig
     failed = store(manager, "A", (1, 2), (0, 1))
     manager.job_result(failed, ok=False, error="copy failed")

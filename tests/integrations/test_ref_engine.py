@@ -139,7 +139,7 @@ def test_injected_copy_failures_and_checksums_keep_outputs_identical(model: ref.
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_copies_that_outlive_their_deadline_are_fenced_and_outputs_stay_identical(
+def test_F15_copies_that_outlive_their_deadline_are_fenced_and_outputs_stay_identical(
     model: ref.Llama, baseline: list[list[int]], overlap: bool
 ) -> None:
     """The engine's clock jumps a minute at every step and each load reports one step late,

@@ -170,7 +170,7 @@ def test_preemption_under_memory_pressure_keeps_outputs_identical(model_dir: Pat
     text = trace.read_text()
     assert '"preempted":true' in text, "the workload must make vLLM preempt"
     state = connector._scheduler.manager.state
-    assert not state.jobs and not state.quarantine  # every copy ended, nothing fenced
+    assert not state.jobs and not state.fenced_slots  # every copy ended, nothing fenced
     replayed = CliRunner().invoke(kvflow_cli, ["replay", str(trace), "--redecide"])
     assert replayed.exit_code == 0, replayed.output
 

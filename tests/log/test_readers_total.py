@@ -29,11 +29,10 @@ from kvflow.engine.manager import OffloadManager
 from kvflow.log.reader import TraceReader, read_trace
 from kvflow.log.writer import TraceWriter
 from kvflow.replay.fold import replay
-from kvflow.simulate.workload import read_workload
+from kvflow.simulate.workload import EXAMPLE_WORKLOAD, read_workload
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "traces"
-EXAMPLE_WORKLOAD = TRACES / "workloads" / "example.jsonl"
 TRACE_VERBS = (["replay"], ["replay", "--redecide"], ["incidents"], ["inspect", "--at", "5"], ["kv-events"])
 
 
@@ -99,7 +98,7 @@ def assert_cli_refuses(path: Path, *needles: str, verbs: tuple[list[str], ...] =
 # --- invalid UTF-8 (was UnicodeDecodeError) ----------------------------------------------------
 
 
-def test_invalid_utf8_inside_a_string_names_line_and_field(tmp_path: Path) -> None:
+def test_invalid_utf_8_inside_a_string_names_line_and_field(tmp_path: Path) -> None:
     lines = golden_lines()
     assert lines[1].startswith(b'{"type":"lookup","request_id":"req-000"')
     lines[1] = lines[1].replace(b'"req-000"', b'"req-\xff00"', 1)
@@ -111,7 +110,7 @@ def test_invalid_utf8_inside_a_string_names_line_and_field(tmp_path: Path) -> No
     assert_cli_refuses(path, f"{path}:2:", "request_id", "UTF-8")
 
 
-def test_invalid_utf8_in_the_header_and_in_a_key(tmp_path: Path) -> None:
+def test_invalid_utf_8_in_the_header_and_in_a_key(tmp_path: Path) -> None:
     lines = golden_lines()
     path = tmp_path / "header.jsonl"
     path.write_bytes(lines[0].replace(b'"golden":"clean"', b'"golden":"cl\xc3"', 1) + b"".join(lines[1:]))
@@ -124,7 +123,7 @@ def test_invalid_utf8_in_the_header_and_in_a_key(tmp_path: Path) -> None:
     assert error.line == 4 and "request_id" in str(error)
 
 
-def test_invalid_utf8_in_a_workload_names_line_and_field(tmp_path: Path) -> None:
+def test_invalid_utf_8_in_a_workload_names_line_and_field(tmp_path: Path) -> None:
     path = tmp_path / "w.jsonl"
     path.write_bytes(b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
                      b'{"timestamp": 1, "input_length": "1\xff", "output_length": 1, "hash_ids": [2]}\n')

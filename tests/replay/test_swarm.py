@@ -173,22 +173,22 @@ def test_a_clean_run_prints_its_summary_and_exits_0(capsys: pytest.CaptureFixtur
         assert line in out
 
 
-def test_seed_151_a_load_abandoned_by_two_resets_is_reported_once(tmp_path: Path) -> None:
+def test_F18_seed_151_a_load_abandoned_by_two_resets_is_reported_once(tmp_path: Path) -> None:
     result = swarm.check_seed(151, FAULT_MAX, tmp_path, subprocess_check=False)
     assert result.failure is None, result.failure
 
 
-def test_seed_153_a_late_corrupt_report_still_evicts_the_bad_block(tmp_path: Path) -> None:
+def test_F17_seed_153_a_late_corrupt_report_still_evicts_the_bad_block(tmp_path: Path) -> None:
     result = swarm.check_seed(153, FAULT_MAX, tmp_path, subprocess_check=False)
     assert result.failure is None, result.failure
 
 
-def test_seed_16_a_block_reported_corrupt_while_pinned_leaves_the_tier_with_its_pins(tmp_path: Path) -> None:
+def test_F17_seed_16_a_block_reported_corrupt_while_pinned_leaves_the_tier_with_its_pins(tmp_path: Path) -> None:
     result = swarm.check_seed(16, FAULT_MAX, tmp_path, subprocess_check=False)
     assert result.failure is None, result.failure
 
 
-def test_seed_155_a_corrupt_report_survives_a_batch_split_by_a_stray_result(tmp_path: Path) -> None:
+def test_F17_seed_155_a_corrupt_report_survives_a_batch_split_by_a_stray_result(tmp_path: Path) -> None:
     result = swarm.check_seed(155, FAULT_MAX, tmp_path, subprocess_check=False)
     assert result.failure is None, result.failure
 

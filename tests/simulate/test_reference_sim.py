@@ -19,10 +19,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from reference_sim import COUNTER_KEYS, reference_simulate
 
+from kvflow.simulate.workload import EXAMPLE_WORKLOAD
+
 B = 4
 REPO = Path(__file__).resolve().parents[2]
 MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
-EXAMPLE_WORKLOAD = REPO / "traces" / "workloads" / "example.jsonl"
 
 
 def workload(directory: Path, *prompts: tuple[int, list[int]]) -> Path:
@@ -44,7 +45,7 @@ def expect(**counters: int) -> dict[str, int]:
     return {key: counters.get(key, 0) for key in COUNTER_KEYS}
 
 
-def test_exact_multiple_of_the_block_size_hits_one_block_less(tmp_path: Path) -> None:
+def test_F13_the_reference_hits_one_block_less_at_an_exact_multiple_of_the_block_size(tmp_path: Path) -> None:
     path = workload(tmp_path, (8, [1, 2]), (8, [1, 2]), (9, [1, 2, 100]))
     # 1st (8 tokens): 2 full blocks, nothing to hit; stores 1, 2.
     # 2nd (8 tokens): cap = 7 // 4 = 1, so only block 1 hits (F13); nothing new to store.
@@ -55,7 +56,7 @@ def test_exact_multiple_of_the_block_size_hits_one_block_less(tmp_path: Path) ->
     )
 
 
-def test_lru_evicts_a_chains_tail_before_its_head(tmp_path: Path) -> None:
+def test_F14_the_reference_lru_evicts_a_chains_tail_before_its_head(tmp_path: Path) -> None:
     path = workload(
         tmp_path,
         (9, [1, 2, 100]),  # stores 1, 2 -> cpu [1, 2]; end touches 2 then 1 -> [2, 1]
@@ -74,7 +75,7 @@ def test_lru_evicts_a_chains_tail_before_its_head(tmp_path: Path) -> None:
     )
 
 
-def test_f16_a_store_never_evicts_its_own_chain(tmp_path: Path) -> None:
+def test_F16_the_reference_never_evicts_a_stores_own_chain(tmp_path: Path) -> None:
     path = workload(
         tmp_path,
         (9, [1, 2, 100]),  # cpu [2, 1]

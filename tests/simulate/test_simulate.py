@@ -21,9 +21,9 @@ from reference_sim import reference_simulate
 from kvflow.core.errors import ConfigError
 from kvflow.replay.fold import replay
 from kvflow.simulate.run import SUMMARY_KEYS, SimOptions, simulate
+from kvflow.simulate.workload import EXAMPLE_WORKLOAD
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "traces" / "workloads" / "example.jsonl"
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 needs_mooncake = pytest.mark.skipif(not MOONCAKE.exists(), reason=f"{MOONCAKE} not present")
 
@@ -55,17 +55,17 @@ def test_example_workload_matches_the_reference(
     cpu_blocks: int, device_blocks: int, store: str, fault_rate: float, seed: int
 ) -> None:
     kw = dict(cpu_blocks=cpu_blocks, device_blocks=device_blocks, store=store, fault_rate=fault_rate, seed=seed)
-    got = counters(ours(EXAMPLE, **kw))
-    assert got == theirs(EXAMPLE, **kw)  # type: ignore[arg-type]
+    got = counters(ours(EXAMPLE_WORKLOAD, **kw))
+    assert got == theirs(EXAMPLE_WORKLOAD, **kw)  # type: ignore[arg-type]
     assert got["requests"] == 200
 
 
 def test_example_workload_numbers_pinned_by_its_readme() -> None:
-    """traces/workloads/README.md: 256 blocks hit 865,792 of 1,198,285 tokens, 298 evictions;
+    """EXAMPLE_WORKLOAD's docstring: 256 blocks hit 865,792 of 1,198,285 tokens, 298 evictions;
     an unbounded tier hits 950,272."""
-    s = ours(EXAMPLE, cpu_blocks=256)
+    s = ours(EXAMPLE_WORKLOAD, cpu_blocks=256)
     assert (s["hit_tokens"], s["prompt_tokens"], s["evicted_blocks"]) == (865_792, 1_198_285, 298)
-    assert ours(EXAMPLE, cpu_blocks=10_000)["hit_tokens"] == 950_272
+    assert ours(EXAMPLE_WORKLOAD, cpu_blocks=10_000)["hit_tokens"] == 950_272
 
 
 def test_the_store_rule_on_a_three_request_workload(tmp_path: Path) -> None:
@@ -119,7 +119,7 @@ def test_the_whole_mooncake_trace_simulates_fast() -> None:
 
 @pytest.fixture(scope="module")
 def workload() -> Path:
-    return MOONCAKE if MOONCAKE.exists() else EXAMPLE
+    return MOONCAKE if MOONCAKE.exists() else EXAMPLE_WORKLOAD
 
 
 def test_timed_mode_reports_latency_and_is_deterministic(workload: Path) -> None:
@@ -204,8 +204,8 @@ def _run_cli(hash_seed: str, record: Path, workload: Path) -> str:
 
 
 def test_same_seed_gives_identical_json_and_trace_bytes_under_two_hash_seeds(tmp_path: Path) -> None:
-    first = _run_cli("1", tmp_path / "a.jsonl", EXAMPLE)
-    second = _run_cli("4242", tmp_path / "b.jsonl", EXAMPLE)
+    first = _run_cli("1", tmp_path / "a.jsonl", EXAMPLE_WORKLOAD)
+    second = _run_cli("4242", tmp_path / "b.jsonl", EXAMPLE_WORKLOAD)
     assert json.loads(first)["requests"] == 200
     assert first == second
     a, b = (tmp_path / "a.jsonl").read_bytes(), (tmp_path / "b.jsonl").read_bytes()

@@ -4,7 +4,6 @@ shared remote tier only adds hits, and one instance without it is the plain simu
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -13,14 +12,14 @@ from kvflow.cli.main import main
 from kvflow.core.errors import ConfigError
 from kvflow.simulate.fleet import run_fleet, simulate_fleet
 from kvflow.simulate.run import SimOptions, simulate
+from kvflow.simulate.workload import EXAMPLE_WORKLOAD
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "traces" / "workloads" / "example.jsonl"
 OPTIONS = SimOptions(cpu_blocks=50)
 
 
 def test_one_instance_without_a_remote_tier_is_the_plain_simulation() -> None:
-    plain = simulate(str(EXAMPLE), SimOptions(cpu_blocks=50))
-    fleet = run_fleet(str(EXAMPLE), OPTIONS, 1, "round-robin", 0)
+    plain = simulate(str(EXAMPLE_WORKLOAD), SimOptions(cpu_blocks=50))
+    fleet = run_fleet(str(EXAMPLE_WORKLOAD), OPTIONS, 1, "round-robin", 0)
     for key in ("requests", "prompt_tokens", "hit_tokens", "cpu_hit_tokens", "device_hit_tokens"):
         assert fleet[key] == plain[key], key
     assert fleet["remote_hit_tokens"] == 0 and fleet["remote_bytes_stored"] == 0
@@ -28,24 +27,24 @@ def test_one_instance_without_a_remote_tier_is_the_plain_simulation() -> None:
 
 @pytest.mark.parametrize("routing", ["round-robin", "session"])
 def test_a_shared_tier_serves_what_other_instances_stored(routing: str) -> None:
-    out = simulate_fleet(str(EXAMPLE), OPTIONS, 4, routing, 1000)
+    out = simulate_fleet(str(EXAMPLE_WORKLOAD), OPTIONS, 4, routing, 1000)
     shared, local = out["shared"], out["local"]
     assert shared["requests"] == local["requests"] == 200
     assert shared["hit_tokens"] > local["hit_tokens"]
     assert shared["remote_hit_tokens"] > 0 and local["remote_hit_tokens"] == 0
     assert shared["remote_bytes_loaded"] >= shared["remote_hit_tokens"] // 512 * OPTIONS.bytes_per_block
     assert 0 < shared["remote_bytes_held"] <= 1000 * OPTIONS.bytes_per_block
-    assert simulate_fleet(str(EXAMPLE), OPTIONS, 4, routing, 1000) == out  # deterministic
+    assert simulate_fleet(str(EXAMPLE_WORKLOAD), OPTIONS, 4, routing, 1000) == out  # deterministic
 
 
 def test_session_routing_beats_round_robin_without_a_shared_tier() -> None:
-    rr = run_fleet(str(EXAMPLE), OPTIONS, 4, "round-robin", 0)
-    session = run_fleet(str(EXAMPLE), OPTIONS, 4, "session", 0)
+    rr = run_fleet(str(EXAMPLE_WORKLOAD), OPTIONS, 4, "round-robin", 0)
+    session = run_fleet(str(EXAMPLE_WORKLOAD), OPTIONS, 4, "session", 0)
     assert session["hit_tokens"] > rr["hit_tokens"]
 
 
 def test_a_tiny_shared_tier_holds_no_more_than_its_capacity() -> None:
-    out = run_fleet(str(EXAMPLE), OPTIONS, 4, "round-robin", 3)
+    out = run_fleet(str(EXAMPLE_WORKLOAD), OPTIONS, 4, "round-robin", 3)
     assert out["remote_bytes_held"] == 3 * OPTIONS.bytes_per_block
     assert out["remote_bytes_stored"] > out["remote_bytes_held"]  # the rest was evicted
 
@@ -59,13 +58,13 @@ def test_a_tiny_shared_tier_holds_no_more_than_its_capacity() -> None:
     ],
 )
 def test_bad_fleet_options_are_one_line_errors(args: list[str], message: str) -> None:
-    result = CliRunner().invoke(main, ["simulate", str(EXAMPLE), *args])
+    result = CliRunner().invoke(main, ["simulate", str(EXAMPLE_WORKLOAD), *args])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
 def test_cli_json() -> None:
     result = CliRunner().invoke(
-        main, ["simulate", str(EXAMPLE), "--cpu-blocks", "50", "--instances", "3", "--routing", "session", "--json"]
+        main, ["simulate", str(EXAMPLE_WORKLOAD), "--cpu-blocks", "50", "--instances", "3", "--routing", "session", "--json"]
     )
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
@@ -75,7 +74,7 @@ def test_cli_json() -> None:
 
 def test_fleet_refuses_bad_input_before_any_work() -> None:
     with pytest.raises(ConfigError):
-        simulate_fleet(str(EXAMPLE), OPTIONS, 2, "sticky", 10)
+        simulate_fleet(str(EXAMPLE_WORKLOAD), OPTIONS, 2, "sticky", 10)
 
 
 def test_a_block_the_shared_tier_dropped_fails_its_remote_load_once() -> None:
@@ -102,11 +101,11 @@ def test_a_block_the_shared_tier_dropped_fails_its_remote_load_once() -> None:
 def test_ahead_of_eviction_mode_shares_blocks_too() -> None:
     from dataclasses import replace
 
-    ahead = run_fleet(str(EXAMPLE), replace(OPTIONS, remote_store_mode="ahead_of_eviction"), 4, "round-robin", 1000)
-    local = run_fleet(str(EXAMPLE), OPTIONS, 4, "round-robin", 0)
+    ahead = run_fleet(str(EXAMPLE_WORKLOAD), replace(OPTIONS, remote_store_mode="ahead_of_eviction"), 4, "round-robin", 1000)
+    local = run_fleet(str(EXAMPLE_WORKLOAD), OPTIONS, 4, "round-robin", 0)
     assert ahead["remote_hit_tokens"] > 0 and ahead["hit_tokens"] > local["hit_tokens"]
     result = CliRunner().invoke(
-        main, ["simulate", str(EXAMPLE), "--cpu-blocks", "50", "--instances", "4", "--remote-blocks", "1000",
+        main, ["simulate", str(EXAMPLE_WORKLOAD), "--cpu-blocks", "50", "--instances", "4", "--remote-blocks", "1000",
                "--remote-store", "ahead-of-eviction", "--json"],
     )  # fmt: skip
     assert json.loads(result.output)["shared"]["hit_tokens"] == ahead["hit_tokens"]

@@ -13,11 +13,10 @@ from types import ModuleType
 import pytest
 
 from kvflow.core.errors import ConfigError, TraceError
-from kvflow.simulate.workload import WorkloadRequest, read_workload
+from kvflow.simulate.workload import EXAMPLE_WORKLOAD, WorkloadRequest, read_workload
 
 REPO = Path(__file__).resolve().parents[2]
 MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
-EXAMPLE_WORKLOAD = REPO / "traces" / "workloads" / "example.jsonl"
 
 GOOD = '{"timestamp": 0, "input_length": 1600, "output_length": 7, "hash_ids": [1, 2, 3, 4]}'
 
@@ -272,7 +271,7 @@ def test_example_workload_reads_and_is_reproducible(tmp_path: Path) -> None:
     requests = list(read_workload(EXAMPLE_WORKLOAD))
     assert len(requests) == 200
     assert all(1 <= len(r.hash_ids) <= 30 for r in requests)
-    # The exact command in traces/workloads/README.md regenerates the file byte for byte.
+    # The exact command in EXAMPLE_WORKLOAD's docstring regenerates the file byte for byte.
     out = tmp_path / "example.jsonl"
     generator = _load_generator()
     argv = ["--requests", "200", "--seed", "7", "--block-tokens", "512", "--out", str(out)]

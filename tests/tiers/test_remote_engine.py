@@ -168,7 +168,7 @@ def test_hung_server_times_out_remote_jobs_without_blocking_the_step(redis_fresh
             assert time.monotonic() < deadline, "the timed-out remote job's fence never lifted"
             engine.step()
             time.sleep(0.002)
-        assert engine.manager.state.quarantine == {}
+        assert engine.manager.state.fenced_slots == {}
         assert engine.manager.state.remote == {}
         assert all(engine.manager.state.is_resident(h) for h in HASHES)  # the CPU tier is intact
         assert check_invariants(engine.manager.state) == []

@@ -31,7 +31,7 @@ def _fenced_slot_owners(state: State) -> list[int]:
     """Resident entries whose slot a fenced load (or remote store) may still read (F15):
     evicting one would free no slot until the fence is lifted, so eviction for space passes
     them over."""
-    if not state.quarantine:
+    if not state.fenced_slots:
         return []
     slot_of = state.slot_of
     return [
@@ -47,7 +47,7 @@ def _eviction_blocker(state: State, protected: Sequence[int] = ()) -> Callable[[
     """Which resident entries eviction passes over: the pinned ones, ``protected`` (F16: a
     store's own chain) and those whose slot a fence keeps (F15); None when none is (the
     policies then scan without a call per hash)."""
-    if state.quarantine or not state.slot_of.keys().isdisjoint(protected):
+    if state.fenced_slots or not state.slot_of.keys().isdisjoint(protected):
         blocked = set(state.pin_count)
         blocked.update(protected)
         blocked.update(_fenced_slot_owners(state))

@@ -206,15 +206,15 @@ def _reset(state: State, event: Reset, check: bool) -> None:
             raise lg.illegal(state, event, current.name, "reset must take every entry off the tier")
     jobs = state.jobs
     nxt = {jid: lg.job_next(state, event, "reset", jobs[jid]) for jid in abandoned}
-    # apply: in-flight jobs keep their slots (quarantined) and device blocks until they report
-    quarantine = state.quarantine
+    # apply: in-flight jobs keep their slots and device blocks fenced until they report
+    fenced_slots = state.fenced_slots
     for jid, job_state in nxt.items():
         job = jobs[jid]
         if job.state is not job_state:  # a second reset finds them already abandoned
             job.state = job_state
             for s in dict.fromkeys(job.slots):
-                quarantine[s] = quarantine.get(s, ()) + (jid,)
-    state.free_slots.extend(s for s in state.slot_of.values() if s not in quarantine)
+                fenced_slots[s] = fenced_slots.get(s, ()) + (jid,)
+    state.free_slots.extend(s for s in state.slot_of.values() if s not in fenced_slots)
     state.slot_of.clear()
     state.departures += 1
     state._pending = None  # (every store's entries left: built empty when next read)

@@ -89,7 +89,7 @@ def canonical(state: State) -> tuple[Any, ...]:
         state.last_job_id,
         entries,
         list(state.free_slots),
-        sorted((s, list(j)) for s, j in state.quarantine.items()),
+        sorted((s, list(j)) for s, j in state.fenced_slots.items()),
         jobs,
         sorted(state.queued),
         sorted(state.held.items()),

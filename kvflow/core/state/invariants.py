@@ -19,27 +19,27 @@ def check_invariants(state: State) -> list[str]:
     cap = state.capacity
     slot_of, pending, pin_count, jobs = state.slot_of, state.pending, state.pin_count, state.jobs
 
-    # slots: free + entries + quarantined is exactly 0..cap-1, each once (a fenced load's
-    # slot can be both quarantined and still owned by its resident entry)
-    quarantine = state.quarantine
+    # slots: free + entries + fenced is exactly 0..cap-1, each once (a fenced load's
+    # slot can be both fenced and still owned by its resident entry)
+    fenced_slots = state.fenced_slots
     used = list(state.free_slots)
     used.extend(slot_of.values())
-    if quarantine:
+    if fenced_slots:
         entry_slots = set(slot_of.values())
-        used.extend(s for s in quarantine if s not in entry_slots)
+        used.extend(s for s in fenced_slots if s not in entry_slots)
     if not (len(used) == cap and len(set(used)) == cap and (not used or (min(used) >= 0 and max(used) < cap))):
         _slot_problems(state, problems)
-    for s, jids in quarantine.items():
+    for s, jids in fenced_slots.items():
         for jid in jids:
             job = jobs.get(jid)
             if job is None or not job.fenced or s not in job.slots:
-                problems.append(f"slot {s} quarantined for job {jid}, which is not a fenced job using it")
+                problems.append(f"slot {s} fenced for job {jid}, which is not a fenced job using it")
     # F15: no slot a fenced copy may still use is free or handed to another store
     for jid, job in jobs.items():
         if job.fenced:
             for s in job.slots:
-                if jid not in quarantine.get(s, ()):
-                    problems.append(f"slot {s} of fenced job {jid} is not quarantined")
+                if jid not in fenced_slots.get(s, ()):
+                    problems.append(f"slot {s} of fenced job {jid} is not in the fenced slots")
 
     # pins: every entry's count is what the requests hold; pinned entries are RESIDENT;
     # pending (STORE_QUEUED / STORING) entries belong to a live store job naming them
@@ -132,11 +132,11 @@ def _slot_problems(state: State, problems: list[str]) -> None:
     for h, slot in state.slot_of.items():
         own(slot, f"block {h}")
     entry_slots = set(state.slot_of.values())
-    for s, jids in state.quarantine.items():
+    for s, jids in state.fenced_slots.items():
         if s not in entry_slots:
-            own(s, f"quarantine of jobs {list(jids)}")
+            own(s, f"fence of jobs {list(jids)}")
     if len(owner) != cap and len(problems) == found:
-        problems.append(f"free + used + quarantined = {len(owner)} != capacity {cap}")
+        problems.append(f"free + used + fenced = {len(owner)} != capacity {cap}")
 
 
 def _entry_problems(state: State, pin_totals: dict[int, int], problems: list[str]) -> None:

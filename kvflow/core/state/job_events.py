@@ -109,9 +109,9 @@ def _add_job(
     return job
 
 
-def _end_job(state: State, job: Job, abandoned: bool) -> None:
-    """A terminal job leaves the state: its holds end, its request forgets it (a job
-    abandoned by a reset was already forgotten by its request)."""
+def _end_job(state: State, job: Job, forgotten: bool) -> None:
+    """A terminal job leaves the state: its holds end, its request forgets it (unless
+    ``forgotten``: a job fenced, or abandoned by a reset, was forgotten by its request then)."""
     job_id, device_blocks = job.job_id, job.device_blocks
     del state.jobs[job_id]
     if state.queued:  # (a job cancelled before submission; usually none is queued)
@@ -124,37 +124,37 @@ def _end_job(state: State, job: Job, abandoned: bool) -> None:
     else:
         for d in device_blocks:
             del held[d]
-    if job.request_id is not None and not abandoned:
+    if job.request_id is not None and not forgotten:
         del state.requests[job.request_id].jobs[job_id]
 
 
-def _quarantine(state: State, job: Job) -> None:
+def _fence_slots(state: State, job: Job) -> None:
     """Fence the job's slots: none is handed out again while its copy may still run."""
-    quarantine, jid = state.quarantine, job.job_id
+    fenced_slots, jid = state.fenced_slots, job.job_id
     for s in dict.fromkeys(job.slots):  # a load may read one slot twice
-        quarantine[s] = quarantine.get(s, ()) + (jid,)
+        fenced_slots[s] = fenced_slots.get(s, ()) + (jid,)
 
 
 def _fence(state: State, job: Job) -> None:
-    """The job's outcome is applied but its copy may still run (F15): its slots are
-    quarantined and its device blocks stay held; its request forgets it."""
-    _quarantine(state, job)
+    """The job's outcome is applied but its copy may still run (F15): its slots and
+    device blocks stay fenced; its request forgets it."""
+    _fence_slots(state, job)
     if job.request_id is not None:
         del state.requests[job.request_id].jobs[job.job_id]
 
 
-def _release_quarantine(state: State, job: Job) -> None:
+def _release_fenced_slots(state: State, job: Job) -> None:
     """The fence ends: each of the job's slots no other fence uses is free again, unless
     its entry still owns it (a fenced load's block may still be resident)."""
-    quarantine = state.quarantine
+    fenced_slots = state.fenced_slots
     free, slot_of = state.free_slots, state.slot_of
     jid = job.job_id
     for h, s in reversed(dict.fromkeys(zip(job.hashes, job.slots))):
-        users = tuple(j for j in quarantine[s] if j != jid)
+        users = tuple(j for j in fenced_slots[s] if j != jid)
         if users:
-            quarantine[s] = users  # another fenced job still uses this slot
+            fenced_slots[s] = users  # another fenced job still uses this slot
         else:
-            del quarantine[s]
+            del fenced_slots[s]
             if slot_of.get(h) != s:
                 free.append(s)
 
@@ -333,8 +333,8 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
     else:
         _end_job(state, job, abandoned)
         if abandoned:
-            # its entries left the tier at the reset; only its quarantined slots come back now
-            _release_quarantine(state, job)
+            # its entries left the tier at the reset; only its fenced slots come back now
+            _release_fenced_slots(state, job)
             return
     direction = job.direction
     if direction in FILLING:
@@ -396,8 +396,8 @@ def _fence_lifted(state: State, event: FenceLifted, check: bool) -> None:
     if event.reason == "copy over" and job.reported != (1 << state.config.world_size) - 1:
         raise lg.illegal(state, event, job.state.name, f"job {job.job_id}: not every rank has reported")
     job.state = nxt
-    _end_job(state, job, abandoned=True)  # its request forgot it when it was fenced
-    _release_quarantine(state, job)
+    _end_job(state, job, forgotten=True)  # its request forgot it when it was fenced
+    _release_fenced_slots(state, job)
 
 
 JOB_EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {

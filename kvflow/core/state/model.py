@@ -98,6 +98,7 @@ class Job(msgspec.Struct, eq=False, gc=False):
 
     @property
     def abandoned(self) -> bool:
+        """A reset came while it was in flight (its memory is fenced: see ``fenced``)."""
         return self.state is JobState.ABANDONED
 
     @property
@@ -211,7 +212,7 @@ class State:
         "_pending",
         "pin_count",
         "free_slots",
-        "quarantine",
+        "fenced_slots",
         "jobs",
         "queued",
         "_held",
@@ -238,7 +239,7 @@ class State:
         self.free_slots: list[int] = list(range(config.cpu_blocks - 1, -1, -1))
         # slot -> fenced jobs whose copy may still use it (two fenced loads can read one
         # slot; a fenced load's slot may still belong to its resident entry)
-        self.quarantine: dict[int, tuple[int, ...]] = {}
+        self.fenced_slots: dict[int, tuple[int, ...]] = {}
         self.jobs: dict[int, Job] = {}  # live jobs by id (queued or in flight)
         self.queued: dict[int, None] = {}  # queued, not yet submitted, in id order
         self._held: dict[int, int] | None = None  # (see ``held``)
@@ -329,7 +330,7 @@ class State:
         clone._pending = None if self._pending is None else dict(self._pending)
         clone.pin_count = dict(self.pin_count)
         clone.free_slots = list(self.free_slots)
-        clone.quarantine = dict(self.quarantine)
+        clone.fenced_slots = dict(self.fenced_slots)
         clone.jobs = {}
         for jid, j in self.jobs.items():
             clone.jobs[jid] = Job(

@@ -72,9 +72,9 @@ def _free(state: State, hashes: tuple[int, ...]) -> None:
     free list until that fence is lifted (F15)."""
     state.departures += 1
     slots = map(state.slot_of.pop, reversed(hashes))
-    quarantine = state.quarantine
-    if quarantine:
-        state.free_slots.extend([s for s in slots if s not in quarantine])
+    fenced_slots = state.fenced_slots
+    if fenced_slots:
+        state.free_slots.extend([s for s in slots if s not in fenced_slots])
     else:
         state.free_slots.extend(slots)
 

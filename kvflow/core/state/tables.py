@@ -26,8 +26,8 @@ class JobState(IntEnum):
     COMPLETED = 3
     FAILED = 4
     TIMED_OUT = 5
-    # In flight when a reset came: the copy may still be running, so its slots stay
-    # quarantined and its device blocks held until every rank reports (F15).
+    # In flight when a reset came (the reset abandoned it): the copy may still be running,
+    # so its slots and device blocks stay fenced until every rank reports (F15).
     ABANDONED = 6
     # Outcome decided (timed out, or failed on one rank) while a copy may still run: the
     # engine was told, but its slots and device blocks stay fenced until the copy is over.
@@ -57,7 +57,7 @@ BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
         "job_completed": RESIDENT,
         "job_failed": ABSENT,
         "job_timed_out": ABSENT,
-        "reset": ABSENT,  # dropped; its slot stays quarantined until the job reports
+        "reset": ABSENT,  # dropped; its slot stays fenced until the job reports
     },
     RESIDENT: {
         "load_queued": RESIDENT,
@@ -98,7 +98,7 @@ JOB_TRANSITIONS: dict[JobState, dict[str, JobState]] = {
         "reset": JobState.ABANDONED,
         "late_result_ignored": JobState.IN_FLIGHT,  # a rank repeated its success
     },
-    # Its end frees the quarantined slots and held device blocks; nothing becomes visible.
+    # Its end frees the fenced slots and device blocks; nothing becomes visible.
     JobState.ABANDONED: {
         "rank_succeeded": JobState.ABANDONED,
         "job_completed": JobState.COMPLETED,

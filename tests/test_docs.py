@@ -171,19 +171,30 @@ def test_a_document_leans_only_on_the_repository(path: Path) -> None:
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+def anchors(path: Path) -> set[str]:
+    """The anchors a Markdown renderer gives the headings of ``path`` (lower case, punctuation
+    dropped, spaces as hyphens)."""
+    headings = re.findall(r"^#+\s+(.*)$", path.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("path", USER_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_leads_to_a_file_of_the_repository(path: Path) -> None:
     text = path.read_text(encoding="utf-8")
-    targets = {m.group(1).split("#")[0] for m in LINK.finditer(text)}
     broken = []
-    for target in sorted(t for t in targets if t and "://" not in t and not t.startswith("mailto:")):
-        resolved = (path.parent / target).resolve()
+    for link in sorted({m.group(1) for m in LINK.finditer(text)}):
+        if "://" in link or link.startswith("mailto:"):
+            continue
+        target, _, anchor = link.partition("#")
+        resolved = (path.parent / target).resolve() if target else path
         inside = resolved.is_relative_to(ROOT)
         where = resolved.relative_to(ROOT).as_posix() if inside else target
         if not inside or not resolved.exists():
             if where in PENDING_DOCS:
                 continue  # (written alongside; see PENDING_DOCS)
-            broken.append(target)
+            broken.append(link)
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(link)
     assert broken == []
 
 

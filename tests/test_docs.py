@@ -68,7 +68,7 @@ PY_BLOCKS = [
 
 
 def test_the_documents_have_python_to_run() -> None:
-    assert {p.id.split(":")[0] for p in PY_BLOCKS} == {"README.md", "docs/embedding.md", "docs/simulate.md"}
+    assert {str(p.id).split(":")[0] for p in PY_BLOCKS} == {"README.md", "docs/embedding.md", "docs/simulate.md"}
 
 
 @pytest.mark.parametrize("code", PY_BLOCKS)
@@ -111,7 +111,7 @@ COMMANDS = [
 
 
 def test_the_documents_have_commands_to_run() -> None:
-    assert {p.id.split(":")[0] for p in COMMANDS} == {"README.md", "docs/simulate.md"}
+    assert {str(p.id).split(":")[0] for p in COMMANDS} == {"README.md", "docs/simulate.md"}
 
 
 def kvflow(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -43,7 +43,7 @@ def test_bytes_per_token_is_k_and_v_of_every_layer_and_head(name: str, dtype: st
     assert geometry.bytes_per_block(512) == 512 * geometry.bytes_per_token
 
 
-def test_llama3_8b_in_bf16_is_128_kib_a_token() -> None:
+def test_llama3_8b_in_bfloat16_is_128_kib_a_token() -> None:
     assert kv_geometry("llama3-8b").bytes_per_token == 128 * 1024  # bf16 unless told
     assert kv_geometry("llama3-8b", "fp8").bytes_per_token == 64 * 1024
     assert kv_geometry("llama3-70b").bytes_per_token == 320 * 1024

@@ -14,7 +14,7 @@ vLLM itself is not imported).
 ``--vllm-src DIR`` (an unpacked vLLM 0.33.0 sdist, as for bench_vs_vllm.py) also counts vLLM's
 side, the anchor's ``CPUOffloadingManager`` pass over the same requests, and prints kvflow /
 vLLM in instructions. That ratio sits below the one of times: per instruction kvflow misses the
-first-level caches about twice as often (tools/bench_vs_vllm_results.md says why).
+first-level caches about twice as often (docs/performance.md says why).
 
 ``--cache-sim`` runs cachegrind's cache and branch simulation instead of callgrind (slower)
 and prints, per request, the instructions, the first-level data-cache misses and the

@@ -16,7 +16,7 @@ Every seed ``N`` draws, from ``random.Random(N)`` and nothing else:
   finishes during transfers, ``reset()``, ``invalidate()``.
 
 It drives a ``SyncEngine`` (its manager made paranoid: every event re-checked) on a
-``VirtualClock`` the way an engine does (see README "Embedding kvflow in an engine"), recording
+``VirtualClock`` the way an engine does (see docs/embedding.md), recording
 a trace: it never reuses a device block until ``released_device_blocks`` names it, recomputes a
 fenced load into fresh blocks, touches chains deepest first with ``reuse=False`` at finish
 when a scenario turns kvflow's own chain recency off, drains and closes. Then it checks:

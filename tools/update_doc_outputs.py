@@ -1,4 +1,4 @@
-"""Re-run every ``$ kvflow ...`` command pasted in README.md and docs/debugging.md and paste its
+"""Re-run every ``$ kvflow ...`` command pasted in docs/debugging.md and paste its
 real output under it (commands piped into ``head -n N`` are cut the same way; other pipes are
 left alone). ``tests/cli/test_cli.py`` checks that the pasted output is what the commands print.
 
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "docs" / "debugging.md"]
+DOCS = [ROOT / "docs" / "debugging.md"]
 HEAD = re.compile(r"^(?P<cmd>kvflow .*?)(?: \| head -n (?P<n>\d+))?$")
 
 

@@ -36,8 +36,8 @@ def auto_scatter(
     """What ``scatter="auto"`` picks for batches of several runs, from what this executor can
     use and its largest page.
 
-    Measured on an H200 replaying a churned tier (tools/bench_churn_results.md) and with one
-    1 GiB submit (tools/bench_transfer_results.md): ``staged`` (a page-first pool; the page
+    Measured on an H200 replaying a churned tier and with one 1 GiB submit
+    (docs/performance.md, "Copies on the GPU"): ``staged`` (a page-first pool; the page
     kernel for one direction alone, whole blocks on the copy engines while both directions
     copy) moves 0.91-0.95 of the link each way and 0.86-0.91 both ways at 16 KiB - 2 MiB
     pages. Without it: the page kernel (0.90-0.95 each way, 0.69-0.78 both ways) below 512 KiB;

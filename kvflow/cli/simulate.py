@@ -225,7 +225,7 @@ def _cpu_blocks(cpu_blocks: int | None, cpu_gb: float | None, bytes_per_block: i
               help="CPU tier capacity in GB (10^9 bytes) instead of --cpu-blocks: rounded down to whole "
                    "blocks of --bytes-per-block (0 disables offload; less than one block is an error).")
 @click.option("--device-blocks", type=int, default=0, show_default=True, help="Device prefix-cache capacity in blocks (0 allowed).")
-@click.option("--policy", default="lru", show_default=True, help="Eviction policy (lru, arc).")
+@click.option("--policy", default="lru", show_default=True, help="Eviction policy: lru, arc, or module:Class of your own.")
 @click.option("--store", "store", default="eager", show_default=True, help="Store mode: eager or lazy.")
 @click.option("--block-tokens", type=int, default=512, show_default=True, help="Tokens per block (Mooncake: 512).")
 @click.option("--fault-rate", type=float, default=0.0, show_default=True, help="Probability that a transfer job fails.")

@@ -61,6 +61,12 @@ class TraceError(KvflowError):
         super().__init__(f"{where}: {message}")
 
 
+class PolicyError(KvflowError):
+    """An eviction policy gave a wrong answer (a victim that is pinned, not resident, named
+    twice, ...) or raised; the message names the policy and what was wrong. Raised before the
+    answer is acted on: the refused call changes neither the state nor the trace."""
+
+
 class TransferError(KvflowError):
     """An executor could not perform a copy (becomes a failed outcome, never escapes)."""
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from core_helpers import manager, store, tokens
+from core_helpers import consistent, manager, store, tokens
 
 from kvflow import Config, PolicyError, SyncEngine
 from kvflow.core.errors import ConfigError
@@ -312,3 +312,49 @@ def test_a_victim_of_the_stores_own_chain_is_refused() -> None:
 def test_a_policy_that_raises_while_the_state_updates_it_is_a_policy_error() -> None:
     m = _full_tier(f"{__name__}:TouchFails")
     _refused(m, lambda: m.touch([B]), f"touch({B}) raised RuntimeError: lost track")
+
+
+class BrokenLater(LRUPolicy):
+    """LRU until ``broken`` is set, then every victim list names one block too many."""
+
+    __slots__ = ()
+    name = ""
+    broken = False
+
+    def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
+        chosen = super().victims(num_blocks, pinned)
+        return [*chosen, 999] if chosen is not None and type(self).broken else chosen
+
+
+@pytest.fixture
+def broken_later(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    return lambda: monkeypatch.setattr(BrokenLater, "broken", True)
+
+
+def test_a_wrong_answer_for_the_remote_tiers_coldest_blocks_changes_nothing(broken_later: Callable[[], None]) -> None:
+    m = manager(cpu_blocks=16, policy=f"{__name__}:BrokenLater", remote_blocks=100, remote_store_mode="ahead_of_eviction")
+    store(m, "a", list(range(1, 15)), list(range(100, 114)))
+    store(m, "b", [15], [200])  # 1 free slot: below the window (2), the two coldest are copied
+    (push,) = m.state.jobs.values()
+    m.job_result(push.job_id)
+    broken_later()
+    assert m.blocks_computed("c", [16], [300]) is not None  # the last free slot: no eviction
+    _refused(m, lambda: m.plan_step(1.0), "victims(2)", "3 blocks, not 2")  # the copy's question
+
+
+def test_a_wrong_answer_for_a_remote_load_evicts_nothing(broken_later: Callable[[], None]) -> None:
+    """The one question asked after a decision's first events: a lookup's load from the remote
+    tier follows the lookup's own events. Those stay (legal, and recorded as the log says);
+    nothing is evicted and no load is queued."""
+    m = manager(cpu_blocks=2, policy=f"{__name__}:BrokenLater", remote_blocks=100)
+    store(m, "a", [A, B], [10, 11])
+    for job_id in list(m.state.jobs):  # the write-through copies of A and B
+        m.plan_step(0.0)
+        m.job_result(job_id)
+    m.finish_request("a")
+    m.remote_found([C, D])
+    broken_later()
+    with pytest.raises(PolicyError, match="victims\\(2\\) answered .*: 3 blocks, not 2"):
+        m.lookup("r", [C, D], tokens(2))
+    assert m.state.is_resident(A) and m.state.is_resident(B) and m.state.jobs == {}
+    consistent(m)  # the invariants hold, and the log folds to this very state

@@ -62,9 +62,9 @@ class TraceError(KvflowError):
 
 
 class PolicyError(KvflowError):
-    """An eviction policy gave a wrong answer (a victim that is pinned, not resident, named
-    twice, ...) or raised; the message names the policy and what was wrong. Raised before the
-    answer is acted on: the refused call changes neither the state nor the trace."""
+    """An eviction policy answered wrongly (a victim that is pinned, not resident, named
+    twice, ...) or raised; the message names the policy and what was wrong. A wrong answer is
+    refused before any block is evicted (``kvflow.core.decide.victims``)."""
 
 
 class TransferError(KvflowError):

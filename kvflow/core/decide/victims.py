@@ -5,7 +5,12 @@ The policy may be a class of the user's own (``Config.policy``), so the deciders
 plain ints, each resident on the tier and none that eviction must pass over (the predicate it
 was given: pinned blocks, a store's own chain, blocks in a fenced slot). A wrong answer, or an
 exception from the policy, is a ``PolicyError`` raised before the decider emits the eviction.
-Pure.
+
+Every decider but one asks before its first event, so a refused answer leaves the state and
+the trace as they were (a store decides its admission first for that). The exception is a
+lookup's load from the remote tier, asked after the lookup has pinned its hits, because the
+pins decide what may be evicted: the lookup's own events stay, legal and recorded, as when an
+observer raises; nothing is evicted and no load is queued. Pure.
 """
 
 from __future__ import annotations

@@ -2,13 +2,18 @@
 class of one's own by ``"package.module:ClassName"``.
 
 A class of one's own is loaded with ``importlib.import_module``, which is what an ``import``
-statement does: Python's import system finds the module on its path. The core itself opens no
-file and reads no environment variable here, and the same name always loads the same class,
-so decisions stay a function of the config and the commands. The class is checked before any
-state is built: a subclass of ``Policy``, every abstract method implemented, and every method
-the state calls able to take that call's arguments. Whatever does not fit is a ``ConfigError``
-with a one-line message (F11). The trace header records the name, so replay loads the same
-class, and refuses the trace, in one line, where it cannot.
+statement does: Python's import system finds the module on its path. The loader lives here, in
+the pure core, because turning a ``Config.policy`` name into a class is this module's one job
+whichever kind of name it is, and ``Config`` checks its fields in the core, when it is built.
+An import is none of the effects the core forbids itself: this code opens no file, reads no
+environment variable, touches no clock or randomness, and the same name always loads the same
+class, so decisions stay a function of the config and the commands.
+
+The class is checked before any state is built: a subclass of ``Policy``, every abstract
+method implemented, and every method the state calls able to take that call's arguments.
+Whatever does not fit is a ``ConfigError`` with a one-line message (F11). The trace header
+records the name, so replay loads the same class, and refuses the trace, in one line, where it
+cannot.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """kvflow: an event-sourced KV-cache offload engine between accelerator and host memory.
 
 This module is kvflow's public face: what an embedding engine needs is importable from here
-(``from kvflow import SyncEngine, Config``). Names load on first use, so ``import kvflow``
-imports neither torch nor the engine until they are asked for. Executors have their own face,
+(``from kvflow import SyncEngine, Config``), and so is ``Policy``, the base class of an
+eviction policy of one's own. Names load on first use, so ``import kvflow`` imports neither
+torch nor the engine until they are asked for. Executors have their own face,
 ``kvflow.executors``.
 
 The rooms (each folder's ``__init__`` says what it holds and what it may import):
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
         EngineClosed,
         IllegalTransition,
         KvflowError,
+        PolicyError,
         Rejected,
         TraceError,
         TransferError,
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
         UnknownRequest,
     )
     from kvflow.core.jobs import TransferJob
+    from kvflow.core.policies.base import Policy
     from kvflow.engine.api import Executor, StepReport
     from kvflow.engine.async_engine import Engine
     from kvflow.engine.notices import Fence, LoadFailure, Notices
@@ -51,6 +54,7 @@ _PUBLIC = {
     "Fence": "kvflow.engine.notices",
     "TransferJob": "kvflow.core.jobs",
     "JobResult": "kvflow.core.commands",
+    "Policy": "kvflow.core.policies.base",
     **{
         name: "kvflow.core.errors"
         for name in (
@@ -65,6 +69,7 @@ _PUBLIC = {
             "ConcurrentCall",
             "TraceError",
             "TransferError",
+            "PolicyError",
         )
     },
 }
@@ -81,6 +86,7 @@ __all__ = [
     "Fence",
     "TransferJob",
     "JobResult",
+    "Policy",
     "KvflowError",
     "ConfigError",
     "IllegalTransition",
@@ -92,6 +98,7 @@ __all__ = [
     "ConcurrentCall",
     "TraceError",
     "TransferError",
+    "PolicyError",
 ]
 
 

@@ -395,7 +395,8 @@ _MODEL_NAMES = ", ".join(MODELS)
                    f"[default without --model: {DEFAULT_BYTES_PER_TOKEN}]")
 @click.option("--device-blocks", type=int, default=0, show_default=True, help="Device prefix-cache capacity in blocks (0 allowed).")
 @click.option("--policy", default="lru", show_default=True,
-              help="Eviction policy (lru, arc). With a sweep: only this one (default: both lru and arc).")
+              help="Eviction policy: lru, arc, or module:Class of your own. With a sweep: only this one "
+                   "(default: both lru and arc).")
 @click.option("--store", "store", default="eager", show_default=True, help="Store mode: eager or lazy.")
 @click.option("--block-tokens", type=int, default=512, show_default=True, help="Tokens per block (Mooncake: 512).")
 @click.option("--fault-rate", type=float, default=0.0, show_default=True, help="Probability that a transfer job fails.")

@@ -29,6 +29,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     ``cpu_blocks`` is the CPU tier's capacity in blocks; ``0`` disables offload.
     ``block_tokens`` is the number of tokens per KV block. ``job_deadline_ms`` bounds how
     long a submitted job may stay in flight before it times out (F2).
+    ``policy`` is the eviction policy: ``"lru"``, ``"arc"``, or a class of one's own named
+    ``"package.module:ClassName"`` (a subclass of ``kvflow.Policy``; see docs/policies.md).
 
     ``remote_blocks`` turns on the remote tier behind the CPU tier (``kvflow.tiers``): the
     most remote hashes kvflow remembers (oldest forgotten first); ``0``: no remote tier.
@@ -76,7 +78,7 @@ MAX_CPU_BLOCKS = 1 << 24
 
 def validate_config(config: Config) -> None:
     """Raise ConfigError with a one-line message for the first bad field."""
-    from kvflow.core.policies.registry import POLICIES  # late: policies import nothing heavy
+    from kvflow.core.policies.registry import policy_class  # late: policies import nothing heavy
 
     if not _is_int(config.cpu_blocks) or config.cpu_blocks < 0:
         raise ConfigError(
@@ -86,9 +88,7 @@ def validate_config(config: Config) -> None:
         raise ConfigError(f"cpu_blocks must be at most {MAX_CPU_BLOCKS:,}, got {config.cpu_blocks:,}")
     if not _is_int(config.block_tokens) or config.block_tokens <= 0:
         raise ConfigError(f"block_tokens must be a whole number > 0, got {config.block_tokens!r}")
-    if not isinstance(config.policy, str) or config.policy not in POLICIES:
-        known = ", ".join(sorted(POLICIES))
-        raise ConfigError(f"unknown policy {config.policy!r}; known policies: {known}")
+    policy_class(config.policy)  # a built-in's name, or a class of one's own ("module:Class")
     if config.store_mode not in STORE_MODES:
         raise ConfigError(
             f"store_mode must be one of {', '.join(STORE_MODES)}, got {config.store_mode!r}"

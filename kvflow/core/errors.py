@@ -61,6 +61,12 @@ class TraceError(KvflowError):
         super().__init__(f"{where}: {message}")
 
 
+class PolicyError(KvflowError):
+    """An eviction policy answered wrongly (a victim that is pinned, not resident, named
+    twice, ...) or raised; the message names the policy and what was wrong. A wrong answer is
+    refused before any block is evicted (``kvflow.core.decide.victims``)."""
+
+
 class TransferError(KvflowError):
     """An executor could not perform a copy (becomes a failed outcome, never escapes)."""
 

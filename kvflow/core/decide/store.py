@@ -11,6 +11,7 @@ from typing import Any
 
 from kvflow.core.commands import BlocksComputed, DeviceBlocksEvicting, Evict, Invalidate, Touch
 from kvflow.core.decide.checks import Emit, check_device_blocks, check_not_finished, whole
+from kvflow.core.decide.victims import checked_victims
 from kvflow.core.errors import Rejected
 from kvflow.core.events import (
     BlocksCorrupt,
@@ -43,17 +44,16 @@ def _fenced_slot_owners(state: State) -> list[int]:
     ]
 
 
-def _eviction_blocker(state: State, protected: Sequence[int] = ()) -> Callable[[int], bool] | None:
+def _eviction_blocker(state: State, protected: Sequence[int] = ()) -> Callable[[int], bool]:
     """Which resident entries eviction passes over: the pinned ones, ``protected`` (F16: a
-    store's own chain) and those whose slot a fence keeps (F15); None when none is (the
-    policies then scan without a call per hash)."""
+    store's own chain) and those whose slot a fence keeps (F15)."""
     if state.fenced_slots or not state.slot_of.keys().isdisjoint(protected):
         blocked = set(state.pin_count)
         blocked.update(protected)
         blocked.update(_fenced_slot_owners(state))
         return blocked.__contains__
     # the policy orders exactly the RESIDENT entries: only pins block them
-    return state.pin_count.__contains__ if state.pin_count else None
+    return state.pin_count.__contains__
 
 
 def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> list[int]:
@@ -62,16 +62,13 @@ def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> 
     if wanted <= 0:
         return []
     is_blocked = _eviction_blocker(state, protected)
-    victims = state.policy.victims(wanted, is_blocked)
+    victims = checked_victims(state, wanted, is_blocked)
     if victims is not None:
         return victims
-    if is_blocked is None:
-        evictable = len(state.policy)
-    else:
-        evictable = sum(1 for h in state.policy.resident() if not is_blocked(h))
+    evictable = sum(1 for h in state.policy.resident() if not is_blocked(h))
     if evictable <= 0:
         return []
-    return state.policy.victims(evictable, is_blocked) or []
+    return checked_victims(state, evictable, is_blocked) or []
 
 
 def extend_chain(
@@ -190,8 +187,7 @@ def _decide_store(
     check_device_blocks(state, device_blocks, same)
     if not state.config.enabled:
         return None
-    if req is not None and req.finished:
-        emit(RequestResumed(seq=state.next_seq, request_id=req.request_id))  # F18
+    distinct: set[int] | None = None
     if req is not None and req.chain_tail_start(block_hashes) >= 0:
         unique = True  # (and the chain has them all: nothing to extend)
     else:
@@ -199,14 +195,18 @@ def _decide_store(
         # are both asked of it
         distinct = set(block_hashes)
         unique = len(distinct) == len(block_hashes)
-        if request_id is not None:
-            extension = extend_chain(state, request_id, req, block_hashes, distinct)
-            if extension is not None:
-                emit(extension)
-                req = state.requests[request_id]  # (known from now on)
+    # decided before the first emit, so that a wrong answer of the policy's changes nothing
+    # (the request's resumption and chain, emitted next, change nothing admission reads)
     admit_hashes, admit_blocks, victims, rejected_hashes, rejected_blocks = _admission(
         state, block_hashes, device_blocks, unique
     )
+    if req is not None and req.finished:
+        emit(RequestResumed(seq=state.next_seq, request_id=req.request_id))  # F18
+    if distinct is not None and request_id is not None:
+        extension = extend_chain(state, request_id, req, block_hashes, distinct)
+        if extension is not None:
+            emit(extension)
+            req = state.requests[request_id]  # (known from now on)
     if victims:
         emit(eviction(state, victims, "capacity"))
     job_id = None
@@ -288,7 +288,7 @@ def decide_evict(state: State, cmd: Evict, emit: Emit) -> int:
     if cmd.num_blocks == 0:
         return 0
     # (an entry whose slot stays fenced would free nothing)
-    victims = state.policy.victims(cmd.num_blocks, _eviction_blocker(state))
+    victims = checked_victims(state, cmd.num_blocks, _eviction_blocker(state))
     if victims is None:
         raise Rejected(f"evict: fewer than {cmd.num_blocks} unpinned resident blocks (all-or-nothing)")
     emit(eviction(state, victims, "explicit"))

@@ -1,59 +1,122 @@
-"""The eviction-policy interface.
+"""The eviction-policy interface: a base class whose subclasses implement a few single-block
+methods.
 
-A policy is *part of the state*: it is mutated only by ``evolve`` (through ``insert``,
-``touch`` and ``remove``) so that folding a log rebuilds it exactly. ``victims`` is a pure
-query used by ``decide``. Policies are deterministic: no sets iterated, no clocks, no random.
+A policy orders the CPU tier's resident blocks and says which to give up. It is *part of the
+state*: the state calls ``insert``, ``touch``, ``refresh`` and ``remove`` as events are applied,
+so that folding a trace rebuilds it exactly, and asks ``victims`` when it needs room. It is
+never asked to decide *when* to evict, nor anything about pins, jobs or slots: the state owns
+those, and checks every ``victims`` answer before acting on it (``PolicyError`` otherwise).
+
+A policy must be deterministic (no clock, no randomness, no iteration of a set), or a trace
+would not re-decide the same. The bulk forms the state calls, one call per event, apply the
+single-block method to each hash in order; they are written once, here.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Protocol
+
+from kvflow.core.errors import PolicyError, one_line
 
 
-class Policy(Protocol):
-    name: str
+class Policy(ABC):
+    """Subclass it, implement the abstract methods, and name the class in ``Config(policy=
+    "package.module:ClassName")``. The class is built as ``cls(capacity)``, ``capacity`` being
+    the tier's size in blocks. A block is named by its hash, an ``int``."""
 
+    __slots__ = ()
+
+    def __init__(self, capacity: int) -> None:
+        """``capacity``: the tier's size in blocks (a policy may ignore it)."""
+
+    @abstractmethod
     def insert(self, block_hash: int) -> None:
-        """``block_hash`` became RESIDENT (a store completed). It is the most recent."""
+        """``block_hash`` became resident (its store completed). It was not resident before."""
 
+    @abstractmethod
     def touch(self, block_hash: int) -> None:
-        """``block_hash`` (resident) was used: it becomes the most recent."""
+        """``block_hash`` (resident) was used again."""
 
     def refresh(self, block_hash: int) -> None:
-        """Reorder only: ``block_hash`` becomes the most recent without counting as a new
-        use (LRU: same as touch; ARC: stays in its list)."""
+        """``block_hash`` (resident) is reordered without counting as a new use (a request's
+        end orders its chain deepest first). By default, a touch."""
+        self.touch(block_hash)
 
+    @abstractmethod
     def remove(self, block_hash: int) -> None:
-        """``block_hash`` left the tier (evicted / reset)."""
+        """``block_hash`` (resident) left the tier: evicted, or dropped as corrupt."""
 
-    # Bulk forms, one call per event: each must equal the single-hash method applied to
-    # every hash in order (the policy tests check it).
-    def insert_many(self, hashes: tuple[int, ...]) -> None: ...
+    @abstractmethod
+    def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
+        """The ``num_blocks`` resident hashes to evict, in eviction order, none of them one
+        for which ``pinned(block_hash)`` is true; or ``None`` when fewer than ``num_blocks``
+        are not pinned (all or nothing). Must not change the policy: the state calls
+        ``remove`` for each victim when the eviction is applied."""
 
-    def admit_new_many(self, hashes: tuple[int, ...]) -> None:
-        """``insert_many`` of hashes the caller knows to be new to the policy and named once
-        (the state's stores): the policy may skip ``insert_many``'s checks."""
-
-    def touch_many(self, hashes: tuple[int, ...]) -> None: ...
-
-    def refresh_many(self, hashes: tuple[int, ...]) -> None: ...
-
-    def remove_many(self, hashes: tuple[int, ...]) -> None: ...
-
-    def victims(self, num_blocks: int, pinned: Callable[[int], bool] | None) -> list[int] | None:
-        """The ``num_blocks`` hashes to evict, in eviction order, skipping the ``pinned``
-        ones, or ``None`` if fewer than ``num_blocks`` resident hashes are unpinned
-        (all-or-nothing, F8). ``pinned=None``: nothing is pinned (no call per hash).
-        Does not mutate."""
-
+    @abstractmethod
     def resident(self) -> list[int]:
-        """The resident hashes the policy tracks, in a deterministic order."""
+        """Every resident hash, in the policy's order (coldest first, where it has one)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget everything (the tier was reset)."""
 
     def snapshot(self) -> object:
-        """A deterministic, msgspec-encodable picture of the policy state (for digests)."""
+        """What drives the policy's decisions, as plain lists, ints and strings: it goes into
+        the state digest that traces record. By default the resident hashes in order; a
+        policy that keeps more (counts, ghosts) includes it."""
+        return self.resident()
 
-    def clear(self) -> None:
-        """Forget everything (reset)."""
+    def __len__(self) -> int:
+        """How many hashes are resident."""
+        return len(self.resident())
 
-    def __len__(self) -> int: ...
+    # The bulk forms: one call per event (a store's, a touch's, an eviction's hashes). Each
+    # applies the single-block method to every hash in order; an exception a policy raises
+    # becomes a PolicyError naming the policy, the call and the hash.
+
+    def insert_many(self, hashes: tuple[int, ...]) -> None:
+        """``insert`` of each hash, in order (a store's: distinct, none resident)."""
+        insert = self.insert
+        try:
+            for block_hash in hashes:
+                insert(block_hash)
+        except Exception as exc:
+            raise self._failed("insert", block_hash, exc) from exc
+
+    def touch_many(self, hashes: tuple[int, ...]) -> None:
+        """``touch`` of each hash, in order (resident; a hash may come twice)."""
+        touch = self.touch
+        try:
+            for block_hash in hashes:
+                touch(block_hash)
+        except Exception as exc:
+            raise self._failed("touch", block_hash, exc) from exc
+
+    def refresh_many(self, hashes: tuple[int, ...]) -> None:
+        """``refresh`` of each hash, in order (resident; a hash may come twice)."""
+        refresh = self.refresh
+        try:
+            for block_hash in hashes:
+                refresh(block_hash)
+        except Exception as exc:
+            raise self._failed("refresh", block_hash, exc) from exc
+
+    def remove_many(self, hashes: tuple[int, ...]) -> None:
+        """``remove`` of each hash, in order (an eviction's: distinct, resident)."""
+        remove = self.remove
+        try:
+            for block_hash in hashes:
+                remove(block_hash)
+        except Exception as exc:
+            raise self._failed("remove", block_hash, exc) from exc
+
+    def _failed(self, method: str, block_hash: int, exc: Exception) -> PolicyError:
+        return PolicyError(f"policy {policy_name(self)!r}: {method}({block_hash}) raised {one_line(exc)}")
+
+
+def policy_name(policy: object) -> str:
+    """How messages name a policy: a built-in's registry name, else ``module:Class``."""
+    cls = type(policy)
+    return getattr(cls, "name", None) or f"{cls.__module__}:{cls.__qualname__}"

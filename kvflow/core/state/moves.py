@@ -42,8 +42,8 @@ def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
 
     F14: a touch that named these entries while they were being stored is applied now, so
     a chain's order is the engine's touch whatever order its stores land in."""
+    state.policy.insert_many(hashes)  # (first: a policy that raises leaves the entries as they were)
     _unpend(state._pending, hashes)
-    state.policy.admit_new_many(hashes)
     if state.deferred_touches:
         deferred = state.deferred_touches.pop(job.job_id, None)
         if deferred is not None:
@@ -90,8 +90,8 @@ def _drop_pending(state: State, hashes: tuple[int, ...], job: Job) -> None:
 
 def _evict(state: State, hashes: tuple[int, ...], job: Job | None) -> None:
     """RESIDENT -> ABSENT: the slots are free again; the policy forgets (or ghosts) them."""
+    state.policy.remove_many(hashes)  # (first: a policy that raises leaves the entries as they were)
     _free(state, hashes)
-    state.policy.remove_many(hashes)
     if state.bad:
         for h in hashes:
             state.bad.pop(h, None)

@@ -26,6 +26,7 @@ from kvflow.core.commands import JobResult
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import LOAD, STORE, TransferJob
+from kvflow.core.policies.registry import policy_class
 from kvflow.engine.manager import OffloadManager
 from kvflow.integrations.vllm.kv_events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
 from kvflow.log.memory import NullLog
@@ -46,7 +47,8 @@ class ConnectorConfig:
     """``kv_connector_extra_config`` of the vLLM command line, checked.
 
     Capacity as vLLM, LMCache and SGLang users give it: ``cpu_bytes`` or ``cpu_gb`` (of KV,
-    divided by the bytes of one block of this model) or ``cpu_blocks``. Faults for tests:
+    divided by the bytes of one block of this model) or ``cpu_blocks``. ``policy``: ``lru``,
+    ``arc`` or a class of one's own as ``"module:Class"`` (docs/policies.md). Faults for tests:
     ``fail_store_jobs`` / ``fail_load_jobs`` are kvflow job ids whose copy fails."""
 
     cpu_blocks: int | None = None
@@ -97,7 +99,7 @@ class ConnectorConfig:
         return cls(
             cpu_blocks=cpu_blocks,
             cpu_bytes=cpu_bytes,
-            policy=str(extra.get("policy", "lru")),
+            policy=_policy(extra.get("policy", "lru")),
             job_deadline_ms=float(extra.get("job_deadline_ms", 30_000.0)),
             trace_path=extra.get("trace_path"),
             checksums=bool(extra.get("checksums", False)),
@@ -112,6 +114,16 @@ class ConnectorConfig:
         if blocks <= 0:
             raise ConfigError(f"kv_connector_extra_config: {self.cpu_bytes} bytes hold no block of {block_bytes} bytes")
         return blocks
+
+
+def _policy(value: Any) -> str:
+    """A built-in policy's name or a class of one's own as ``"module:Class"``, loaded and
+    checked now, so a policy that cannot be used fails before vLLM starts."""
+    try:
+        policy_class(value)
+    except ConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+    return str(value)
 
 
 def _whole(value: Any, name: str) -> int:

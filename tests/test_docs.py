@@ -26,10 +26,6 @@ USER_DOCS = sorted([ROOT / "README.md", *DOCS.glob("**/*.md"), ROOT / "traces" /
 RUN_PYTHON = [ROOT / "README.md", DOCS / "embedding.md", DOCS / "simulate.md"]
 RUN_COMMANDS = [ROOT / "README.md", DOCS / "simulate.md"]
 
-# Documents written alongside this one that the README links to: a link to one is skipped only
-# while the file is absent. Once it exists, this set goes.
-PENDING_DOCS = {"docs/policies.md"}
-
 FENCE = re.compile(r"^[ \t]*```(\w*)[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
 
 
@@ -190,8 +186,6 @@ def test_every_relative_link_leads_to_a_file_of_the_repository(path: Path) -> No
         inside = resolved.is_relative_to(ROOT)
         where = resolved.relative_to(ROOT).as_posix() if inside else target
         if not inside or not resolved.exists():
-            if where in PENDING_DOCS:
-                continue  # (written alongside; see PENDING_DOCS)
             broken.append(link)
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
             broken.append(link)

@@ -24,10 +24,11 @@ from kvflow.engine.manager import OffloadManager
 from kvflow.executors.simulated import SimulatedExecutor, VirtualClock
 from kvflow.integrations.vllm.sides import ConnectorConfig
 from kvflow.log.reader import TraceReader
+from kvflow.simulate.workload import EXAMPLE_WORKLOAD
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "policies.md"
-EXAMPLE = REPO / "traces" / "workloads" / "example.jsonl"
+EXAMPLE = EXAMPLE_WORKLOAD
 _SCRIPT = Path(sys.executable).with_name("kvflow")
 KVFLOW = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-c", "from kvflow.cli.main import main; main()"]
 FIFO = "fifo_policy:Fifo"

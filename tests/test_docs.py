@@ -184,7 +184,6 @@ def test_every_relative_link_leads_to_a_file_of_the_repository(path: Path) -> No
         target, _, anchor = link.partition("#")
         resolved = (path.parent / target).resolve() if target else path
         inside = resolved.is_relative_to(ROOT)
-        where = resolved.relative_to(ROOT).as_posix() if inside else target
         if not inside or not resolved.exists():
             broken.append(link)
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):

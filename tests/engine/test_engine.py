@@ -23,10 +23,10 @@ from kvflow.core.errors import BlockHeld, Rejected
 from kvflow.core.events import FenceLifted, LateResultIgnored
 from kvflow.core.jobs import LOAD, STORE, TransferJob
 from kvflow.core.state.invariants import check_invariants
-from kvflow.engine.api import Counters, Latencies, StepReport, percentile
 from kvflow.engine.async_engine import Engine
-from kvflow.engine.notices import Notices
+from kvflow.engine.notices import Notices, StepReport
 from kvflow.engine.sync import SyncEngine
+from kvflow.engine.watch import Counters, Latencies, percentile
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
 from kvflow.replay.fold import replay
 
@@ -53,19 +53,20 @@ def make(
     return engine, ex, clock
 
 
-def test_notices_are_started_by_the_first_event_that_has_one_and_taken_by_the_step() -> None:
+def test_notices_are_kept_until_a_step_takes_them() -> None:
     engine, _, clock = make()
-    book = engine.manager.notice_book
-    assert engine.step() == StepReport(now_ms=0.0) and book.notices is None
+    assert engine.step() == StepReport(now_ms=0.0) and not engine.manager.has_notices()
     engine.lookup("A", (1, 2), 2 * B + 1)
     job = engine.blocks_computed("A", (1, 2), (0, 1))
     submitted = engine.step()
-    assert [j.job_id for j in submitted.submitted] == [job] and book.notices is None
+    assert [j.job_id for j in submitted.submitted] == [job] and not engine.manager.has_notices()
     clock.advance_to(clock.now_ms + ms(2))
-    done = engine.step()  # the store's end started the notices; the step took them
+    engine.manager.apply_results(engine.executor.poll())  # the store ends outside a step...
+    assert engine.manager.has_notices()
+    done = engine.step()  # ...and the next step's report tells it
     assert done.stores_finished == [job] and sorted(done.released_device_blocks) == [0, 1]
-    assert book.notices is None and not engine.manager.has_notices()
-    assert engine.manager.take_notices() == Notices()  # (a Notices all the same)
+    assert not engine.manager.has_notices()
+    assert engine.manager.take_notices() == Notices()
 
 
 def merge(into: StepReport, r: StepReport) -> StepReport:
@@ -751,7 +752,7 @@ def test_an_engine_without_a_trace_keeps_no_log_so_memory_stays_bounded() -> Non
 
 
 def test_latency_samples_stay_bounded() -> None:
-    from kvflow.engine.api import Latencies
+    from kvflow.engine.watch import Latencies
 
     lat = Latencies(window=10)
     for i in range(100):

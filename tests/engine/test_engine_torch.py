@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from kvflow.core.config import Config  # noqa: E402
 from kvflow.core.state.invariants import check_invariants  # noqa: E402
-from kvflow.engine.api import StepReport  # noqa: E402
+from kvflow.engine.notices import StepReport  # noqa: E402
 from kvflow.engine.sync import SyncEngine  # noqa: E402
 from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
 from kvflow.executors.torch.ranks import RandomKV, RankGroup  # noqa: E402

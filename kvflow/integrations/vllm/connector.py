@@ -18,6 +18,9 @@ Worker side (``WorkerSide``): loads start before the forward pass, stores after 
 (``wait_for_save``: the compute is done), results go back to the scheduler side each step,
 failed loads are named to vLLM (``get_block_ids_with_load_errors``) so that
 ``kv_load_failure_policy="recompute"`` recomputes exactly those blocks.
+Ranks: every worker reports under its rank (vLLM's ``parallel_config.rank``) and the scheduler
+side counts vLLM's ``parallel_config.world_size`` ranks, so a job is over once every worker's
+copy is, and a copy that fails on one worker fails the job (vLLM recomputes its blocks).
 
 This module imports without vLLM; the connector class needs it (``pip install vllm``).
 """
@@ -134,10 +137,15 @@ if KVConnectorBase_V1 is not None:
             self._block_tokens = int(vllm_config.cache_config.block_size)
             self._scheduler: SchedulerSide | None = None
             self._worker: WorkerSide | None = None
+            # vLLM's world (tensor x pipeline x prefill-context parallel) has one worker per
+            # rank, each reporting its own results: a job is over when all of them reported
+            parallel = vllm_config.parallel_config
             if role == KVConnectorRole.SCHEDULER:
-                self._scheduler = SchedulerSide(self._config, self._block_tokens, _kv_block_bytes(kv_cache_config))
+                self._scheduler = SchedulerSide(
+                    self._config, self._block_tokens, _kv_block_bytes(kv_cache_config), world_size=parallel.world_size
+                )
             else:
-                self._worker = WorkerSide(self._config)
+                self._worker = WorkerSide(self._config, rank=parallel.rank)
 
         # -- scheduler side ------------------------------------------------------------
 

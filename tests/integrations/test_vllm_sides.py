@@ -9,13 +9,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from kvflow.core.commands import JobResult
 from kvflow.core.errors import ConfigError
 from kvflow.core.events import EVENT_TYPES, JobCompleted, JobFailed, LateResultIgnored
 from kvflow.core.jobs import TransferJob
 from kvflow.core.state.invariants import check_invariants
-from kvflow.integrations.vllm.sides import ConnectorConfig, SchedulerSide, StepPlan, WorkerSide, kvflow_hash
+from kvflow.integrations.vllm.sides import (
+    ConnectorConfig,
+    SchedulerSide,
+    StepPlan,
+    WorkerSide,
+    kvflow_hash,
+)
 from kvflow.log.reader import read_trace
 
 B = 32
@@ -207,3 +214,18 @@ def test_a_worker_reports_under_its_rank_even_when_its_submit_fails() -> None:
     worker.start_stores()
     [result] = worker.take_results()
     assert (result.job_id, result.rank, result.ok) == (1, 1, False) and "submit failed" in (result.error or "")
+
+
+def test_F2_a_bad_result_among_the_workers_costs_only_itself() -> None:
+    """A result the decisions refuse (a rank outside vLLM's world) is logged and dropped; the
+    other results of the step are applied (the manager's step isolates it, as SyncEngine's)."""
+    side = SchedulerSide(ConnectorConfig(cpu_blocks=8), B, 4096, world_size=2)
+    side.matched_tokens("w", hashes(1, 2), 2 * B + 1, 0)
+    side.allocated("w", [1, 2, 3], 0)
+    [store] = side.step([("w", 2 * B + 1, None, False)], []).jobs
+    with capture_logs() as logs:
+        side.results([JobResult(job_id=store.job_id, rank=0), JobResult(job_id=store.job_id, rank=2),
+                      JobResult(job_id=store.job_id, rank=1)])  # fmt: skip
+    assert [(e["event"], e["rank"]) for e in logs if e["log_level"] == "warning"] == [("kvflow.result_rejected", 2)]
+    assert side.manager.state.jobs == {}  # ranks 0 and 1 completed the store
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == 2 * B

@@ -90,6 +90,7 @@ class SelectsEvents(Protocol):
     """A subscriber that names the event types it takes (``OffloadManager.subscribe`` hands it
     only those, keeping the other events free of the call)."""
 
-    event_types: tuple[type, ...]
+    @property
+    def event_types(self) -> tuple[type, ...]: ...
 
     def __call__(self, event: Any) -> None: ...

@@ -212,11 +212,11 @@ class EngineWatch:
             self.counters.jobs_fenced += 1
 
     def _on_fence_event(self, event: FenceLifted | Reset) -> None:
-        if type(event) is Reset:
-            for job_id in event.abandoned_job_ids:  # type: ignore[union-attr]
+        if isinstance(event, Reset):
+            for job_id in event.abandoned_job_ids:
                 self._fence(job_id)
         else:
-            self._unfence(event.job_id)  # type: ignore[union-attr]
+            self._unfence(event.job_id)
 
     def _unfence(self, job_id: int) -> None:
         if self.fenced_at.pop(job_id, None) is not None:

@@ -80,7 +80,7 @@ def connect(
 
 
 def cluster_nodes(addresses: Sequence[tuple[str, int]]) -> list[ClusterNode]:
-    return [ClusterNode(host, port) for host, port in addresses]
+    return [ClusterNode(host, port) for host, port in addresses]  # type: ignore[no-untyped-call]  # redis-py: untyped
 
 
 class RedisBlockStore:

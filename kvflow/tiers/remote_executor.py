@@ -245,7 +245,7 @@ class RemoteTierExecutor:
                 h, reason = misses[0]
                 return False, f"remote miss on {len(misses)} of {len(got)} blocks (block {h}: {reason})"
             for slot, payload in zip(job.slots, got):
-                self.slots.write(slot, payload)  # type: ignore[arg-type]
+                self.slots.write(slot, payload)
             self.stats["remote_loaded_blocks"] += len(got)
             return True, None
         except Exception as exc:  # F2: whatever happens is this job's failure

@@ -294,8 +294,8 @@ class SchedulerSide:
         out: list[KVEvent] = []
         for event in events:
             if isinstance(event, (BlockStored, BlockRemoved)):
-                named = [original.get(h, h) for h in event.block_hashes]
-                out.append(msgspec.structs.replace(event, block_hashes=named, seq=0))  # type: ignore[arg-type]
+                named = [original.get(h, h) if isinstance(h, int) else h for h in event.block_hashes]
+                out.append(msgspec.structs.replace(event, block_hashes=named, seq=0))
             else:
                 out.append(msgspec.structs.replace(event, seq=0))
         if len(original) > 4 * self.config.cpu_blocks:  # forget blocks neither stored nor asked for

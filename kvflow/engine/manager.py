@@ -17,7 +17,6 @@ step refuses an executor's result.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Sequence
 from math import isfinite
@@ -51,7 +50,7 @@ from kvflow.core.decide.jobs import expired_jobs
 from kvflow.core.decide.lookup import hit_cap_blocks
 from kvflow.core.decide.remote import probe_candidates
 from kvflow.core.errors import ConcurrentCall, EngineClosed, Rejected
-from kvflow.core.events import EVENT_TYPES, Event, JobsSubmitted, Reset
+from kvflow.core.events import EVENT_TYPES, Event, Reset
 from kvflow.core.jobs import LOAD, TransferJob
 from kvflow.core.state.apply import live_applier
 from kvflow.core.state.model import State
@@ -91,7 +90,6 @@ class OffloadManager:
         self._subscribers: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
         self._dispatch: dict[type, tuple[Callable[[Any], None], ...]] = {}
         self._applied: list[Event] = []  # the events of the command being decided, for the log
-        self._no_deadline_before_ms = math.inf  # no submitted job is due before this
         self.log = log if log is not None else MemoryLog(config)  # (builds the dispatch)
         # one call at a time: a second thread (or a callback calling back in) is refused
         self._deciding = threading.Lock()
@@ -162,9 +160,10 @@ class OffloadManager:
 
     def subscribe(self, callback: Callable[[Any], None], event_types: Sequence[type] | None = None) -> None:
         """Call ``callback(event)`` for every event applied from now on whose type is in
-        ``event_types`` (default: the callback's own ``event_types`` if it names them,
-        :class:`~kvflow.engine.protocols.SelectsEvents`, else every event), in log order, as each event is applied (before the decision's
-        next event). Naming the types keeps the other events free of the call.
+        ``event_types`` (default: the callback's own ``event_types`` if it names them, a
+        :class:`~kvflow.engine.protocols.SelectsEvents`; else every event), in log order, as
+        each event is applied (before the decision's next event). Naming the types keeps the
+        other events free of the call.
 
         A callback must not raise: an exception propagates out of the engine call at once and
         the decision stops there. The events applied until then are kept and recorded, so the
@@ -183,7 +182,6 @@ class OffloadManager:
             kind: tuple(
                 [notice] * (kind in NOTICE_TYPES)
                 + [self._tell_abandoned_loads] * (kind is Reset)
-                + [self._on_submitted] * (kind is JobsSubmitted)
                 + [fn for fn, types in self._subscribers if types is None or kind in types]
             )
             for kind in EVENT_TYPES
@@ -200,8 +198,7 @@ class OffloadManager:
         if not event.keeps_requests:
             return
         jobs = self.state.jobs
-        # (the jobs that ended since are forgotten here, not as each ends: an ended job is
-        # never abandoned again, and its end then costs nothing)
+        # (the jobs that ended since are forgotten here: an ended job is never abandoned again)
         told = self._told_abandoned = {jid for jid in self._told_abandoned if jid in jobs}
         loads_failed = self.notice_book.notices.loads_failed
         for jid in event.abandoned_job_ids:
@@ -334,10 +331,8 @@ class OffloadManager:
         if type(now_ms) is not float or not isfinite(now_ms):
             now_ms = bd.time_ms(now_ms, "now_ms")
         timed_out = 0
-        if tick and now_ms >= self._no_deadline_before_ms:  # (before: no job can be due)
-            if expired_jobs(self.state, now_ms):
-                timed_out = int(self.execute(Tick(now_ms=now_ms)))
-            self._no_deadline_before_ms = self._earliest_deadline()
+        if tick and expired_jobs(self.state, now_ms):  # (none due: nothing to decide, nothing recorded)
+            timed_out = int(self.execute(Tick(now_ms=now_ms)))
         if plan and self.state.queued:  # (nothing queued: nothing to decide, nothing recorded)
             return timed_out, self.execute(PlanStep(now_ms=now_ms))
         return timed_out, []
@@ -365,16 +360,8 @@ class OffloadManager:
 
     def next_deadline_ms(self) -> float | None:
         """The earliest deadline of an in-flight job (when the next timeout can come)."""
-        earliest = self._earliest_deadline()
-        return None if earliest == math.inf else earliest
-
-    def _earliest_deadline(self) -> float:
         in_flight = JobState.IN_FLIGHT
-        return min((j.deadline_ms for j in self.state.jobs.values() if j.state is in_flight), default=math.inf)
-
-    def _on_submitted(self, event: JobsSubmitted) -> None:
-        # a lower bound on every live job's deadline, so that idle steps skip the scan
-        self._no_deadline_before_ms = min(self._no_deadline_before_ms, event.deadline_ms)
+        return min((j.deadline_ms for j in self.state.jobs.values() if j.state is in_flight), default=None)
 
     def finish_request(self, request_id: str, preempted: bool = False) -> bool:
         """The request is done (or preempted): its offered pins are released at once; it

@@ -83,9 +83,8 @@ class Latencies:
     listeners: list[Callable[[str, float], None]] = field(default_factory=list)
 
     def add(self, direction: str, latency_ms: float) -> None:
-        if self.listeners:  # (most have none: no loop set up then)
-            for listener in self.listeners:
-                listener(direction, latency_ms)
+        for listener in self.listeners:
+            listener(direction, latency_ms)
         values = self.load_ms if direction == LOAD else self.store_ms
         values.append(latency_ms)
         if len(values) > 2 * self.window:
@@ -185,7 +184,7 @@ class EngineWatch:
     def _subscribe(self) -> None:
         on = self.manager.subscribe
         on(self._on_submitted, (JobsSubmitted,))
-        on(self._on_completed, (JobCompleted,))  # (apart: the common end, kept short)
+        on(self._on_completed, (JobCompleted,))
         on(self._on_ended, tuple(t for t in TERMINAL_TYPES if t is not JobCompleted))
         on(self._on_evicted, (BlocksEvicted,))
         on(self._on_rejected, (StoreRejected,))
@@ -199,7 +198,7 @@ class EngineWatch:
         """The jobs go to the executor at the event's time: their latency counts from there."""
         self.counters.jobs_submitted += len(event.job_ids)
         submitted_at, now = self._submitted_at, event.now_ms
-        for job_id in event.job_ids:  # (a loop: a batch is a job or two, dict.fromkeys costs 3x)
+        for job_id in event.job_ids:
             submitted_at[job_id] = now
 
     def _on_pins(self, event: PinsAcquired) -> None:

@@ -19,12 +19,12 @@ from structlog.testing import capture_logs
 
 from kvflow.core.commands import JobResult
 from kvflow.core.config import Config
-from kvflow.core.errors import BlockHeld, Rejected
+from kvflow.core.errors import BlockHeld, ConfigError, Rejected
 from kvflow.core.events import FenceLifted, LateResultIgnored
 from kvflow.core.jobs import LOAD, STORE, TransferJob
 from kvflow.core.state.invariants import check_invariants
 from kvflow.engine.async_engine import Engine
-from kvflow.engine.notices import Notices, StepReport
+from kvflow.engine.notices import Notices, StepReport, merge_reports
 from kvflow.engine.sync import SyncEngine
 from kvflow.engine.watch import Counters, Latencies, percentile
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
@@ -69,18 +69,6 @@ def test_notices_are_kept_until_a_step_takes_them() -> None:
     assert engine.manager.take_notices() == Notices()
 
 
-def merge(into: StepReport, r: StepReport) -> StepReport:
-    into.submitted += r.submitted
-    into.loads_finished += r.loads_finished
-    into.loads_failed += r.loads_failed
-    into.stores_finished += r.stores_finished
-    into.stores_failed += r.stores_failed
-    into.released_device_blocks += r.released_device_blocks
-    into.timed_out += r.timed_out
-    into.now_ms = r.now_ms
-    return into
-
-
 def run_until_idle(engine: SyncEngine, ex: SimulatedExecutor, clock: VirtualClock) -> StepReport:
     """Step, jumping the virtual clock to the next completion (or the earliest deadline)."""
     merged = engine.step()
@@ -92,7 +80,9 @@ def run_until_idle(engine: SyncEngine, ex: SimulatedExecutor, clock: VirtualCloc
         if due is None or (deadline is not None and deadline < due):
             due = deadline
         clock.advance_to(due)
-        merge(merged, engine.step())
+        report = engine.step()
+        merge_reports(merged, report)
+        merged.now_ms = report.now_ms
     raise AssertionError("engine never became idle")
 
 
@@ -860,3 +850,91 @@ def test_a_call_from_a_second_thread_while_one_is_decided_is_refused() -> None:
     first.join(10)
     assert len(engine.manager.state.requests) == events == 1  # only A's call happened
     assert engine.lookup("B", A_HASHES, 3 * B + 1) == 0  # and B can call once A is done
+
+
+# --- the step's report and the executor's declared abilities ----------------------------------
+
+
+def test_merge_reports_adds_up_every_field_of_a_report() -> None:
+    """A field added to ``Notices`` or ``StepReport`` and left out of ``merge_reports`` fails here."""
+    more = StepReport(now_ms=5.0)
+    for name in StepReport.__struct_fields__:
+        value = getattr(more, name)
+        if isinstance(value, list):
+            value.append(object())
+        elif isinstance(value, bool):
+            setattr(more, name, True)
+        elif isinstance(value, int):
+            setattr(more, name, 3)
+    into = StepReport(now_ms=1.0)
+    merge_reports(into, more)
+    for name in StepReport.__struct_fields__:
+        assert name == "now_ms" or getattr(into, name) == getattr(more, name), name
+    merge_reports(into, Notices(rejected_store_blocks=1, all_blocks_cleared=False))
+    assert into.rejected_store_blocks == 4 and into.all_blocks_cleared  # (notices add up too)
+
+
+def test_a_step_applies_a_batch_with_a_bad_result_one_by_one_and_reports_the_refused() -> None:
+    engine, ex, clock = make()
+    engine.lookup("A", A_HASHES, 3 * B + 1)
+    job = engine.blocks_computed("A", A_HASHES, (0, 1, 2))
+    engine.step()
+    clock.advance_to(ms(3))
+    results = [*ex.poll(), JobResult(job_id=job, rank=7), JobResult(job_id=999)]
+    with capture_logs() as logs:
+        report = engine.step(results=results)
+    assert report.stores_finished == [job] and report.refused_results == 2
+    assert engine.counters.unknown_results == 2
+    assert [(e["job"], e["rank"]) for e in logs if e["event"] == "kvflow.result_rejected"] == [(job, 7), (999, 0)]
+
+
+def test_a_step_refuses_a_bad_time_before_applying_anything() -> None:
+    engine, ex, clock = make()
+    engine.lookup("A", A_HASHES, 3 * B + 1)
+    job = engine.blocks_computed("A", A_HASHES, (0, 1, 2))
+    engine.step()
+    digest = engine.manager.state.digest()
+    with pytest.raises(Rejected, match="now_ms"):
+        engine.manager.step(float("nan"), [JobResult(job_id=job)])
+    assert engine.manager.state.digest() == digest
+
+
+class _NoPoll:
+    def submit(self, jobs: Any, compute_done: Any = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def test_an_object_that_is_not_an_executor_is_refused_naming_what_it_lacks() -> None:
+    with pytest.raises(ConfigError, match="_NoPoll is not an executor: it lacks poll"):
+        SyncEngine(Config(cpu_blocks=8, block_tokens=B), _NoPoll())
+
+
+def test_a_remote_tier_needs_an_executor_that_probes_it() -> None:
+    clock = VirtualClock()
+    config = Config(cpu_blocks=8, block_tokens=B, remote_blocks=64)
+    with pytest.raises(ConfigError, match="remote_blocks=64 needs an executor that probes a remote tier"):
+        SyncEngine(config, SimulatedExecutor(clock, MODEL), clock=clock)
+
+
+def test_the_executor_tells_the_bytes_of_a_block_unless_the_engine_is_told() -> None:
+    clock = VirtualClock()
+    config = Config(cpu_blocks=8, block_tokens=B)
+    assert SyncEngine(config, SimulatedExecutor(clock, MODEL), clock=clock).bytes_per_block == BPB
+    told = SyncEngine(config, SimulatedExecutor(clock, MODEL), clock=clock, bytes_per_block=7)
+    assert told.bytes_per_block == 7
+
+
+def test_a_submit_that_raises_fails_the_jobs_on_every_rank_and_fences_nothing() -> None:
+    clock = VirtualClock()
+    inner = SimulatedExecutor(clock, MODEL, world_size=2)
+    config = Config(cpu_blocks=8, block_tokens=B, world_size=2, job_deadline_ms=DEADLINE_MS)
+    engine = SyncEngine(config, RaisingSubmit(inner, fail_on=1), clock=clock, bytes_per_block=BPB)
+    engine.lookup("A", A_HASHES, 3 * B + 1)
+    job = engine.blocks_computed("A", A_HASHES, (0, 1, 2))
+    report = engine.step()
+    assert [j for j, _ in report.stores_failed] == [job]
+    assert sorted(report.released_device_blocks) == [0, 1, 2]
+    assert engine.fences() == [] and engine.held_device_blocks() == []
+    engine.finish_request("A")
+    assert_clean(engine)

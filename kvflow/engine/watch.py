@@ -259,10 +259,12 @@ class EngineWatch:
         if event.abandoned:
             return  # a reset already told the engine; only the holds end now
         c = self.counters
-        if type(event) is JobFailed:
+        if isinstance(event, JobFailed):
             c.jobs_failed += 1
+            error = event.error
         else:
             c.jobs_timed_out += 1
+            error = "deadline passed"
         if self.debug:
             self.log.warning(
                 f"kvflow.{event_name(event)}",
@@ -270,7 +272,7 @@ class EngineWatch:
                 request=event.request_id,
                 direction=event.direction,
                 blocks=len(event.hashes),
-                error=getattr(event, "error", "deadline passed"),
+                error=error,
             )
         if started is not None:
             self._latency(event.direction, started)

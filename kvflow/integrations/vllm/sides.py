@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -38,6 +38,9 @@ from kvflow.integrations.vllm.kv_events import BlockRemoved, BlockStored, KVEven
 from kvflow.log.memory import NullLog
 from kvflow.log.protocol import Log
 from kvflow.log.writer import TraceWriter
+
+if TYPE_CHECKING:  # (torch is imported when a worker registers its KV caches)
+    from kvflow.executors.torch.executor import TorchExecutor
 
 _MASK64 = (1 << 64) - 1
 
@@ -319,7 +322,7 @@ class WorkerSide:
     def __init__(self, config: ConnectorConfig, rank: int = 0) -> None:
         self.config = config
         self.rank = rank
-        self.executor: Any = None
+        self.executor: TorchExecutor | None = None
         self._jobs: dict[int, TransferJob] = {}  # submitted, not reported
         self._pending_loads: list[TransferJob] = []
         self._pending_stores: list[TransferJob] = []

@@ -8,7 +8,6 @@ whose submit or poll raises); they wrap a real SimulatedExecutor and add only th
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -556,20 +555,6 @@ def test_a_recorded_engine_run_replays_and_redecides_clean(tmp_path: Path) -> No
 # --- logging --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def restore_structlog() -> Iterator[None]:
-    """structlog's configuration is global (and capture_logs leaves it marked configured)."""
-    was_configured = structlog.is_configured()
-    saved = structlog.get_config()
-    try:
-        yield
-    finally:
-        if was_configured:
-            structlog.configure(**saved)
-        else:
-            structlog.reset_defaults()
-
-
 def test_failed_and_timed_out_jobs_are_logged_with_dotted_names(restore_structlog: None) -> None:
     with capture_logs() as logs:
         engine, ex, clock = make(fail_jobs=[2], hang_jobs=[3])
@@ -874,7 +859,7 @@ def test_merge_reports_adds_up_every_field_of_a_report() -> None:
     assert into.rejected_store_blocks == 4 and into.all_blocks_cleared  # (notices add up too)
 
 
-def test_a_step_applies_a_batch_with_a_bad_result_one_by_one_and_reports_the_refused() -> None:
+def test_a_step_applies_a_batch_with_a_bad_result_one_by_one_and_reports_the_refused(restore_structlog: None) -> None:
     engine, ex, clock = make()
     engine.lookup("A", A_HASHES, 3 * B + 1)
     job = engine.blocks_computed("A", A_HASHES, (0, 1, 2))

@@ -216,7 +216,7 @@ def test_a_worker_reports_under_its_rank_even_when_its_submit_fails() -> None:
     assert (result.job_id, result.rank, result.ok) == (1, 1, False) and "submit failed" in (result.error or "")
 
 
-def test_F2_a_bad_result_among_the_workers_costs_only_itself() -> None:
+def test_F2_a_bad_result_among_the_workers_costs_only_itself(restore_structlog: None) -> None:
     """A result the decisions refuse (a rank outside vLLM's world) is logged and dropped; the
     other results of the step are applied (the manager's step isolates it, as SyncEngine's)."""
     side = SchedulerSide(ConnectorConfig(cpu_blocks=8), B, 4096, world_size=2)

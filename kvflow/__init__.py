@@ -38,17 +38,17 @@ if TYPE_CHECKING:
     )
     from kvflow.core.jobs import TransferJob
     from kvflow.core.policies.base import Policy
-    from kvflow.engine.api import Executor, StepReport
     from kvflow.engine.async_engine import Engine
-    from kvflow.engine.notices import Fence, LoadFailure, Notices
+    from kvflow.engine.notices import Fence, LoadFailure, Notices, StepReport
+    from kvflow.engine.protocols import Executor
     from kvflow.engine.sync import SyncEngine
 
 _PUBLIC = {
     "SyncEngine": "kvflow.engine.sync",
     "Engine": "kvflow.engine.async_engine",
     "Config": "kvflow.core.config",
-    "StepReport": "kvflow.engine.api",
-    "Executor": "kvflow.engine.api",
+    "StepReport": "kvflow.engine.notices",
+    "Executor": "kvflow.engine.protocols",
     "Notices": "kvflow.engine.notices",
     "LoadFailure": "kvflow.engine.notices",
     "Fence": "kvflow.engine.notices",

@@ -40,7 +40,7 @@ def instance(url: str, cluster: bool, seed: int, *, deadline_ms: float = 2000.0,
 
 def settle(engine: SyncEngine, timeout_s: float = 20.0) -> Any:
     """Step until no job is live; the merged report."""
-    from kvflow.engine.api import StepReport, merge_reports
+    from kvflow.engine.notices import StepReport, merge_reports
 
     merged = StepReport(now_ms=0.0)
     deadline = time.monotonic() + timeout_s

@@ -115,7 +115,8 @@ def _attributes(cls: type) -> set[str]:
 def test_the_engine_names_the_page_uses_exist() -> None:
     from kvflow.core.commands import JobResult
     from kvflow.core.config import Config
-    from kvflow.engine.api import Counters, StepReport
+    from kvflow.engine.notices import StepReport
+    from kvflow.engine.watch import Counters
     from kvflow.engine.manager import OffloadManager
     from kvflow.engine.notices import Fence, LoadFailure
 

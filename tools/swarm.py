@@ -85,7 +85,7 @@ from kvflow.core.events import (
 )
 from kvflow.core.jobs import LOAD, TransferJob
 from kvflow.core.state.invariants import check_invariants
-from kvflow.engine.api import StepReport
+from kvflow.engine.notices import StepReport
 from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
 from kvflow.log.format import Checkpoint

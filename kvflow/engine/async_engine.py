@@ -6,26 +6,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvflow.core.commands import JobResult
 from kvflow.core.config import Config
-from kvflow.engine.api import Counters, Executor, Latencies, StepReport, merge_reports, monotonic_ms
 from kvflow.engine.manager import OffloadManager
-from kvflow.engine.sync import SyncEngine
+from kvflow.engine.notices import StepReport, merge_reports
+from kvflow.engine.protocols import Executor
+from kvflow.engine.sync import SyncEngine, monotonic_ms
+from kvflow.engine.watch import Counters, Latencies
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def _forward(name: str) -> Any:
+def _forward(method: Callable[Concatenate[SyncEngine, P], R]) -> Callable[Concatenate[Engine, P], R]:
     """A method of Engine that calls the same method of its SyncEngine (``self.core``)."""
-    target = getattr(SyncEngine, name)
 
-    def method(self: Engine, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.core, name)(*args, **kwargs)
+    def forwarded(self: Engine, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(self.core, *args, **kwargs)
 
-    method.__name__ = name
-    method.__qualname__ = f"Engine.{name}"
-    method.__doc__ = target.__doc__
-    return method
+    forwarded.__name__ = method.__name__
+    forwarded.__qualname__ = f"Engine.{method.__name__}"
+    forwarded.__doc__ = method.__doc__
+    return forwarded
 
 
 class Engine(AbstractAsyncContextManager["Engine"]):
@@ -80,16 +84,16 @@ class Engine(AbstractAsyncContextManager["Engine"]):
         return self.core.manager
 
     # The scheduling-time calls are the SyncEngine's, run on the caller's task.
-    lookup = _forward("lookup")
-    accept_hits = _forward("accept_hits")
-    blocks_computed = _forward("blocks_computed")
-    device_blocks_evicting = _forward("device_blocks_evicting")
-    touch = _forward("touch")
-    finish_request = _forward("finish_request")
-    invalidate = _forward("invalidate")
-    reset = _forward("reset")
-    fences = _forward("fences")
-    held_device_blocks = _forward("held_device_blocks")
+    lookup = _forward(SyncEngine.lookup)
+    accept_hits = _forward(SyncEngine.accept_hits)
+    blocks_computed = _forward(SyncEngine.blocks_computed)
+    device_blocks_evicting = _forward(SyncEngine.device_blocks_evicting)
+    touch = _forward(SyncEngine.touch)
+    finish_request = _forward(SyncEngine.finish_request)
+    invalidate = _forward(SyncEngine.invalidate)
+    reset = _forward(SyncEngine.reset)
+    fences = _forward(SyncEngine.fences)
+    held_device_blocks = _forward(SyncEngine.held_device_blocks)
 
     async def __aenter__(self) -> Engine:
         import anyio
@@ -133,7 +137,7 @@ class Engine(AbstractAsyncContextManager["Engine"]):
 
         task_status.started()
         while True:
-            results = self.core._poll()
+            results = self.core.poll_executor()
             if results:
                 await self._send.send(results)
                 self._progress.set()
@@ -162,7 +166,7 @@ class Engine(AbstractAsyncContextManager["Engine"]):
                 return out
 
     async def step(self, compute_done: Any = None) -> StepReport:
-        """One engine step: apply completions that arrived, time out, submit queued jobs."""
+        """One engine step (``SyncEngine.step``) with the completions the pump received."""
         return self.core.step(compute_done, results=self._drain_stream())
 
     async def wait_idle(self, timeout_s: float = 30.0) -> StepReport:

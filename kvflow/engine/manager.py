@@ -6,17 +6,24 @@ answer. Outcomes that arrive later (loads finished or failed, device blocks rele
 accumulate as *notices* that the engine collects with :meth:`take_notices` whenever it likes,
 many steps later included (F4).
 
+:meth:`OffloadManager.step` is the scheduler half of one engine step (the executor's results
+applied, timeouts, the jobs to hand over, the notices in a report): ``SyncEngine`` wraps it
+with an executor and a clock, the vLLM connector's scheduler side calls it from vLLM's hooks.
+
 A refused call raises a :class:`~kvflow.core.errors.Rejected` subclass and changes nothing (F12).
-This module is pure apart from the log it is handed (the log decides whether to write a file).
+Apart from the log it is handed, this module does no I/O but for the warning logged when a
+step refuses an executor's result.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Sequence
 from math import isfinite
 from typing import Any
+
+import msgspec
+import structlog
 
 from kvflow.core import values as bd
 from kvflow.core.commands import (
@@ -42,22 +49,24 @@ from kvflow.core.decide.dispatch import DECIDERS, after_decision
 from kvflow.core.decide.jobs import expired_jobs
 from kvflow.core.decide.lookup import hit_cap_blocks
 from kvflow.core.decide.remote import probe_candidates
-from kvflow.core.errors import ConcurrentCall, EngineClosed
-from kvflow.core.events import EVENT_TYPES, Event, JobsSubmitted, Reset
+from kvflow.core.errors import ConcurrentCall, EngineClosed, Rejected
+from kvflow.core.events import EVENT_TYPES, Event, Reset
 from kvflow.core.jobs import LOAD, TransferJob
 from kvflow.core.state.apply import live_applier
 from kvflow.core.state.model import State
 from kvflow.core.state.tables import JobState
 from kvflow.engine.notices import (
     ABANDONED_BY_RESET,
-    NO_NOTICES,
     NOTICE_TYPES,
     Fence,
     LoadFailure,
     NoticeBook,
     Notices,
+    StepReport,
 )
+from kvflow.engine.protocols import SelectsEvents
 from kvflow.log.memory import MemoryLog, NullLog
+from kvflow.log.protocol import Log
 
 
 class OffloadManager:
@@ -65,21 +74,22 @@ class OffloadManager:
 
     _emit: Callable[[Event], None]  # the deciders' emit (see _rebuild_dispatch)
 
-    def __init__(self, config: Config, log: Any = None, *, paranoid: bool = False) -> None:
-        """``paranoid=True`` re-checks every event's legality as it is applied (tests,
-        debugging); by default the decider's own validation is trusted on the live path."""
+    def __init__(self, config: Config, log: Log | None = None, *, paranoid: bool = False, logger: Any = None) -> None:
+        """``log`` records the commands and events (default: a ``MemoryLog``). ``logger``
+        (structlog's ``kvflow`` logger by default) takes the warning about an executor result
+        a step refused. ``paranoid=True`` re-checks every event's legality as it is applied
+        (tests, debugging); by default the decider's own validation is trusted on the live
+        path."""
         self.config = config
         self.paranoid = paranoid
+        self.logger = logger if logger is not None else structlog.get_logger("kvflow")
         self.state = State(config)
-        # the notices not taken yet (``notice_book.notices``: None while nothing happened; an
-        # engine step reads it, without a call)
-        self.notice_book = NoticeBook()
+        self.notice_book = NoticeBook()  # the notices not taken yet
         self._told_abandoned: set[int] = set()  # abandoned loads already reported failed
         # callables receiving the applied events, by event type (see subscribe)
         self._subscribers: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
         self._dispatch: dict[type, tuple[Callable[[Any], None], ...]] = {}
         self._applied: list[Event] = []  # the events of the command being decided, for the log
-        self._no_deadline_before_ms = math.inf  # no submitted job is due before this
         self.log = log if log is not None else MemoryLog(config)  # (builds the dispatch)
         # one call at a time: a second thread (or a callback calling back in) is refused
         self._deciding = threading.Lock()
@@ -88,12 +98,12 @@ class OffloadManager:
     # -- the core loop -------------------------------------------------------------------
 
     @property
-    def log(self) -> Any:
+    def log(self) -> Log:
         """Where commands and events are recorded (a MemoryLog, a TraceWriter, a NullLog)."""
         return self._log
 
     @log.setter
-    def log(self, log: Any) -> None:
+    def log(self, log: Log) -> None:
         self._log = log
         self._recording = not isinstance(log, NullLog)  # a NullLog's calls are skipped
         self._rebuild_dispatch()  # (the events are kept only for a log that records them)
@@ -104,7 +114,7 @@ class OffloadManager:
         per subscriber set). Refused, changing nothing, after ``close()`` (``EngineClosed``)
         or while another call is being decided (``ConcurrentCall``: kvflow is called from
         one thread)."""
-        if not self._deciding.acquire(False):  # (positional: half the cost of blocking=False)
+        if not self._deciding.acquire(False):
             if self.closed:  # (close() keeps the lock: a closed manager is found here)
                 raise EngineClosed(f"{type(command).__name__}: the engine is closed")
             raise ConcurrentCall(
@@ -150,16 +160,19 @@ class OffloadManager:
 
     def subscribe(self, callback: Callable[[Any], None], event_types: Sequence[type] | None = None) -> None:
         """Call ``callback(event)`` for every event applied from now on whose type is in
-        ``event_types`` (default: the callback's own ``event_types`` attribute if it has
-        one, else every event), in log order, as each event is applied (before the decision's
-        next event). Naming the types keeps the other events free of the call.
+        ``event_types`` (default: the callback's own ``event_types`` if it names them, a
+        :class:`~kvflow.engine.protocols.SelectsEvents`; else every event), in log order, as
+        each event is applied (before the decision's next event). Naming the types keeps the
+        other events free of the call.
 
         A callback must not raise: an exception propagates out of the engine call at once and
         the decision stops there. The events applied until then are kept and recorded, so the
         state and its log still agree (every event legal, the invariants kept), but the rest
         of that decision is not made (a callback raising on a store's eviction leaves the
         blocks evicted and the store not queued)."""
-        types = event_types if event_types is not None else getattr(callback, "event_types", None)
+        types = event_types
+        if types is None and isinstance(callback, SelectsEvents):
+            types = callback.event_types
         self._subscribers.append((callback, None if types is None else tuple(types)))
         self._rebuild_dispatch()
 
@@ -169,7 +182,6 @@ class OffloadManager:
             kind: tuple(
                 [notice] * (kind in NOTICE_TYPES)
                 + [self._tell_abandoned_loads] * (kind is Reset)
-                + [self._on_submitted] * (kind is JobsSubmitted)
                 + [fn for fn, types in self._subscribers if types is None or kind in types]
             )
             for kind in EVENT_TYPES
@@ -186,10 +198,9 @@ class OffloadManager:
         if not event.keeps_requests:
             return
         jobs = self.state.jobs
-        # (the jobs that ended since are forgotten here, not as each ends: an ended job is
-        # never abandoned again, and its end then costs nothing)
+        # (the jobs that ended since are forgotten here: an ended job is never abandoned again)
         told = self._told_abandoned = {jid for jid in self._told_abandoned if jid in jobs}
-        loads_failed = self.notice_book.current().loads_failed
+        loads_failed = self.notice_book.notices.loads_failed
         for jid in event.abandoned_job_ids:
             job = jobs.get(jid)
             if job is not None and job.direction == LOAD and job.request_id is not None and jid not in told:
@@ -198,14 +209,63 @@ class OffloadManager:
 
     def take_notices(self) -> Notices:
         """What happened since the last call (F4: kept until taken)."""
-        book = self.notice_book
-        notices, book.notices = book.notices, None
-        return Notices() if notices is None else notices
+        return self.notice_book.take()
 
     def has_notices(self) -> bool:
         """Whether ``take_notices`` would hand over anything."""
-        notices = self.notice_book.notices
-        return notices is not None and notices != NO_NOTICES  # (``bool(notices)`` without its call)
+        return bool(self.notice_book.notices)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(
+        self, now_ms: float, results: Sequence[JobResult] = (), *, found: Sequence[int] = (), plan: bool = True
+    ) -> tuple[list[TransferJob], StepReport]:
+        """The scheduler half of one engine step at ``now_ms``: the executor's ``results`` are
+        applied (a bad one is refused alone, logged and counted in the report, never raised:
+        F2), what the remote tier's probes ``found`` is recorded, jobs past their deadline
+        time out (F2), and the queued jobs are handed over (each once, F5). Returns those
+        jobs and the step's report: its notices taken, whatever the steps before left in
+        them included (F4).
+
+        ``plan=False`` leaves the queued jobs queued, for a caller that hands jobs over
+        only at another moment (vLLM's connector: its results arrive after the forward pass,
+        its jobs go to the workers with the next step's metadata). A bad ``now_ms`` refuses
+        the step before anything is applied."""
+        if type(now_ms) is not float or not isfinite(now_ms):
+            now_ms = bd.time_ms(now_ms, "now_ms")
+        refused = self.apply_results(results)
+        if found:
+            self.remote_found(found)
+        timed_out, jobs = self._advance(now_ms, plan=plan)
+        notices = msgspec.structs.asdict(self.notice_book.take())
+        report = StepReport(now_ms=now_ms, submitted=jobs, timed_out=timed_out, refused_results=refused, **notices)
+        return jobs, report
+
+    def apply_results(self, results: Sequence[JobResult]) -> int:
+        """Apply executor outcomes without raising for a bad one (F2): one command for all of
+        them; if the decisions refuse it, each result alone, so that one bad result (an
+        unknown job, a rank outside the world) costs only itself. A refused result is logged
+        (``kvflow.result_rejected``); returns how many were refused. A closed manager, or a
+        call from a second thread, refuses them all by raising (nothing is applied)."""
+        if not results:
+            return 0
+        try:
+            self.job_results(results)
+            return 0
+        except (EngineClosed, ConcurrentCall):
+            raise
+        except Rejected:
+            pass
+        refused = 0
+        for result in results:
+            # (with its integrity report: dropping it would leave a bad host copy on offer, F17)
+            outcome = bd.result(result)
+            try:
+                self.execute(outcome)
+            except Rejected as exc:
+                refused += 1
+                self.logger.warning("kvflow.result_rejected", job=outcome.job_id, rank=outcome.rank, error=str(exc))
+        return refused
 
     # -- the engine API ------------------------------------------------------------------
 
@@ -226,27 +286,27 @@ class OffloadManager:
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated device blocks for the first hits: queue their load."""
         command = AcceptHits(request_id=bd.request_id(request_id), device_blocks=bd.device_blocks(device_blocks))
-        answer = self.execute(command)
-        return answer  # type: ignore[no-any-return]
+        job: int | None = self.execute(command)
+        return job
 
     def blocks_computed(
         self, request_id: str | None, block_hashes: Sequence[int], device_blocks: Sequence[int]
     ) -> int | None:
         """Eager mode: store the computed blocks not yet on the tier (F3 dedupe)."""
-        answer = self.execute(
+        job: int | None = self.execute(
             BlocksComputed(
                 request_id=bd.optional_request_id(request_id),
                 block_hashes=bd.hashes(block_hashes),
                 device_blocks=bd.device_blocks(device_blocks),
             )
         )
-        return answer  # type: ignore[no-any-return]
+        return job
 
     def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
         """Lazy mode: store blocks the device cache is about to drop."""
         command = DeviceBlocksEvicting(block_hashes=bd.hashes(block_hashes), device_blocks=bd.device_blocks(device_blocks))
-        answer = self.execute(command)
-        return answer  # type: ignore[no-any-return]
+        job: int | None = self.execute(command)
+        return job
 
     def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
         """Recency for resident blocks in this order; ``reuse=False`` only reorders."""
@@ -263,18 +323,16 @@ class OffloadManager:
 
         With nothing queued there is nothing to decide, and no command is recorded (an
         engine calls this every step)."""
-        return self.advance(now_ms, tick=False)[1]
+        return self._advance(now_ms, tick=False)[1]
 
-    def advance(self, now_ms: float, *, tick: bool = True, plan: bool = True) -> tuple[int, list[TransferJob]]:
-        """One engine step's decisions at ``now_ms``: ``tick`` (the timeouts, how many), then
-        ``plan_step`` (the jobs to hand over), with one check of ``now_ms``."""
-        if type(now_ms) is not float or not isfinite(now_ms):  # (a finite float, the usual, needs no call)
+    def _advance(self, now_ms: float, *, tick: bool = True, plan: bool = True) -> tuple[int, list[TransferJob]]:
+        """``tick`` (the timeouts: how many), then ``plan_step`` (the jobs to hand over), with
+        one check of ``now_ms``."""
+        if type(now_ms) is not float or not isfinite(now_ms):
             now_ms = bd.time_ms(now_ms, "now_ms")
         timed_out = 0
-        if tick and now_ms >= self._no_deadline_before_ms:  # (before: no job can be due)
-            if expired_jobs(self.state, now_ms):
-                timed_out = int(self.execute(Tick(now_ms=now_ms)))
-            self._no_deadline_before_ms = self._earliest_deadline()
+        if tick and expired_jobs(self.state, now_ms):  # (none due: nothing to decide, nothing recorded)
+            timed_out = int(self.execute(Tick(now_ms=now_ms)))
         if plan and self.state.queued:  # (nothing queued: nothing to decide, nothing recorded)
             return timed_out, self.execute(PlanStep(now_ms=now_ms))
         return timed_out, []
@@ -285,7 +343,7 @@ class OffloadManager:
         """One executor outcome (``ok`` must be a bool: anything else is a failed result);
         ``corrupt`` names the blocks whose host copy failed its integrity check (F17)."""
         # (bd.result checks and normalises every field, corrupt included)
-        outcome = JobResult(job_id=job_id, rank=rank, ok=ok, error=error, corrupt=corrupt)  # type: ignore[arg-type]
+        outcome = JobResult(job_id=job_id, rank=rank, ok=ok, error=error, corrupt=tuple(corrupt))
         self.execute(bd.result(outcome))
 
     def job_results(self, results: Sequence[JobResult]) -> None:
@@ -298,20 +356,12 @@ class OffloadManager:
 
         When no job is due there is nothing to decide, and no command is recorded (an
         engine calls this every step)."""
-        return self.advance(now_ms, plan=False)[0]
+        return self._advance(now_ms, plan=False)[0]
 
     def next_deadline_ms(self) -> float | None:
         """The earliest deadline of an in-flight job (when the next timeout can come)."""
-        earliest = self._earliest_deadline()
-        return None if earliest == math.inf else earliest
-
-    def _earliest_deadline(self) -> float:
         in_flight = JobState.IN_FLIGHT
-        return min((j.deadline_ms for j in self.state.jobs.values() if j.state is in_flight), default=math.inf)
-
-    def _on_submitted(self, event: JobsSubmitted) -> None:
-        # a lower bound on every live job's deadline, so that idle steps skip the scan
-        self._no_deadline_before_ms = min(self._no_deadline_before_ms, event.deadline_ms)
+        return min((j.deadline_ms for j in self.state.jobs.values() if j.state is in_flight), default=None)
 
     def finish_request(self, request_id: str, preempted: bool = False) -> bool:
         """The request is done (or preempted): its offered pins are released at once; it

@@ -1,6 +1,7 @@
 """What the engine is told of outcomes that arrive later: notices (loads finished or failed,
-stores finished or failed, device blocks released, a reset), kept until taken (F4), and the
-fences it can ask about (F15). Built from the applied events alone."""
+stores finished or failed, device blocks released, a reset), kept until taken (F4), the report
+of one step (the notices with what the step itself did), and the fences the engine can ask
+about (F15). Built from the applied events alone."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from kvflow.core.events import (
     Reset,
     StoreRejected,
 )
-from kvflow.core.jobs import LOAD, STORE
+from kvflow.core.jobs import LOAD, STORE, TransferJob
 
 ABANDONED_BY_RESET = "abandoned by a reset: recompute these device blocks once they are released"
 
@@ -55,78 +56,91 @@ class Fence:
 class Notices(msgspec.Struct):
     """What happened since the engine last asked (F4: kept until taken)."""
 
-    # A msgspec Struct, not a dataclass: a new one is built each time notices are taken, and
-    # this builds in a fraction of the time. Each gets its own empty lists (msgspec copies ``[]``).
+    # (msgspec Structs: each gets its own empty lists, msgspec copies ``[]``)
     loads_finished: list[tuple[str, int]] = []  # (request, job)
     loads_failed: list[LoadFailure] = []
     stores_finished: list[int] = []  # job ids
     stores_failed: list[tuple[int, str]] = []  # (job, error)
     released_device_blocks: list[int] = []  # holds that ended
-    rejected_store_blocks: int = 0
-    all_blocks_cleared: bool = False
+    rejected_store_blocks: int = 0  # blocks a store could not take (tier full of pinned / in-flight)
+    all_blocks_cleared: bool = False  # a reset cleared the tier (vLLM's AllBlocksCleared)
 
     def __bool__(self) -> bool:
-        return self != NO_NOTICES  # (msgspec compares every field, at C level)
+        """Whether there is anything to tell (a step report's own fields aside)."""
+        return any(getattr(self, name) for name in Notices.__struct_fields__)
 
 
-# nothing to tell: what ``Notices()`` holds; never handed out nor changed. ``manager.has_notices``
-# compares with it directly, without a call of ``__bool__``.
-NO_NOTICES = Notices()
+class StepReport(Notices, kw_only=True):
+    """What one step did and what the engine must act on: the notices taken at its end, and
+    the jobs it handed to the executor."""
+
+    now_ms: float
+    submitted: list[TransferJob] = []
+    timed_out: int = 0  # jobs past their deadline (their failures are in the notices)
+    refused_results: int = 0  # executor results the decisions refused (logged, never raised: F2)
+
+
+def merge_reports(into: StepReport, more: Notices) -> None:
+    """Add ``more`` (a later step's report, or notices taken after a step) to ``into``."""
+    into.loads_finished.extend(more.loads_finished)
+    into.loads_failed.extend(more.loads_failed)
+    into.stores_finished.extend(more.stores_finished)
+    into.stores_failed.extend(more.stores_failed)
+    into.released_device_blocks.extend(more.released_device_blocks)
+    into.rejected_store_blocks += more.rejected_store_blocks
+    into.all_blocks_cleared = into.all_blocks_cleared or more.all_blocks_cleared
+    if isinstance(more, StepReport):
+        into.submitted.extend(more.submitted)
+        into.timed_out += more.timed_out
+        into.refused_results += more.refused_results
+
 
 NOTICE_TYPES = frozenset({JobCompleted, JobFailed, JobTimedOut, FenceLifted, StoreRejected, Reset})
 
 
 class NoticeBook:
-    """Where the notices accumulate as the events are applied: ``observe`` is subscribed once
-    (a bound method that stays valid). ``notices`` is None until something is observed (a
-    step tells "nothing happened" by that, without comparing), and whoever takes the notices
-    puts None back."""
+    """Where the notices accumulate as the events are applied (``observe`` is subscribed
+    once), until they are taken."""
 
     __slots__ = ("notices",)
 
     def __init__(self) -> None:
-        self.notices: Notices | None = None
+        self.notices = Notices()
 
-    def current(self) -> Notices:
-        """The notices being accumulated (started now if none are)."""
-        notices = self.notices
-        if notices is None:
-            notices = self.notices = Notices()
+    def take(self) -> Notices:
+        """The notices so far; the book starts anew."""
+        notices, self.notices = self.notices, Notices()
         return notices
 
     def observe(self, event: Event) -> None:
         notices = self.notices
-        if notices is None:
-            notices = self.notices = Notices()
-        kind = type(event)
-        if kind is JobCompleted:  # (the common notice, first)
-            notices.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
-            if event.abandoned:  # type: ignore[union-attr]
+        if isinstance(event, JobCompleted):
+            notices.released_device_blocks.extend(event.device_blocks)
+            if event.abandoned:
                 return  # a reset already told the engine; only the holds end now
-            if event.direction == LOAD:  # type: ignore[union-attr]
-                if event.request_id is not None:  # type: ignore[union-attr]
-                    notices.loads_finished.append((event.request_id, event.job_id))  # type: ignore[union-attr]
-            elif event.direction == STORE:  # type: ignore[union-attr]
-                notices.stores_finished.append(event.job_id)  # type: ignore[union-attr]
-        elif kind is JobFailed or kind is JobTimedOut:
-            fenced = event.fenced  # type: ignore[union-attr]
-            if not fenced:  # (a fenced job's device blocks come back at its FenceLifted)
-                notices.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
-            if event.abandoned:  # type: ignore[union-attr]
+            if event.direction == LOAD:
+                if event.request_id is not None:
+                    notices.loads_finished.append((event.request_id, event.job_id))
+            elif event.direction == STORE:
+                notices.stores_finished.append(event.job_id)
+        elif isinstance(event, (JobFailed, JobTimedOut)):
+            if not event.fenced:  # (a fenced job's device blocks come back at its FenceLifted)
+                notices.released_device_blocks.extend(event.device_blocks)
+            if event.abandoned:
                 return  # a reset already told the engine; only the holds end now
-            if kind is JobFailed:
-                error = event.error  # type: ignore[union-attr]
+            if isinstance(event, JobFailed):
+                error = event.error
             else:
-                error = f"timed out at {event.now_ms} ms (deadline {event.deadline_ms} ms)"  # type: ignore[union-attr]
-            if event.direction == LOAD and event.request_id is not None:  # type: ignore[union-attr]
+                error = f"timed out at {event.now_ms} ms (deadline {event.deadline_ms} ms)"
+            if event.direction == LOAD and event.request_id is not None:
                 notices.loads_failed.append(
-                    LoadFailure(event.request_id, event.job_id, event.device_blocks, error, fenced)  # type: ignore[union-attr,arg-type]
+                    LoadFailure(event.request_id, event.job_id, event.device_blocks, error, event.fenced)
                 )
-            elif event.direction == STORE:  # type: ignore[union-attr]
-                notices.stores_failed.append((event.job_id, error))  # type: ignore[union-attr]
-        elif kind is FenceLifted:
-            notices.released_device_blocks.extend(event.device_blocks)  # type: ignore[union-attr]
-        elif kind is StoreRejected:
-            notices.rejected_store_blocks += len(event.hashes)  # type: ignore[union-attr]
-        elif kind is Reset:
+            elif event.direction == STORE:
+                notices.stores_failed.append((event.job_id, error))
+        elif isinstance(event, FenceLifted):
+            notices.released_device_blocks.extend(event.device_blocks)
+        elif isinstance(event, StoreRejected):
+            notices.rejected_store_blocks += len(event.hashes)
+        elif isinstance(event, Reset):
             notices.all_blocks_cleared = True

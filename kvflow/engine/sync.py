@@ -1,6 +1,6 @@
 """``SyncEngine``: decisions, an executor, a clock and a log behind one synchronous step API
-(the façade for synchronous schedulers, vLLM's included). The guarantees it gives the
-embedding engine are listed in :mod:`kvflow.engine`."""
+(the façade for synchronous schedulers). The guarantees it gives the embedding engine are
+listed in :mod:`kvflow.engine`."""
 
 from __future__ import annotations
 
@@ -12,14 +12,19 @@ import structlog
 
 from kvflow.core.commands import JobResult
 from kvflow.core.config import Config
-from kvflow.core.errors import ConfigError, Rejected
 from kvflow.core.jobs import TransferJob
-from kvflow.engine.api import Executor, StepReport, merge_reports, monotonic_ms
 from kvflow.engine.manager import OffloadManager
-from kvflow.engine.notices import Fence
+from kvflow.engine.notices import Fence, StepReport, merge_reports
+from kvflow.engine.protocols import Executor, KnowsBlockBytes, ProbesRemoteTier, check_executor
 from kvflow.engine.watch import EngineWatch
 from kvflow.log.memory import MemoryLog, NullLog
+from kvflow.log.protocol import Log
 from kvflow.log.writer import TraceWriter
+
+
+def monotonic_ms() -> float:
+    """The engine's default clock: monotonic time in milliseconds."""
+    return time.monotonic() * 1000.0
 
 
 class SyncEngine:
@@ -47,40 +52,39 @@ class SyncEngine:
         is counted in ``fences_overdue`` and logged once as ``kvflow.fence_held``; a request
         that holds the hits of its lookups longer than ``pin_warn_ms`` (default: the job
         deadline) without accepting or releasing them is counted in ``pins_overdue`` and
-        logged once as ``kvflow.pins_held`` (those pinned blocks cannot be evicted)."""
+        logged once as ``kvflow.pins_held`` (those pinned blocks cannot be evicted).
+
+        The executor's abilities are checked here, once (``ConfigError``, naming what is
+        missing): its host pool must have ``config.cpu_blocks`` slots, and a config with a
+        remote tier needs an executor that probes it. ``bytes_per_block`` defaults to the
+        executor's own ``block_bytes`` when it knows it."""
+        check_executor(config, executor)
         self.config = config
-        self._remote = config.remote  # (read on every step)
-        self.executor = executor
+        self._executor = executor
+        # the remote tier's prober (None without a remote tier)
+        self._prober = executor if config.remote and isinstance(executor, ProbesRemoteTier) else None
         self.clock = clock
-        pool = getattr(executor, "pool", None)  # an executor with a host pool exposes it (F11)
-        pool_slots = getattr(pool, "cpu_blocks", None)
-        if pool_slots is not None and pool_slots != config.cpu_blocks:
-            raise ConfigError(
-                f"config cpu_blocks={config.cpu_blocks} but the executor's host pool has {pool_slots} "
-                "slots: build both from the same number"
-            )
-        if not bytes_per_block:  # a torch executor knows its KV layout; a simulated one its model
-            layout = getattr(executor, "layout", None)
-            model = getattr(executor, "model", None)
-            bytes_per_block = int(
-                getattr(layout, "block_bytes", 0) or getattr(model, "bytes_per_block", 0) or 0
-            )
+        if not bytes_per_block and isinstance(executor, KnowsBlockBytes):
+            bytes_per_block = executor.block_bytes
         self.bytes_per_block = bytes_per_block
         self.writer: TraceWriter | None = None
+        log: Log
         if trace_path is not None:
-            self.writer = TraceWriter(
+            log = self.writer = TraceWriter(
                 trace_path, config, meta=trace_meta, checkpoint_every=checkpoint_every, auto_flush=_auto_flush
             )
-        log: Any = self.writer
-        if log is None:
+        else:
             log = MemoryLog(config) if keep_log else NullLog()
-        self.manager = OffloadManager(config, log=log)
+        # every event is logged at debug level for a logger given, or a structlog configured
+        debug = logger is not None or structlog.is_configured()
+        logger = logger if logger is not None else structlog.get_logger("kvflow")
+        self.manager = OffloadManager(config, log=log, logger=logger)
         self.watch = EngineWatch(
             self.manager,
             config,
             clock,
-            logger=logger if logger is not None else structlog.get_logger("kvflow"),
-            debug=logger is not None or structlog.is_configured(),
+            logger=logger,
+            debug=debug,
             bytes_per_block=bytes_per_block,
             fence_warn_ms=config.job_deadline_ms if fence_warn_ms is None else float(fence_warn_ms),
             pin_warn_ms=config.job_deadline_ms if pin_warn_ms is None else float(pin_warn_ms),
@@ -88,6 +92,11 @@ class SyncEngine:
         self.counters = self.watch.counters
         self.latencies = self.watch.latencies
         self.closed = False
+
+    @property
+    def executor(self) -> Executor:
+        """The executor (fixed: its abilities were checked when the engine was built)."""
+        return self._executor
 
     # -- scheduling-time calls (forwarded; Rejected propagates: it is the caller's bug) ---
 
@@ -100,20 +109,15 @@ class SyncEngine:
         (``accept_hits(request_id, [])``), or the request finishes. ``block_hashes`` are the
         request's full-block hashes in prefix order; at most ``num_tokens - 1`` tokens hit."""
         hits = self.manager.lookup(request_id, block_hashes, num_tokens, device_hit_blocks)
-        if self._remote:
-            self._probe_remote(block_hashes, num_tokens, device_hit_blocks, hits)
+        if self._prober is not None:
+            # the remote tier is asked (in its executor's thread) about the blocks past the
+            # hits that neither tier is known to hold; what it finds is recorded at the next step
+            wanted = self.manager.remote_probe_candidates(block_hashes, num_tokens, device_hit_blocks, hits)
+            if wanted:
+                self._prober.probe(wanted)
         self.counters.lookups += 1
         self.counters.lookup_tokens += num_tokens
         return hits
-
-    def _probe_remote(self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int, hits: int) -> None:
-        """Ask the remote tier (in its executor's thread) about the blocks past the hits that
-        neither tier is known to hold; what it finds is recorded at the next step."""
-        probe = getattr(self.executor, "probe", None)
-        if probe is not None:
-            wanted = self.manager.remote_probe_candidates(block_hashes, num_tokens, device_hit_blocks, hits)
-            if wanted:
-                probe(wanted)
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated ``device_blocks`` for the first ``len(device_blocks)`` hits of
@@ -178,105 +182,54 @@ class SyncEngine:
 
     # -- the step ------------------------------------------------------------------------
 
-    def apply_results(self, results: Sequence[JobResult]) -> None:
-        """Feed executor outcomes to the decisions; never raises for a bad result."""
-        if not results:
-            return
-        try:
-            self.manager.job_results(results)
-        except Rejected:
-            self._apply_one_by_one(results)
-
-    def _apply_one_by_one(self, results: Sequence[JobResult]) -> None:
-        """A batch the decisions refused: isolate the bad result(s), apply the others."""
-        for result in results:
-            try:
-                # (with its integrity report: dropping it left a bad host copy on offer, F17)
-                self.manager.job_result(
-                    result.job_id, result.rank, result.ok, result.error, getattr(result, "corrupt", ())
-                )
-            except Rejected as exc:
-                self.counters.unknown_results += 1
-                self.watch.log.warning("kvflow.result_rejected", job=result.job_id, rank=result.rank, error=str(exc))
-
     def step(self, compute_done: Any = None, results: Sequence[JobResult] | None = None) -> StepReport:
-        """One engine step: apply the executor's results (``results``, else ``poll()``),
-        time out jobs past their deadline, hand the queued jobs to the executor (after
-        ``compute_done``, an event the copies wait for), and report what the engine must act
-        on: loads finished or failed, stores finished or failed, device blocks released."""
-        # (the executor calls and the batch of results are inlined here rather than calling
-        # _poll / apply_results / a submit helper: this runs several times per request)
+        """One engine step: the executor's results (``results``, else ``poll()``) applied,
+        jobs past their deadline timed out, the queued jobs handed to the executor (after
+        ``compute_done``, an event the copies wait for), and the report of what the engine
+        must act on: loads finished or failed, stores finished or failed, device blocks
+        released (the scheduler half is ``OffloadManager.step``)."""
         now = self.clock()
         if results is None:
-            try:
-                results = self.executor.poll()
-            except Exception as exc:  # an executor bug must not kill the engine (F2)
-                results = self._poll_failed(exc)
-        manager = self.manager
-        if results:
-            try:
-                manager.job_results(results)
-            except Rejected:
-                self._apply_one_by_one(results)
-        if self._remote:
-            self._take_remote_found()
-        timed_out, jobs = manager.advance(now)
+            results = self.poll_executor()
+        found = self._prober.take_found() if self._prober is not None else ()
+        jobs, report = self.manager.step(now, results, found=found)
         if jobs:
-            # (the watch times each job from its JobsSubmitted event, applied just now)
             try:
-                self.executor.submit(jobs, compute_done)
-            except Exception as exc:  # F2: becomes a failed outcome for every job of the batch
+                self._executor.submit(jobs, compute_done)
+            except Exception as exc:  # F2: a failed outcome for every job of the batch
                 self._submit_failed(jobs, exc)
+                merge_reports(report, self.manager.take_notices())
+        self.counters.unknown_results += report.refused_results
         watch = self.watch
         if watch.fenced_at:
             watch.watch_fences(now)
         if watch.pinned_since:
             watch.watch_pins(now)
-        book = manager.notice_book
-        notices = book.notices
-        if notices is None:  # (nothing happened: not even a Notices was started)
-            return StepReport(now_ms=now, submitted=jobs, timed_out=timed_out)
-        book.notices = None  # (taken: ``manager.take_notices()``, without its call)
-        return StepReport(
-            now_ms=now,
-            submitted=jobs,
-            loads_finished=notices.loads_finished,
-            loads_failed=notices.loads_failed,
-            stores_finished=notices.stores_finished,
-            stores_failed=notices.stores_failed,
-            released_device_blocks=notices.released_device_blocks,
-            timed_out=timed_out,
-            rejected_store_blocks=notices.rejected_store_blocks,
-            all_blocks_cleared=notices.all_blocks_cleared,
-        )
+        return report
 
-    def _take_remote_found(self) -> None:
-        """What the remote tier's probes found since the last step goes to the decisions."""
-        take_found = getattr(self.executor, "take_found", None)
-        if take_found is not None:
-            found = take_found()
-            if found:
-                self.manager.remote_found(found)
+    def apply_results(self, results: Sequence[JobResult]) -> None:
+        """Feed executor outcomes to the decisions outside a step; never raises for a bad
+        result (it is counted in ``counters.unknown_results`` and logged)."""
+        self.counters.unknown_results += self.manager.apply_results(results)
 
-    def _poll(self) -> list[JobResult]:
-        """The executor's results; never raises (F2). (For the async engine's pump; ``step``
-        inlines it.)"""
+    def poll_executor(self) -> list[JobResult]:
+        """The executor's results; never raises (F2: a failing poll is counted and logged,
+        and its results come at a later poll)."""
         try:
-            return self.executor.poll()
+            return self._executor.poll()
         except Exception as exc:  # an executor bug must not kill the engine (F2)
-            return self._poll_failed(exc)
-
-    def _poll_failed(self, exc: Exception) -> list[JobResult]:
-        self.counters.executor_errors += 1
-        self.watch.log.error("kvflow.executor_poll_failed", error=repr(exc))
-        return []
+            self.counters.executor_errors += 1
+            self.watch.log.error("kvflow.executor_poll_failed", error=repr(exc))
+            return []
 
     def _submit_failed(self, jobs: list[TransferJob], exc: Exception) -> None:
-        """The executor refused the batch: every job of it fails (one failed rank fails the
-        job, whatever the world size)."""
+        """The executor refused the batch: every job of it fails, on every rank (no rank's
+        copy runs, so nothing is fenced)."""
         self.counters.executor_errors += 1
         self.watch.log.error("kvflow.executor_submit_failed", jobs=len(jobs), error=repr(exc))
-        failures = [JobResult(job_id=j.job_id, rank=0, ok=False, error=f"submit failed: {exc!r}") for j in jobs]
+        error = f"submit failed: {exc!r}"
+        ranks = range(self.config.world_size)
+        failures = [JobResult(job_id=j.job_id, rank=r, ok=False, error=error) for j in jobs for r in ranks]
         self.apply_results(failures)
 
     # -- teardown ------------------------------------------------------------------------
@@ -305,7 +258,7 @@ class SyncEngine:
             return
         self.closed = True
         try:
-            self.executor.close()
+            self._executor.close()
             self.manager.end_fences()
         finally:
             self.manager.close()

@@ -3,7 +3,9 @@ kept too long (fences and lookup pins held past their warning thresholds)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.core.config import Config
@@ -23,8 +25,77 @@ from kvflow.core.events import (
     event_name,
 )
 from kvflow.core.jobs import LOAD, REMOTE_STORE, STORE
-from kvflow.engine.api import Counters, Latencies
 from kvflow.engine.manager import OffloadManager
+
+
+@dataclass
+class Counters:
+    """Running totals, readable at any time from Python (``engine.counters``)."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    jobs_submitted: int = 0
+    jobs_completed: int = 0
+    jobs_failed: int = 0
+    jobs_timed_out: int = 0
+    late_results: int = 0
+    jobs_fenced: int = 0  # outcome known while a copy may still run (F15)
+    fences_lifted: int = 0  # of those, the copies reported over (or the executor closed)
+    fences_overdue: int = 0  # fences held past ``fence_warn_ms`` (each warned about once)
+    pins_overdue: int = 0  # requests holding lookup hits past ``pin_warn_ms`` (F18)
+    unknown_results: int = 0
+    executor_errors: int = 0
+    blocks_stored: int = 0
+    blocks_loaded: int = 0
+    blocks_evicted: int = 0
+    blocks_rejected: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    # the remote tier (kvflow.tiers): blocks and bytes its completed jobs moved
+    remote_blocks_stored: int = 0
+    remote_blocks_loaded: int = 0
+    remote_bytes_stored: int = 0
+    remote_bytes_loaded: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+@dataclass
+class Latencies:
+    """Submit-to-terminal time of recent jobs, in ms, by direction (the last ``window`` to
+    ``2 * window`` samples of each, so a long-running engine's memory stays bounded)."""
+
+    load_ms: list[float] = field(default_factory=list)
+    store_ms: list[float] = field(default_factory=list)
+    window: int = 100_000
+    # called with (direction, latency_ms) for every sample (e.g. a Prometheus histogram)
+    listeners: list[Callable[[str, float], None]] = field(default_factory=list)
+
+    def add(self, direction: str, latency_ms: float) -> None:
+        for listener in self.listeners:
+            listener(direction, latency_ms)
+        values = self.load_ms if direction == LOAD else self.store_ms
+        values.append(latency_ms)
+        if len(values) > 2 * self.window:
+            del values[: len(values) - self.window]
+
+    def summary(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for name, values in (("load", self.load_ms), ("store", self.store_ms)):
+            for q in (50, 90, 99):
+                out[f"{name}_p{q}_ms"] = percentile(values, q)
+        return out
 
 
 class EngineWatch:
@@ -113,7 +184,7 @@ class EngineWatch:
     def _subscribe(self) -> None:
         on = self.manager.subscribe
         on(self._on_submitted, (JobsSubmitted,))
-        on(self._on_completed, (JobCompleted,))  # (apart: the common end, kept short)
+        on(self._on_completed, (JobCompleted,))
         on(self._on_ended, tuple(t for t in TERMINAL_TYPES if t is not JobCompleted))
         on(self._on_evicted, (BlocksEvicted,))
         on(self._on_rejected, (StoreRejected,))
@@ -127,7 +198,7 @@ class EngineWatch:
         """The jobs go to the executor at the event's time: their latency counts from there."""
         self.counters.jobs_submitted += len(event.job_ids)
         submitted_at, now = self._submitted_at, event.now_ms
-        for job_id in event.job_ids:  # (a loop: a batch is a job or two, dict.fromkeys costs 3x)
+        for job_id in event.job_ids:
             submitted_at[job_id] = now
 
     def _on_pins(self, event: PinsAcquired) -> None:
@@ -140,11 +211,11 @@ class EngineWatch:
             self.counters.jobs_fenced += 1
 
     def _on_fence_event(self, event: FenceLifted | Reset) -> None:
-        if type(event) is Reset:
-            for job_id in event.abandoned_job_ids:  # type: ignore[union-attr]
+        if isinstance(event, Reset):
+            for job_id in event.abandoned_job_ids:
                 self._fence(job_id)
         else:
-            self._unfence(event.job_id)  # type: ignore[union-attr]
+            self._unfence(event.job_id)
 
     def _unfence(self, job_id: int) -> None:
         if self.fenced_at.pop(job_id, None) is not None:
@@ -188,10 +259,12 @@ class EngineWatch:
         if event.abandoned:
             return  # a reset already told the engine; only the holds end now
         c = self.counters
-        if type(event) is JobFailed:
+        if isinstance(event, JobFailed):
             c.jobs_failed += 1
+            error = event.error
         else:
             c.jobs_timed_out += 1
+            error = "deadline passed"
         if self.debug:
             self.log.warning(
                 f"kvflow.{event_name(event)}",
@@ -199,7 +272,7 @@ class EngineWatch:
                 request=event.request_id,
                 direction=event.direction,
                 blocks=len(event.hashes),
-                error=getattr(event, "error", "deadline passed"),
+                error=error,
             )
         if started is not None:
             self._latency(event.direction, started)

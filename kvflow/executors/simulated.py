@@ -254,6 +254,11 @@ class SimulatedExecutor:
             fails = (self.rng.random() < self.fault_rate) or fails
         return fails, ordinal in self.slow_jobs, ordinal in self.hang_jobs
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block's copy moves, as the transfer model has it."""
+        return self.model.bytes_per_block
+
     def next_completion_ms(self) -> float | None:
         """Virtual time of the next result, or None when nothing will complete."""
         return self._heap[0][0] if self._heap else None

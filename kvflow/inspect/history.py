@@ -126,7 +126,7 @@ def _names(selector: Selector, rec: Any, walk: _Walk) -> bool:
             return True  # cannot tell: a reset touches every block and slot
         if selector.block is not None:
             return selector.block in walk.state.entries
-        return _slot_owner(walk.state, selector.slot)[0] != "free"  # type: ignore[arg-type]
+        return selector.slot is not None and _slot_owner(walk.state, selector.slot)[0] != "free"
     if kind in (RankSucceeded, LateResultIgnored, JobResult):
         return _job_matches(selector, jobs.get(rec.job_id))
     if selector.job is not None:
@@ -137,10 +137,8 @@ def _names(selector: Selector, rec: Any, walk: _Walk) -> bool:
             and _job_matches(selector, jobs.get(rec.job_id))
         )
     if selector.block is not None:
-        hashes = getattr(rec, "hashes", None)
-        if hashes is None:
-            hashes = getattr(rec, "block_hashes", ())
-        return selector.block in hashes  # type: ignore[operator]
+        hashes: tuple[int, ...] = getattr(rec, "hashes", ()) or getattr(rec, "block_hashes", ())
+        return selector.block in hashes
     return selector.slot in getattr(rec, "slots", ())
 
 

@@ -130,7 +130,7 @@ def focus_dict(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> di
         owner, who = _slot_owner(state, selector.slot)
         out.update({"slot": selector.slot, "owner": owner})
         if owner == "block":
-            out["entry"] = entry_dict(who, state)  # type: ignore[arg-type]
+            out["entry"] = entry_dict(who, state)
         elif owner == "fenced":
             out["jobs"] = who
     return out
@@ -156,9 +156,11 @@ def _view(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> str:
             return "not live"
         done = ", finished" if req.finished else ""
         return f"pins {sum(req.pins.values())}, live jobs {few(req.jobs)}{done}"
-    owner, who = _slot_owner(state, selector.slot)  # type: ignore[arg-type]
+    if selector.slot is None:
+        return ""  # (a selector names one of block, job, request or slot)
+    owner, who = _slot_owner(state, selector.slot)
     if owner == "block":
-        return f"block {who} ({state.entries[who].state.name})"  # type: ignore[index]
+        return f"block {who} ({state.entries[who].state.name})"
     if owner == "fenced":
         return f"fenced by job{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}"
     return owner

@@ -1,17 +1,16 @@
-"""The event log: what the manager records its commands and events into.
-
-Three kinds: ``NullLog`` keeps nothing, ``MemoryLog`` keeps a list (tests, tools, short runs),
-and ``TraceWriter`` writes a trace file (``kvflow.log``: its format, writer and reader). The
-trace names are re-exported here, where the engine and the tools have always found them.
+"""Two logs in memory (``kvflow.log.protocol.Log``): ``NullLog`` keeps nothing and ``MemoryLog``
+keeps a list (tests, tools, short runs). ``TraceWriter`` (``kvflow.log.writer``) writes a trace
+file.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 from kvflow.core.commands import COMMAND_TYPES, Command
 from kvflow.core.config import Config
 from kvflow.core.events import EVENT_TYPES, Event
+from kvflow.core.state.model import State
 
 __all__ = ["MemoryLog", "NullLog"]
 
@@ -26,10 +25,13 @@ class NullLog:
     def record_events(self, events: list[Event]) -> None:
         pass
 
-    def after_command(self, state: Any) -> None:
+    def after_command(self, state: State) -> None:
         pass
 
-    def close(self, state: Any = None) -> None:
+    def flush(self) -> None:
+        pass
+
+    def close(self, state: State | None = None) -> None:
         pass
 
 
@@ -40,7 +42,7 @@ class MemoryLog:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.records: list[Any] = []
+        self.records: list[Command | Event] = []
 
     def record_command(self, command: Command) -> None:
         self.records.append(command)
@@ -48,7 +50,10 @@ class MemoryLog:
     def record_events(self, events: list[Event]) -> None:
         self.records.extend(events)
 
-    def after_command(self, state: Any) -> None:
+    def after_command(self, state: State) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def events(self) -> list[Event]:
@@ -57,6 +62,6 @@ class MemoryLog:
     def commands(self) -> list[Command]:
         return [cast(Command, r) for r in self.records if isinstance(r, COMMAND_TYPES)]
 
-    def close(self, state: Any = None) -> None:
+    def close(self, state: State | None = None) -> None:
         pass
 

@@ -23,7 +23,8 @@ def read_error(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def field_message(exc: msgspec.ValidationError | msgspec.DecodeError) -> str:
+def field_message(exc: BaseException) -> str:
+    """The one-line message of a decoder's error (msgspec's), naming the field it was in."""
     text = str(exc)
     if " - at `$" in text:
         what, _, where = text.partition(" - at `$")
@@ -96,7 +97,7 @@ def decode_problem(exc: BaseException, line: bytes) -> str:
         return utf8_problem(line)
     if isinstance(exc, RecursionError):
         return nesting_problem(line)
-    message = field_message(exc)  # type: ignore[arg-type]
+    message = field_message(exc)
     if message.startswith("field ") or message.startswith("missing "):
         return message
     field = syntax_error_field(str(exc), line)

@@ -35,7 +35,8 @@ def _int_fields(cls: type) -> tuple[tuple[str, int, int, int], ...]:
     import msgspec.inspect as mi
 
     out: list[tuple[str, int, int, int]] = []
-    for f in cast(Any, mi.type_info(cls)).fields:
+    info = cast(Any, mi.type_info(cls))  # (a StructType: every record type is a struct)
+    for f in info.fields:
         t = f.type
         if isinstance(t, mi.IntType):
             kind = _ONE
@@ -49,7 +50,7 @@ def _int_fields(cls: type) -> tuple[tuple[str, int, int, int], ...]:
         if f.name in _HASH_FIELDS:
             low, high = HASH_MIN, ID_LIMIT
         elif f.name == "rank":
-            cancelled = cls.__struct_config__.tag == JobFailed.__struct_config__.tag  # type: ignore[attr-defined]
+            cancelled = info.tag == JobFailed.__struct_config__.tag
             low, high = (-1 if cancelled else 0), _WORLD
         else:
             low, high = 0, ID_LIMIT

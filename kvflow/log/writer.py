@@ -267,8 +267,8 @@ class TraceWriter:
         finally:
             self.closed = True
             if self._worker is not None:
-                if not self._stop_sent:
-                    self._queue.put(_STOP)  # type: ignore[union-attr]  (it ends, whatever failed)
+                if not self._stop_sent and self._queue is not None:
+                    self._queue.put(_STOP)  # (it ends, whatever failed)
                 self._worker.join()
             self._file.close()
         try:

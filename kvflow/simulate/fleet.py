@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvflow.core.errors import ConfigError
+from kvflow.executors.simulated import SimulatedExecutor
 from kvflow.simulate.run import SimOptions, Simulation
 from kvflow.simulate.workload import WorkloadRequest, read_workload
 from kvflow.tiers.simulated_remote import SimulatedRemoteExecutor, SimulatedRemoteStore
@@ -28,10 +29,11 @@ class FleetInstance(Simulation):
     remote tier (when there is one)."""
 
     def __init__(self, options: SimOptions, remote: SimulatedRemoteStore | None) -> None:
+        self.remote = remote
         super().__init__(options)
-        if remote is not None:
-            self.executor = SimulatedRemoteExecutor(self.executor, remote, self.clock)
-            self.engine.executor = self.executor
+
+    def _wrap(self, executor: SimulatedExecutor) -> Any:
+        return executor if self.remote is None else SimulatedRemoteExecutor(executor, self.remote, self.clock)
 
     def _before_lookup(self, rid: str, full: tuple[int, ...], L: int, d: int) -> int:
         """A first lookup probes the remote tier for what the CPU tier lacks, a second

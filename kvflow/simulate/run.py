@@ -19,7 +19,7 @@ from typing import Any
 
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
-from kvflow.engine.api import StepReport
+from kvflow.engine.notices import StepReport
 from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
 from kvflow.simulate.capacity import DEFAULT_CPU_BLOCKS, KvGeometry, blocks_for_gb, kv_geometry
@@ -188,12 +188,14 @@ class Simulation:
         self.config = options.config()
         self.bytes_per_block = options.bytes_per_block
         self.clock = VirtualClock()
-        self.executor: Any = SimulatedExecutor(
-            self.clock,
-            TransferModel(self.bytes_per_block, options.bandwidth_gbps, options.latency_us),
-            fault_rate=options.fault_rate,
-            seed=options.seed,
-            hang_jobs=options.hang_jobs,
+        self.executor: Any = self._wrap(
+            SimulatedExecutor(
+                self.clock,
+                TransferModel(self.bytes_per_block, options.bandwidth_gbps, options.latency_us),
+                fault_rate=options.fault_rate,
+                seed=options.seed,
+                hang_jobs=options.hang_jobs,
+            )
         )
         meta = {
             "tool": "kvflow simulate",
@@ -216,6 +218,10 @@ class Simulation:
         self.ids = _Ids()
         self.totals = _Totals()
         self.lazy = options.store == "lazy"
+
+    def _wrap(self, executor: SimulatedExecutor) -> Any:
+        """The executor the engine drives (a fleet instance puts its remote tier beside it)."""
+        return executor
 
     # -- sequential (§7) -----------------------------------------------------------------
 

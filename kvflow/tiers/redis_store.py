@@ -27,15 +27,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
+from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError, KvflowError
 from kvflow.tiers.entry import Layout, Miss, decode, encode, key_of
+
+if TYPE_CHECKING:
+    from kvflow.tiers.remote_executor import RemoteTierExecutor
 
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_PREFIX = b"kvflow"
@@ -76,7 +80,7 @@ def connect(
 
 
 def cluster_nodes(addresses: Sequence[tuple[str, int]]) -> list[ClusterNode]:
-    return [ClusterNode(host, port) for host, port in addresses]
+    return [ClusterNode(host, port) for host, port in addresses]  # type: ignore[no-untyped-call]  # redis-py: untyped
 
 
 class RedisBlockStore:
@@ -176,8 +180,8 @@ def _error_text(reply: object) -> str:
 
 
 def redis_tier(
-    executor: Any,
-    config: Any,
+    executor: object,
+    config: Config,
     url: str,
     *,
     model: str,
@@ -187,20 +191,20 @@ def redis_tier(
     ttl_s: int | None = None,
     absent_ttl_s: float = 1.0,
     **redis_kwargs: Any,
-) -> Any:
+) -> RemoteTierExecutor:
     """``executor`` (with its host pool) behind a Redis remote tier: the executor to hand to
     ``SyncEngine`` with ``config`` (whose ``remote_blocks`` must be > 0). ``model`` names the
     KV's model: with the pool's page sizes and ``config.block_tokens`` it is the layout identity
     entries are keyed and checked by. ``timeout_s`` (socket timeout, one attempt) defaults to a
     quarter of the job deadline, at most 1 s. A block a probe found absent is not asked about
     again for ``absent_ttl_s``."""
-    from kvflow.tiers.remote_executor import RemoteTierExecutor, SlotPages
+    from kvflow.tiers.remote_executor import OwnsPool, RemoteTierExecutor, SlotPages
 
     if not config.remote:
         raise ConfigError("the remote tier needs config.remote_blocks > 0")
-    pool = getattr(executor, "pool", None)
-    if pool is None or not pool.enabled:
+    if not isinstance(executor, OwnsPool) or not executor.pool.enabled:
         raise ConfigError("the remote tier needs an executor with a host pool (cpu_blocks > 0)")
+    pool = executor.pool
     deadline_s = config.job_deadline_ms / 1000.0
     timeout = min(1.0, deadline_s / 4) if timeout_s is None else float(timeout_s)
     if not 0 < timeout <= deadline_s:

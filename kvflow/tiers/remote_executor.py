@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -36,6 +36,26 @@ REMOTE_DIRECTIONS = (REMOTE_STORE, REMOTE_LOAD)
 _STOP = object()
 
 
+class HostPoolPages(Protocol):
+    """What the remote tier reads of a host pool (``kvflow.executors.torch.host_pool.HostPool``)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    @property
+    def page_bytes(self) -> tuple[int, ...]: ...
+
+    def region(self, index: int) -> Any: ...
+
+
+@runtime_checkable
+class OwnsPool(Protocol):
+    """An executor with a host pool (the torch executor): what the Redis tier is built on."""
+
+    @property
+    def pool(self) -> HostPoolPages: ...
+
+
 class SlotPages:
     """Each host slot's pages (one per region of the pool), read and written in place.
     ``regions[r]`` is a ``[slots, page_bytes[r]]`` uint8 array: row ``s`` is slot ``s``."""
@@ -43,9 +63,10 @@ class SlotPages:
     def __init__(self, regions: Sequence[np.ndarray]) -> None:
         self.regions = list(regions)
         self.page_bytes = tuple(int(r.shape[1]) for r in self.regions)
+        self.cpu_blocks = int(self.regions[0].shape[0]) if self.regions else 0
 
     @classmethod
-    def of_pool(cls, pool: Any) -> SlotPages:
+    def of_pool(cls, pool: HostPoolPages) -> SlotPages:
         """The slots of a ``HostPool`` (kvflow.executors.torch.host_pool)."""
         return cls([pool.region(r).numpy() for r in range(len(pool.page_bytes))])
 
@@ -77,8 +98,6 @@ class RemoteTierExecutor:
         """``absent_ttl_s``: a block a probe found absent is not asked about again for this
         long (a request waiting for its turn looks its prefix up every step)."""
         self.inner = inner
-        self.pool = getattr(inner, "pool", None)  # (the engine checks its size, F11)
-        self.layout = getattr(inner, "layout", None)
         self.slots = slots
         self._open_store = open_store
         self._deadline_s = job_deadline_ms / 1000.0
@@ -100,6 +119,17 @@ class RemoteTierExecutor:
         self._thread.start()
 
     # -- the engine's side (never blocks on the network) ---------------------------------
+
+    @property
+    def host_slots(self) -> int:
+        """The host slots remote jobs read and write (an engine checks them against its
+        config's, F11)."""
+        return self.slots.cpu_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: one slot's pages."""
+        return sum(self.slots.page_bytes)
 
     def submit(self, jobs: Sequence[TransferJob], compute_done: Any = None) -> None:
         local = [j for j in jobs if j.direction not in REMOTE_DIRECTIONS]
@@ -215,7 +245,7 @@ class RemoteTierExecutor:
                 h, reason = misses[0]
                 return False, f"remote miss on {len(misses)} of {len(got)} blocks (block {h}: {reason})"
             for slot, payload in zip(job.slots, got):
-                self.slots.write(slot, payload)  # type: ignore[arg-type]
+                self.slots.write(slot, payload)
             self.stats["remote_loaded_blocks"] += len(got)
             return True, None
         except Exception as exc:  # F2: whatever happens is this job's failure

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kvflow.core.commands import JobResult
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
@@ -52,17 +52,38 @@ class SimulatedRemoteStore:
         return len(self._blocks)
 
 
+class SimulatedCopies(Protocol):
+    """What ``SimulatedRemoteExecutor`` needs of the executor it wraps (the simulated one of
+    ``kvflow.executors.simulated``)."""
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def submit(self, jobs: Sequence[TransferJob], compute_done: Any = None) -> None: ...
+
+    def poll(self) -> list[JobResult]: ...
+
+    def next_completion_ms(self) -> float | None: ...
+
+    def close(self) -> None: ...
+
+
 class SimulatedRemoteExecutor:
     """An instance's simulated executor with the shared simulated remote tier beside it."""
 
-    def __init__(self, inner: Any, store: SimulatedRemoteStore, clock: Callable[[], float], world_size: int = 1) -> None:
+    def __init__(
+        self, inner: SimulatedCopies, store: SimulatedRemoteStore, clock: Callable[[], float], world_size: int = 1
+    ) -> None:
         self.inner = inner
-        self.model = getattr(inner, "model", None)  # (bytes per block, for the engine)
         self.store = store
         self._clock = clock
         self._world = world_size
         self._ready: list[JobResult] = []
         self._found: list[int] = []
+
+    @property
+    def block_bytes(self) -> int:
+        return self.inner.block_bytes
 
     def submit(self, jobs: Sequence[TransferJob], compute_done: Any = None) -> None:
         local = [j for j in jobs if j.direction not in (REMOTE_STORE, REMOTE_LOAD)]

@@ -8,7 +8,6 @@ whose submit or poll raises); they wrap a real SimulatedExecutor and add only th
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,14 @@ from structlog.testing import capture_logs
 
 from kvflow.core.commands import JobResult
 from kvflow.core.config import Config
-from kvflow.core.errors import BlockHeld, Rejected
+from kvflow.core.errors import BlockHeld, ConfigError, Rejected
 from kvflow.core.events import FenceLifted, LateResultIgnored
 from kvflow.core.jobs import LOAD, STORE, TransferJob
 from kvflow.core.state.invariants import check_invariants
-from kvflow.engine.api import Counters, Latencies, StepReport, percentile
 from kvflow.engine.async_engine import Engine
-from kvflow.engine.notices import Notices
+from kvflow.engine.notices import Notices, StepReport, merge_reports
 from kvflow.engine.sync import SyncEngine
+from kvflow.engine.watch import Counters, Latencies, percentile
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
 from kvflow.replay.fold import replay
 
@@ -53,31 +52,20 @@ def make(
     return engine, ex, clock
 
 
-def test_notices_are_started_by_the_first_event_that_has_one_and_taken_by_the_step() -> None:
+def test_notices_are_kept_until_a_step_takes_them() -> None:
     engine, _, clock = make()
-    book = engine.manager.notice_book
-    assert engine.step() == StepReport(now_ms=0.0) and book.notices is None
+    assert engine.step() == StepReport(now_ms=0.0) and not engine.manager.has_notices()
     engine.lookup("A", (1, 2), 2 * B + 1)
     job = engine.blocks_computed("A", (1, 2), (0, 1))
     submitted = engine.step()
-    assert [j.job_id for j in submitted.submitted] == [job] and book.notices is None
+    assert [j.job_id for j in submitted.submitted] == [job] and not engine.manager.has_notices()
     clock.advance_to(clock.now_ms + ms(2))
-    done = engine.step()  # the store's end started the notices; the step took them
+    engine.manager.apply_results(engine.executor.poll())  # the store ends outside a step...
+    assert engine.manager.has_notices()
+    done = engine.step()  # ...and the next step's report tells it
     assert done.stores_finished == [job] and sorted(done.released_device_blocks) == [0, 1]
-    assert book.notices is None and not engine.manager.has_notices()
-    assert engine.manager.take_notices() == Notices()  # (a Notices all the same)
-
-
-def merge(into: StepReport, r: StepReport) -> StepReport:
-    into.submitted += r.submitted
-    into.loads_finished += r.loads_finished
-    into.loads_failed += r.loads_failed
-    into.stores_finished += r.stores_finished
-    into.stores_failed += r.stores_failed
-    into.released_device_blocks += r.released_device_blocks
-    into.timed_out += r.timed_out
-    into.now_ms = r.now_ms
-    return into
+    assert not engine.manager.has_notices()
+    assert engine.manager.take_notices() == Notices()
 
 
 def run_until_idle(engine: SyncEngine, ex: SimulatedExecutor, clock: VirtualClock) -> StepReport:
@@ -91,7 +79,9 @@ def run_until_idle(engine: SyncEngine, ex: SimulatedExecutor, clock: VirtualCloc
         if due is None or (deadline is not None and deadline < due):
             due = deadline
         clock.advance_to(due)
-        merge(merged, engine.step())
+        report = engine.step()
+        merge_reports(merged, report)
+        merged.now_ms = report.now_ms
     raise AssertionError("engine never became idle")
 
 
@@ -565,20 +555,6 @@ def test_a_recorded_engine_run_replays_and_redecides_clean(tmp_path: Path) -> No
 # --- logging --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def restore_structlog() -> Iterator[None]:
-    """structlog's configuration is global (and capture_logs leaves it marked configured)."""
-    was_configured = structlog.is_configured()
-    saved = structlog.get_config()
-    try:
-        yield
-    finally:
-        if was_configured:
-            structlog.configure(**saved)
-        else:
-            structlog.reset_defaults()
-
-
 def test_failed_and_timed_out_jobs_are_logged_with_dotted_names(restore_structlog: None) -> None:
     with capture_logs() as logs:
         engine, ex, clock = make(fail_jobs=[2], hang_jobs=[3])
@@ -751,7 +727,7 @@ def test_an_engine_without_a_trace_keeps_no_log_so_memory_stays_bounded() -> Non
 
 
 def test_latency_samples_stay_bounded() -> None:
-    from kvflow.engine.api import Latencies
+    from kvflow.engine.watch import Latencies
 
     lat = Latencies(window=10)
     for i in range(100):
@@ -859,3 +835,91 @@ def test_a_call_from_a_second_thread_while_one_is_decided_is_refused() -> None:
     first.join(10)
     assert len(engine.manager.state.requests) == events == 1  # only A's call happened
     assert engine.lookup("B", A_HASHES, 3 * B + 1) == 0  # and B can call once A is done
+
+
+# --- the step's report and the executor's declared abilities ----------------------------------
+
+
+def test_merge_reports_adds_up_every_field_of_a_report() -> None:
+    """A field added to ``Notices`` or ``StepReport`` and left out of ``merge_reports`` fails here."""
+    more = StepReport(now_ms=5.0)
+    for name in StepReport.__struct_fields__:
+        value = getattr(more, name)
+        if isinstance(value, list):
+            value.append(object())
+        elif isinstance(value, bool):
+            setattr(more, name, True)
+        elif isinstance(value, int):
+            setattr(more, name, 3)
+    into = StepReport(now_ms=1.0)
+    merge_reports(into, more)
+    for name in StepReport.__struct_fields__:
+        assert name == "now_ms" or getattr(into, name) == getattr(more, name), name
+    merge_reports(into, Notices(rejected_store_blocks=1, all_blocks_cleared=False))
+    assert into.rejected_store_blocks == 4 and into.all_blocks_cleared  # (notices add up too)
+
+
+def test_a_step_applies_a_batch_with_a_bad_result_one_by_one_and_reports_the_refused(restore_structlog: None) -> None:
+    engine, ex, clock = make()
+    engine.lookup("A", A_HASHES, 3 * B + 1)
+    job = engine.blocks_computed("A", A_HASHES, (0, 1, 2))
+    engine.step()
+    clock.advance_to(ms(3))
+    results = [*ex.poll(), JobResult(job_id=job, rank=7), JobResult(job_id=999)]
+    with capture_logs() as logs:
+        report = engine.step(results=results)
+    assert report.stores_finished == [job] and report.refused_results == 2
+    assert engine.counters.unknown_results == 2
+    assert [(e["job"], e["rank"]) for e in logs if e["event"] == "kvflow.result_rejected"] == [(job, 7), (999, 0)]
+
+
+def test_a_step_refuses_a_bad_time_before_applying_anything() -> None:
+    engine, ex, clock = make()
+    engine.lookup("A", A_HASHES, 3 * B + 1)
+    job = engine.blocks_computed("A", A_HASHES, (0, 1, 2))
+    engine.step()
+    digest = engine.manager.state.digest()
+    with pytest.raises(Rejected, match="now_ms"):
+        engine.manager.step(float("nan"), [JobResult(job_id=job)])
+    assert engine.manager.state.digest() == digest
+
+
+class _NoPoll:
+    def submit(self, jobs: Any, compute_done: Any = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def test_an_object_that_is_not_an_executor_is_refused_naming_what_it_lacks() -> None:
+    with pytest.raises(ConfigError, match="_NoPoll is not an executor: it lacks poll"):
+        SyncEngine(Config(cpu_blocks=8, block_tokens=B), _NoPoll())
+
+
+def test_a_remote_tier_needs_an_executor_that_probes_it() -> None:
+    clock = VirtualClock()
+    config = Config(cpu_blocks=8, block_tokens=B, remote_blocks=64)
+    with pytest.raises(ConfigError, match="remote_blocks=64 needs an executor that probes a remote tier"):
+        SyncEngine(config, SimulatedExecutor(clock, MODEL), clock=clock)
+
+
+def test_the_executor_tells_the_bytes_of_a_block_unless_the_engine_is_told() -> None:
+    clock = VirtualClock()
+    config = Config(cpu_blocks=8, block_tokens=B)
+    assert SyncEngine(config, SimulatedExecutor(clock, MODEL), clock=clock).bytes_per_block == BPB
+    told = SyncEngine(config, SimulatedExecutor(clock, MODEL), clock=clock, bytes_per_block=7)
+    assert told.bytes_per_block == 7
+
+
+def test_a_submit_that_raises_fails_the_jobs_on_every_rank_and_fences_nothing() -> None:
+    clock = VirtualClock()
+    inner = SimulatedExecutor(clock, MODEL, world_size=2)
+    config = Config(cpu_blocks=8, block_tokens=B, world_size=2, job_deadline_ms=DEADLINE_MS)
+    engine = SyncEngine(config, RaisingSubmit(inner, fail_on=1), clock=clock, bytes_per_block=BPB)
+    engine.lookup("A", A_HASHES, 3 * B + 1)
+    job = engine.blocks_computed("A", A_HASHES, (0, 1, 2))
+    report = engine.step()
+    assert [j for j, _ in report.stores_failed] == [job]
+    assert sorted(report.released_device_blocks) == [0, 1, 2]
+    assert engine.fences() == [] and engine.held_device_blocks() == []
+    engine.finish_request("A")
+    assert_clean(engine)

@@ -4,11 +4,26 @@ inside the real engine)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
 import pytest
+from structlog.testing import capture_logs
 
 from kvflow.core.commands import JobResult
 from kvflow.core.errors import ConfigError
-from kvflow.integrations.vllm.sides import ConnectorConfig, SchedulerSide, kvflow_hash
+from kvflow.core.events import EVENT_TYPES, JobCompleted, JobFailed, LateResultIgnored
+from kvflow.core.jobs import TransferJob
+from kvflow.core.state.invariants import check_invariants
+from kvflow.integrations.vllm.sides import (
+    ConnectorConfig,
+    SchedulerSide,
+    StepPlan,
+    WorkerSide,
+    kvflow_hash,
+)
+from kvflow.log.reader import read_trace
 
 B = 32
 
@@ -98,3 +113,119 @@ def test_a_request_whose_load_failed_is_offered_nothing_again() -> None:
     assert side.loads_failed == 1
     assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == 0  # recompute
     assert side.matched_tokens("s", hashes(1, 2), 2 * B + 1, 0) == 2 * B  # the entries are fine
+
+
+# --- tensor parallelism: one worker per rank ---------------------------------------------------
+
+
+def kv_shard(seed: int) -> dict[str, Any]:
+    """One rank's shard of a two-layer KV cache, laid out as vLLM's CPU build lays it out."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layer.{i}": torch.randn((16, 2, 4, 8), generator=gen) for i in range(2)}
+
+
+def run_on(workers: list[WorkerSide], plan: StepPlan) -> list[list[JobResult]]:
+    """Each worker runs the step's jobs (loads before the forward pass, stores after it) to
+    their end; every worker's results, by rank."""
+    for worker in workers:
+        worker.bind(plan)
+        worker.start_loads()
+        worker.start_stores()
+    for worker in workers:
+        for job in plan.jobs:
+            worker.executor.wait(job.job_id, timeout_s=30)
+        worker.poll()
+    return [worker.take_results() for worker in workers]
+
+
+def test_F15_a_load_that_fails_on_one_rank_fails_and_is_fenced_until_every_rank_reported(tmp_path: Path) -> None:
+    """vLLM with tensor parallelism 2: two workers, each copying its own shard. The store of
+    a request lands on both ranks (one job, two results: no result is late). A later load of
+    it fails on rank 1 only, while rank 0's copy is still to report: the job fails at once
+    (its blocks named for recompute, once), stays fenced while rank 0's copy may still write
+    the device blocks, and is released when rank 0 reports. Nothing is left behind."""
+    trace = tmp_path / "tp2.jsonl"
+    config = ConnectorConfig(cpu_blocks=8, trace_path=str(trace))
+    workers = [WorkerSide(config, rank=0), WorkerSide(replace(config, fail_job_ids=(2,)), rank=1)]
+    block_bytes = {worker.register(kv_shard(worker.rank)) for worker in workers}
+    side = SchedulerSide(config, B, block_bytes.pop(), world_size=2)
+    assert side.manager.config.world_size == 2
+
+    side.matched_tokens("w", hashes(1, 2), 2 * B + 1, 0)
+    side.allocated("w", [1, 2, 3], 0)
+    plan = side.step([("w", 2 * B + 1, None, False)], [])
+    [store] = plan.jobs
+    both = run_on(workers, plan)
+    assert [[(r.job_id, r.rank, r.ok) for r in rank] for rank in both] == [[(store.job_id, 0, True)], [(store.job_id, 1, True)]]
+    side.results([*both[0], *both[1]])  # (vLLM aggregates the workers' metadata in rank order)
+    assert side.finished("w") is False and side.manager.state.jobs == {}
+
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == 2 * B
+    side.allocated("r", [5, 6, 7], 2 * B)
+    plan = side.step([("r", 2 * B + 1, None, False)], [])
+    [load] = plan.jobs
+    assert (load.job_id, load.direction, load.device_blocks) == (2, "load", (5, 6))
+    rank0, rank1 = run_on(workers, plan)
+    assert [(r.rank, r.ok) for r in rank0] == [(0, True)] and [(r.rank, r.ok) for r in rank1] == [(1, False)]
+
+    side.results(rank1)  # rank 1's failure arrives while rank 0's copy has not reported
+    assert side.loads_failed == 1 and side.loads_landed == 0
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == 0  # vLLM recomputes
+    [fence] = side.manager.fences()
+    assert (fence.job_id, fence.ranks_pending, fence.device_blocks) == (load.job_id, (0,), (5, 6))
+    assert sorted(side.manager.held_device_blocks()) == [5, 6]  # rank 0 may still write them
+    # vLLM unions the workers' load errors: the load's blocks are named to it once
+    assert workers[0].take_load_errors() | workers[1].take_load_errors() == {5, 6}
+    # and counts a request's load over when every worker said so
+    assert [worker.finished()[1] for worker in workers] == [{"r"}, {"r"}]
+
+    side.results(rank0)  # rank 0's copy is over: the fence lifts
+    assert side.manager.fences() == [] and side.manager.held_device_blocks() == []
+    assert side.loads_failed == 1 and side.loads_landed == 0  # told once
+    assert side.finished("r") is False
+    state = side.manager.state
+    assert state.jobs == {} and state.requests == {}
+    assert all(state.entries[h].pins == 0 for h in (kvflow_hash(x) for x in hashes(1, 2)))
+    assert len(state.free_slots) == 8 - 2  # the stored blocks only
+    check_invariants(state)
+    side.close()
+    for worker in workers:
+        worker.close()
+
+    reader, records = read_trace(trace)
+    assert reader.config.world_size == 2
+    events = [record for _, record in records if isinstance(record, EVENT_TYPES)]
+    late = [(e.job_id, e.rank) for e in events if isinstance(e, LateResultIgnored)]
+    assert late == [(load.job_id, 0)]  # only the report that lifts the fence
+    assert [e.job_id for e in events if isinstance(e, JobCompleted)] == [store.job_id]
+    assert [(e.job_id, e.rank, e.fenced) for e in events if isinstance(e, JobFailed)] == [(load.job_id, 1, True)]
+
+
+def test_a_worker_reports_under_its_rank_even_when_its_submit_fails() -> None:
+    """A worker whose executor refuses a batch fails its jobs under its own rank, so the
+    other rank's report still completes the picture (no rank is reported twice, none never)."""
+    config = ConnectorConfig(cpu_blocks=8)
+    worker = WorkerSide(config, rank=1)
+    worker.register(kv_shard(1))
+    worker.executor.close()  # a closed executor refuses every submit
+    job = TransferJob(job_id=1, direction="store", device_blocks=(1,), slots=(0,), hashes=(5,), request_id="w")
+    worker.bind(StepPlan(jobs=[job]))
+    worker.start_stores()
+    [result] = worker.take_results()
+    assert (result.job_id, result.rank, result.ok) == (1, 1, False) and "submit failed" in (result.error or "")
+
+
+def test_F2_a_bad_result_among_the_workers_costs_only_itself(restore_structlog: None) -> None:
+    """A result the decisions refuse (a rank outside vLLM's world) is logged and dropped; the
+    other results of the step are applied (the manager's step isolates it, as SyncEngine's)."""
+    side = SchedulerSide(ConnectorConfig(cpu_blocks=8), B, 4096, world_size=2)
+    side.matched_tokens("w", hashes(1, 2), 2 * B + 1, 0)
+    side.allocated("w", [1, 2, 3], 0)
+    [store] = side.step([("w", 2 * B + 1, None, False)], []).jobs
+    with capture_logs() as logs:
+        side.results([JobResult(job_id=store.job_id, rank=0), JobResult(job_id=store.job_id, rank=2),
+                      JobResult(job_id=store.job_id, rank=1)])  # fmt: skip
+    assert [(e["event"], e["rank"]) for e in logs if e["log_level"] == "warning"] == [("kvflow.result_rejected", 2)]
+    assert side.manager.state.jobs == {}  # ranks 0 and 1 completed the store
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == 2 * B

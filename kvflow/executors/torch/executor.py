@@ -272,6 +272,16 @@ class TorchExecutor(PageCopies):
         self.close()
 
     @property
+    def host_slots(self) -> int:
+        """The host pool's slots (an engine checks them against its config's, F11)."""
+        return self.pool.cpu_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block's copy moves: its page in every region of this executor's KV."""
+        return self.layout.block_bytes
+
+    @property
     def stats(self) -> dict[str, int]:
         """Counters: bytes stored/loaded (successful jobs), jobs submitted/completed/failed."""
         with self._lock:

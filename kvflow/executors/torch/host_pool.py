@@ -236,7 +236,7 @@ class HostPool:
             start, end = 0, self.spec.nbytes
         ptr = self._buffer.data_ptr() + start
         try:
-            cudart = torch.cuda.cudart()
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch: untyped
             err = cudart.cudaHostRegister(ptr, end - start, CUDA_HOST_REGISTER_PORTABLE)
         except (RuntimeError, AttributeError) as e:
             raise ConfigError(f"cannot pin host pool ({end - start} B): {_first_line(e)}") from None
@@ -309,7 +309,7 @@ class HostPool:
     def close(self) -> None:
         """Unpin what this process pinned; the creator also removes the shared file."""
         if self._registered:
-            cudart = torch.cuda.cudart()
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch: untyped
             for ptr, _size in self._registered:
                 cudart.cudaHostUnregister(ptr)
             self._registered = []

@@ -275,6 +275,16 @@ class RankGroup:
                 raise KvflowError(f"ranks {missing} did not start within {timeout_s} s")
             self._drain(0.05)
 
+    @property
+    def host_slots(self) -> int:
+        """The shared pool's slots (an engine checks them against its config's, F11)."""
+        return self.pool.cpu_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block's copy moves, every rank's shard of it (one slot of the pool)."""
+        return self.pool.spec.block_bytes
+
     def submit(self, jobs: Sequence[TransferJob], compute_done: Any = None) -> None:
         """Send ``jobs`` to every rank. ``compute_done`` must be None: events do not cross
         processes; each rank's copies start when the rank receives them."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -75,6 +75,14 @@ class StagedCopies:
     _stage: StageTables | None
     _max_words: int
     _pages: list[torch.Tensor]
+
+    if TYPE_CHECKING:  # PageCopies' (the executor's class has both)
+
+        def _groups(self) -> list[tuple[int, int]]: ...
+
+        def _landed(self, stream: Any | None, end: int) -> None: ...
+
+        def _to_device(self, array: np.ndarray) -> torch.Tensor: ...
 
     def _init_staged(self, staging_bytes: int) -> None:
         """What the staged path needs: a page-first pool (and the page kernel where it runs)."""

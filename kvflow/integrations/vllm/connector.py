@@ -18,6 +18,9 @@ Worker side (``WorkerSide``): loads start before the forward pass, stores after 
 (``wait_for_save``: the compute is done), results go back to the scheduler side each step,
 failed loads are named to vLLM (``get_block_ids_with_load_errors``) so that
 ``kv_load_failure_policy="recompute"`` recomputes exactly those blocks.
+Ranks: every worker reports under its rank (vLLM's ``parallel_config.rank``) and the scheduler
+side counts vLLM's ``parallel_config.world_size`` ranks, so a job is over once every worker's
+copy is, and a copy that fails on one worker fails the job (vLLM recomputes its blocks).
 
 This module imports without vLLM; the connector class needs it (``pip install vllm``).
 """
@@ -37,19 +40,20 @@ from kvflow.integrations.vllm.sides import (
 )
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found,unused-ignore]
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
         KVConnectorWorkerMetadata,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-not-found,unused-ignore]
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
     )
-except ImportError:  # vLLM is optional: the sides above work (and are tested) without it
-    KVConnectorBase_V1 = None  # type: ignore[assignment,misc]
 
+    HAVE_VLLM = True
+except ImportError:  # vLLM is optional: the sides above work (and are tested) without it
+    HAVE_VLLM = False
 
 
 def _kv_block_bytes(kv_cache_config: Any) -> int:
@@ -59,21 +63,23 @@ def _kv_block_bytes(kv_cache_config: Any) -> int:
     )
 
 
-if KVConnectorBase_V1 is not None:
+if HAVE_VLLM:
 
     @dataclass
-    class KVFlowConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc,valid-type]
+    class KVFlowConnectorMetadata(KVConnectorMetadata):
         plan: StepPlan = field(default_factory=StepPlan)
 
     @dataclass
-    class KVFlowWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc,valid-type]
+    class KVFlowWorkerMetadata(KVConnectorWorkerMetadata):
+        """The workers' results of a step (vLLM aggregates every worker's, in rank order)."""
+
         results: list[JobResult] = field(default_factory=list)
 
-        def aggregate(self, other: Any) -> KVFlowWorkerMetadata:
-            return KVFlowWorkerMetadata(results=[*self.results, *getattr(other, "results", [])])
+        def aggregate(self, other: KVFlowWorkerMetadata) -> KVFlowWorkerMetadata:
+            return KVFlowWorkerMetadata(results=[*self.results, *other.results])
 
     @dataclass
-    class KVFlowStats(KVConnectorStats):  # type: ignore[misc,valid-type]
+    class KVFlowStats(KVConnectorStats):
         """The workers' transfers since vLLM last logged: jobs, blocks and bytes by direction
         and outcome (sums: ``aggregate`` adds workers and steps up)."""
 
@@ -92,7 +98,7 @@ if KVConnectorBase_V1 is not None:
         def is_empty(self) -> bool:
             return not self.data
 
-    class KVFlowPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type]
+    class KVFlowPromMetrics(KVConnectorPromMetrics):
         """kvflow's transfers in vLLM's own Prometheus registry (per engine)."""
 
         _COUNTERS = (
@@ -120,7 +126,7 @@ if KVConnectorBase_V1 is not None:
                 if value:
                     per_engine[engine_idx].inc(value)
 
-    class KVFlowConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
+    class KVFlowConnector(KVConnectorBase_V1):
         """kvflow's CPU tier as a vLLM v1 KV connector (see the module docstring)."""
 
         @property
@@ -130,14 +136,19 @@ if KVConnectorBase_V1 is not None:
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
             transfer = vllm_config.kv_transfer_config
-            self._config = ConnectorConfig.from_extra(getattr(transfer, "kv_connector_extra_config", None))
+            self._config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
             self._block_tokens = int(vllm_config.cache_config.block_size)
             self._scheduler: SchedulerSide | None = None
             self._worker: WorkerSide | None = None
+            # vLLM's world (tensor x pipeline x prefill-context parallel) has one worker per
+            # rank, each reporting its own results: a job is over when all of them reported
+            parallel = vllm_config.parallel_config
             if role == KVConnectorRole.SCHEDULER:
-                self._scheduler = SchedulerSide(self._config, self._block_tokens, _kv_block_bytes(kv_cache_config))
+                self._scheduler = SchedulerSide(
+                    self._config, self._block_tokens, _kv_block_bytes(kv_cache_config), world_size=parallel.world_size
+                )
             else:
-                self._worker = WorkerSide(self._config)
+                self._worker = WorkerSide(self._config, rank=parallel.rank)
 
         # -- scheduler side ------------------------------------------------------------
 
@@ -161,7 +172,7 @@ if KVConnectorBase_V1 is not None:
                 ids = new.block_ids[0] if new.block_ids else []
                 scheduled.append((new.req_id, new.num_computed_tokens + counts.get(new.req_id, 0), ids, True))
             cached = scheduler_output.scheduled_cached_reqs
-            resumed: set[str] = set(getattr(cached, "resumed_req_ids", None) or ())
+            resumed: set[str] = set(cached.resumed_req_ids)
             for i, req_id in enumerate(cached.req_ids):
                 new_ids = cached.new_block_ids[i]
                 ids = None if new_ids is None else new_ids[0]
@@ -171,8 +182,8 @@ if KVConnectorBase_V1 is not None:
 
         def update_connector_output(self, connector_output: Any) -> None:
             assert self._scheduler is not None
-            meta = getattr(connector_output, "kv_connector_worker_meta", None)
-            self._scheduler.results(getattr(meta, "results", []) if meta is not None else [])
+            meta = connector_output.kv_connector_worker_meta  # (None: no worker reported anything)
+            self._scheduler.results(meta.results if meta is not None else [])
 
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
             assert self._scheduler is not None
@@ -183,10 +194,8 @@ if KVConnectorBase_V1 is not None:
             naming blocks as vLLM's own events do (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
             if self._scheduler is None:
                 return []
-            from vllm.distributed import kv_events as vk  # type: ignore[import-not-found,unused-ignore]
-            from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found,unused-ignore]
-                maybe_convert_block_hash,
-            )
+            from vllm.distributed import kv_events as vk
+            from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
             def vllm_form(hashes: list[Any]) -> list[Any]:
                 # as vLLM names blocks in its own events (bytes, or their last 8 bytes as an int)

@@ -31,10 +31,11 @@ MEDIUM_CPU = "CPU"
 # indexes) read them. ``seq`` is kvflow's alone (the event that caused it, for debugging);
 # left at 0 it is omitted, which is how they go on the wire (kvflow.integrations.vllm.kv_events_zmq).
 class BlockStored(msgspec.Struct, frozen=True, tag="BlockStored", omit_defaults=True):
-    """Blocks now readable in ``medium``."""
+    """Blocks now readable in ``medium`` (named by kvflow's hashes, or vLLM's own: bytes or
+    ints, vLLM's ``ExternalBlockHash``)."""
 
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -54,7 +55,7 @@ class BlockStored(msgspec.Struct, frozen=True, tag="BlockStored", omit_defaults=
 class BlockRemoved(msgspec.Struct, frozen=True, tag="BlockRemoved", omit_defaults=True):
     """Blocks no longer readable in ``medium``."""
 
-    block_hashes: list[int]
+    block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
     locality: str | None = None
@@ -107,18 +108,24 @@ class KVEventPublisher:
     def __call__(self, event: Event) -> None:
         """The KV event ``event`` implies, if any, is kept for ``take`` (the translation's
         one home: ``kv_event`` and ``kv_events`` go through it too)."""
-        kind = type(event)
-        if kind is JobCompleted:
+        kv: KVEvent
+        if isinstance(event, JobCompleted):
             # a store, or a remote load, put these blocks on the CPU tier
-            if event.direction not in FILLING or event.abandoned:  # type: ignore[union-attr]
+            if event.direction not in FILLING or event.abandoned:
                 return
-            # (positional, in vLLM's field order: block_hashes, parent_block_hash, token_ids,
-            # block_size, lora_id, medium, lora_name; a quarter cheaper than by keyword)
-            hashes = list(event.hashes)  # type: ignore[union-attr]
-            kv: KVEvent = BlockStored(hashes, None, [], self.block_tokens, None, MEDIUM_CPU, None, seq=event.seq)
-        elif kind is BlocksEvicted:
-            kv = BlockRemoved(block_hashes=list(event.hashes), medium=MEDIUM_CPU, seq=event.seq)  # type: ignore[union-attr]
-        elif kind is Reset:
+            kv = BlockStored(
+                block_hashes=list(event.hashes),
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=self.block_tokens,
+                lora_id=None,
+                medium=MEDIUM_CPU,
+                lora_name=None,
+                seq=event.seq,
+            )
+        elif isinstance(event, BlocksEvicted):
+            kv = BlockRemoved(block_hashes=list(event.hashes), medium=MEDIUM_CPU, seq=event.seq)
+        elif isinstance(event, Reset):
             kv = AllBlocksCleared(seq=event.seq)
         else:
             return

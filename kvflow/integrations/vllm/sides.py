@@ -8,6 +8,12 @@ log, the optional trace); ``WorkerSide`` owns the ``TorchExecutor`` over vLLM's 
 Every executor result crosses back to the scheduler side and is applied there, so the trace
 holds the decisions and the workers' outcomes (``kvflow replay`` / ``incidents`` read it).
 
+Ranks: vLLM runs one worker per rank of its world (tensor x pipeline parallel), each with its
+own shard of the KV cache, so each ``WorkerSide`` copies its shard and reports its results under
+its rank, and the scheduler side's engine has vLLM's world size. A job is done only once every
+rank reported it; a job that fails on one rank fails (its load's blocks are recomputed) and
+stays fenced until every rank's copy is over (F15).
+
 Block hashes: vLLM's are bytes (a sha256 digest); kvflow's are 64-bit ints, the digest's first
 8 bytes, big-endian (as the anchor harness does).
 """
@@ -18,7 +24,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -28,9 +34,14 @@ from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import LOAD, STORE, TransferJob
 from kvflow.core.policies.registry import policy_class
 from kvflow.engine.manager import OffloadManager
+from kvflow.engine.notices import StepReport
 from kvflow.integrations.vllm.kv_events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
 from kvflow.log.memory import NullLog
+from kvflow.log.protocol import Log
 from kvflow.log.writer import TraceWriter
+
+if TYPE_CHECKING:  # (torch is imported when a worker registers its KV caches)
+    from kvflow.executors.torch.executor import TorchExecutor
 
 _MASK64 = (1 << 64) - 1
 
@@ -132,6 +143,10 @@ def _whole(value: Any, name: str) -> int:
     return value
 
 
+def _now(now_ms: float | None) -> float:
+    return time.monotonic() * 1000.0 if now_ms is None else now_ms
+
+
 class StepPlan(msgspec.Struct, frozen=True):
     """Scheduler -> worker, once per step: the jobs to run, and the requests whose blocks vLLM
     keeps until their stores are over (``request_finished`` returned True for them), and the
@@ -155,15 +170,19 @@ class _Tracked:
 
 
 class SchedulerSide:
-    """kvflow's decisions behind vLLM's scheduler hooks."""
+    """kvflow's decisions behind vLLM's scheduler hooks, for vLLM's ``world_size`` workers."""
 
-    def __init__(self, config: ConnectorConfig, block_tokens: int, block_bytes: int) -> None:
+    def __init__(self, config: ConnectorConfig, block_tokens: int, block_bytes: int, world_size: int = 1) -> None:
         self.block_tokens = block_tokens
         cpu_blocks = config.blocks(block_bytes)
         self.config = Config(
-            cpu_blocks=cpu_blocks, block_tokens=block_tokens, policy=config.policy, job_deadline_ms=config.job_deadline_ms
+            cpu_blocks=cpu_blocks,
+            block_tokens=block_tokens,
+            policy=config.policy,
+            job_deadline_ms=config.job_deadline_ms,
+            world_size=world_size,
         )
-        log: Any = NullLog()
+        log: Log = NullLog()
         if config.trace_path:
             log = TraceWriter(config.trace_path, self.config, meta={"engine": "vllm"})
         self.manager = OffloadManager(self.config, log=log)
@@ -222,7 +241,8 @@ class SchedulerSide:
     ) -> StepPlan:
         """One scheduler step: ``scheduled`` lists (request, tokens it will have computed after
         this step, new block ids or None, whether the ids replace the old ones). Stores the
-        blocks that become full, plans every queued job."""
+        blocks that become full; the manager's step then times out what is overdue and plans
+        every queued job, for the workers."""
         for request_id in preempted:
             self.requests.pop(request_id, None)
             self.manager.finish_request(request_id, preempted=True)
@@ -233,9 +253,8 @@ class SchedulerSide:
             if new_ids is not None:
                 tracked.block_ids = list(new_ids) if replace else tracked.block_ids + list(new_ids)
             self._store_full_blocks(request_id, tracked, computed_after)
-        now = time.monotonic() * 1000.0 if now_ms is None else now_ms
-        self.manager.tick(now)
-        jobs = self.manager.plan_step(now)
+        jobs, report = self.manager.step(_now(now_ms))
+        self._told(report)
         delayed, self._delayed = self._delayed, []
         return StepPlan(jobs=jobs, delayed_free=delayed, preempted=list(preempted))
 
@@ -251,16 +270,20 @@ class SchedulerSide:
         tracked.next_store = full
 
     def results(self, results: Sequence[JobResult], now_ms: float | None = None) -> None:
-        """The workers' outcomes for this step, applied (each is recorded in the trace)."""
-        if results:
-            self.manager.job_results(results)
-        flush = getattr(self.manager.log, "flush", None)
-        if flush is not None and not self._closed:
-            flush()  # each step on disk: vLLM may end its engine process without shutdown()
-        notices = self.manager.take_notices()
-        self.loads_landed += len(notices.loads_finished)
-        self.loads_failed += len(notices.loads_failed)
-        self._load_failed.update(f.request_id for f in notices.loads_failed)
+        """The workers' outcomes for this step (every rank's), applied by the manager's step
+        (each is recorded in the trace; one it refuses is logged and the rest applied, F2).
+        Jobs are not planned here: they go to the workers with the next step's metadata."""
+        _, report = self.manager.step(_now(now_ms), results, plan=False)
+        self._told(report)
+        if not self._closed:
+            self.manager.log.flush()  # each step on disk: vLLM may end its engine process without shutdown()
+
+    def _told(self, report: StepReport) -> None:
+        """What a step's report tells the connector: loads landed or failed (a request whose
+        load failed is offered no hits again)."""
+        self.loads_landed += len(report.loads_finished)
+        self.loads_failed += len(report.loads_failed)
+        self._load_failed.update(f.request_id for f in report.loads_failed)
 
     def finished(self, request_id: str) -> bool:
         """The request ended: its pins are released and kvflow touches its chain (the hashes
@@ -286,8 +309,8 @@ class SchedulerSide:
         out: list[KVEvent] = []
         for event in events:
             if isinstance(event, (BlockStored, BlockRemoved)):
-                named = [original.get(h, h) for h in event.block_hashes]
-                out.append(msgspec.structs.replace(event, block_hashes=named, seq=0))  # type: ignore[arg-type]
+                named = [original.get(h, h) if isinstance(h, int) else h for h in event.block_hashes]
+                out.append(msgspec.structs.replace(event, block_hashes=named, seq=0))
             else:
                 out.append(msgspec.structs.replace(event, seq=0))
         if len(original) > 4 * self.config.cpu_blocks:  # forget blocks neither stored nor asked for
@@ -305,11 +328,13 @@ class SchedulerSide:
 
 
 class WorkerSide:
-    """kvflow's copies behind vLLM's worker hooks: a ``TorchExecutor`` over vLLM's KV tensors."""
+    """kvflow's copies behind vLLM's worker hooks: a ``TorchExecutor`` over this worker's KV
+    tensors (its shard), reporting under vLLM's ``rank`` of this worker."""
 
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(self, config: ConnectorConfig, rank: int = 0) -> None:
         self.config = config
-        self.executor: Any = None
+        self.rank = rank
+        self.executor: TorchExecutor | None = None
         self._jobs: dict[int, TransferJob] = {}  # submitted, not reported
         self._pending_loads: list[TransferJob] = []
         self._pending_stores: list[TransferJob] = []
@@ -330,7 +355,12 @@ class WorkerSide:
         self.block_bytes = int(layout.block_bytes)
         cpu_blocks = self.config.blocks(layout.block_bytes)
         self.executor = TorchExecutor(
-            dict(kv_caches), cpu_blocks, block_dim=0, checksums=self.config.checksums, fail_job_ids=self.config.fail_job_ids
+            dict(kv_caches),
+            cpu_blocks,
+            block_dim=0,
+            rank=self.rank,
+            checksums=self.config.checksums,
+            fail_job_ids=self.config.fail_job_ids,
         )
         return int(layout.block_bytes)
 
@@ -370,7 +400,7 @@ class WorkerSide:
             self.executor.submit(jobs, compute_done)
         except Exception as exc:  # F2: a failed submission fails its jobs, never the engine
             for job in jobs:
-                self._accept(JobResult(job_id=job.job_id, ok=False, error=f"submit failed: {exc!r}"))
+                self._accept(JobResult(job_id=job.job_id, rank=self.rank, ok=False, error=f"submit failed: {exc!r}"))
 
     def poll(self) -> None:
         if self.executor is None:

@@ -115,10 +115,9 @@ def _attributes(cls: type) -> set[str]:
 def test_the_engine_names_the_page_uses_exist() -> None:
     from kvflow.core.commands import JobResult
     from kvflow.core.config import Config
-    from kvflow.engine.notices import StepReport
-    from kvflow.engine.watch import Counters
     from kvflow.engine.manager import OffloadManager
-    from kvflow.engine.notices import Fence, LoadFailure
+    from kvflow.engine.notices import Fence, LoadFailure, StepReport
+    from kvflow.engine.watch import Counters
 
     classes = {
         cls.__name__: cls for cls in (StepReport, Counters, LoadFailure, Fence, Config, JobResult, OffloadManager)

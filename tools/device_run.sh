@@ -41,9 +41,8 @@ PY
 }
 
 tests() {
-  $PY -m pytest -q -p no:cacheprovider tests/test_torch_executor.py tests/test_npu_adapter.py \
-    tests/test_ranks.py tests/test_engine_torch.py tests/test_engine.py tests/test_live_path.py \
-    tests/test_ref_engine.py -rs 2>&1 | tee "$OUT/tests.log"
+  $PY -m pytest -q -p no:cacheprovider tests/executors tests/engine tests/core/test_apply.py \
+    tests/integrations/test_ref_engine.py -rs 2>&1 | tee "$OUT/tests.log"
   $PY tools/example_engine.py --device cuda 2>&1 | tee "$OUT/example.log"
 }
 
@@ -68,7 +67,7 @@ case "$MODE" in
   bench) bench || rc=$? ;;
   churn) churn || rc=$? ;;
   ref) ref || rc=$? ;;
-  ranks) probe; $PY -m pytest -q -p no:cacheprovider tests/test_ranks.py -rs 2>&1 | tee "$OUT/ranks.log" || rc=$? ;;
+  ranks) probe; $PY -m pytest -q -p no:cacheprovider tests/executors/test_ranks.py -rs 2>&1 | tee "$OUT/ranks.log" || rc=$? ;;
   *) echo "usage: $0 [all|tests|bench|churn|ref|ranks]" >&2; exit 2 ;;
 esac
 exit $rc

@@ -1,4 +1,5 @@
-"""The engine-facing boundary (F19): every argument is checked before anything changes.
+"""Value rules, in one place: what an integer, a hash, a block id, a flag or a time must be,
+and the engine-facing boundary (F19) that applies them before anything changes.
 
 An engine calls kvflow with whatever its own code holds: numpy integers, ranges, lists, a NaN
 from a broken clock, a string where a flag belongs. Everything that reaches a command is
@@ -14,7 +15,7 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -26,6 +27,12 @@ ID_LIMIT = 2**64  # device block ids and hashes stay below this (traces and dige
 # msgspec encodes exactly the ints in [HASH_MIN, ID_LIMIT) and raises OverflowError for any
 # other: the range check of a tuple of hashes is an encode (the bytes are thrown away)
 _encode_ints = msgspec.msgpack.Encoder().encode
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """An ``int`` that is not a ``bool``: Python's ``True`` is the integer 1, but a flag given
+    where a count, an id or a size belongs is a caller's mistake, never a number."""
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def ints(values: Sequence[int], what: str = "block ids") -> tuple[int, ...]:

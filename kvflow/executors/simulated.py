@@ -30,6 +30,7 @@ from typing import Any
 from kvflow.core.commands import JobResult
 from kvflow.core.errors import ConfigError, Rejected, UnknownJob
 from kvflow.core.jobs import TransferJob
+from kvflow.core.values import is_int
 
 _job_id = operator.attrgetter("job_id")
 
@@ -63,7 +64,7 @@ class TransferModel:
 
     def __post_init__(self) -> None:
         # NaN passes every comparison and would stall the virtual clock forever
-        if not isinstance(self.bytes_per_block, int) or self.bytes_per_block <= 0:
+        if not is_int(self.bytes_per_block) or self.bytes_per_block <= 0:
             raise ConfigError(f"bytes_per_block must be a whole number > 0, got {self.bytes_per_block}")
         if not math.isfinite(self.bandwidth_gbps) or self.bandwidth_gbps <= 0:
             raise ConfigError(f"bandwidth_gbps must be a finite number > 0, got {self.bandwidth_gbps}")
@@ -84,7 +85,7 @@ class _IdSet:
         self._ends: list[int] = []  # inclusive
 
     def __contains__(self, job_id: object) -> bool:
-        if not isinstance(job_id, int):
+        if not is_int(job_id):
             return False
         i = bisect.bisect_right(self._starts, job_id) - 1
         return i >= 0 and job_id <= self._ends[i]

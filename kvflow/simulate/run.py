@@ -19,6 +19,7 @@ from typing import Any
 
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
+from kvflow.core.values import is_int
 from kvflow.engine.api import StepReport
 from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
@@ -45,7 +46,7 @@ def blocks_for_gb(gb: float, bytes_per_block: int) -> int:
     down never gives the tier more memory than asked. ``0`` disables offload, like
     ``--cpu-blocks 0``; a positive size below one block is refused rather than silently
     disabling offload."""
-    if not isinstance(bytes_per_block, int) or isinstance(bytes_per_block, bool) or bytes_per_block <= 0:
+    if not is_int(bytes_per_block) or bytes_per_block <= 0:
         raise ConfigError(f"--bytes-per-block must be a whole number > 0, got {bytes_per_block!r}")
     if not math.isfinite(gb) or gb < 0:
         raise ConfigError(f"--cpu-gb must be a finite number >= 0, got {gb}")
@@ -81,10 +82,7 @@ class SimOptions:
     remote_store_mode: str = "write_through"
 
     def validate(self) -> None:
-        def whole(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not whole(self.device_blocks) or self.device_blocks < 0:
+        if not is_int(self.device_blocks) or self.device_blocks < 0:
             raise ConfigError(f"--device-blocks must be a whole number >= 0, got {self.device_blocks!r}")
         if not 0.0 <= self.fault_rate <= 1.0:
             raise ConfigError(f"--fault-rate must be within 0..1, got {self.fault_rate!r}")

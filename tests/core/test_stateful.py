@@ -14,8 +14,9 @@ copies have not reported on every rank yet.
 
 A refused call (``Rejected``) must change nothing: neither the state nor the log.
 
-The machines are defined here and run in test_live_path.py, each as a twin that also checks
-every command against a paranoid manager (the same rules and invariants, and more).
+The manager applies its deciders' events as the live engine does (without the per-event
+legality checks); folding the log with every check after every step finds an event a decider
+should not have emitted, and any difference between the two.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -621,7 +623,30 @@ class OffloadMachineRemoteAheadTwoRanks(OffloadMachineRemote):
     REMOTE_MODE = "ahead_of_eviction"
 
 
-# No TestCase here: every machine above runs as a twin in test_live_path.py, which inherits all
-# of its rules and invariants and adds a paranoid shadow manager checked after every command
-# (and a fold of the whole log at teardown). Running the plain machine as well ran the same
-# scenarios twice for nothing.
+class OffloadMachineTinyTier(OffloadMachine):
+    CPU_BLOCKS = 4  # the smallest tier the machine warms: evictions and rejections often
+
+
+# how many examples: the profile's (tests/conftest.py: 2,000 in CI)
+MACHINE_SETTINGS = settings(
+    stateful_step_count=50,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestOneRank = OffloadMachine.TestCase
+TestTwoRanks = OffloadMachineTwoRanks.TestCase
+TestARC = OffloadMachineARC.TestCase
+TestLazyTwoRanks = OffloadMachineLazyTwoRanks.TestCase
+TestTinyTier = OffloadMachineTinyTier.TestCase
+TestRemote = OffloadMachineRemote.TestCase
+TestRemoteAheadTwoRanks = OffloadMachineRemoteAheadTwoRanks.TestCase
+for _case in (
+    TestOneRank,
+    TestTwoRanks,
+    TestARC,
+    TestLazyTwoRanks,
+    TestTinyTier,
+    TestRemote,
+    TestRemoteAheadTwoRanks,
+):
+    _case.settings = MACHINE_SETTINGS
+del _case  # (left in the module, pytest collected it as another machine: the last one twice)

@@ -15,10 +15,6 @@ from kvflow.core.state.model import State
 Emit = Callable[[Event], None]
 
 
-def whole(value: object) -> bool:
-    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
-
-
 def check_not_finished(req: Any, request_id: str, what: str) -> None:
     """A finished request takes no new work; a preempted one whose earlier jobs are still
     live comes back under its id (F18: ``RequestResumed``)."""

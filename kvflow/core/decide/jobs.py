@@ -15,7 +15,7 @@ from kvflow.core.commands import (
     ResetAll,
     Tick,
 )
-from kvflow.core.decide.checks import Emit, whole
+from kvflow.core.decide.checks import Emit
 from kvflow.core.decide.remote import push_ahead_of_eviction, write_through
 from kvflow.core.decide.store import chain_touch, drop_corrupt
 from kvflow.core.errors import Rejected, UnknownJob
@@ -32,9 +32,10 @@ from kvflow.core.events import (
     RequestFinished,
     Reset,
 )
-from kvflow.core.jobs import LOAD, STORE, TransferJob
+from kvflow.core.jobs import LOAD, STORE, TransferJob, every_rank, has_rank, is_rank, with_rank
 from kvflow.core.state.model import Job, State
 from kvflow.core.state.tables import JobState
+from kvflow.core.values import is_int
 
 CANCELLED_BY_RESET = "cancelled by reset before submission"
 
@@ -126,11 +127,10 @@ def _check_result(state: State, result: JobResult) -> Job | None:
     """A result must name a job issued and submitted, and a rank of the world (F12).
     Returns the job (None: it has ended)."""
     job_id, rank = result.job_id, result.rank
-    # (``type(x) is int``: a plain int passes without a call)
-    if not (type(job_id) is int or whole(job_id)) or not 0 < job_id <= state.last_job_id:
+    if not is_int(job_id) or not 0 < job_id <= state.last_job_id:
         raise UnknownJob(f"result for unknown job {job_id!r} (last issued: {state.last_job_id})")
     world = state.config.world_size
-    if not (type(rank) is int or whole(rank)) or not 0 <= rank < world:
+    if not is_int(rank) or not is_rank(rank, world):
         raise Rejected(f"result for job {result.job_id}: rank {result.rank!r} outside world size {world}")
     job = state.jobs.get(job_id)
     if job is not None and job.state is _QUEUED:
@@ -149,22 +149,21 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
     for a fenced job, says that rank's copy is over: the last one lifts the fence). ``check``:
     the result is checked first (before any event); else the caller checked it."""
     job = _check_result(state, cmd) if check else state.jobs.get(cmd.job_id)
-    bit = 1 << cmd.rank
-    every_rank = (1 << state.config.world_size) - 1
-    if job is None or job.acks & bit or job.state is _FENCED:
+    rank, every = cmd.rank, every_rank(state.config.world_size)
+    if job is None or has_rank(job.acks, rank) or job.state is _FENCED:
         emit(LateResultIgnored(seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error))
         if job is not None and job.state is _FENCED:
             if cmd.corrupt and job.direction == LOAD and not cmd.ok:
                 # F17 also when the report comes after the outcome (a timeout, another rank's
                 # failure): the host copies it found bad leave the tier
                 drop_corrupt(state, [h for h in job.hashes if h in set(cmd.corrupt)], emit)
-            if job.reported == every_rank:
+            if job.reported == every:
                 emit(_fence_lifted(state, job, "copy over"))
         return
     request_id = None if job.state is _ABANDONED else job.request_id
     if not cmd.ok:
         # F15: while another rank has not reported, its copy may still run: fence the memory
-        fenced = job.reported | bit != every_rank
+        fenced = with_rank(job.reported, rank) != every
         emit(_terminal_event(JobFailed, state, job, rank=cmd.rank, error=cmd.error or "unknown error", fenced=fenced))
         if cmd.corrupt and job.direction == LOAD and job.state is not _ABANDONED:
             # F17: bad bytes are never offered twice: the entries the load found corrupt
@@ -173,7 +172,7 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
             named = set(cmd.corrupt)
             bad = [h for h in job.hashes if h in named]
             drop_corrupt(state, bad, emit)
-    elif job.acks | bit == every_rank:
+    elif with_rank(job.acks, rank) == every:
         landed = job.direction == STORE and job.state is not _ABANDONED
         emit(_completed(state, job, cmd.rank))
         if landed and state.config.remote:

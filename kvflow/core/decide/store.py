@@ -10,7 +10,7 @@ from itertools import compress, filterfalse
 from typing import Any
 
 from kvflow.core.commands import BlocksComputed, DeviceBlocksEvicting, Evict, Invalidate, Touch
-from kvflow.core.decide.checks import Emit, check_device_blocks, check_not_finished, whole
+from kvflow.core.decide.checks import Emit, check_device_blocks, check_not_finished
 from kvflow.core.errors import Rejected
 from kvflow.core.events import (
     BlocksCorrupt,
@@ -23,8 +23,8 @@ from kvflow.core.events import (
     StoreRejected,
 )
 from kvflow.core.jobs import LOAD, REMOTE_STORE
-from kvflow.core.state.bulk import values_at
 from kvflow.core.state.model import Request, State
+from kvflow.core.values import is_int
 
 
 def _fenced_slot_owners(state: State) -> list[int]:
@@ -212,8 +212,7 @@ def _decide_store(
     job_id = None
     admitted = len(admit_hashes)
     if admitted:
-        free = state.free_slots
-        job_id = state.last_job_id + 1
+        job_id = state.next_job_id
         emit(
             StoreQueued(
                 seq=state.next_seq,
@@ -221,7 +220,7 @@ def _decide_store(
                 request_id=request_id,
                 hashes=tuple(admit_hashes),  # (a tuple already: returned as it is)
                 device_blocks=tuple(admit_blocks),
-                slots=tuple(free[len(free) - admitted :][::-1]),
+                slots=state.next_slots(admitted),
             )
         )
     elif request_id is not None and req is None and not rejected_hashes:
@@ -283,7 +282,7 @@ def decide_touch(state: State, cmd: Touch, emit: Emit) -> int:
 
 
 def decide_evict(state: State, cmd: Evict, emit: Emit) -> int:
-    if not whole(cmd.num_blocks) or cmd.num_blocks < 0:
+    if not is_int(cmd.num_blocks) or cmd.num_blocks < 0:
         raise Rejected(f"evict: num_blocks must be >= 0, got {cmd.num_blocks!r}")
     if cmd.num_blocks == 0:
         return 0
@@ -309,7 +308,7 @@ def eviction(state: State, victims: Sequence[int], reason: str) -> BlocksEvicted
     return BlocksEvicted(
         seq=state.next_seq,
         hashes=tuple(victims),
-        slots=values_at(state.slot_of, victims),
+        slots=state.slots_of(victims),
         reason=reason,  # type: ignore[arg-type]
     )
 

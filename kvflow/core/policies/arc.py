@@ -33,6 +33,7 @@ from itertools import repeat
 from kvflow.core.errors import ConfigError
 from kvflow.core.policies.arc_runs import drop_run, ghost_steps, is_newest, move_run, refresh_run
 from kvflow.core.policies.arc_victims import replace_choices
+from kvflow.core.values import is_int
 
 
 class ARCPolicy:
@@ -44,7 +45,7 @@ class ARCPolicy:
 
     def __init__(self, capacity: int) -> None:
         """``capacity`` is the tier's size in blocks: it bounds ``p`` and the ghost lists."""
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        if not is_int(capacity) or capacity < 0:
             raise ConfigError(f"arc policy capacity must be an int >= 0, got {capacity!r}")
         self.capacity = capacity
         # OrderedDicts, coldest first: O(1) move_to_end / popitem at both ends, and the cold

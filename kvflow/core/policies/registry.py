@@ -10,6 +10,7 @@ from kvflow.core.errors import ConfigError
 from kvflow.core.policies.arc import ARCPolicy
 from kvflow.core.policies.base import Policy
 from kvflow.core.policies.lru import LRUPolicy
+from kvflow.core.values import is_int
 
 # Every policy class is built as ``cls(capacity)``.
 POLICIES: dict[str, type[Policy]] = {}
@@ -35,7 +36,7 @@ def make_policy(name: str, capacity: int) -> Policy:
     if cls is None:
         known = ", ".join(sorted(POLICIES))
         raise ConfigError(f"unknown policy {name!r}; known policies: {known}")
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+    if not is_int(capacity) or capacity < 0:
         raise ConfigError(f"policy capacity must be an int >= 0, got {capacity!r}")
     return cls(capacity)  # type: ignore[call-arg]
 

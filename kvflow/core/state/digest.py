@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvflow.core.state.bulk import values_at
 from kvflow.core.state.tables import JobState
 
 if TYPE_CHECKING:
@@ -52,7 +51,7 @@ def canonical(state: State) -> tuple[Any, ...]:
         job_of = list(map(pending.get, hashes, job_of))
         states = [3 if j == 0 else (1 if live[j].state is _QUEUED else 2) for j in job_of]
     pinned = map(pins.get, hashes, repeat(0, n)) if pins else repeat(0, n)
-    entries = list(map(Entry, hashes, states, values_at(slot_of, hashes), pinned, job_of))
+    entries = list(map(Entry, hashes, states, state.slots_of(hashes), pinned, job_of))
     # (a job's ``reported`` ranks differ from its ``acks`` only while it is fenced: added
     # then only, so the digests of traces recorded before fences are unchanged)
     jobs = [

@@ -7,7 +7,7 @@ Its queries here read; they never change anything. Pure: no I/O, no clock, no ra
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -293,6 +293,24 @@ class State:
     @property
     def last_seq(self) -> int:
         return self.next_seq - 1
+
+    @property
+    def next_job_id(self) -> int:
+        """The id the next queued job takes: job ids count 1, 2, 3... in the order jobs are
+        queued, whatever their direction."""
+        return self.last_job_id + 1
+
+    def slots_of(self, hashes: Iterable[int]) -> tuple[int, ...]:
+        """The slots of these entries on the tier, in order (KeyError: one is not there)."""
+        slot_of = self.slot_of
+        return tuple(slot_of[h] for h in hashes)
+
+    def next_slots(self, n: int) -> tuple[int, ...]:
+        """The slots the next ``n`` new entries take, in order: the top ``n`` of the free stack,
+        the top first (a fresh tier hands out 0, 1, 2...: contiguous host runs). Fewer if
+        fewer are free."""
+        free = self.free_slots
+        return tuple(reversed(free[len(free) - n :]))
 
     @property
     def entries(self) -> EntriesView:

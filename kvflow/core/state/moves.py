@@ -23,7 +23,8 @@ from kvflow.core.state.tables import (
 
 
 def _admit(state: State, hashes: tuple[int, ...], job: Job) -> None:
-    """ABSENT -> STORE_QUEUED: the store job's slots are taken, its hashes pending on it."""
+    """ABSENT -> STORE_QUEUED: the store job's slots are taken (``State.next_slots``: the
+    top of the free stack), its hashes pending on it."""
     free = state.free_slots
     del free[len(free) - len(job.slots) :]
     state.slot_of.update(zip(hashes, job.slots))

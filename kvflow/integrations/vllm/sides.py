@@ -26,19 +26,18 @@ from kvflow.core.commands import JobResult
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import LOAD, STORE, TransferJob
+from kvflow.core.values import ID_LIMIT, is_int
 from kvflow.engine.manager import OffloadManager
 from kvflow.integrations.vllm.kv_events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
 from kvflow.log.memory import NullLog
 from kvflow.log.writer import TraceWriter
-
-_MASK64 = (1 << 64) - 1
 
 
 def kvflow_hash(block_hash: bytes | int) -> int:
     """A vLLM block hash as kvflow's 64-bit int."""
     if isinstance(block_hash, (bytes, bytearray)):
         return int.from_bytes(bytes(block_hash[:8]), "big")
-    return int(block_hash) & _MASK64
+    return int(block_hash) % ID_LIMIT
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ class ConnectorConfig:
 
 
 def _whole(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ConfigError(f"kv_connector_extra_config: {name} must be a whole number > 0, got {value!r}")
     return value
 

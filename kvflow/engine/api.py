@@ -13,7 +13,7 @@ import msgspec
 
 from kvflow.core.commands import JobResult
 from kvflow.core.jobs import LOAD, TransferJob
-from kvflow.engine.notices import LoadFailure
+from kvflow.engine.notices import NOTICE_FIELDS, LoadFailure
 
 
 class Executor(Protocol):
@@ -130,13 +130,15 @@ class StepReport(msgspec.Struct):
 
 
 def merge_reports(into: StepReport, report: StepReport) -> None:
-    """Add ``report`` to ``into`` (the merged report of several steps)."""
+    """Add ``report`` to ``into`` (the merged report of several steps): lists are joined,
+    counts added, flags or-ed."""
     into.submitted.extend(report.submitted)
-    into.loads_finished.extend(report.loads_finished)
-    into.loads_failed.extend(report.loads_failed)
-    into.stores_finished.extend(report.stores_finished)
-    into.stores_failed.extend(report.stores_failed)
-    into.released_device_blocks.extend(report.released_device_blocks)
     into.timed_out += report.timed_out
-    into.rejected_store_blocks += report.rejected_store_blocks
-    into.all_blocks_cleared = into.all_blocks_cleared or report.all_blocks_cleared
+    for name in NOTICE_FIELDS:
+        mine, theirs = getattr(into, name), getattr(report, name)
+        if isinstance(mine, list):
+            mine.extend(theirs)
+        elif isinstance(mine, bool):
+            setattr(into, name, mine or theirs)
+        else:
+            setattr(into, name, mine + theirs)

@@ -69,6 +69,9 @@ class Notices(msgspec.Struct):
         return self != NO_NOTICES  # (msgspec compares every field, at C level)
 
 
+NOTICE_FIELDS: tuple[str, ...] = Notices.__struct_fields__
+"""The notices' names, in order: a ``StepReport`` carries each one under the same name."""
+
 # nothing to tell: what ``Notices()`` holds; never handed out nor changed. ``manager.has_notices``
 # compares with it directly, without a call of ``__bool__``.
 NO_NOTICES = Notices()

@@ -16,7 +16,7 @@ from kvflow.core.errors import ConfigError, Rejected
 from kvflow.core.jobs import TransferJob
 from kvflow.engine.api import Executor, StepReport, merge_reports, monotonic_ms
 from kvflow.engine.manager import OffloadManager
-from kvflow.engine.notices import Fence
+from kvflow.engine.notices import NOTICE_FIELDS, Fence
 from kvflow.engine.watch import EngineWatch
 from kvflow.log.memory import MemoryLog, NullLog
 from kvflow.log.writer import TraceWriter
@@ -240,14 +240,8 @@ class SyncEngine:
         return StepReport(
             now_ms=now,
             submitted=jobs,
-            loads_finished=notices.loads_finished,
-            loads_failed=notices.loads_failed,
-            stores_finished=notices.stores_finished,
-            stores_failed=notices.stores_failed,
-            released_device_blocks=notices.released_device_blocks,
             timed_out=timed_out,
-            rejected_store_blocks=notices.rejected_store_blocks,
-            all_blocks_cleared=notices.all_blocks_cleared,
+            **{name: getattr(notices, name) for name in NOTICE_FIELDS},
         )
 
     def _take_remote_found(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.values import is_int
-from kvflow.engine.api import StepReport
+from kvflow.engine.api import StepReport, merge_reports
 from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
 from kvflow.simulate.workload import WorkloadRequest, read_workload
@@ -201,9 +201,7 @@ class Simulation:
             if due is None:  # (cannot happen: step() submitted every queued job)
                 break
             clock.advance_to(due)
-            report = engine.step()
-            merged.loads_failed.extend(report.loads_failed)
-            merged.loads_finished.extend(report.loads_finished)
+            merge_reports(merged, engine.step())
         return merged
 
     def _sequential_request(self, req: WorkloadRequest) -> None:

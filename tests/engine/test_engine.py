@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import structlog
 from structlog.testing import capture_logs
@@ -23,9 +24,9 @@ from kvflow.core.errors import BlockHeld, Rejected
 from kvflow.core.events import FenceLifted, LateResultIgnored
 from kvflow.core.jobs import LOAD, STORE, TransferJob
 from kvflow.core.state.invariants import check_invariants
-from kvflow.engine.api import Counters, Latencies, StepReport, percentile
+from kvflow.engine.api import Counters, Latencies, StepReport, merge_reports, percentile
 from kvflow.engine.async_engine import Engine
-from kvflow.engine.notices import Notices
+from kvflow.engine.notices import NOTICE_FIELDS, LoadFailure, Notices
 from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
 from kvflow.replay.fold import replay
@@ -69,13 +70,7 @@ def test_notices_are_started_by_the_first_event_that_has_one_and_taken_by_the_st
 
 
 def merge(into: StepReport, r: StepReport) -> StepReport:
-    into.submitted += r.submitted
-    into.loads_finished += r.loads_finished
-    into.loads_failed += r.loads_failed
-    into.stores_finished += r.stores_finished
-    into.stores_failed += r.stores_failed
-    into.released_device_blocks += r.released_device_blocks
-    into.timed_out += r.timed_out
+    merge_reports(into, r)
     into.now_ms = r.now_ms
     return into
 
@@ -859,3 +854,22 @@ def test_a_call_from_a_second_thread_while_one_is_decided_is_refused() -> None:
     first.join(10)
     assert len(engine.manager.state.requests) == events == 1  # only A's call happened
     assert engine.lookup("B", A_HASHES, 3 * B + 1) == 0  # and B can call once A is done
+
+
+def test_a_step_report_carries_every_notice_and_merging_reports_keeps_them_all() -> None:
+    """The notices are named once (``Notices``): a step report has each under its name and
+    type, and ``merge_reports`` adds each (what the engine's step loop and tests merge)."""
+    notice_types = {f.name: f.type for f in msgspec.structs.fields(Notices)}
+    report_types = {f.name: f.type for f in msgspec.structs.fields(StepReport)}
+    assert NOTICE_FIELDS == tuple(notice_types) and all(report_types[n] == t for n, t in notice_types.items())
+    failure = LoadFailure("r", 2, (5,), "x")
+    one = StepReport(now_ms=1.0, loads_finished=[("a", 1)], loads_failed=[failure], stores_finished=[3],
+                     stores_failed=[(4, "e")], released_device_blocks=[7], timed_out=1, rejected_store_blocks=2)
+    two = StepReport(now_ms=2.0, loads_finished=[("b", 9)], released_device_blocks=[8], timed_out=2,
+                     rejected_store_blocks=1, all_blocks_cleared=True)
+    merge_reports(one, two)
+    assert one == StepReport(
+        now_ms=1.0, loads_finished=[("a", 1), ("b", 9)], loads_failed=[failure], stores_finished=[3],
+        stores_failed=[(4, "e")], released_device_blocks=[7, 8], timed_out=3, rejected_store_blocks=3,
+        all_blocks_cleared=True,
+    )

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from kvflow.core.config import Config  # noqa: E402
 from kvflow.core.state.invariants import check_invariants  # noqa: E402
-from kvflow.engine.api import StepReport  # noqa: E402
+from kvflow.engine.api import StepReport, merge_reports  # noqa: E402
 from kvflow.engine.sync import SyncEngine  # noqa: E402
 from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
 from kvflow.executors.torch.ranks import RandomKV, RankGroup  # noqa: E402
@@ -49,16 +49,6 @@ def blocks_of(kv: list[torch.Tensor], blocks: tuple[int, ...]) -> list[torch.Ten
     return [t.index_select(0, idx).cpu() for t in kv]
 
 
-def merge(into: StepReport, r: StepReport) -> None:
-    into.submitted += r.submitted
-    into.loads_finished += r.loads_finished
-    into.loads_failed += r.loads_failed
-    into.stores_finished += r.stores_finished
-    into.stores_failed += r.stores_failed
-    into.released_device_blocks += r.released_device_blocks
-    into.timed_out += r.timed_out
-
-
 def step_until_idle(engine: SyncEngine, timeout_s: float = 30.0) -> StepReport:
     """Step (real clock) until no job is live and no fence is left; every report merged.
 
@@ -70,7 +60,7 @@ def step_until_idle(engine: SyncEngine, timeout_s: float = 30.0) -> StepReport:
     while engine.has_live_jobs() or engine.fences():
         assert time.monotonic() < deadline, "jobs never finished or their fences never lifted"
         time.sleep(0.001)
-        merge(merged, engine.step())
+        merge_reports(merged, engine.step())
     return merged
 
 

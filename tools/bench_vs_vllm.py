@@ -27,7 +27,14 @@ checked in every repetition against the figures in the anchor's README.
 vLLM is imported from an unpacked 0.33.0 source tree (``--vllm-src`` or ``$VLLM_SRC``; the
 anchor's README says how to get one); the anchor harness itself is imported from ``--anchor``.
 
-Usage: python tools/bench_vs_vllm.py [--repeat 11] [--policy both] [--vllm-src DIR]
+``--baseline TREE`` compares two kvflow trees side by side in one run (this checkout and
+another one, e.g. ``git worktree add ../kvflow-old <commit>``): each runs in a worker process
+of its own that imports kvflow from its tree, and the repetitions interleave vLLM, this tree and
+the baseline, with and without the trace. It prints both trees' figures, their decisions (which
+must be equal) and this tree's time over the baseline's; the exit status is 1 if this tree is
+more than ``--tolerance`` slower than the baseline (median of the per-repetition ratios).
+
+Usage: python tools/bench_vs_vllm.py [--repeat 11] [--policy both] [--vllm-src DIR] [--baseline TREE]
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ import argparse
 import gc
 import hashlib
 import importlib.util
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,8 +72,6 @@ EXPECTED = {
     ("kvflow", "lru"): (52_952, 64_936, 54_936),
     ("kvflow", "arc"): (53_347, 64_541, 54_541),
 }
-# Issue 8's targets: kvflow / vLLM per full block.
-TARGETS = {("lru", False): 0.2, ("arc", False): 0.5, ("lru", True): 0.35, ("arc", True): 1.0}
 
 
 def load_anchor(path: Path) -> ModuleType:
@@ -169,8 +176,87 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def kvflow_once(policy: str, trace: list, trace_path: str | None) -> tuple[int, tuple[int, int, int]]:
+    """One timed pass of kvflow (its setup untimed, the collector frozen out of the way)."""
+    gc.unfreeze()
+    reqs = kvflow_requests(trace)
+    gc.collect()
+    gc.freeze()
+    try:
+        ns, counts, _ = run_kvflow(policy, reqs, trace_path)
+    finally:
+        gc.unfreeze()
+    if trace_path is not None:
+        os.unlink(trace_path)
+    return ns, counts
+
+
+def worker(args: argparse.Namespace) -> int:
+    """``--worker``: run kvflow passes for a parent on stdin/stdout, one JSON line each way
+    (``{"policy", "traced"}`` -> ``{"ns", "counts"}``; ``{"policy", "decisions": true}`` ->
+    ``{"records"}``), with the kvflow this process imports (its ``PYTHONPATH``)."""
+    import kvflow
+
+    anchor = load_anchor(args.anchor)
+    trace = anchor.load_trace(args.trace, BLOCK_TOKENS, args.limit)
+    print(json.dumps({"kvflow": os.path.dirname(kvflow.__file__)}), flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        if ask.get("decisions"):
+            reply: dict[str, Any] = {"records": per_request_kvflow(ask["policy"], kvflow_requests(trace))}
+        else:
+            path = os.path.join(args.tmp, f"{ask['policy']}.jsonl") if ask["traced"] else None
+            ns, counts = kvflow_once(ask["policy"], trace, path)
+            reply = {"ns": ns, "counts": counts}
+        print(json.dumps(reply), flush=True)
+    return 0
+
+
+class Worker:
+    """A ``--worker`` process importing kvflow from ``tree``."""
+
+    def __init__(self, tree: Path, args: argparse.Namespace, tmp: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--anchor", str(args.anchor),
+               "--trace", str(args.trace), "--tmp", tmp]
+        if args.limit:
+            cmd += ["--limit", str(args.limit)]
+        self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        imported = Path(self._read()["kvflow"]).resolve()
+        if imported.parent != tree.resolve():
+            raise SystemExit(f"the worker for {tree} imported kvflow from {imported}")
+
+    def _read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"a kvflow worker stopped (exit status {self.process.wait()})")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def ask(self, **request: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def run(self, policy: str, traced: bool) -> tuple[int, tuple[int, int, int], list]:
+        reply = self.ask(policy=policy, traced=traced)
+        return reply["ns"], tuple(reply["counts"]), []  # type: ignore[return-value]
+
+    def decisions(self, policy: str) -> list[tuple[int, int, int]]:
+        return [tuple(r) for r in self.ask(policy=policy, decisions=True)["records"]]  # type: ignore[misc]
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait()
+
+
 def bench_policy(policy: str, args: argparse.Namespace, anchor: ModuleType, base: Any, manager_mod: Any,
-                 trace: list, tmp: str) -> dict[str, Any]:
+                 trace: list, tmp: str, workers: dict[str, Worker]) -> dict[str, Any]:
+    """The interleaved repetitions of one policy. ``workers``: kvflow trees by name, each in
+    a process of its own (empty: this process's kvflow, named "kvflow")."""
     HIT = base.LookupResult.HIT
     full_blocks = sum(len(ids) for _, ids in trace)
 
@@ -184,28 +270,39 @@ def bench_policy(policy: str, args: argparse.Namespace, anchor: ModuleType, base
         counts = tuple(sum(r[k] for r in records) for k in range(3))
         return ns, counts, records  # type: ignore[return-value]
 
-    def kvflow_once(traced: bool) -> tuple[int, tuple[int, int, int], list]:
-        gc.unfreeze()
-        reqs = kvflow_requests(trace)
-        gc.collect()
-        gc.freeze()
-        path = os.path.join(tmp, f"{policy}.jsonl") if traced else None
-        ns, counts, _ = run_kvflow(policy, reqs, path)
-        if traced:
-            os.unlink(path)  # type: ignore[arg-type]
+    def here(traced: bool) -> tuple[int, tuple[int, int, int], list]:
+        ns, counts = kvflow_once(policy, trace, os.path.join(tmp, f"{policy}.jsonl") if traced else None)
         return ns, counts, []
 
-    # untimed checks: both sides make the decisions the anchor README lists
+    def in_worker(w: Worker, traced: bool) -> Any:
+        return lambda: w.run(policy, traced)
+
+    # untimed checks: both sides make the decisions the anchor README lists (every tree the same)
     _, vllm_counts, vllm_records = vllm_once()
-    kv_records = per_request_kvflow(policy, kvflow_requests(trace))
+    sides: dict[str, list[tuple[int, int, int]]] = {}
+    if workers:
+        for name, w in workers.items():
+            sides[name] = w.decisions(policy)
+    else:
+        sides["kvflow"] = per_request_kvflow(policy, kvflow_requests(trace))
+    kv_records = next(iter(sides.values()))
+    for name, records in sides.items():
+        if records != kv_records:
+            raise SystemExit(f"{name} {policy}: decisions differ from {next(iter(sides))}'s")
     kv_counts = tuple(sum(r[k] for r in kv_records) for k in range(3))
     same_requests = sum(1 for a, b in zip(vllm_records, kv_records) if tuple(a) == b)
     for side, counts in (("vllm", vllm_counts), ("kvflow", kv_counts)):
         if counts != EXPECTED[(side, policy)] and not args.limit:
             raise SystemExit(f"{side} {policy}: decisions {counts} != expected {EXPECTED[(side, policy)]}")
 
-    times: dict[str, list[float]] = {"vllm": [], "kvflow": [], "kvflow+trace": []}
-    runs = (("vllm", vllm_once), ("kvflow", lambda: kvflow_once(False)), ("kvflow+trace", lambda: kvflow_once(True)))
+    runs: list[tuple[str, Any]] = [("vllm", vllm_once)]
+    for traced in (False, True):
+        suffix = "+trace" if traced else ""
+        if workers:
+            runs += [(name + suffix, in_worker(w, traced)) for name, w in workers.items()]
+        else:
+            runs.append(("kvflow" + suffix, lambda traced=traced: here(traced)))
+    times: dict[str, list[float]] = {name: [] for name, _ in runs}
     try:
         for _ in range(args.repeat):
             for name, run in runs:
@@ -222,13 +319,17 @@ def bench_policy(policy: str, args: argparse.Namespace, anchor: ModuleType, base
         "kvflow_counts": kv_counts,
         "same_requests": same_requests,
         "requests": len(trace),
+        "times": times,
         "us_per_block": {k: median(v) for k, v in times.items()},
         "spread": {k: (min(v), max(v)) for k, v in times.items()},
-        # each repetition's kvflow / vLLM: its runs came one after the other, so the machine's
-        # slower drift (another tenant, the clock) cancels in each; the spread of these shows
-        # how much of the medians' movement between runs is the machine's
-        "paired": {k: sorted(a / b for a, b in zip(v, times["vllm"])) for k, v in times.items() if k != "vllm"},
     }
+
+
+def paired(a: list[float], b: list[float]) -> list[float]:
+    """Each repetition's ``a / b``, sorted: its runs came one after the other, so the machine's
+    slower drift (another tenant, the clock) cancels in each; their spread shows how much of
+    the medians' movement between runs is the machine's."""
+    return sorted(x / y for x, y in zip(a, b))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,11 +340,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=["lru", "arc", "both"], default="both")
     p.add_argument("--repeat", type=int, default=11, help="interleaved repetitions (medians)")
     p.add_argument("--limit", type=int, default=None, help="first N requests only (counts unchecked)")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="another kvflow tree to run side by side with this one (each in a worker process)")
+    p.add_argument("--tolerance", type=float, default=0.10,
+                   help="with --baseline: how much slower than the baseline this tree may be (0.10: 10%%)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
 
     anchor = load_anchor(args.anchor)
     if not args.vllm_src:
         raise SystemExit("pass --vllm-src DIR (or set VLLM_SRC): an unpacked vLLM 0.33.0 sdist")
+    if args.baseline is not None and not (args.baseline / "kvflow" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {args.baseline}: not a kvflow tree (no kvflow/__init__.py)")
     vllm, base, manager_mod = anchor.import_vllm(args.vllm_src, shim=True)
     trace = anchor.load_trace(args.trace, BLOCK_TOKENS, args.limit)
     print(f"vLLM {vllm.__version__} CPUOffloadingManager vs kvflow SyncEngine + SimulatedExecutor; "
@@ -256,24 +367,46 @@ def main(argv: list[str] | None = None) -> int:
     # noise to whichever run comes next
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory(dir=shm) as tmp:
-        for policy in policies:
-            r = bench_policy(policy, args, anchor, base, manager_mod, trace, tmp)
-            us = r["us_per_block"]
-            print(f"\n== {policy}: decisions (hit / stored / evicted blocks) vLLM {r['vllm_counts']}, "
-                  f"kvflow {r['kvflow_counts']}; requests decided alike: {r['same_requests']}/{r['requests']}")
-            for name in ("vllm", "kvflow", "kvflow+trace"):
-                lo, hi = r["spread"][name]
-                line = f"  {name:<13} {us[name]:6.2f} µs per full block  (min {lo:.2f}, max {hi:.2f})"
-                if name != "vllm":
-                    ratio = us[name] / us["vllm"]
-                    target = TARGETS[(policy, name == "kvflow+trace")]
-                    verdict = "ok" if ratio <= target else "MISSED"
-                    ok &= ratio <= target
-                    paired = r["paired"][name]
-                    line += (f"   ratio {ratio:.2f}x  (target <= {target}x: {verdict}; per repetition "
-                             f"{median(paired):.2f}x, {paired[0]:.2f}-{paired[-1]:.2f})")
-                print(line)
+        workers: dict[str, Worker] = {}
+        if args.baseline is not None:
+            print(f"kvflow: this tree {ROOT}; baseline {args.baseline.resolve()}")
+            for name, tree in (("kvflow", ROOT), ("baseline", args.baseline)):
+                os.makedirs(os.path.join(tmp, name))
+                workers[name] = Worker(tree, args, os.path.join(tmp, name))
+        try:
+            for policy in policies:
+                r = bench_policy(policy, args, anchor, base, manager_mod, trace, tmp, workers)
+                ok &= report(r, args)
+        finally:
+            for w in workers.values():
+                w.close()
     return 0 if ok else 1
+
+
+def report(r: dict[str, Any], args: argparse.Namespace) -> bool:
+    """Print one policy's figures; False if this tree is slower than the baseline allows."""
+    us, times = r["us_per_block"], r["times"]
+    print(f"\n== {r['policy']}: decisions (hit / stored / evicted blocks) vLLM {r['vllm_counts']}, "
+          f"kvflow {r['kvflow_counts']}{' (both trees)' if args.baseline else ''}; "
+          f"requests decided alike: {r['same_requests']}/{r['requests']}")
+    for name in times:
+        lo, hi = r["spread"][name]
+        line = f"  {name:<15} {us[name]:6.2f} µs per full block  (min {lo:.2f}, max {hi:.2f})"
+        if name != "vllm":
+            ratios = paired(times[name], times["vllm"])
+            line += (f"   / vLLM {us[name] / us['vllm']:.2f}x  (per repetition {median(ratios):.2f}x, "
+                     f"{ratios[0]:.2f}-{ratios[-1]:.2f})")
+        print(line)
+    ok = True
+    if args.baseline is not None:
+        for suffix in ("", "+trace"):
+            ratios = paired(times["kvflow" + suffix], times["baseline" + suffix])
+            within = median(ratios) <= 1 + args.tolerance
+            ok &= within
+            print(f"  this tree / baseline{suffix:<7} {us['kvflow' + suffix] / us['baseline' + suffix]:.3f}x of the "
+                  f"medians; per repetition {median(ratios):.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f}): "
+                  f"{'within' if within else 'MORE than'} {args.tolerance:.0%}")
+    return ok
 
 
 if __name__ == "__main__":

@@ -36,14 +36,10 @@ def is_int(value: object) -> TypeGuard[int]:
 
 
 def ints(values: Sequence[int], what: str = "block ids") -> tuple[int, ...]:
-    """A tuple of plain ints. Tuples and lists of ints pass straight through; numpy integers
-    and other integer-likes are converted with ``operator.index``, which refuses lossy values
-    such as 1.5 (and bools are integers: True is 1)."""
-    kind = type(values)
-    if kind is tuple or kind is list:
-        if operator.countOf(map(type, values), int) == len(values):  # every one a plain int
-            return tuple(values)
-    elif kind is range:
+    """A tuple of plain ints. Tuples and lists of plain ints are taken as they are; numpy
+    integers and other integer-likes are converted with ``operator.index``, which refuses lossy
+    values such as 1.5 (and bools are integers: True is 1)."""
+    if type(values) in (tuple, list, range) and operator.countOf(map(type, values), int) == len(values):
         return tuple(values)
     try:
         return tuple(map(operator.index, values))
@@ -51,37 +47,23 @@ def ints(values: Sequence[int], what: str = "block ids") -> tuple[int, ...]:
         raise Rejected(f"{what} must be integers, got {list(values)[:4]!r}") from None
 
 
-def _only_64bit_ints(encoded: bytes, count: int) -> bool:
-    """Whether ``encoded``, the msgpack array of ``count`` values, holds nothing but ints
-    written in their 9-byte forms (a tag, 0xcf unsigned or 0xd3 signed, then 8 bytes): a
-    float, a bool, a string or a short int would be written otherwise. Real block hashes
-    (64-bit digests) all take that form, so one look at the tags, at C level, replaces a
-    pass that asks each value its type."""
-    header = 1 if count < 16 else 3 if count < 2**16 else 5  # (fixarray, array 16, array 32)
-    tags = encoded[header::9]
-    return len(encoded) == header + 9 * count and not tags.translate(None, b"\xcf\xd3")
+def fits_64_bits(values: tuple[int, ...]) -> bool:
+    """Whether every one of ``values`` is within ``HASH_MIN .. ID_LIMIT - 1``: exactly the
+    integers a trace can record (msgspec encodes those and refuses any other)."""
+    try:
+        _encode_ints(values)
+    except OverflowError:
+        return False
+    return True
 
 
 def hashes(values: Sequence[int]) -> tuple[int, ...]:
     """Block hashes: integers that fit in 64 bits (signed or unsigned), so that traces and
     state digests encode them exactly. Hash a longer digest down first (e.g. its first 8
     bytes as an int)."""
-    kind = type(values)
-    if kind is tuple or kind is list:
-        # the usual call: the range check's encode also tells that every value is an int
-        # (msgspec refuses int subclasses other than IntEnum, which encode as the int they are)
-        try:
-            encoded = _encode_ints(values)
-        except (OverflowError, TypeError):
-            pass  # (the checks below name the fault)
-        else:
-            if _only_64bit_ints(encoded, len(values)):
-                return values if kind is tuple else tuple(values)  # type: ignore[return-value]
     out = ints(values, "block hashes")
-    try:
-        _encode_ints(out)  # (one C pass; a min() and a max() over 64-bit ints cost 4x more)
-    except OverflowError:
-        raise Rejected("block hashes must fit in 64 bits; hash a longer digest down to 8 bytes first") from None
+    if not fits_64_bits(out):
+        raise Rejected("block hashes must fit in 64 bits; hash a longer digest down to 8 bytes first")
     return out
 
 
@@ -89,11 +71,8 @@ def device_blocks(values: Sequence[int]) -> tuple[int, ...]:
     """Device block ids: integers below 2**64 (negative ids are refused by the decisions,
     which also check them against the blocks live jobs hold)."""
     out = ints(values, "device blocks")
-    try:
-        _encode_ints(out)  # (every one in [-2**63, 2**64): below ID_LIMIT; cheaper than max())
-    except OverflowError:
-        if max(out) >= ID_LIMIT:  # (else one below -2**63: the decisions refuse negative ids)
-            raise Rejected(f"device block {max(out)} does not fit in 64 bits") from None
+    if out and max(out) >= ID_LIMIT:
+        raise Rejected(f"device block {max(out)} does not fit in 64 bits")
     return out
 
 

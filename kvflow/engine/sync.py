@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import structlog
 
 from kvflow.core.commands import JobResult
@@ -16,7 +17,7 @@ from kvflow.core.errors import ConfigError, Rejected
 from kvflow.core.jobs import TransferJob
 from kvflow.engine.api import Executor, StepReport, merge_reports, monotonic_ms
 from kvflow.engine.manager import OffloadManager
-from kvflow.engine.notices import NOTICE_FIELDS, Fence
+from kvflow.engine.notices import Fence
 from kvflow.engine.watch import EngineWatch
 from kvflow.log.memory import MemoryLog, NullLog
 from kvflow.log.writer import TraceWriter
@@ -241,7 +242,7 @@ class SyncEngine:
             now_ms=now,
             submitted=jobs,
             timed_out=timed_out,
-            **{name: getattr(notices, name) for name in NOTICE_FIELDS},
+            **msgspec.structs.asdict(notices),
         )
 
     def _take_remote_found(self) -> None:

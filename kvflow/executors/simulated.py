@@ -95,7 +95,7 @@ class _IdSet:
         if not ends or not ids:
             return True
         try:
-            if min(ids) > ends[-1]:  # the common case: ids newer than any submitted
+            if min(ids) > ends[-1]:  # (ids newer than any submitted)
                 return True
         except TypeError:
             pass  # (not all comparable: asked one by one)
@@ -119,7 +119,7 @@ class _IdSet:
 
     def add(self, job_id: int) -> None:
         starts, ends = self._starts, self._ends
-        if starts and ends[-1] + 1 == job_id:  # the common case: the next id
+        if starts and ends[-1] + 1 == job_id:  # (the next id: the last range grows)
             ends[-1] = job_id
             return
         if job_id in self:
@@ -269,14 +269,10 @@ class SimulatedExecutor:
             out = []
         else:
             return []  # (nothing due: the common poll)
-        pending, one_rank = self._pending, self.world_size == 1
+        pending = self._pending
         while heap and heap[0][0] <= now:
             job_id = heappop(heap)[2]
-            fails = pending.pop(job_id)[1]
-            if one_rank and not fails:
-                out.append(JobResult(job_id))  # (one rank, a success; positional: cheaper)
-            else:
-                out.extend(self._results(job_id, fails))
+            out.extend(self._results(job_id, pending.pop(job_id)[1]))
         return out
 
     def _results(self, job_id: int, fails: bool) -> list[JobResult]:

@@ -55,7 +55,7 @@ class Header(msgspec.Struct, frozen=True, kw_only=True):
 
 class RecordChain:
     """The running digest of a trace's bytes: SHA-256 (hardware-accelerated on current x86 and
-    Arm cores: about 3x blake2b's speed where measured), cut to 128 bits like the state digest.
+    Arm cores, unlike the state digest's blake2b), cut to 128 bits like the state digest.
     The writer and the reader feed it the same bytes in the same order; a checkpoint records
     ``value()`` before its own line is fed."""
 

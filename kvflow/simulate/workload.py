@@ -10,8 +10,8 @@ extra annotations still read.
 
 The reader streams (one line in memory at a time) and checks every line, because a simulator fed a
 subtly wrong workload reports plausible but wrong hit rates; a bad line stops the read with a
-:class:`~kvflow.core.errors.TraceError` naming the file, the line and the field. The fast path decodes a
-line straight into a typed msgspec Struct; only a line that fails is decoded a second time,
+:class:`~kvflow.core.errors.TraceError` naming the file, the line and the field. Each line is
+decoded straight into a typed msgspec Struct; only a line that fails is decoded a second time,
 generically, to tell broken JSON from a wrong field and to quote the offending value.
 
 This module does no clock or randomness work and imports no torch.

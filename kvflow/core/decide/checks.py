@@ -36,7 +36,7 @@ def check_device_blocks(
     if len(unique) != len(device_blocks):
         raise Rejected("a device block is named twice in one call")
     try:
-        lowest = min(device_blocks)  # (a tuple is walked faster than the set)
+        lowest = min(device_blocks)
     except TypeError:
         raise Rejected(f"device blocks must be integers, got {list(device_blocks)[:4]!r}") from None
     if lowest < 0:

@@ -3,7 +3,7 @@ the load of the hits the engine accepts. Pure."""
 
 from __future__ import annotations
 
-from itertools import compress, count, takewhile
+from itertools import takewhile
 
 from kvflow.core.commands import AcceptHits, Lookup
 from kvflow.core.decide.checks import Emit, check_device_blocks, check_not_finished
@@ -42,14 +42,12 @@ def decide_lookup(state: State, cmd: Lookup, emit: Emit) -> int:
     if extension is not None:
         emit(extension)
     window = cmd.block_hashes[skip:cap]
-    # only RESIDENT entries are visible: on the tier and not pending. The scans are lazy and
-    # at C level: each stops at the first block that is not visible, so a miss costs one
-    # probe however long the prompt
+    # only a prefix hits, and only RESIDENT entries are visible (on the tier and not being
+    # stored): the hits end at the first block that is on the tier no longer or not yet
     hits = tuple(takewhile(state.slot_of.__contains__, window))
-    if hits:  # (most lookups miss: the index of live stores is not read for them)
+    if hits and state.pending:
         pending = state.pending
-        if pending and not pending.keys().isdisjoint(hits):
-            hits = hits[: next(compress(count(), map(pending.__contains__, hits)))]
+        hits = tuple(takewhile(lambda h: h not in pending, hits))
     n = len(hits)
     emit(PinsAcquired(seq=state.next_seq, request_id=request_id, hashes=hits, num_tokens=num_tokens))
     if n < len(window) and state.remote:

@@ -3,10 +3,9 @@ explicit eviction, and the eviction of blocks found bad (F17). Pure."""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import compress, filterfalse
+from itertools import filterfalse
 from typing import Any
 
 from kvflow.core.commands import BlocksComputed, DeviceBlocksEvicting, Evict, Invalidate, Touch
@@ -45,8 +44,7 @@ def _fenced_slot_owners(state: State) -> list[int]:
 
 def _eviction_blocker(state: State, protected: Sequence[int] = ()) -> Callable[[int], bool] | None:
     """Which resident entries eviction passes over: the pinned ones, ``protected`` (F16: a
-    store's own chain) and those whose slot a fence keeps (F15); None when none is (the
-    policies then scan without a call per hash)."""
+    store's own chain) and those whose slot a fence keeps (F15); None when none is."""
     if state.quarantine or not state.slot_of.keys().isdisjoint(protected):
         blocked = set(state.pin_count)
         blocked.update(protected)
@@ -83,15 +81,14 @@ def extend_chain(
 ) -> ChainExtended | None:
     """With ``chain_recency``: the request's chain grows by those of ``hashes`` new to it,
     or None when it has them all already (a store of blocks its lookup named).
-    ``distinct``: the set of ``hashes``, when the caller has built it (then the dict view
-    answers, at C level, for less than a scan of ``hashes``)."""
+    ``distinct``: the set of ``hashes``, when the caller has built it."""
     if not state.config.chain_recency or not hashes:
         return None
     if req is not None:
         if req.chain_tail_start(hashes) >= 0:  # (its chain's last blocks, or all of them: a lookup repeated)
             return None
         chain = req.chain
-        if chain and (chain.keys() >= distinct if distinct is not None else all(map(chain.__contains__, hashes))):
+        if chain and chain.keys() >= (distinct if distinct is not None else set(hashes)):
             return None
     return ChainExtended(seq=state.next_seq, request_id=request_id, hashes=tuple(hashes))
 
@@ -103,23 +100,16 @@ def chain_touch(state: State, req: Request) -> BlocksTouched | None:
     if not state.config.chain_recency:
         return None
     slot_of, order = state.slot_of, req.chain_order
-    if order is not None:  # (the chain as one tuple: its dict is not asked for)
+    if order is not None:  # (the chain kept as one tuple)
         if not order:
             return None
         if req.chain_whole_at == state.departures:
-            # (the usual finish: its store put the chain's tail on the tier, and nothing
-            # has left the tier since)
+            # its store put the chain's tail on the tier, and nothing has left the tier since
             touched = order[::-1]
         else:
             touched = tuple(filter(slot_of.__contains__, reversed(order)))
     else:
-        chain = req.chain
-        # (the whole chain on the tier, asked of the dict views at C level: cheaper than
-        # ``on_tier``'s scan of a tuple, and the chain's tuple is built once)
-        if slot_of.keys() >= chain.keys():
-            touched = tuple(chain)[::-1]  # (a dict's reverse iterator is the slower way)
-        else:
-            touched = tuple(filter(slot_of.__contains__, reversed(chain)))
+        touched = tuple(filter(slot_of.__contains__, reversed(req.chain)))
     if not touched:
         return None
     return BlocksTouched(seq=state.next_seq, hashes=touched, reuse=False)
@@ -127,10 +117,7 @@ def chain_touch(state: State, req: Request) -> BlocksTouched | None:
 
 def on_tier(state: State, hashes: tuple[int, ...]) -> tuple[int, ...]:
     """Those of ``hashes`` that are on the tier (resident, or being stored), in order."""
-    slot_of = state.slot_of
-    if all(map(slot_of.__contains__, hashes)):
-        return hashes  # the common case: every block is on the tier
-    return tuple(filter(slot_of.__contains__, hashes))
+    return tuple(filter(state.slot_of.__contains__, hashes))
 
 
 # hashes admitted, their device blocks, victims, and the blocks rejected (hashes, device blocks)
@@ -152,14 +139,13 @@ def _admission(
     protected: Sequence[int] = ()
     new_hashes: Sequence[int]
     new_blocks: Sequence[int]
-    if state.slot_of.keys().isdisjoint(block_hashes):  # (the common case: none is there yet)
-        # (the command's own tuples: their slices below are the events' fields, uncopied)
+    slot_of = state.slot_of
+    if slot_of.keys().isdisjoint(block_hashes):  # none of them is on the tier: all are new
         new_hashes, new_blocks = block_hashes, device_blocks
     else:
         protected = block_hashes
-        absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
-        new_hashes = list(compress(block_hashes, absent))
-        new_blocks = list(compress(device_blocks, absent))
+        new = [(h, d) for h, d in zip(block_hashes, device_blocks) if h not in slot_of]
+        new_hashes, new_blocks = [h for h, _ in new], [d for _, d in new]
     if not unique and len(set(new_hashes)) != len(new_hashes):  # a hash named twice is stored once
         firsts: dict[int, int] = {}
         for h, d in zip(new_hashes, new_blocks):

@@ -2,8 +2,8 @@
 
 ``check_invariants(state)`` returns the violations (empty when consistent). Replay runs it at
 every checkpoint and at the end (``--strict``: after every event); the Hypothesis machines run
-it after every step. Each section checks its rule in bulk (C-level set and dict operations,
-as exact as a per-item loop) and walks item by item only to name the offenders.
+it after every step. Each section checks its rule over whole tables and walks item by item
+only to name the offenders.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from kvflow.core.jobs import (
     REMOTE_LOAD,
     REMOTE_STORE,
     STORE,
+    Direction,
     every_rank,
     has_rank,
     is_rank,
@@ -71,7 +72,7 @@ _SUBMIT_OTHER = entry_move(RESIDENT, "jobs_submitted")
 def _add_job(
     state: State,
     event: StoreQueued | LoadQueued | RemoteLoadQueued | RemoteStoreQueued,
-    direction: str,
+    direction: Direction,
     tag: str,
     request_id: str | None,
     device_blocks: tuple[int, ...],
@@ -88,7 +89,7 @@ def _add_job(
         if len(state.jobs) == 1:  # the only live job: no index is kept (see State.held)
             state._held = None
         else:
-            for d in device_blocks:  # (a loop: about 0.6x the cost of update(dict.fromkeys(...)))
+            for d in device_blocks:
                 held[d] = job_id
     req = ensure_request(state, request_id)
     if req is not None:
@@ -101,8 +102,7 @@ def _end_job(state: State, job: Job, abandoned: bool) -> None:
     abandoned by a reset was already forgotten by its request)."""
     job_id, device_blocks = job.job_id, job.device_blocks
     del state.jobs[job_id]
-    if state.queued:  # (a job cancelled before submission; usually none is queued)
-        state.queued.pop(job_id, None)
+    state.queued.pop(job_id, None)  # (a job cancelled before submission)
     held = state._held
     if held is None:
         pass  # not kept (see State.held)

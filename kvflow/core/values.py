@@ -15,7 +15,7 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
-from typing import Any, TypeGuard
+from typing import Any, SupportsIndex, TypeGuard, cast
 
 import msgspec
 
@@ -57,10 +57,25 @@ def fits_64_bits(values: tuple[int, ...]) -> bool:
     return True
 
 
+def _real_hashes(values: tuple[int, ...]) -> bool:
+    """Whether ``values`` are all plain ints written in msgpack's 9-byte int forms (a tag,
+    0xcf unsigned or 0xd3 signed, then 8 bytes): real block hashes, 64-bit digests, all are,
+    and a bool, a float, a string or an int beyond 64 bits is written otherwise. One encode
+    answers both rules for the tuples an engine passes on every call (docs/performance.md)."""
+    try:
+        encoded = _encode_ints(values)
+    except (OverflowError, TypeError):
+        return False
+    header = 1 if len(values) < 16 else 3 if len(values) < 2**16 else 5  # (the array's header)
+    return len(encoded) == header + 9 * len(values) and not encoded[header::9].translate(None, b"\xcf\xd3")
+
+
 def hashes(values: Sequence[int]) -> tuple[int, ...]:
     """Block hashes: integers that fit in 64 bits (signed or unsigned), so that traces and
     state digests encode them exactly. Hash a longer digest down first (e.g. its first 8
     bytes as an int)."""
+    if type(values) is tuple and _real_hashes(values):
+        return values
     out = ints(values, "block hashes")
     if not fits_64_bits(out):
         raise Rejected("block hashes must fit in 64 bits; hash a longer digest down to 8 bytes first")
@@ -94,29 +109,30 @@ def flag(value: object, name: str) -> bool:
 
 def count(value: object, name: str) -> int:
     """A whole number >= 0 (numpy integers accepted, bools refused)."""
-    if type(value) is not int:
-        if isinstance(value, bool):
-            raise Rejected(f"{name} must be a whole number >= 0, got {value!r}")
+    if is_int(value):
+        number = value
+    elif isinstance(value, bool):
+        raise Rejected(f"{name} must be a whole number >= 0, got {value!r}")
+    else:
         try:
-            value = operator.index(value)  # type: ignore[arg-type]
+            number = operator.index(cast(SupportsIndex, value))  # (TypeError: no integer)
         except TypeError:
             raise Rejected(f"{name} must be a whole number >= 0, got {type(value).__name__} {value!r}") from None
-    if value < 0:  # type: ignore[operator]
-        raise Rejected(f"{name} must be a whole number >= 0, got {value!r}")
-    return value  # type: ignore[return-value]
+    if number < 0:
+        raise Rejected(f"{name} must be a whole number >= 0, got {number!r}")
+    return number
 
 
 def time_ms(value: object, name: str) -> float:
     """A finite time in milliseconds (a NaN or infinite clock would make a job that never
     times out and a trace that does not read back)."""
-    if type(value) is not float:
-        # ints and numpy numbers are numbers.Real; bools, strings and None are refused
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise Rejected(f"{name} must be a number of milliseconds, got {type(value).__name__} {value!r}")
-        value = float(value)
-    if not math.isfinite(value):  # type: ignore[arg-type]
+    # ints and numpy numbers are numbers.Real; bools, strings and None are refused
+    if isinstance(value, bool) or not isinstance(value, (float, numbers.Real)):
+        raise Rejected(f"{name} must be a number of milliseconds, got {type(value).__name__} {value!r}")
+    ms = float(value)
+    if not math.isfinite(ms):
         raise Rejected(f"{name} must be finite, got {value!r}")
-    return value  # type: ignore[return-value]
+    return ms
 
 
 def result(value: Any) -> JobResult:

@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
 import structlog
 
 from kvflow.core.commands import JobResult
@@ -241,8 +240,14 @@ class SyncEngine:
         return StepReport(
             now_ms=now,
             submitted=jobs,
+            loads_finished=notices.loads_finished,
+            loads_failed=notices.loads_failed,
+            stores_finished=notices.stores_finished,
+            stores_failed=notices.stores_failed,
+            released_device_blocks=notices.released_device_blocks,
             timed_out=timed_out,
-            **msgspec.structs.asdict(notices),
+            rejected_store_blocks=notices.rejected_store_blocks,
+            all_blocks_cleared=notices.all_blocks_cleared,
         )
 
     def _take_remote_found(self) -> None:

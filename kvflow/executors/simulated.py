@@ -276,13 +276,12 @@ class SimulatedExecutor:
         return out
 
     def _results(self, job_id: int, fails: bool) -> list[JobResult]:
-        results = []
-        for rank in range(self.world_size):
-            if fails and rank == self.fail_rank:
-                results.append(JobResult(job_id=job_id, rank=rank, ok=False, error=self.error_text))
-            else:
-                results.append(JobResult(job_id=job_id, rank=rank, ok=True))
-        return results
+        """One result per rank: ``fail_rank``'s a failure if the job fails."""
+        failing = self.fail_rank if fails else -1
+        return [
+            JobResult(job_id, rank, False, self.error_text) if rank == failing else JobResult(job_id, rank)
+            for rank in range(self.world_size)
+        ]
 
     def wait(self, job_id: int) -> list[JobResult]:
         """Advance the clock to this job's completion and return its results (F12: unknown

@@ -21,6 +21,7 @@ from kvflow.core.decide.store import chain_touch, drop_corrupt
 from kvflow.core.errors import Rejected, UnknownJob
 from kvflow.core.events import (
     FenceLifted,
+    FenceReason,
     JobCompleted,
     JobFailed,
     JobsSubmitted,
@@ -34,7 +35,7 @@ from kvflow.core.events import (
 )
 from kvflow.core.jobs import LOAD, STORE, TransferJob, every_rank, has_rank, is_rank, with_rank
 from kvflow.core.state.model import Job, State
-from kvflow.core.state.tables import JobState
+from kvflow.core.state.tables import ABANDONED, FENCED, IN_FLIGHT, QUEUED
 from kvflow.core.values import is_int
 
 CANCELLED_BY_RESET = "cancelled by reset before submission"
@@ -46,18 +47,19 @@ def decide_plan_step(state: State, cmd: PlanStep, emit: Emit) -> list[TransferJo
     if not state.queued:
         return []
     job_ids = tuple(state.queued)
-    queued = [state.jobs[jid] for jid in job_ids]
-    jobs = [
-        TransferJob(
-            job_id=job.job_id,
-            direction=job.direction,
-            device_blocks=job.device_blocks,
-            slots=job.slots,
-            hashes=job.hashes,
-            request_id=job.request_id,
+    jobs = []
+    for jid in job_ids:
+        job = state.jobs[jid]
+        jobs.append(
+            TransferJob(
+                job_id=jid,
+                direction=job.direction,
+                device_blocks=job.device_blocks,
+                slots=job.slots,
+                hashes=job.hashes,
+                request_id=job.request_id,
+            )
         )
-        for job in queued
-    ]
     emit(
         JobsSubmitted(
             seq=state.next_seq,
@@ -73,7 +75,7 @@ def _terminal_event(kind: type[Any], state: State, job: Job, **outcome: Any) -> 
     """A JobCompleted / JobFailed / JobTimedOut describing ``job``, with its outcome fields."""
     return kind(
         seq=state.next_seq,
-        abandoned=job.state is JobState.ABANDONED,
+        abandoned=job.state is ABANDONED,
         job_id=job.job_id,
         direction=job.direction,
         request_id=job.request_id,
@@ -105,14 +107,14 @@ def _check_result(state: State, result: JobResult) -> Job | None:
     if not is_int(rank) or not is_rank(rank, world):
         raise Rejected(f"result for job {result.job_id}: rank {result.rank!r} outside world size {world}")
     job = state.jobs.get(job_id)
-    if job is not None and job.state is JobState.QUEUED:
+    if job is not None and job.state is QUEUED:
         raise Rejected(f"result for job {job_id}, which was never submitted")
     return job
 
 
-def _fence_lifted(state: State, job: Job, reason: str) -> FenceLifted:
+def _fence_lifted(state: State, job: Job, reason: FenceReason) -> FenceLifted:
     return FenceLifted(
-        seq=state.next_seq, job_id=job.job_id, device_blocks=job.device_blocks, slots=job.slots, reason=reason  # type: ignore[arg-type]
+        seq=state.next_seq, job_id=job.job_id, device_blocks=job.device_blocks, slots=job.slots, reason=reason
     )
 
 
@@ -122,9 +124,9 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
     the result is checked first (before any event); else the caller checked it."""
     job = _check_result(state, cmd) if check else state.jobs.get(cmd.job_id)
     rank, every = cmd.rank, every_rank(state.config.world_size)
-    if job is None or has_rank(job.acks, rank) or job.state is JobState.FENCED:
+    if job is None or has_rank(job.acks, rank) or job.state is FENCED:
         emit(LateResultIgnored(seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error))
-        if job is not None and job.state is JobState.FENCED:
+        if job is not None and job.state is FENCED:
             if cmd.corrupt and job.direction == LOAD and not cmd.ok:
                 # F17 also when the report comes after the outcome (a timeout, another rank's
                 # failure): the host copies it found bad leave the tier
@@ -132,12 +134,12 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
             if job.reported == every:
                 emit(_fence_lifted(state, job, "copy over"))
         return
-    request_id = None if job.state is JobState.ABANDONED else job.request_id
+    request_id = None if job.state is ABANDONED else job.request_id
     if not cmd.ok:
         # F15: while another rank has not reported, its copy may still run: fence the memory
         fenced = with_rank(job.reported, rank) != every
         emit(_terminal_event(JobFailed, state, job, rank=cmd.rank, error=cmd.error or "unknown error", fenced=fenced))
-        if cmd.corrupt and job.direction == LOAD and job.state is not JobState.ABANDONED:
+        if cmd.corrupt and job.direction == LOAD and job.state is not ABANDONED:
             # F17: bad bytes are never offered twice: the entries the load found corrupt
             # leave the tier now that its pins are released (those another request still
             # pins go when that load fails on them too)
@@ -145,7 +147,7 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
             bad = [h for h in job.hashes if h in named]
             drop_corrupt(state, bad, emit)
     elif with_rank(job.acks, rank) == every:
-        landed = job.direction == STORE and job.state is not JobState.ABANDONED
+        landed = job.direction == STORE and job.state is not ABANDONED
         emit(_terminal_event(JobCompleted, state, job, rank=rank))
         if landed and state.config.remote:
             write_through(state, job.hashes, emit)
@@ -177,7 +179,7 @@ def decide_job_results(state: State, cmd: JobResults, emit: Emit) -> None:
 def expired_jobs(state: State, now_ms: float) -> list[Job]:
     """The in-flight jobs whose deadline has come by ``now_ms`` (F2), in job order. (A fenced
     job's outcome is already known: its deadline has nothing left to decide.)"""
-    return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is JobState.IN_FLIGHT]
+    return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is IN_FLIGHT]
 
 
 def decide_tick(state: State, cmd: Tick, emit: Emit) -> int:
@@ -221,7 +223,7 @@ def decide_reset(state: State, cmd: ResetAll, emit: Emit) -> None:
     for jid in list(state.queued):
         job = state.jobs[jid]
         emit(_terminal_event(JobFailed, state, job, rank=-1, error=CANCELLED_BY_RESET))
-    live = tuple(jid for jid, job in state.jobs.items() if job.state is not JobState.FENCED)
+    live = tuple(jid for jid, job in state.jobs.items() if job.state is not FENCED)
     emit(Reset(seq=state.next_seq, abandoned_job_ids=live, keeps_requests=True))
 
 

@@ -16,6 +16,7 @@ from kvflow.core.events import (
     BlocksEvicted,
     BlocksTouched,
     ChainExtended,
+    EvictReason,
     RequestOpened,
     RequestResumed,
     StoreQueued,
@@ -170,7 +171,7 @@ def _decide_store(
         )
     req = state.requests.get(request_id) if request_id is not None else None
     if req is not None:
-        check_not_finished(req, request_id, "store: request")  # type: ignore[arg-type]
+        check_not_finished(req, request_id, "store: request")
     held = state.held
     same = dict(zip(device_blocks, block_hashes)) if held and not held.keys().isdisjoint(device_blocks) else {}
     check_device_blocks(state, device_blocks, same)
@@ -235,7 +236,7 @@ def _computed_lazy(state: State, cmd: BlocksComputed, emit: Emit) -> None:
     """Lazy mode: nothing is stored now, but the request is known (and back, if preempted)
     (F18)."""
     req = state.requests.get(cmd.request_id) if cmd.request_id is not None else None
-    check_not_finished(req, cmd.request_id, "blocks_computed: request")  # type: ignore[arg-type]
+    check_not_finished(req, cmd.request_id, "blocks_computed: request")
     check_device_blocks(state, cmd.device_blocks, dict(zip(cmd.device_blocks, cmd.block_hashes)))
     if cmd.request_id is not None and state.config.enabled:
         if req is not None and req.finished:
@@ -280,7 +281,7 @@ def decide_evict(state: State, cmd: Evict, emit: Emit) -> int:
     return len(victims)
 
 
-def _evict_resident(state: State, hashes: Sequence[int], reason: str) -> BlocksEvicted | None:
+def _evict_resident(state: State, hashes: Sequence[int], reason: EvictReason) -> BlocksEvicted | None:
     """The eviction of those of ``hashes`` that are RESIDENT and unpinned (each once), or None."""
     slot_of, pending, pinned = state.slot_of, state.pending, state.pin_count
     chosen = [h for h in dict.fromkeys(hashes) if h in slot_of and h not in pending and h not in pinned]
@@ -289,13 +290,13 @@ def _evict_resident(state: State, hashes: Sequence[int], reason: str) -> BlocksE
     return eviction(state, chosen, reason)
 
 
-def eviction(state: State, victims: Sequence[int], reason: str) -> BlocksEvicted:
+def eviction(state: State, victims: Sequence[int], reason: EvictReason) -> BlocksEvicted:
     """The eviction of ``victims`` (RESIDENT, unpinned, distinct), with their slots."""
     return BlocksEvicted(
         seq=state.next_seq,
         hashes=tuple(victims),
         slots=state.slots_of(victims),
-        reason=reason,  # type: ignore[arg-type]
+        reason=reason,
     )
 
 

@@ -44,9 +44,9 @@ from kvflow.core.state.moves import ensure_request, entry_move, pin, unpin
 from kvflow.core.state.tables import (
     ABSENT,
     BLOCK_TRANSITIONS,
+    FENCED,
     RESIDENT,
     STORING,
-    JobState,
 )
 
 # --- one function per entry, pin and request event -------------------------------------------
@@ -195,7 +195,7 @@ def _reset(state: State, event: Reset, check: bool) -> None:
     abandoned = event.abandoned_job_ids
     if state.queued:
         raise lg.illegal(state, event, "QUEUED", "queued jobs must be cancelled before a reset")
-    if list(abandoned) != [jid for jid, j in state.jobs.items() if j.state is not JobState.FENCED]:
+    if list(abandoned) != [jid for jid, j in state.jobs.items() if j.state is not FENCED]:
         raise lg.illegal(state, event, "IN_FLIGHT", "the reset must abandon exactly the in-flight jobs")
     # every entry goes where the table sends it under "reset" (the bulk writer below is the
     # one for ABSENT; a table that said otherwise is refused before anything changes)

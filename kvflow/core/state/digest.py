@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvflow.core.state.tables import JobState
+from kvflow.core.state.tables import QUEUED
 
 if TYPE_CHECKING:
     from kvflow.core.state.model import State
@@ -46,7 +46,7 @@ def canonical(state: State) -> tuple[Any, ...]:
     states: Iterable[int] = repeat(3, n)
     if pending:
         job_of = list(map(pending.get, hashes, job_of))
-        states = [3 if j == 0 else (1 if live[j].state is JobState.QUEUED else 2) for j in job_of]
+        states = [3 if j == 0 else (1 if live[j].state is QUEUED else 2) for j in job_of]
     pinned = map(pins.get, hashes, repeat(0, n)) if pins else repeat(0, n)
     entries = list(map(Entry, hashes, states, state.slots_of(hashes), pinned, job_of))
     # (a job's ``reported`` ranks differ from its ``acks`` only while it is fenced: added

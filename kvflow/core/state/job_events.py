@@ -47,13 +47,16 @@ from kvflow.core.state.moves import (
     unpin,
 )
 from kvflow.core.state.tables import (
+    ABANDONED,
     ABSENT,
+    FENCED,
     JOB_TRANSITIONS,
+    NEW,
     OUTCOME_JOB_STATES,
+    QUEUED,
     RESIDENT,
     STORE_QUEUED,
     STORING,
-    JobState,
 )
 
 # What the queue events do to their entries, read from BLOCK_TRANSITIONS once (see
@@ -80,7 +83,7 @@ def _add_job(
     """The job the event queues (in the state the table gives it), holding its device blocks;
     its request (``None`` for remote jobs and lazy stores) is created if new and lists it."""
     job_id = event.job_id
-    job = Job(job_id, direction, request_id, event.hashes, device_blocks, event.slots, JOB_TRANSITIONS[JobState.NEW][tag])
+    job = Job(job_id, direction, request_id, event.hashes, device_blocks, event.slots, JOB_TRANSITIONS[NEW][tag])
     state.jobs[job_id] = job
     state.queued[job_id] = None
     state.last_job_id = job_id
@@ -300,7 +303,7 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
             was.name, f"{tag}#{event.seq}", "the job table must end or fence the job here"
         )
     job.state = nxt
-    abandoned = was is JobState.ABANDONED
+    abandoned = was is ABANDONED
     if fenced:
         if isinstance(event, JobFailed):
             job.reported = with_rank(job.reported, event.rank)
@@ -315,7 +318,7 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
             return
     direction = job.direction
     if direction in FILLING:
-        write = WRITERS[STORE_QUEUED if was is JobState.QUEUED else STORING][tag]
+        write = WRITERS[STORE_QUEUED if was is QUEUED else STORING][tag]
         if write is not None:
             write(state, job.hashes, job)
         if direction == REMOTE_LOAD and not completed:
@@ -350,7 +353,7 @@ def _rank_succeeded(state: State, event: RankSucceeded, check: bool) -> None:
 
 def _late(state: State, event: LateResultIgnored, check: bool) -> None:
     job = state.jobs.get(event.job_id)
-    if job is not None and job.state is JobState.FENCED:
+    if job is not None and job.state is FENCED:
         # a fenced job's rank reports: that rank's copy is over
         if not is_rank(event.rank, state.config.world_size):
             raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")

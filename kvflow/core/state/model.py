@@ -16,7 +16,17 @@ from kvflow.core.jobs import FILLING, Direction
 from kvflow.core.policies.base import Policy
 from kvflow.core.policies.registry import make_policy
 from kvflow.core.state.digest import canonical, digest
-from kvflow.core.state.tables import ABSENT, RESIDENT, STORE_QUEUED, STORING, BlockState, JobState
+from kvflow.core.state.tables import (
+    ABANDONED,
+    ABSENT,
+    FENCED,
+    QUEUED,
+    RESIDENT,
+    STORE_QUEUED,
+    STORING,
+    BlockState,
+    JobState,
+)
 
 
 class Entry:
@@ -86,19 +96,19 @@ class Job(msgspec.Struct, eq=False, gc=False):
     hashes: tuple[int, ...]
     device_blocks: tuple[int, ...]
     slots: tuple[int, ...]
-    state: JobState = JobState.QUEUED
+    state: JobState = QUEUED
     deadline_ms: float = 0.0
     acks: int = 0  # bit mask of ranks that reported success
     reported: int = 0  # bit mask of ranks that reported at all: their copy is over
 
     @property
     def abandoned(self) -> bool:
-        return self.state is JobState.ABANDONED
+        return self.state is ABANDONED
 
     @property
     def fenced(self) -> bool:
         """Its outcome is known but its copy may still run: its memory is fenced (F15)."""
-        return self.state is JobState.FENCED or self.state is JobState.ABANDONED
+        return self.state is FENCED or self.state is ABANDONED
 
     def __repr__(self) -> str:
         return (
@@ -315,7 +325,7 @@ class State:
         job_id = self.pending.get(block_hash)
         if job_id is None:
             return RESIDENT
-        return STORE_QUEUED if self.jobs[job_id].state is JobState.QUEUED else STORING
+        return STORE_QUEUED if self.jobs[job_id].state is QUEUED else STORING
 
     def is_resident(self, block_hash: int) -> bool:
         return block_hash in self.slot_of and block_hash not in self.pending

@@ -30,9 +30,10 @@ anchor's README says how to get one); the anchor harness itself is imported from
 ``--baseline TREE`` compares two kvflow trees side by side in one run (this checkout and
 another one, e.g. ``git worktree add ../kvflow-old <commit>``): each runs in a worker process
 of its own that imports kvflow from its tree, and the repetitions interleave vLLM, this tree and
-the baseline, with and without the trace. It prints both trees' figures, their decisions (which
-must be equal) and this tree's time over the baseline's; the exit status is 1 if this tree is
-more than ``--tolerance`` slower than the baseline (median of the per-repetition ratios).
+the baseline (the trees taking turns at going first), with and without the trace. It prints
+both trees' figures, their decisions (which must be equal) and this tree's time over the
+baseline's; the exit status is 1 if this tree is more than ``--tolerance`` slower than the
+baseline (median of the per-repetition ratios).
 
 Usage: python tools/bench_vs_vllm.py [--repeat 11] [--policy both] [--vllm-src DIR] [--baseline TREE]
 """
@@ -295,17 +296,24 @@ def bench_policy(policy: str, args: argparse.Namespace, anchor: ModuleType, base
         if counts != EXPECTED[(side, policy)] and not args.limit:
             raise SystemExit(f"{side} {policy}: decisions {counts} != expected {EXPECTED[(side, policy)]}")
 
-    runs: list[tuple[str, Any]] = [("vllm", vllm_once)]
-    for traced in (False, True):
-        suffix = "+trace" if traced else ""
-        if workers:
-            runs += [(name + suffix, in_worker(w, traced)) for name, w in workers.items()]
-        else:
-            runs.append(("kvflow" + suffix, lambda traced=traced: here(traced)))
-    times: dict[str, list[float]] = {name: [] for name, _ in runs}
+    def schedule(repetition: int) -> list[tuple[str, Any]]:
+        """The runs of one repetition: vLLM, then each kvflow tree, then each with the trace;
+        the trees take turns at going first (whichever runs right after another may pay for
+        what that one left behind: caches, the collector, the clock)."""
+        runs: list[tuple[str, Any]] = [("vllm", vllm_once)]
+        names = list(workers) if repetition % 2 == 0 else list(reversed(workers))
+        for traced in (False, True):
+            suffix = "+trace" if traced else ""
+            if workers:
+                runs += [(name + suffix, in_worker(workers[name], traced)) for name in names]
+            else:
+                runs.append(("kvflow" + suffix, lambda traced=traced: here(traced)))
+        return runs
+
+    times: dict[str, list[float]] = {name: [] for name, _ in schedule(0)}
     try:
-        for _ in range(args.repeat):
-            for name, run in runs:
+        for repetition in range(args.repeat):
+            for name, run in schedule(repetition):
                 ns, counts, _ = run()
                 expected = vllm_counts if name == "vllm" else kv_counts
                 if counts != expected:

@@ -269,10 +269,14 @@ class SimulatedExecutor:
             out = []
         else:
             return []  # (nothing due: the common poll)
-        pending = self._pending
+        pending, one_rank = self._pending, self.world_size == 1
         while heap and heap[0][0] <= now:
             job_id = heappop(heap)[2]
-            out.extend(self._results(job_id, pending.pop(job_id)[1]))
+            fails = pending.pop(job_id)[1]
+            if one_rank and not fails:
+                out.append(JobResult(job_id))  # (a success of the one rank: the defaults)
+            else:
+                out.extend(self._results(job_id, fails))
         return out
 
     def _results(self, job_id: int, fails: bool) -> list[JobResult]:

@@ -42,7 +42,7 @@ CANCELLED_BY_RESET = "cancelled by reset before submission"
 
 def decide_plan_step(state: State, cmd: PlanStep, emit: Emit) -> list[TransferJob]:
     config = state.config
-    if config.remote and config.remote_store_mode == "ahead_of_eviction":
+    if config.remote_store_mode == "ahead_of_eviction" and config.remote:
         push_ahead_of_eviction(state, emit)
     if not state.queued:
         return []

@@ -45,9 +45,10 @@ def decide_lookup(state: State, cmd: Lookup, emit: Emit) -> int:
     # only a prefix hits, and only RESIDENT entries are visible (on the tier and not being
     # stored): the hits end at the first block that is on the tier no longer or not yet
     hits = tuple(takewhile(state.slot_of.__contains__, window))
-    if hits and state.pending:
+    if hits:
         pending = state.pending
-        hits = tuple(takewhile(lambda h: h not in pending, hits))
+        if pending:
+            hits = tuple(takewhile(lambda h: h not in pending, hits))
     n = len(hits)
     emit(PinsAcquired(seq=state.next_seq, request_id=request_id, hashes=hits, num_tokens=num_tokens))
     if n < len(window) and state.remote:

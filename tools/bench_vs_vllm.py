@@ -104,8 +104,8 @@ def kvflow_requests(trace: list[tuple[int, list[int]]]) -> list[tuple[str, int, 
     return out
 
 
-def run_kvflow(policy: str, reqs: list, trace_path: str | None) -> tuple[int, tuple[int, int, int], list]:
-    """One timed pass of kvflow over the requests; (ns, (hit, stored, evicted), per request)."""
+def run_kvflow(policy: str, reqs: list, trace_path: str | None) -> tuple[int, tuple[int, int, int], int]:
+    """One timed pass of kvflow over the requests: (wall ns, (hit, stored, evicted), CPU ns)."""
     clock = VirtualClock()
     executor = SimulatedExecutor(clock)
     config = Config(cpu_blocks=CAPACITY, block_tokens=BLOCK_TOKENS, policy=policy)
@@ -116,7 +116,7 @@ def run_kvflow(policy: str, reqs: list, trace_path: str | None) -> tuple[int, tu
     finish, step, take = engine.finish_request, engine.step, publisher.take
     advance, next_done = clock.advance_to, executor.next_completion_ms
     removed = 0
-    t0 = time.perf_counter_ns()
+    c0, t0 = time.process_time_ns(), time.perf_counter_ns()
     for rid, n_tokens, keys, device in reqs:
         hits = lookup(rid, keys, n_tokens)
         if hits:
@@ -134,11 +134,11 @@ def run_kvflow(policy: str, reqs: list, trace_path: str | None) -> tuple[int, tu
             if type(kv) is BlockRemoved:
                 removed += len(kv.block_hashes)
     engine.close()
-    t1 = time.perf_counter_ns()
+    t1, c1 = time.perf_counter_ns(), time.process_time_ns()
     c = engine.counters
     if c.blocks_evicted != removed:
         raise SystemExit(f"kvflow {policy}: {removed} blocks removed in KV events, {c.blocks_evicted} evicted")
-    return t1 - t0, (c.blocks_loaded, c.blocks_stored, c.blocks_evicted), []
+    return t1 - t0, (c.blocks_loaded, c.blocks_stored, c.blocks_evicted), c1 - c0
 
 
 def per_request_kvflow(policy: str, reqs: list) -> list[tuple[int, int, int]]:
@@ -177,19 +177,19 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def kvflow_once(policy: str, trace: list, trace_path: str | None) -> tuple[int, tuple[int, int, int]]:
+def kvflow_once(policy: str, trace: list, trace_path: str | None) -> tuple[int, tuple[int, int, int], int]:
     """One timed pass of kvflow (its setup untimed, the collector frozen out of the way)."""
     gc.unfreeze()
     reqs = kvflow_requests(trace)
     gc.collect()
     gc.freeze()
     try:
-        ns, counts, _ = run_kvflow(policy, reqs, trace_path)
+        ns, counts, cpu_ns = run_kvflow(policy, reqs, trace_path)
     finally:
         gc.unfreeze()
     if trace_path is not None:
         os.unlink(trace_path)
-    return ns, counts
+    return ns, counts, cpu_ns
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -207,8 +207,8 @@ def worker(args: argparse.Namespace) -> int:
             reply: dict[str, Any] = {"records": per_request_kvflow(ask["policy"], kvflow_requests(trace))}
         else:
             path = os.path.join(args.tmp, f"{ask['policy']}.jsonl") if ask["traced"] else None
-            ns, counts = kvflow_once(ask["policy"], trace, path)
-            reply = {"ns": ns, "counts": counts}
+            ns, counts, cpu_ns = kvflow_once(ask["policy"], trace, path)
+            reply = {"ns": ns, "counts": counts, "cpu_ns": cpu_ns}
         print(json.dumps(reply), flush=True)
     return 0
 
@@ -241,9 +241,9 @@ class Worker:
         self.process.stdin.flush()
         return self._read()
 
-    def run(self, policy: str, traced: bool) -> tuple[int, tuple[int, int, int], list]:
+    def run(self, policy: str, traced: bool) -> tuple[int, tuple[int, int, int], int]:
         reply = self.ask(policy=policy, traced=traced)
-        return reply["ns"], tuple(reply["counts"]), []  # type: ignore[return-value]
+        return reply["ns"], tuple(reply["counts"]), reply["cpu_ns"]  # type: ignore[return-value]
 
     def decisions(self, policy: str) -> list[tuple[int, int, int]]:
         return [tuple(r) for r in self.ask(policy=policy, decisions=True)["records"]]  # type: ignore[misc]
@@ -271,9 +271,8 @@ def bench_policy(policy: str, args: argparse.Namespace, anchor: ModuleType, base
         counts = tuple(sum(r[k] for r in records) for k in range(3))
         return ns, counts, records  # type: ignore[return-value]
 
-    def here(traced: bool) -> tuple[int, tuple[int, int, int], list]:
-        ns, counts = kvflow_once(policy, trace, os.path.join(tmp, f"{policy}.jsonl") if traced else None)
-        return ns, counts, []
+    def here(traced: bool) -> tuple[int, tuple[int, int, int], int]:
+        return kvflow_once(policy, trace, os.path.join(tmp, f"{policy}.jsonl") if traced else None)
 
     def in_worker(w: Worker, traced: bool) -> Any:
         return lambda: w.run(policy, traced)
@@ -311,14 +310,17 @@ def bench_policy(policy: str, args: argparse.Namespace, anchor: ModuleType, base
         return runs
 
     times: dict[str, list[float]] = {name: [] for name, _ in schedule(0)}
+    cpu: dict[str, list[float]] = {name: [] for name in times if name != "vllm"}
     try:
         for repetition in range(args.repeat):
             for name, run in schedule(repetition):
-                ns, counts, _ = run()
+                ns, counts, extra = run()
                 expected = vllm_counts if name == "vllm" else kv_counts
                 if counts != expected:
                     raise SystemExit(f"{name} {policy}: decisions {counts} changed from {expected}")
                 times[name].append(ns / 1e3 / full_blocks)
+                if name != "vllm":
+                    cpu[name].append(extra / 1e3 / full_blocks)
     finally:
         gc.unfreeze()
     return {
@@ -328,6 +330,7 @@ def bench_policy(policy: str, args: argparse.Namespace, anchor: ModuleType, base
         "same_requests": same_requests,
         "requests": len(trace),
         "times": times,
+        "cpu": cpu,
         "us_per_block": {k: median(v) for k, v in times.items()},
         "spread": {k: (min(v), max(v)) for k, v in times.items()},
     }
@@ -407,13 +410,19 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> bool:
         print(line)
     ok = True
     if args.baseline is not None:
+        cpu = r["cpu"]
         for suffix in ("", "+trace"):
-            ratios = paired(times["kvflow" + suffix], times["baseline" + suffix])
+            new, old = "kvflow" + suffix, "baseline" + suffix
+            ratios = paired(times[new], times[old])
+            cpu_ratios = paired(cpu[new], cpu[old])
             within = median(ratios) <= 1 + args.tolerance
             ok &= within
-            print(f"  this tree / baseline{suffix:<7} {us['kvflow' + suffix] / us['baseline' + suffix]:.3f}x of the "
-                  f"medians; per repetition {median(ratios):.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f}): "
+            print(f"  this tree / baseline{suffix:<7} {us[new] / us[old]:.3f}x of the medians; per repetition "
+                  f"{median(ratios):.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f}): "
                   f"{'within' if within else 'MORE than'} {args.tolerance:.0%}")
+            print(f"    (CPU time: {median(cpu[new]):.2f} / {median(cpu[old]):.2f} µs per full block, "
+                  f"{median(cpu[new]) / median(cpu[old]):.3f}x; per repetition {median(cpu_ratios):.3f}x, "
+                  f"{cpu_ratios[0]:.3f}-{cpu_ratios[-1]:.3f})")
     return ok
 
 

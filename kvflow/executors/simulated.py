@@ -224,7 +224,7 @@ class SimulatedExecutor:
             duration = durations.get(blocks)
             if duration is None:  # (a job's size recurs: its duration is worked out once)
                 duration = durations[blocks] = model.duration_ms(blocks)
-            done = (now if now >= free else free) + duration  # (max(now, free), inlined)
+            done = max(now, free) + duration
             if injects_faults:
                 fails, slow, hangs = self._faults(ordinal)
                 if slow:

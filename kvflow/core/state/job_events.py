@@ -107,11 +107,7 @@ def _end_job(state: State, job: Job, abandoned: bool) -> None:
     del state.jobs[job_id]
     state.queued.pop(job_id, None)  # (a job cancelled before submission)
     held = state._held
-    if held is None:
-        pass  # not kept (see State.held)
-    elif len(held) == len(device_blocks):
-        held.clear()  # its blocks are all that is held
-    else:
+    if held is not None:  # (see State.held)
         for d in device_blocks:
             del held[d]
     if job.request_id is not None and not abandoned:

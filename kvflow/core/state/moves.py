@@ -60,11 +60,8 @@ def _unpend(pending: dict[int, int] | None, hashes: tuple[int, ...]) -> None:
     """The job's hashes (distinct, each pending on it) are pending no more."""
     if pending is None:
         return  # not kept (see State.pending)
-    if len(pending) == len(hashes):
-        pending.clear()  # the usual case, one store at a time: they are all there is
-    else:
-        for h in hashes:
-            del pending[h]
+    for h in hashes:
+        del pending[h]
 
 
 def _free(state: State, hashes: tuple[int, ...]) -> None:

@@ -3,14 +3,21 @@ recorded (kvflow.core.values).
 
 Block hashes fit in 64 bits, signed or unsigned; every other integer (seq, job ids, device
 blocks, slots, counts) is within 0..2**64-1; a rank is below the header's world_size (a
-job_failed's rank may be -1: the job was cancelled before any rank ran). Every record is
-checked as it is read, and the first integer out of its range is named with its line and field.
+job_failed's rank may be -1: the job was cancelled before any rank ran). A chunk is checked
+as a whole: encoding it as msgpack refuses any integer outside 64 bits, a negative integer needs
+a '-' right after ':', ',' or '[' (or blanks), and its ranks are compared with the world size.
+Only a chunk that fails one of these is walked record by record, to name the line and field (or
+to find that the '-' was inside a string); docs/performance.md says why.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from itertools import compress, repeat
 from typing import Any, cast
+
+import msgspec
 
 from kvflow.core.errors import TraceError
 from kvflow.core.events import JobFailed
@@ -51,6 +58,11 @@ def _int_fields(cls: type) -> tuple[tuple[str, int, int, int], ...]:
 
 
 _INT_FIELDS: dict[type, tuple[tuple[str, int, int, int], ...]] = {t: _int_fields(t) for t in RECORD_TYPES}
+_RANKED = frozenset(t for t, fields in _INT_FIELDS.items() if any(f[0] == "rank" for f in fields))
+_NESTING = frozenset(t for t, fields in _INT_FIELDS.items() if any(f[1] == _NESTED for f in fields))
+_BEFORE_MINUS = (b":", b",", b"[", b" ", b"\t", b"\r")
+_rank_of = operator.attrgetter("rank")
+_encode_msgpack_into = msgspec.msgpack.Encoder().encode_into
 
 
 def _bounds_text(name: str, low: int, high: int, world: int) -> str:
@@ -82,9 +94,52 @@ def range_problem(rec: Any, world: int) -> str | None:
     return None
 
 
-def first_out_of_range(path: str, numbers: Sequence[int], recs: list[Any], world: int) -> TraceError | None:
-    """The TraceError naming the first record of ``recs`` (read from lines ``numbers``) with an
-    integer out of its range, or None."""
+def _may_hold_negative(block: bytes) -> bool:
+    """Could ``block`` (JSON lines) hold a negative number? Only if a '-' follows ':', ',', '['
+    or a blank; a '-' inside a string ("req-7") may too: then the records are walked."""
+    if b"-" not in block:
+        return False
+    pieces = block.split(b"-")
+    pieces.pop()
+    return any(map(bytes.endswith, pieces, repeat(_BEFORE_MINUS)))
+
+
+def _ranks_fit(recs: list[Any], kinds: set[type], world: int) -> bool:
+    """Every rank below ``world`` (ranks are known to be >= 0 here); ``kinds``: the set of the
+    records' types."""
+    if not kinds.isdisjoint(_RANKED):
+        ranked = compress(recs, map(_RANKED.__contains__, map(type, recs)))
+        if max(map(_rank_of, ranked)) >= world:
+            return False
+    if kinds.isdisjoint(_NESTING):
+        return True
+    for rec in compress(recs, map(_NESTING.__contains__, map(type, recs))):
+        for name, kind, _low, _high in _INT_FIELDS[type(rec)]:
+            if kind == _NESTED and not all(
+                range_problem(item, world) is None for item in getattr(rec, name)
+            ):
+                return False
+    return True
+
+
+def first_out_of_range(
+    path: str,
+    block: bytes,
+    numbers: Sequence[int],
+    recs: list[Any],
+    world: int,
+    scratch: bytearray,
+) -> TraceError | None:
+    """The TraceError naming the first record of ``recs`` (read from ``block``, lines
+    ``numbers``) with an integer out of its range, or None; ``scratch`` is reused to encode
+    into."""
+    try:
+        _encode_msgpack_into(recs, scratch)  # raises for an integer outside 64 bits
+        suspect = _may_hold_negative(block) or not _ranks_fit(recs, set(map(type, recs)), world)
+    except (OverflowError, ValueError, TypeError):
+        suspect = True
+    if not suspect:
+        return None
     for line, rec in zip(numbers, recs):
         problem = range_problem(rec, world)
         if problem is not None:

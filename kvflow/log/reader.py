@@ -90,6 +90,7 @@ class TraceReader:
             raise
         self._chain = RecordChain(first)
         self._decoder = msgspec.json.Decoder(RecordUnion)
+        self._scratch = bytearray()  # where first_out_of_range encodes a chunk as msgpack
 
     def _read_header_line(self) -> bytes:
         """The first line, newline included; what follows it is kept for the records."""
@@ -185,7 +186,7 @@ class TraceReader:
                     recs = list(map(decode, lines))
                 except DECODE_ERRORS:
                     numbers, recs, torn, bad = self._decode_lines(lines, lineno, complete)
-                out_of_range = first_out_of_range(self.path, numbers, recs, world)
+                out_of_range = first_out_of_range(self.path, block, numbers, recs, world, self._scratch)
                 if out_of_range is not None:
                     bad = out_of_range  # (range-checked records are decoded ones: it comes first)
                 if bad is not None:  # the records before the bad line only

@@ -55,6 +55,9 @@ def replay(
     return result
 
 
+_EVENTS = frozenset(EVENT_TYPES)
+
+
 def _fold(
     reader: TraceReader,
     result: ReplayResult,
@@ -67,7 +70,7 @@ def _fold(
     first divergence or at the first event after ``until``."""
     state = result.state
     for line, rec in reader.records():
-        if isinstance(rec, EVENT_TYPES):
+        if type(rec) in _EVENTS:
             if until is not None and rec.seq > until:
                 result.stopped_at = state.last_seq
                 return
@@ -75,7 +78,7 @@ def _fold(
                 return
             if on_event is not None:
                 on_event(line, rec)
-        elif isinstance(rec, Checkpoint):
+        elif type(rec) is Checkpoint:
             if not check_point(result, line, rec, reader):
                 return
         else:

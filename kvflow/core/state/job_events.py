@@ -148,7 +148,6 @@ def _release_quarantine(state: State, job: Job) -> None:
 # --- one function per job event ------------------------------------------------------------
 
 
-
 def _store_queued(state: State, event: StoreQueued, check: bool) -> None:
     request_id = event.request_id
     if check:

@@ -64,7 +64,14 @@ def check_job(state: State, event: Event, tag: str, job_id: int) -> tuple[Job, J
 
 
 def check_resident(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:
-    """Every hash must be RESIDENT and ``tag`` legal there."""
+    """Every hash must be RESIDENT (on the tier, not pending) and ``tag`` legal there; the
+    blocks are walked one by one only to name the first that is not."""
+    if (
+        tag in BLOCK_TRANSITIONS[RESIDENT]
+        and state.slot_of.keys() >= set(hashes)
+        and state.pending.keys().isdisjoint(hashes)
+    ):
+        return
     for h in hashes:
         current = state.block_state(h)
         if current is not RESIDENT:
@@ -96,6 +103,17 @@ def check_new_job(state: State, event: StoreQueued | LoadQueued) -> None:
 def check_new_entries(state: State, event: StoreQueued | RemoteLoadQueued) -> None:
     """A store names blocks that are not on the tier, each once, and takes the next free
     slots, in allocation order."""
+    hashes = event.hashes
+    named: set[int] = set(hashes)
+    if len(named) != len(hashes) or not state.slot_of.keys().isdisjoint(named):
+        _name_entry_on_tier(state, event)
+    slots = event.slots
+    if len(slots) > len(state.free_slots) or state.next_slots(len(slots)) != slots:
+        raise illegal(state, event, "SLOTS", f"slots {list(slots)[:8]} are not the next free slots")
+
+
+def _name_entry_on_tier(state: State, event: StoreQueued | RemoteLoadQueued) -> None:
+    """Raise naming the first block of the event already on the tier or named twice."""
     named: set[int] = set()
     for h in event.hashes:
         current = state.block_state(h)
@@ -104,6 +122,3 @@ def check_new_entries(state: State, event: StoreQueued | RemoteLoadQueued) -> No
         if h in named:
             raise illegal(state, event, "STORE_QUEUED", f"block {h} is stored twice in one event")
         named.add(h)
-    slots = event.slots
-    if len(slots) > len(state.free_slots) or state.next_slots(len(slots)) != slots:
-        raise illegal(state, event, "SLOTS", f"slots {list(slots)[:8]} are not the next free slots")

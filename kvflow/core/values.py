@@ -86,7 +86,7 @@ def device_blocks(values: Sequence[int]) -> tuple[int, ...]:
     """Device block ids: integers below 2**64 (negative ids are refused by the decisions,
     which also check them against the blocks live jobs hold)."""
     out = ints(values, "device blocks")
-    if out and max(out) >= ID_LIMIT:
+    if not fits_64_bits(out) and max(out) >= ID_LIMIT:  # (below -2**63: the decisions refuse it)
         raise Rejected(f"device block {max(out)} does not fit in 64 bits")
     return out
 
@@ -126,10 +126,13 @@ def count(value: object, name: str) -> int:
 def time_ms(value: object, name: str) -> float:
     """A finite time in milliseconds (a NaN or infinite clock would make a job that never
     times out and a trace that does not read back)."""
-    # ints and numpy numbers are numbers.Real; bools, strings and None are refused
-    if isinstance(value, bool) or not isinstance(value, (float, numbers.Real)):
+    if isinstance(value, float):
+        ms = value
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        # (ints and numpy numbers are numbers.Real; bools, strings and None are refused)
         raise Rejected(f"{name} must be a number of milliseconds, got {type(value).__name__} {value!r}")
-    ms = float(value)
+    else:
+        ms = float(value)
     if not math.isfinite(ms):
         raise Rejected(f"{name} must be finite, got {value!r}")
     return ms

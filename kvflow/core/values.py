@@ -57,25 +57,26 @@ def fits_64_bits(values: tuple[int, ...]) -> bool:
     return True
 
 
-def _real_hashes(values: tuple[int, ...]) -> bool:
-    """Whether ``values`` are all plain ints written in msgpack's 9-byte int forms (a tag,
-    0xcf unsigned or 0xd3 signed, then 8 bytes): real block hashes, 64-bit digests, all are,
-    and a bool, a float, a string or an int beyond 64 bits is written otherwise. One encode
-    answers both rules for the tuples an engine passes on every call (docs/performance.md)."""
-    try:
-        encoded = _encode_ints(values)
-    except (OverflowError, TypeError):
-        return False
-    header = 1 if len(values) < 16 else 3 if len(values) < 2**16 else 5  # (the array's header)
-    return len(encoded) == header + 9 * len(values) and not encoded[header::9].translate(None, b"\xcf\xd3")
-
-
 def hashes(values: Sequence[int]) -> tuple[int, ...]:
     """Block hashes: integers that fit in 64 bits (signed or unsigned), so that traces and
     state digests encode them exactly. Hash a longer digest down first (e.g. its first 8
-    bytes as an int)."""
-    if type(values) is tuple and _real_hashes(values):
-        return values
+    bytes as an int).
+
+    A tuple passes as it is when msgpack writes each of its values in a 9-byte int form (a
+    tag, 0xcf unsigned or 0xd3 signed, then 8 bytes): real block hashes, 64-bit digests, all
+    are, and a bool, a float, a string or an int beyond 64 bits is written otherwise, so one
+    encode answers both rules for the tuples an engine passes on every call
+    (docs/performance.md); anything else is converted and checked value by value."""
+    if type(values) is tuple:
+        try:
+            encoded = _encode_ints(values)
+        except (OverflowError, TypeError):
+            pass  # (named below)
+        else:
+            n = len(values)
+            header = 1 if n < 16 else 3 if n < 2**16 else 5  # (the msgpack array's header)
+            if len(encoded) == header + 9 * n and not encoded[header::9].translate(None, b"\xcf\xd3"):
+                return values
     out = ints(values, "block hashes")
     if not fits_64_bits(out):
         raise Rejected("block hashes must fit in 64 bits; hash a longer digest down to 8 bytes first")

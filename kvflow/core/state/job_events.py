@@ -22,7 +22,6 @@ from kvflow.core.events import (
     RemoteLoadQueued,
     RemoteStoreQueued,
     StoreQueued,
-    event_name,
 )
 from kvflow.core.jobs import (
     FILLING,
@@ -281,8 +280,12 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
             raise lg.illegal(state, event, job.state.name, f"job {job.job_id} lacks rank results")
 
 
+_END_TAGS = {kind: str(kind.__struct_config__.tag) for kind in (JobCompleted, JobFailed, JobTimedOut)}
+"""Each job end's tag (its ``event_name``), read once."""
+
+
 def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check: bool) -> None:
-    tag = event_name(event)
+    tag = _END_TAGS[type(event)]
     completed = isinstance(event, JobCompleted)
     fenced = not isinstance(event, JobCompleted) and event.fenced
     job_tag = tag + ":fenced" if fenced else tag  # (how JOB_TRANSITIONS names a fenced outcome)

@@ -141,15 +141,26 @@ def note_chain_whole(state: State, req: Request, stored: tuple[int, ...]) -> Non
 
 
 def pin(state: State, hashes: tuple[int, ...]) -> None:
-    """One more pin on each of ``hashes`` (a hash named twice is pinned twice)."""
+    """One more pin on each of ``hashes`` (a hash named twice is pinned twice). Hashes named
+    once and pinned by no one yet (a lookup's hits, nearly always) take their pin in one
+    update (docs/performance.md)."""
     pins = state.pin_count
+    ones = dict.fromkeys(hashes, 1)
+    if len(ones) == len(hashes) and pins.keys().isdisjoint(ones):
+        pins.update(ones)
+        return
     for h in hashes:
         pins[h] = pins.get(h, 0) + 1
 
 
 def unpin(state: State, hashes: tuple[int, ...]) -> None:
-    """One pin less on each of ``hashes``; an entry without pins leaves ``pin_count``."""
+    """One pin less on each of ``hashes``; an entry without pins leaves ``pin_count``. When
+    these hashes hold every pin, once each (the one load in flight), the table empties at once
+    (docs/performance.md)."""
     pins = state.pin_count
+    if len(pins) == len(hashes) and max(pins.values(), default=0) == 1:
+        pins.clear()  # (the caller's pins are among them: they are all there are)
+        return
     for h in hashes:
         left = pins[h] - 1
         if left:

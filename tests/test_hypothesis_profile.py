@@ -36,8 +36,7 @@ def hypothesis_tests() -> Iterator[tuple[str, settings]]:
 
 def test_every_hypothesis_test_runs_the_profile_s_number_of_examples() -> None:
     found = dict(hypothesis_tests())
-    # the machines of test_live_path (test_stateful's, as twins) and test_policies, and the
-    # @given tests
+    # the machines of test_stateful and test_policies, and the @given tests
     assert len(found) >= 12, sorted(found)
     profile = settings.default
     assert profile is not None

@@ -9,7 +9,7 @@ This module is pure: no I/O, no clock, no randomness.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Union, get_args
 
 import msgspec
 
@@ -146,4 +146,4 @@ Command = Union[
     RemoteFound,
 ]
 
-COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]
+COMMAND_TYPES: tuple[type, ...] = get_args(Command)

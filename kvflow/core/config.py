@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from kvflow.core.errors import ConfigError
+from kvflow.core.values import is_int
 
 STORE_MODES = ("eager", "lazy")
 # When blocks go to the remote tier: as soon as their CPU-tier store completes (write-through),
@@ -17,10 +18,6 @@ REMOTE_STORE_MODES = ("write_through", "ahead_of_eviction")
 MAX_REMOTE_BLOCKS = 1 << 26
 # Rank acknowledgements are kept as a bit mask that traces record as a 64-bit integer.
 MAX_WORLD_SIZE = 64
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,20 +77,20 @@ def validate_config(config: Config) -> None:
     """Raise ConfigError with a one-line message for the first bad field."""
     from kvflow.core.policies.registry import policy_class  # late: policies import nothing heavy
 
-    if not _is_int(config.cpu_blocks) or config.cpu_blocks < 0:
+    if not is_int(config.cpu_blocks) or config.cpu_blocks < 0:
         raise ConfigError(
             f"cpu_blocks must be a whole number >= 0 (0 disables offload), got {config.cpu_blocks!r}"
         )
     if config.cpu_blocks > MAX_CPU_BLOCKS:  # (what a trace reader accepts: the same bound)
         raise ConfigError(f"cpu_blocks must be at most {MAX_CPU_BLOCKS:,}, got {config.cpu_blocks:,}")
-    if not _is_int(config.block_tokens) or config.block_tokens <= 0:
+    if not is_int(config.block_tokens) or config.block_tokens <= 0:
         raise ConfigError(f"block_tokens must be a whole number > 0, got {config.block_tokens!r}")
     policy_class(config.policy)  # a built-in's name, or a class of one's own ("module:Class")
     if config.store_mode not in STORE_MODES:
         raise ConfigError(
             f"store_mode must be one of {', '.join(STORE_MODES)}, got {config.store_mode!r}"
         )
-    if not _is_int(config.world_size) or not 1 <= config.world_size <= MAX_WORLD_SIZE:
+    if not is_int(config.world_size) or not 1 <= config.world_size <= MAX_WORLD_SIZE:
         raise ConfigError(
             f"world_size must be a whole number within 1..{MAX_WORLD_SIZE}, got {config.world_size!r}"
         )
@@ -105,7 +102,7 @@ def validate_config(config: Config) -> None:
         or deadline <= 0
     ):
         raise ConfigError(f"job_deadline_ms must be a finite number > 0, got {deadline!r}")
-    if not _is_int(config.remote_blocks) or not 0 <= config.remote_blocks <= MAX_REMOTE_BLOCKS:
+    if not is_int(config.remote_blocks) or not 0 <= config.remote_blocks <= MAX_REMOTE_BLOCKS:
         raise ConfigError(
             f"remote_blocks must be a whole number within 0..{MAX_REMOTE_BLOCKS:,} "
             f"(0: no remote tier), got {config.remote_blocks!r}"

@@ -15,7 +15,7 @@ This module is pure: no I/O, no clock, no randomness.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal, Union, get_args
 
 import msgspec
 
@@ -321,10 +321,10 @@ Event = Union[
     ChainExtended,
 ]
 
-EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
+EVENT_TYPES: tuple[type, ...] = get_args(Event)
 TERMINAL_TYPES = (JobCompleted, JobFailed, JobTimedOut)
 
 
-def event_name(event: object) -> str:
+def event_name(event: msgspec.Struct) -> str:
     """The stable tag of an event or command (``job_failed``, ``lookup``...)."""
-    return type(event).__struct_config__.tag  # type: ignore[attr-defined,no-any-return]
+    return str(event.__struct_config__.tag)

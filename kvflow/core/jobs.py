@@ -25,6 +25,42 @@ Hashes = tuple[int, ...]
 Blocks = tuple[int, ...]
 
 
+# --- ranks ----------------------------------------------------------------------------------
+# A job's copy runs on every rank of the world (tensor parallelism); which ranks have reported
+# is a bit mask, one bit per rank (``Job.acks``, ``Job.reported``), that the state digest
+# records as one 64-bit integer (hence ``MAX_WORLD_SIZE``).
+
+
+def is_rank(rank: int, world_size: int) -> bool:
+    """Is ``rank`` one of the world's ranks, ``0 .. world_size - 1``?"""
+    return 0 <= rank < world_size
+
+
+def every_rank(world_size: int) -> int:
+    """The mask of a job every rank of the world has reported."""
+    return (1 << world_size) - 1
+
+
+def with_rank(mask: int, rank: int) -> int:
+    """``mask`` with ``rank`` (a rank of the world) added."""
+    return mask | 1 << rank
+
+
+def has_rank(mask: int, rank: int) -> bool:
+    """Is ``rank`` (a rank of the world) in ``mask``?"""
+    return mask >> rank & 1 == 1
+
+
+def ranks_in(mask: int) -> tuple[int, ...]:
+    """The ranks of ``mask``, in order."""
+    return tuple(r for r in range(mask.bit_length()) if mask >> r & 1)
+
+
+def ranks_missing(mask: int, world_size: int) -> tuple[int, ...]:
+    """The ranks of the world that ``mask`` lacks, in order."""
+    return ranks_in(every_rank(world_size) & ~mask)
+
+
 # gc=False: a job holds only scalars and tuples of them (see events.py)
 class TransferJob(msgspec.Struct, frozen=True, gc=False):
     """What an executor is asked to do: copy ``device_blocks[i]`` <-> host ``slots[i]``."""

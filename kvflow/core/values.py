@@ -1,4 +1,5 @@
-"""The engine-facing boundary (F19): every argument is checked before anything changes.
+"""Value rules, in one place: what an integer, a hash, a block id, a flag or a time must be,
+and the engine-facing boundary (F19) that applies them before anything changes.
 
 An engine calls kvflow with whatever its own code holds: numpy integers, ranges, lists, a NaN
 from a broken clock, a string where a flag belongs. Everything that reaches a command is
@@ -14,7 +15,7 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsIndex, TypeGuard, cast
 
 import msgspec
 
@@ -28,15 +29,17 @@ ID_LIMIT = 2**64  # device block ids and hashes stay below this (traces and dige
 _encode_ints = msgspec.msgpack.Encoder().encode
 
 
+def is_int(value: object) -> TypeGuard[int]:
+    """An ``int`` that is not a ``bool``: Python's ``True`` is the integer 1, but a flag given
+    where a count, an id or a size belongs is a caller's mistake, never a number."""
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
+
+
 def ints(values: Sequence[int], what: str = "block ids") -> tuple[int, ...]:
-    """A tuple of plain ints. Tuples and lists of ints pass straight through; numpy integers
-    and other integer-likes are converted with ``operator.index``, which refuses lossy values
-    such as 1.5 (and bools are integers: True is 1)."""
-    kind = type(values)
-    if kind is tuple or kind is list:
-        if operator.countOf(map(type, values), int) == len(values):  # every one a plain int
-            return tuple(values)
-    elif kind is range:
+    """A tuple of plain ints. Tuples and lists of plain ints are taken as they are; numpy
+    integers and other integer-likes are converted with ``operator.index``, which refuses lossy
+    values such as 1.5 (and bools are integers: True is 1)."""
+    if type(values) in (tuple, list, range) and operator.countOf(map(type, values), int) == len(values):
         return tuple(values)
     try:
         return tuple(map(operator.index, values))
@@ -44,37 +47,39 @@ def ints(values: Sequence[int], what: str = "block ids") -> tuple[int, ...]:
         raise Rejected(f"{what} must be integers, got {list(values)[:4]!r}") from None
 
 
-def _only_64bit_ints(encoded: bytes, count: int) -> bool:
-    """Whether ``encoded``, the msgpack array of ``count`` values, holds nothing but ints
-    written in their 9-byte forms (a tag, 0xcf unsigned or 0xd3 signed, then 8 bytes): a
-    float, a bool, a string or a short int would be written otherwise. Real block hashes
-    (64-bit digests) all take that form, so one look at the tags, at C level, replaces a
-    pass that asks each value its type."""
-    header = 1 if count < 16 else 3 if count < 2**16 else 5  # (fixarray, array 16, array 32)
-    tags = encoded[header::9]
-    return len(encoded) == header + 9 * count and not tags.translate(None, b"\xcf\xd3")
+def fits_64_bits(values: tuple[int, ...]) -> bool:
+    """Whether every one of ``values`` is within ``HASH_MIN .. ID_LIMIT - 1``: exactly the
+    integers a trace can record (msgspec encodes those and refuses any other)."""
+    try:
+        _encode_ints(values)
+    except OverflowError:
+        return False
+    return True
 
 
 def hashes(values: Sequence[int]) -> tuple[int, ...]:
     """Block hashes: integers that fit in 64 bits (signed or unsigned), so that traces and
     state digests encode them exactly. Hash a longer digest down first (e.g. its first 8
-    bytes as an int)."""
-    kind = type(values)
-    if kind is tuple or kind is list:
-        # the usual call: the range check's encode also tells that every value is an int
-        # (msgspec refuses int subclasses other than IntEnum, which encode as the int they are)
+    bytes as an int).
+
+    A tuple passes as it is when msgpack writes each of its values in a 9-byte int form (a
+    tag, 0xcf unsigned or 0xd3 signed, then 8 bytes): real block hashes, 64-bit digests, all
+    are, and a bool, a float, a string or an int beyond 64 bits is written otherwise, so one
+    encode answers both rules for the tuples an engine passes on every call
+    (docs/performance.md); anything else is converted and checked value by value."""
+    if type(values) is tuple:
         try:
             encoded = _encode_ints(values)
         except (OverflowError, TypeError):
-            pass  # (the checks below name the fault)
+            pass  # (named below)
         else:
-            if _only_64bit_ints(encoded, len(values)):
-                return values if kind is tuple else tuple(values)  # type: ignore[return-value]
+            n = len(values)
+            header = 1 if n < 16 else 3 if n < 2**16 else 5  # (the msgpack array's header)
+            if len(encoded) == header + 9 * n and not encoded[header::9].translate(None, b"\xcf\xd3"):
+                return values
     out = ints(values, "block hashes")
-    try:
-        _encode_ints(out)  # (one C pass; a min() and a max() over 64-bit ints cost 4x more)
-    except OverflowError:
-        raise Rejected("block hashes must fit in 64 bits; hash a longer digest down to 8 bytes first") from None
+    if not fits_64_bits(out):
+        raise Rejected("block hashes must fit in 64 bits; hash a longer digest down to 8 bytes first")
     return out
 
 
@@ -82,11 +87,8 @@ def device_blocks(values: Sequence[int]) -> tuple[int, ...]:
     """Device block ids: integers below 2**64 (negative ids are refused by the decisions,
     which also check them against the blocks live jobs hold)."""
     out = ints(values, "device blocks")
-    try:
-        _encode_ints(out)  # (every one in [-2**63, 2**64): below ID_LIMIT; cheaper than max())
-    except OverflowError:
-        if max(out) >= ID_LIMIT:  # (else one below -2**63: the decisions refuse negative ids)
-            raise Rejected(f"device block {max(out)} does not fit in 64 bits") from None
+    if not fits_64_bits(out) and max(out) >= ID_LIMIT:  # (below -2**63: the decisions refuse it)
+        raise Rejected(f"device block {max(out)} does not fit in 64 bits")
     return out
 
 
@@ -108,29 +110,33 @@ def flag(value: object, name: str) -> bool:
 
 def count(value: object, name: str) -> int:
     """A whole number >= 0 (numpy integers accepted, bools refused)."""
-    if type(value) is not int:
-        if isinstance(value, bool):
-            raise Rejected(f"{name} must be a whole number >= 0, got {value!r}")
+    if is_int(value):
+        number = value
+    elif isinstance(value, bool):
+        raise Rejected(f"{name} must be a whole number >= 0, got {value!r}")
+    else:
         try:
-            value = operator.index(value)  # type: ignore[arg-type]
+            number = operator.index(cast(SupportsIndex, value))  # (TypeError: no integer)
         except TypeError:
             raise Rejected(f"{name} must be a whole number >= 0, got {type(value).__name__} {value!r}") from None
-    if value < 0:  # type: ignore[operator]
-        raise Rejected(f"{name} must be a whole number >= 0, got {value!r}")
-    return value  # type: ignore[return-value]
+    if number < 0:
+        raise Rejected(f"{name} must be a whole number >= 0, got {number!r}")
+    return number
 
 
 def time_ms(value: object, name: str) -> float:
     """A finite time in milliseconds (a NaN or infinite clock would make a job that never
     times out and a trace that does not read back)."""
-    if type(value) is not float:
-        # ints and numpy numbers are numbers.Real; bools, strings and None are refused
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise Rejected(f"{name} must be a number of milliseconds, got {type(value).__name__} {value!r}")
-        value = float(value)
-    if not math.isfinite(value):  # type: ignore[arg-type]
+    if isinstance(value, float):
+        ms = value
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        # (ints and numpy numbers are numbers.Real; bools, strings and None are refused)
+        raise Rejected(f"{name} must be a number of milliseconds, got {type(value).__name__} {value!r}")
+    else:
+        ms = float(value)
+    if not math.isfinite(ms):
         raise Rejected(f"{name} must be finite, got {value!r}")
-    return value  # type: ignore[return-value]
+    return ms
 
 
 def result(value: Any) -> JobResult:

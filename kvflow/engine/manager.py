@@ -51,7 +51,7 @@ from kvflow.core.decide.lookup import hit_cap_blocks
 from kvflow.core.decide.remote import probe_candidates
 from kvflow.core.errors import ConcurrentCall, EngineClosed, Rejected
 from kvflow.core.events import EVENT_TYPES, Event, Reset
-from kvflow.core.jobs import LOAD, TransferJob
+from kvflow.core.jobs import LOAD, TransferJob, ranks_missing
 from kvflow.core.state.apply import live_applier
 from kvflow.core.state.model import State
 from kvflow.core.state.tables import JobState
@@ -442,7 +442,7 @@ class OffloadManager:
                 device_blocks=job.device_blocks,
                 slots=job.slots,
                 deadline_ms=job.deadline_ms,
-                ranks_pending=tuple(r for r in range(world) if not job.reported >> r & 1),
+                ranks_pending=ranks_missing(job.reported, world),
                 abandoned=job.abandoned,
             )
             for job in self.state.jobs.values()

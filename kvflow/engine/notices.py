@@ -70,6 +70,10 @@ class Notices(msgspec.Struct):
         return any(getattr(self, name) for name in Notices.__struct_fields__)
 
 
+NOTICE_FIELDS: tuple[str, ...] = Notices.__struct_fields__
+"""The notices' names, in order: a ``StepReport`` carries each one under the same name."""
+
+
 class StepReport(Notices, kw_only=True):
     """What one step did and what the engine must act on: the notices taken at its end, and
     the jobs it handed to the executor."""
@@ -81,14 +85,16 @@ class StepReport(Notices, kw_only=True):
 
 
 def merge_reports(into: StepReport, more: Notices) -> None:
-    """Add ``more`` (a later step's report, or notices taken after a step) to ``into``."""
-    into.loads_finished.extend(more.loads_finished)
-    into.loads_failed.extend(more.loads_failed)
-    into.stores_finished.extend(more.stores_finished)
-    into.stores_failed.extend(more.stores_failed)
-    into.released_device_blocks.extend(more.released_device_blocks)
-    into.rejected_store_blocks += more.rejected_store_blocks
-    into.all_blocks_cleared = into.all_blocks_cleared or more.all_blocks_cleared
+    """Add ``more`` (a later step's report, or notices taken after a step) to ``into``: lists
+    are joined, counts added, flags or-ed."""
+    for name in NOTICE_FIELDS:
+        mine, theirs = getattr(into, name), getattr(more, name)
+        if isinstance(mine, list):
+            mine.extend(theirs)
+        elif isinstance(mine, bool):
+            setattr(into, name, mine or theirs)
+        else:
+            setattr(into, name, mine + theirs)
     if isinstance(more, StepReport):
         into.submitted.extend(more.submitted)
         into.timed_out += more.timed_out

@@ -30,6 +30,7 @@ from typing import Any
 from kvflow.core.commands import JobResult
 from kvflow.core.errors import ConfigError, Rejected, UnknownJob
 from kvflow.core.jobs import TransferJob
+from kvflow.core.values import is_int
 
 _job_id = operator.attrgetter("job_id")
 
@@ -63,7 +64,7 @@ class TransferModel:
 
     def __post_init__(self) -> None:
         # NaN passes every comparison and would stall the virtual clock forever
-        if not isinstance(self.bytes_per_block, int) or self.bytes_per_block <= 0:
+        if not is_int(self.bytes_per_block) or self.bytes_per_block <= 0:
             raise ConfigError(f"bytes_per_block must be a whole number > 0, got {self.bytes_per_block}")
         if not math.isfinite(self.bandwidth_gbps) or self.bandwidth_gbps <= 0:
             raise ConfigError(f"bandwidth_gbps must be a finite number > 0, got {self.bandwidth_gbps}")
@@ -84,7 +85,7 @@ class _IdSet:
         self._ends: list[int] = []  # inclusive
 
     def __contains__(self, job_id: object) -> bool:
-        if not isinstance(job_id, int):
+        if not is_int(job_id):
             return False
         i = bisect.bisect_right(self._starts, job_id) - 1
         return i >= 0 and job_id <= self._ends[i]
@@ -94,7 +95,7 @@ class _IdSet:
         if not ends or not ids:
             return True
         try:
-            if min(ids) > ends[-1]:  # the common case: ids newer than any submitted
+            if min(ids) > ends[-1]:  # (ids newer than any submitted)
                 return True
         except TypeError:
             pass  # (not all comparable: asked one by one)
@@ -118,7 +119,7 @@ class _IdSet:
 
     def add(self, job_id: int) -> None:
         starts, ends = self._starts, self._ends
-        if starts and ends[-1] + 1 == job_id:  # the common case: the next id
+        if starts and ends[-1] + 1 == job_id:  # (the next id: the last range grows)
             ends[-1] = job_id
             return
         if job_id in self:
@@ -223,7 +224,7 @@ class SimulatedExecutor:
             duration = durations.get(blocks)
             if duration is None:  # (a job's size recurs: its duration is worked out once)
                 duration = durations[blocks] = model.duration_ms(blocks)
-            done = (now if now >= free else free) + duration  # (max(now, free), inlined)
+            done = max(now, free) + duration
             if injects_faults:
                 fails, slow, hangs = self._faults(ordinal)
                 if slow:
@@ -278,19 +279,18 @@ class SimulatedExecutor:
             job_id = heappop(heap)[2]
             fails = pending.pop(job_id)[1]
             if one_rank and not fails:
-                out.append(JobResult(job_id))  # (one rank, a success; positional: cheaper)
+                out.append(JobResult(job_id))  # (a success of the one rank: the defaults)
             else:
                 out.extend(self._results(job_id, fails))
         return out
 
     def _results(self, job_id: int, fails: bool) -> list[JobResult]:
-        results = []
-        for rank in range(self.world_size):
-            if fails and rank == self.fail_rank:
-                results.append(JobResult(job_id=job_id, rank=rank, ok=False, error=self.error_text))
-            else:
-                results.append(JobResult(job_id=job_id, rank=rank, ok=True))
-        return results
+        """One result per rank: ``fail_rank``'s a failure if the job fails."""
+        failing = self.fail_rank if fails else -1
+        return [
+            JobResult(job_id, rank, False, self.error_text) if rank == failing else JobResult(job_id, rank)
+            for rank in range(self.world_size)
+        ]
 
     def wait(self, job_id: int) -> list[JobResult]:
         """Advance the clock to this job's completion and return its results (F12: unknown

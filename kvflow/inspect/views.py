@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvflow.core.jobs import ranks_in
 from kvflow.core.state.model import State
 from kvflow.inspect.render import few
 from kvflow.inspect.walk import JobInfo
@@ -38,11 +39,11 @@ def job_dict(job: Any) -> dict[str, Any]:
         "device_blocks": list(job.device_blocks),
         "slots": list(job.slots),
         "deadline_ms": job.deadline_ms if job.deadline_ms else None,
-        "ranks_succeeded": [r for r in range(job.acks.bit_length()) if job.acks >> r & 1],
+        "ranks_succeeded": list(ranks_in(job.acks)),
         "abandoned": job.abandoned,
         # F15: outcome known, copy perhaps still running; its slots and device blocks wait
         "fenced": job.fenced,
-        "ranks_reported": [r for r in range(job.reported.bit_length()) if job.reported >> r & 1],
+        "ranks_reported": list(ranks_in(job.reported)),
     }
 
 

@@ -3,11 +3,11 @@ recorded (kvflow.core.values).
 
 Block hashes fit in 64 bits, signed or unsigned; every other integer (seq, job ids, device
 blocks, slots, counts) is within 0..2**64-1; a rank is below the header's world_size (a
-job_failed's rank may be -1: the job was cancelled before any rank ran). Checked once per
-chunk at C speed: encoding the chunk as msgpack raises for any integer outside 64 bits, a
-negative integer needs a '-' right after ':', ',' or '[' (or blanks), and the ranks are
-gathered with C-level iterators. Only a chunk that fails one of these is walked record by
-record, to name the line and field (or to find that the '-' was inside a string).
+job_failed's rank may be -1: the job was cancelled before any rank ran). A chunk is checked
+as a whole: encoding it as msgpack refuses any integer outside 64 bits, a negative integer needs
+a '-' right after ':', ',' or '[' (or blanks), and its ranks are compared with the world size.
+Only a chunk that fails one of these is walked record by record, to name the line and field (or
+to find that the '-' was inside a string); docs/performance.md says why.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import msgspec
 from kvflow.core.errors import TraceError
 from kvflow.core.events import JobFailed
 from kvflow.core.values import HASH_MIN, ID_LIMIT
-from kvflow.log.format import RECORD_TYPES, TRUSTED_FORMS
+from kvflow.log.format import RECORD_TYPES
 
 _ONE, _MANY, _NESTED = 0, 1, 2
 _HASH_FIELDS = frozenset({"hashes", "block_hashes", "corrupt"})
@@ -58,9 +58,7 @@ def _int_fields(cls: type) -> tuple[tuple[str, int, int, int], ...]:
     return tuple(out)
 
 
-_INT_FIELDS: dict[type, tuple[tuple[str, int, int, int], ...]] = {
-    t: _int_fields(t) for t in (*RECORD_TYPES, *TRUSTED_FORMS)
-}
+_INT_FIELDS: dict[type, tuple[tuple[str, int, int, int], ...]] = {t: _int_fields(t) for t in RECORD_TYPES}
 _RANKED = frozenset(t for t, fields in _INT_FIELDS.items() if any(f[0] == "rank" for f in fields))
 _NESTING = frozenset(t for t, fields in _INT_FIELDS.items() if any(f[1] == _NESTED for f in fields))
 _BEFORE_MINUS = (b":", b",", b"[", b" ", b"\t", b"\r")
@@ -99,7 +97,7 @@ def range_problem(rec: Any, world: int) -> str | None:
 
 def _may_hold_negative(block: bytes) -> bool:
     """Could ``block`` (JSON lines) hold a negative number? Only if a '-' follows ':', ',', '['
-    or a blank; a '-' inside a string ("req-7") may too, which costs only the slow check."""
+    or a blank; a '-' inside a string ("req-7") may too: then the records are walked."""
     if b"-" not in block:
         return False
     pieces = block.split(b"-")
@@ -125,37 +123,26 @@ def _ranks_fit(recs: list[Any], kinds: set[type], world: int) -> bool:
     return True
 
 
-
-def check_ranges(
+def first_out_of_range(
     path: str,
     block: bytes,
     numbers: Sequence[int],
     recs: list[Any],
     world: int,
     scratch: bytearray,
-    read_trusted: bool = False,
-    kinds: set[type] | None = None,
-) -> None:
-    """Raise TraceError naming the first record of ``recs`` (read from ``block``, lines
-    ``numbers``) with an integer out of its range; ``scratch`` is reused to encode into.
-
-    ``read_trusted``: read by ``kvflow.log.format.trusted_decoder``, which checked the ranks
-    as it decoded them (an unchecked fold shifts by them); the 64-bit check is left to the
-    record chain (kvflow.log.reader holds these lines and decodes in full those it does not
-    vouch for). ``kinds``: the set of the records' types, where the caller has it."""
+) -> TraceError | None:
+    """The TraceError naming the first record of ``recs`` (read from ``block``, lines
+    ``numbers``) with an integer out of its range, or None; ``scratch`` is reused to encode
+    into."""
     try:
-        if read_trusted:
-            suspect = _may_hold_negative(block)
-        else:
-            _encode_msgpack_into(recs, scratch)  # raises for an integer outside 64 bits
-            if kinds is None:
-                kinds = set(map(type, recs))
-            suspect = _may_hold_negative(block) or not _ranks_fit(recs, kinds, world)
+        _encode_msgpack_into(recs, scratch)  # raises for an integer outside 64 bits
+        suspect = _may_hold_negative(block) or not _ranks_fit(recs, set(map(type, recs)), world)
     except (OverflowError, ValueError, TypeError):
         suspect = True
     if not suspect:
-        return
+        return None
     for line, rec in zip(numbers, recs):
         problem = range_problem(rec, world)
         if problem is not None:
-            raise TraceError(path, line, problem)
+            return TraceError(path, line, problem)
+    return None

@@ -20,6 +20,7 @@ import msgspec
 from kvflow._version import __version__
 from kvflow.core.config import MAX_CPU_BLOCKS, config_from_dict
 from kvflow.core.errors import ConfigError, TraceError
+from kvflow.core.values import is_int
 from kvflow.log import source
 from kvflow.log.format import (
     CHAINED_SINCE,
@@ -31,8 +32,6 @@ from kvflow.log.format import (
     Header,
     RecordChain,
     RecordUnion,
-    SkimUnion,
-    trusted_decoder,
 )
 from kvflow.log.problems import (
     DECODE_ERRORS,
@@ -41,13 +40,11 @@ from kvflow.log.problems import (
     field_message,
     read_error,
 )
-from kvflow.log.ranges import check_ranges
+from kvflow.log.ranges import first_out_of_range
 
 CHUNK_BYTES = 1 << 16
 """How much a reader reads at a time (unless told): records come in chunks of whole lines of
 about this size (tests make it small to cut a trace into many chunks)."""
-
-_SKIM_DECODER = msgspec.json.Decoder(SkimUnion)
 
 
 class TraceReader:
@@ -93,11 +90,7 @@ class TraceReader:
             raise
         self._chain = RecordChain(first)
         self._decoder = msgspec.json.Decoder(RecordUnion)
-        self._scratch = bytearray()  # where check_ranges encodes a chunk as msgpack
-        # skimming: (first line number, whole lines) whose commands the record chain has not
-        # vouched for yet, and their size (see record_chunks)
-        self._held: list[tuple[int, bytes]] | None = None
-        self._held_bytes = 0
+        self._scratch = bytearray()  # where first_out_of_range encodes a chunk as msgpack
 
     def _read_header_line(self) -> bytes:
         """The first line, newline included; what follows it is kept for the records."""
@@ -139,7 +132,7 @@ class TraceReader:
         if not isinstance(raw, dict) or raw.get("format") != TRACE_FORMAT:
             raise TraceError(self.path, 1, "field 'format': not a kvflow-trace header")
         version = raw.get("version")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        if not is_int(version) or version < 1:
             raise TraceError(self.path, 1, f"field 'version': expected a positive integer, got {version!r}")
         if version > TRACE_VERSION:
             raise TraceError(
@@ -168,39 +161,13 @@ class TraceReader:
             out.append(f"{self.path}:{self.mismatch[0]}: {self.mismatch[1]}")
         return out
 
-    def record_chunks(
-        self, skim_commands: bool = False, trusted_through: float = 0
-    ) -> Iterator[tuple[Sequence[int], list[Any]]]:
-        """The records in chunks ``(line_numbers, records)``: a chunk is decoded and
-        range-checked in C-level passes, and only a chunk holding a bad, blank or torn line (or
-        a value that may be out of range) is walked line by line to name it.
-
-        ``skim_commands`` (what a plain fold asks for; version 3 on): commands come back as
-        field-less ``SKIMMED_COMMANDS``, their JSON checked but not built, which cuts the
-        decoding of a typical trace by about a third. Their lines are held until a checkpoint's record digest
-        vouches for their bytes (a kvflow writer wrote them, so they are valid); lines it cannot
-        vouch for (before a checkpoint that does not verify, after the last one, or more than
-        MAX_LINE_BYTES of them) are decoded in full before reading goes on, so a bad command
-        still raises its TraceError.
-
-        ``trusted_through`` (while skimming): the caller applies the events up to this line
-        unchecked and lets the checkpoints judge (kvflow.replay.fold). A chunk within it is decoded
-        in one call for all its lines (``trusted_decoder``: its job ends without their payload,
-        its ranks checked as they are decoded, ``TRUSTED_FORMS``) and its integers' widths
-        unchecked; it is walked line by line as above unless it gave one record per newline
-        and holds no checkpoint. Its lines are held like the commands', so lines the record
-        chain does not vouch for (two records on one line beside a blank one included) are
-        decoded in full, one by one. Where it is
-        infinite (the replay's first fold), the newlines are not counted: the line numbers
-        follow from the records, which is exact wherever the record chain verifies (a writer
-        puts one record on each line). Where it does not, the caller must not report what this
-        pass found (a line number, a TraceError, a warning) but read again with a finite
-        ``trusted_through`` (kvflow.replay.fold does)."""
-        skim = skim_commands and self.version >= CHAINED_SINCE
-        decode = (_SKIM_DECODER if skim else self._decoder).decode
-        decode_trusted = trusted_decoder(self.config.world_size).decode_lines if skim else None
-        trust_all = trusted_through == float("inf")
-        self._held = [] if skim else None
+    def record_chunks(self) -> Iterator[tuple[Sequence[int], list[Any]]]:
+        """The records in chunks ``(line_numbers, records)`` of whole lines, as the file is
+        read. A chunk is decoded and range-checked as a whole; only a chunk holding a bad,
+        blank or torn line (or a value that may be out of range) is walked line by line, to
+        name the line. A bad line raises its TraceError after the records before it, so what
+        a reader yields does not depend on where the chunks are cut."""
+        decode = self._decoder.decode
         upcast = UPCASTS.get(self.version)
         world = self.config.world_size
         lineno = 1  # the header
@@ -210,54 +177,38 @@ class TraceReader:
         ended = False
         try:
             for block, complete in blocks:
-                recs: list[Any] | None = None
-                # the set of the types of ``recs`` read line by line (found once: two checks
-                # ask); none is needed where the block was read in one call
-                kinds: set[type] = set()
-                torn = False
-                lines: list[bytes] | None = None  # (None: read in one call, ``TrustedUnion``)
-                count = -1  # the block's lines, counted only where a number may be reported
-                if decode_trusted is not None:
-                    if trust_all:
-                        # the numbers follow from the records (see trusted_through)
-                        recs = self._decode_trusted(decode_trusted, block, complete)
-                        count = -1 if recs is None else len(recs)
-                    else:
-                        count = block.count(b"\n") + (not complete)  # (a last line without newline)
-                        if lineno + count <= trusted_through:
-                            recs = self._decode_trusted(decode_trusted, block, complete, count)
-                numbers: Sequence[int] = range(lineno + 1, lineno + 1 + count)
-                if recs is None:
-                    lines = block.split(b"\n")
-                    if complete:
-                        lines.pop()  # the empty rest after the last newline
-                    count = len(lines)
-                    numbers = range(lineno + 1, lineno + 1 + count)
-                    try:
-                        recs = list(map(decode, lines))
-                    except DECODE_ERRORS:
-                        numbers, recs, torn = self._decode_lines(lines, lineno, complete)
-                    kinds = set(map(type, recs))
-                self._chain_block(block, lines, lineno + 1, numbers, recs, kinds, torn)
-                lineno += count
+                lines = block.split(b"\n")
+                if complete:
+                    lines.pop()  # the empty rest after the last newline
+                numbers: Sequence[int] = range(lineno + 1, lineno + 1 + len(lines))
+                torn, bad = False, None
+                try:
+                    recs = list(map(decode, lines))
+                except DECODE_ERRORS:
+                    numbers, recs, torn, bad = self._decode_lines(lines, lineno, complete)
+                out_of_range = first_out_of_range(self.path, block, numbers, recs, world, self._scratch)
+                if out_of_range is not None:
+                    bad = out_of_range  # (range-checked records are decoded ones: it comes first)
+                if bad is not None:  # the records before the bad line only
+                    keep = sum(1 for n in numbers if n < (bad.line or 0))
+                    numbers, recs = numbers[:keep], recs[:keep]
+                self._chain_block(block, lines, lineno + 1, numbers, recs)
+                lineno += len(lines)
                 if recs:
-                    # (read in one call: the record chain checks the widths, the decoding the ranks)
-                    trusted = lines is None
-                    check_ranges(self.path, block, numbers, recs, world, self._scratch, trusted, kinds)
                     if upcast is not None:
                         recs = [upcast(rec) for rec in recs]
                     yield numbers, recs
+                if bad is not None:
+                    raise bad
                 if torn:
                     break
             else:
                 ended = True
-            self._vouch()  # what no checkpoint vouched for is decoded in full
         except source.LineTooLong:
             raise TraceError(self.path, lineno + 1, f"line longer than {MAX_LINE_BYTES:,} bytes") from None
         except EOFError:
             # a gzip stream cut short is the compressed form of a torn last line
             self.warnings.append(f"{self.path}:{lineno}: compressed stream ends early; rest ignored")
-            self._vouch()
         except READ_ERRORS as exc:
             raise TraceError(self.path, lineno + 1, f"cannot read: {read_error(exc)}") from None
         finally:
@@ -270,98 +221,36 @@ class TraceReader:
                 "closed, or a cut trace)"
             )
 
-    @staticmethod
-    def _decode_trusted(
-        decode: Any, block: bytes, complete: bool, count: int = -1
-    ) -> list[Any] | None:
-        """The block's records in one call, or None if it must be walked line by line: a bad
-        line, a checkpoint (``TrustedUnion`` has none: the record chain needs its line), a rank
-        out of range, fewer or more records than ``count`` lines (a blank line, two records on
-        one) or a line without newline."""
-        try:
-            recs: list[Any] = decode(block)
-        except DECODE_ERRORS:
-            return None
-        if not complete or (count >= 0 and len(recs) != count):
-            return None
-        return recs
-
     def _chain_block(
-        self, block: bytes, lines: list[bytes] | None, first: int, numbers: Sequence[int],
-        recs: list[Any], kinds: set[type], torn: bool,
-    ) -> None:  # fmt: skip
-        """Feed ``block`` (lines ``first``..., split into ``lines`` unless each gave one record;
-        ``kinds``: the records' types) to the record chain, checking each checkpoint's record
-        digest against the bytes before its line; hold the lines to vouch for."""
+        self, block: bytes, lines: list[bytes], first: int, numbers: Sequence[int], recs: list[Any]
+    ) -> None:
+        """Feed ``block`` (lines ``first``..., split into ``lines``; ``numbers``: the lines of
+        ``recs``) to the record chain, checking each checkpoint's record digest against the
+        bytes before its line."""
         chain = self._chain
-        end = len(block) - len(lines[-1]) if torn and lines else len(block)  # (a torn line is no record)
-        if lines is None or Checkpoint not in kinds:  # (most blocks: cheaper than a byte search)
+        checkpoints = [k for k, rec in enumerate(recs) if type(rec) is Checkpoint]
+        if not checkpoints:
             chain.update(block)
             self.unverified += len(recs)
-            self._hold(first, block if end == len(block) else block[:end])
             return
         view = memoryview(block)
         done = 0
-        last = -1
-        held_line, held_from = first, 0
-        for k, rec in enumerate(recs):
-            if type(rec) is not Checkpoint:
-                continue
+        for k in checkpoints:
             line = numbers[k]
             i = line - first  # its index in ``lines`` (blank lines are skipped in ``recs``)
             start = sum(map(len, lines[:i])) + i
             chain.update(view[done:start])
             done = start
-            self._hold(held_line, block[held_from:start])
-            if not self._check_checkpoint(line, rec):
-                self._vouch()  # the chain cannot vouch for them: every line must decode in full
-            elif self._held is not None:
-                self._held.clear()
-                self._held_bytes = 0
-            held_line, held_from = line + 1, start + len(lines[i]) + 1  # (the checkpoint is decoded in full)
-            last = k
+            self._check_checkpoint(line, recs[k])
         chain.update(view[done:])
-        self._hold(held_line, block[held_from:end])
-        self.unverified = len(recs) - last - 1 if last >= 0 else self.unverified + len(recs)
+        self.unverified = len(recs) - checkpoints[-1] - 1
 
-    def _hold(self, first: int, data: bytes) -> None:
-        """While skimming: keep the whole lines ``data`` (from line ``first``) until a
-        checkpoint vouches for them, at most about MAX_LINE_BYTES of them."""
-        if self._held is None or not data:
-            return
-        self._held.append((first, data))
-        self._held_bytes += len(data)
-        if self._held_bytes > MAX_LINE_BYTES:
-            self._vouch()
-
-    def _vouch(self) -> None:
-        """Decode the held lines in full: a bad command among them raises its TraceError."""
-        if not self._held:
-            return
-        decode = self._decoder.decode
-        for first, data in self._held:
-            lines = data.split(b"\n")
-            if data.endswith(b"\n"):
-                lines.pop()
-            numbers: Sequence[int]
-            try:
-                recs = list(map(decode, lines))
-                numbers = range(first, first + len(lines))
-            except DECODE_ERRORS:
-                numbers, recs, _ = self._decode_lines(lines, first - 1, True)
-            if recs:
-                check_ranges(self.path, data, numbers, recs, self.config.world_size, self._scratch)
-        self._held.clear()
-        self._held_bytes = 0
-
-    def _check_checkpoint(self, line: int, cp: Checkpoint) -> bool:
-        """Does the checkpoint's record digest match the bytes before it (or has it none, in
-        a trace older than the record chain)?"""
-        ok = True
+    def _check_checkpoint(self, line: int, cp: Checkpoint) -> None:
+        """The checkpoint's record digest must match the bytes before it (unless it has none,
+        in a trace older than the record chain): the first that does not is ``mismatch``."""
         if cp.records or self.version >= CHAINED_SINCE:
             expected = self._chain.value()
-            ok = cp.records == expected
-            if not ok and self.mismatch is None:
+            if cp.records != expected and self.mismatch is None:
                 recorded = cp.records or "none"
                 self.mismatch = (
                     line,
@@ -370,13 +259,13 @@ class TraceReader:
                     "(or the header) was altered, added or removed",
                 )
         self._checked_line = line
-        return ok
 
     def _decode_lines(
         self, lines: list[bytes], lineno: int, complete: bool
-    ) -> tuple[list[int], list[Any], bool]:
+    ) -> tuple[list[int], list[Any], bool, TraceError | None]:
         """Decode line by line: blank lines are skipped, a torn last line ends the trace with
-        a warning (returns torn=True), any other bad line raises TraceError naming it."""
+        a warning (returns torn=True); any other bad line ends the records with the TraceError
+        naming it (returned, to be raised once the records before it are read)."""
         decode = self._decoder.decode
         numbers: list[int] = []
         recs: list[Any] = []
@@ -389,12 +278,12 @@ class TraceReader:
                 if i == last and not complete:
                     # only the last line can lack its newline: a crash mid-write
                     self.warnings.append(f"{self.path}:{lineno}: torn last line ({len(line)} bytes) ignored")
-                    return numbers, recs, True
+                    return numbers, recs, True, None
                 if not line.strip():
                     continue
-                raise TraceError(self.path, lineno, decode_problem(exc, line)) from None
+                return numbers, recs, False, TraceError(self.path, lineno, decode_problem(exc, line))
             numbers.append(lineno)
-        return numbers, recs, False
+        return numbers, recs, False, None
 
     def close(self) -> None:
         self._data.close()

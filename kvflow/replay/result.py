@@ -63,8 +63,7 @@ class ReplayResult:
     stopped_at: int | None = None
     divergence: Divergence | None = None
     warnings: list[str] = field(default_factory=list)
-    checked_through: int = 0  # the line of the last checkpoint whose checks all passed
-    checked_seq: int | None = None  # and its seq (the state it checked, if no event came after)
+    checked_seq: int | None = None  # the seq of the last checkpoint whose checks all passed
 
     @property
     def ok(self) -> bool:
@@ -117,7 +116,6 @@ def check_point(result: ReplayResult, line: int, cp: Checkpoint, reader: TraceRe
         result.divergence = Divergence("invariant", cp.seq, line, "; ".join(problems[:3]))
         return False
     result.checkpoints += 1
-    result.checked_through = line
     result.checked_seq = cp.seq
     return True
 

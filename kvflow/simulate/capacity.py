@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.core.errors import ConfigError
+from kvflow.core.values import is_int
 
 __all__ = [
     "DEFAULT_BYTES_PER_TOKEN",
@@ -132,8 +133,7 @@ def kv_geometry(
         return KvGeometry(shape.bytes_per_token(KV_DTYPES[dtype]), model, dtype)
     if kv_bytes_per_token is None:
         return KvGeometry(DEFAULT_BYTES_PER_TOKEN, default=True)
-    whole = isinstance(kv_bytes_per_token, int) and not isinstance(kv_bytes_per_token, bool)
-    if not whole or kv_bytes_per_token <= 0:
+    if not is_int(kv_bytes_per_token) or kv_bytes_per_token <= 0:
         raise ConfigError(f"--kv-bytes-per-token must be a whole number > 0, got {kv_bytes_per_token!r}")
     return KvGeometry(kv_bytes_per_token)
 
@@ -144,7 +144,7 @@ def blocks_for_gb(gb: float, bytes_per_block: int) -> int:
     down never gives the tier more memory than asked. ``0`` disables offload, like
     ``--cpu-blocks 0``; a positive size below one block is refused rather than silently
     disabling offload."""
-    if not isinstance(bytes_per_block, int) or isinstance(bytes_per_block, bool) or bytes_per_block <= 0:
+    if not is_int(bytes_per_block) or bytes_per_block <= 0:
         raise ConfigError(f"bytes per block must be a whole number > 0, got {bytes_per_block!r}")
     if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb < 0:
         raise ConfigError(f"--cpu-gb must be a finite number >= 0, got {gb!r}")

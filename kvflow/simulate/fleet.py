@@ -17,6 +17,7 @@ from typing import Any
 
 from kvflow.core.errors import ConfigError
 from kvflow.executors.simulated import SimulatedExecutor
+from kvflow.core.values import is_int
 from kvflow.simulate.run import SimOptions, Simulation
 from kvflow.simulate.workload import WorkloadRequest, read_workload
 from kvflow.tiers.simulated_remote import SimulatedRemoteExecutor, SimulatedRemoteStore
@@ -99,11 +100,11 @@ def run_fleet(
 def simulate_fleet(path: str, options: SimOptions, instances: int, routing: str, remote_blocks: int) -> dict[str, Any]:
     """Both runs, side by side: ``shared`` (the remote tier) and ``local`` (CPU tiers only)."""
     options.validate()
-    if not isinstance(instances, int) or isinstance(instances, bool) or not 1 <= instances <= 1024:
+    if not is_int(instances) or not 1 <= instances <= 1024:
         raise ConfigError(f"--instances must be a whole number within 1..1024, got {instances!r}")
     if routing not in ROUTINGS:
         raise ConfigError(f"--routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
-    if not isinstance(remote_blocks, int) or remote_blocks <= 0:
+    if not is_int(remote_blocks) or remote_blocks <= 0:
         raise ConfigError(f"--remote-blocks must be a whole number > 0 with --instances, got {remote_blocks!r}")
     if options.mode != "sequential" or options.record is not None:
         raise ConfigError("--instances runs the sequential mode and records no trace (no --mode timed, --record)")

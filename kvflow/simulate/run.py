@@ -19,7 +19,8 @@ from typing import Any
 
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
-from kvflow.engine.notices import StepReport
+from kvflow.core.values import is_int
+from kvflow.engine.notices import StepReport, merge_reports
 from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
 from kvflow.simulate.capacity import DEFAULT_CPU_BLOCKS, KvGeometry, blocks_for_gb, kv_geometry
@@ -83,12 +84,9 @@ class SimOptions:
         return blocks_for_gb(self.cpu_gb, self.bytes_per_block)
 
     def validate(self) -> None:
-        def whole(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not whole(self.device_blocks) or self.device_blocks < 0:
+        if not is_int(self.device_blocks) or self.device_blocks < 0:
             raise ConfigError(f"--device-blocks must be a whole number >= 0, got {self.device_blocks!r}")
-        if not whole(self.block_tokens) or self.block_tokens <= 0:
+        if not is_int(self.block_tokens) or self.block_tokens <= 0:
             raise ConfigError(f"--block-tokens must be a whole number > 0, got {self.block_tokens!r}")
         if not 0.0 <= self.fault_rate <= 1.0:
             raise ConfigError(f"--fault-rate must be within 0..1, got {self.fault_rate!r}")
@@ -235,9 +233,7 @@ class Simulation:
             if due is None:  # (cannot happen: step() submitted every queued job)
                 break
             clock.advance_to(due)
-            report = engine.step()
-            merged.loads_failed.extend(report.loads_failed)
-            merged.loads_finished.extend(report.loads_finished)
+            merge_reports(merged, engine.step())
         return merged
 
     def _sequential_request(self, req: WorkloadRequest) -> None:

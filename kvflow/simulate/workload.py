@@ -33,6 +33,7 @@ from typing import IO, Annotated, cast
 import msgspec
 
 from kvflow.core.errors import ConfigError, TraceError
+from kvflow.core.values import ID_LIMIT, is_int
 
 __all__ = ["EXAMPLE_WORKLOAD", "MOONCAKE_BLOCK_TOKENS", "WorkloadRequest", "read_workload"]
 
@@ -54,9 +55,6 @@ an unbounded tier hits 950,272 (79%), the most its prefix reuse allows."""
 MAX_LINE_BYTES = 64 << 20
 """The longest line the reader accepts (64 MiB, a prompt of millions of blocks): a longer one,
 or a file that never ends a line (``/dev/zero``), is refused rather than read into memory."""
-
-HASH_ID_LIMIT = 2**64
-"""Hash ids become kvflow's 64-bit block hashes: every id is below this."""
 
 
 class WorkloadRequest(msgspec.Struct, frozen=True):
@@ -107,7 +105,7 @@ def read_workload(
     ``block_tokens`` is checked at once; the file is opened and read lazily, so I/O and content
     errors surface while iterating, as :class:`~kvflow.core.errors.TraceError`.
     """
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
+    if not is_int(block_tokens) or block_tokens <= 0:
         raise ConfigError(f"block_tokens must be a positive int, got {block_tokens!r}")
     return _read_requests(os.fspath(path), block_tokens)
 
@@ -169,8 +167,8 @@ def _parse_line(path: str, line_number: int, raw: bytes, block_tokens: int) -> W
 
         raise TraceError(path, line_number, nesting_problem(raw)) from None
 
-    if parsed.hash_ids and max(parsed.hash_ids) >= HASH_ID_LIMIT:
-        index, value = next((i, h) for i, h in enumerate(parsed.hash_ids) if h >= HASH_ID_LIMIT)
+    if parsed.hash_ids and max(parsed.hash_ids) >= ID_LIMIT:  # (they become 64-bit block hashes)
+        index, value = next((i, h) for i, h in enumerate(parsed.hash_ids) if h >= ID_LIMIT)
         raise TraceError(
             path,
             line_number,

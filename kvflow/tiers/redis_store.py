@@ -36,6 +36,7 @@ from redis.retry import Retry
 
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError, KvflowError
+from kvflow.core.values import is_int
 from kvflow.tiers.entry import Layout, Miss, decode, encode, key_of
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ class RedisBlockStore:
         ttl_s: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if ttl_s is not None and (not isinstance(ttl_s, int) or ttl_s <= 0):
+        if ttl_s is not None and (not is_int(ttl_s) or ttl_s <= 0):
             raise ConfigError(f"remote ttl must be a positive number of seconds, got {ttl_s!r}")
         self.client = client
         self.layout = layout

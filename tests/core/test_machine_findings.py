@@ -14,8 +14,8 @@ its invariants after each step. They run on every test run, whatever the profile
   escaped (test_stateful's two-rank machine; fixed in c77df30;
   test_failure_rules.py::test_F2_repeated_rank_result_for_a_live_job_is_recorded_and_ignored).
 * A store "deduplicated" onto a device block still copied by a store a reset abandoned, so
-  the new job took over blocks the old copy still wrote (the differential twin machines,
-  now test_live_path's; fixed in d4d2fd6;
+  the new job took over blocks the old copy still wrote (the machines, then run as twins of a
+  live and a paranoid manager; fixed in d4d2fd6;
   test_scenarios.py::test_F15_a_store_cannot_reuse_a_device_block_an_abandoned_copy_still_reads).
 
 The machines reach these cases again on their own (a repeated hash anywhere in a prefix,
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from test_live_path import TwinOneRank
 from test_stateful import OffloadMachine, OffloadMachineTwoRanks
 
 from kvflow.core.events import BlocksEvicted, LateResultIgnored
@@ -132,7 +131,7 @@ def test_F2_a_rank_repeating_its_success_while_another_copies_changes_nothing() 
 
 
 def test_F15_a_store_never_takes_a_device_block_a_reset_abandoned_copy_still_reads() -> None:
-    machine = TwinOneRank()  # the live path shadowed by the checked one, as when it was found
+    machine = OffloadMachine()
     store = Draws(no_request=[1], existing_request=[False], fenced_block=[0], held_block=[1000])
     replay(
         machine,

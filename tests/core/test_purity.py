@@ -232,6 +232,7 @@ DETERMINISM_SCRIPT = textwrap.dedent(
     from kvflow.log.writer import TraceWriter
     from kvflow.engine.manager import OffloadManager
     from kvflow.core.state.tables import JobState
+    from kvflow.core.jobs import ranks_missing
 
     seed, path, policy = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     rng = random.Random(seed)
@@ -266,7 +267,7 @@ DETERMINISM_SCRIPT = textwrap.dedent(
                 ]
                 if live:
                     job = rng.choice(live)
-                    ranks = [r for r in range(2) if not job.acks & (1 << r)]
+                    ranks = ranks_missing(job.acks, 2)
                     ok = rng.random() < 0.85
                     m.job_result(job.job_id, rank=rng.choice(ranks), ok=ok, error="x")
             elif op == 5:

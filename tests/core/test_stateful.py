@@ -14,8 +14,9 @@ copies have not reported on every rank yet.
 
 A refused call (``Rejected``) must change nothing: neither the state nor the log.
 
-The machines are defined here and run in test_live_path.py, each as a twin that also checks
-every command against a paranoid manager (the same rules and invariants, and more).
+The manager applies its deciders' events as the live engine does (without the per-event
+legality checks); folding the log with every check after every step finds an event a decider
+should not have emitted, and any difference between the two.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -36,7 +38,7 @@ from kvflow.core.events import (
     FenceLifted,
     LateResultIgnored,
 )
-from kvflow.core.jobs import TransferJob
+from kvflow.core.jobs import TransferJob, ranks_in, ranks_missing
 from kvflow.core.state.apply import fold
 from kvflow.core.state.invariants import check_invariants
 from kvflow.core.state.model import State
@@ -286,7 +288,7 @@ class OffloadMachine(RuleBasedStateMachine):
         job_id = data.draw(st.sampled_from(self.reporting()), label="job")
         job = self.m.state.jobs[job_id]
         fenced = job.state is JobState.FENCED
-        ranks = [r for r in range(self.WORLD_SIZE) if not job.reported & (1 << r)]
+        ranks = list(ranks_missing(job.reported, self.WORLD_SIZE))
         rank = data.draw(st.sampled_from(ranks), label="rank")
         self.report(job_id, rank, ok != 0, None if ok else "copy failed")
         if fenced:
@@ -305,7 +307,7 @@ class OffloadMachine(RuleBasedStateMachine):
         loads = [j for j in self.in_flight() if self.m.state.jobs[j].direction == "load"]
         job = self.m.state.jobs[data.draw(st.sampled_from(loads), label="load")]
         named = data.draw(st.lists(st.sampled_from(job.hashes), min_size=1, unique=True), label="corrupt")
-        rank = next(r for r in range(self.WORLD_SIZE) if not job.reported & (1 << r))
+        rank = ranks_missing(job.reported, self.WORLD_SIZE)[0]
         abandoned = job.abandoned
         corrupt = tuple(named + [h for h in foreign if h not in job.hashes])
         before = {h for h in foreign if self.m.state.is_resident(h)} - set(job.hashes)
@@ -338,12 +340,9 @@ class OffloadMachine(RuleBasedStateMachine):
             results = []
             for job_id in self.reporting():
                 job = self.m.state.jobs[job_id]
-                for rank in range(self.WORLD_SIZE):
-                    if not job.reported & (1 << rank):
-                        ok = data.draw(st.integers(0, 5), label="ok") != 0
-                        results.append(
-                            JobResult(job_id=job_id, rank=rank, ok=ok, error=None if ok else "x")
-                        )
+                for rank in ranks_missing(job.reported, self.WORLD_SIZE):
+                    ok = data.draw(st.integers(0, 5), label="ok") != 0
+                    results.append(JobResult(job_id=job_id, rank=rank, ok=ok, error=None if ok else "x"))
             if batched:
                 self.m.job_results(results)
             else:
@@ -361,7 +360,7 @@ class OffloadMachine(RuleBasedStateMachine):
         repeated = [j for j, job in self.m.state.jobs.items() if job.acks and job.state in SUBMITTED]
         job_id = data.draw(st.sampled_from(repeated), label="job")
         acks = self.m.state.jobs[job_id].acks
-        rank = data.draw(st.sampled_from([r for r in range(self.WORLD_SIZE) if acks & (1 << r)]), label="rank")
+        rank = data.draw(st.sampled_from(ranks_in(acks)), label="rank")
         before = self.m.state.canonical()
         self.m.job_result(job_id, rank=rank)
         after = self.m.state.canonical()
@@ -621,7 +620,30 @@ class OffloadMachineRemoteAheadTwoRanks(OffloadMachineRemote):
     REMOTE_MODE = "ahead_of_eviction"
 
 
-# No TestCase here: every machine above runs as a twin in test_live_path.py, which inherits all
-# of its rules and invariants and adds a paranoid shadow manager checked after every command
-# (and a fold of the whole log at teardown). Running the plain machine as well ran the same
-# scenarios twice for nothing.
+class OffloadMachineTinyTier(OffloadMachine):
+    CPU_BLOCKS = 4  # the smallest tier the machine warms: evictions and rejections often
+
+
+# how many examples: the profile's (tests/conftest.py: 2,000 in CI)
+MACHINE_SETTINGS = settings(
+    stateful_step_count=50,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestOneRank = OffloadMachine.TestCase
+TestTwoRanks = OffloadMachineTwoRanks.TestCase
+TestARC = OffloadMachineARC.TestCase
+TestLazyTwoRanks = OffloadMachineLazyTwoRanks.TestCase
+TestTinyTier = OffloadMachineTinyTier.TestCase
+TestRemote = OffloadMachineRemote.TestCase
+TestRemoteAheadTwoRanks = OffloadMachineRemoteAheadTwoRanks.TestCase
+for _case in (
+    TestOneRank,
+    TestTwoRanks,
+    TestARC,
+    TestLazyTwoRanks,
+    TestTinyTier,
+    TestRemote,
+    TestRemoteAheadTwoRanks,
+):
+    _case.settings = MACHINE_SETTINGS
+del _case  # (left in the module, pytest collected it as another machine: the last one twice)

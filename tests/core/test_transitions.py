@@ -209,7 +209,7 @@ def live_job_naming_h(m: OffloadManager, submit: bool) -> int:
     absent block, a job id never issued."""
     entry = m.state.entries.get(H)
     if entry is None:
-        return m.state.last_job_id + 1
+        return m.state.next_job_id
     if entry.state is BlockState.RESIDENT:
         return load_job(m, H, "rl", 800, submit=submit)
     return entry.job_id
@@ -222,22 +222,22 @@ def block_event(tag: str, m: OffloadManager) -> Event:
     if tag == "store_queued":
         return StoreQueued(
             seq=seq(m),
-            job_id=s.last_job_id + 1,
+            job_id=s.next_job_id,
             request_id="x",
             hashes=(H,),
             device_blocks=(801,),
-            slots=(s.free_slots[-1],),
+            slots=s.next_slots(1),
         )
     if tag == "remote_load_queued":
-        return RemoteLoadQueued(seq=seq(m), job_id=s.last_job_id + 1, hashes=(H,), slots=(s.free_slots[-1],))
+        return RemoteLoadQueued(seq=seq(m), job_id=s.next_job_id, hashes=(H,), slots=s.next_slots(1))
     if tag == "remote_store_queued":
-        return RemoteStoreQueued(seq=seq(m), job_id=s.last_job_id + 1, hashes=(H,), slots=(slot,))
+        return RemoteStoreQueued(seq=seq(m), job_id=s.next_job_id, hashes=(H,), slots=(slot,))
     if tag == "load_queued":
         if s.is_resident(H):
             assert m.lookup("rl", [H, MISS], TOKENS) == 1
         return LoadQueued(
             seq=seq(m),
-            job_id=s.last_job_id + 1,
+            job_id=s.next_job_id,
             request_id="rl",
             hashes=(H,),
             device_blocks=(800,),
@@ -416,7 +416,7 @@ def test_pinned_resident_block_cannot_be_evicted() -> None:
 def job_in(job_state: JobState, direction: str, world_size: int = 1) -> tuple[OffloadManager, int]:
     m = fresh(world_size)
     if job_state is JobState.NEW:
-        return m, m.state.last_job_id + 1
+        return m, m.state.next_job_id
     if direction == "store":
         job_id = m.blocks_computed("w", [H], [D])
     else:
@@ -482,10 +482,10 @@ def job_event(tag: str, m: OffloadManager, job_id: int) -> Event:
             request_id="x",
             hashes=(602,),
             device_blocks=(811,),
-            slots=(s.free_slots[-1],),
+            slots=s.next_slots(1),
         )
     if tag == "remote_load_queued":
-        return RemoteLoadQueued(seq=seq(m), job_id=job_id, hashes=(602,), slots=(s.free_slots[-1],))
+        return RemoteLoadQueued(seq=seq(m), job_id=job_id, hashes=(602,), slots=s.next_slots(1))
     if tag == "remote_store_queued":
         return RemoteStoreQueued(seq=seq(m), job_id=job_id, hashes=(SPARE,), slots=(s.entries[SPARE].slot,))
     if tag == "load_queued":

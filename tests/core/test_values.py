@@ -16,7 +16,7 @@ import pytest
 from kvflow.core import values as bd
 from kvflow.core.commands import JobResult
 from kvflow.core.config import MAX_WORLD_SIZE, Config
-from kvflow.core.errors import ConfigError, Rejected
+from kvflow.core.errors import ConfigError, KvflowError, Rejected
 from kvflow.core.events import JobCompleted, JobFailed
 from kvflow.engine.manager import OffloadManager
 from kvflow.engine.sync import SyncEngine
@@ -156,3 +156,56 @@ def test_F19_64_bit_hashes_pass_as_they_are_and_anything_else_is_still_checked()
         bd.hashes(big + (2**64,))
     mixed = bd.hashes(big[:2] + (True, 7))  # short forms take the checked path
     assert mixed == big[:2] + (1, 7) and all(type(h) is int for h in mixed)
+
+
+# --- the value rules themselves ---------------------------------------------------------
+
+
+BOUNDARY_INPUTS: list[tuple[Any, Any, Any]] = [
+    # (input, ints result or error, hashes result or error)
+    ([], (), ()),
+    ((), (), ()),
+    ([1, 2, 3], (1, 2, 3), (1, 2, 3)),
+    ((5, 4), (5, 4), (5, 4)),
+    (range(3, 6), (3, 4, 5), (3, 4, 5)),
+    ([True, 2], (1, 2), (1, 2)),
+    ([2**64 - 1, -(2**63)], (2**64 - 1, -(2**63)), (2**64 - 1, -(2**63))),
+    ([2**64], (2**64,), "64 bits"),
+    ([-(2**63) - 1], (-(2**63) - 1,), "64 bits"),
+    ([1.5, 2], "must be integers", "must be integers"),
+    (["a"], "must be integers", "must be integers"),
+    ([None], "must be integers", "must be integers"),
+    (iter([7, 8]), (7, 8), (7, 8)),
+]
+
+
+def _input_id(value: Any) -> str:
+    # (an iterator's repr names its address: a test id must be the same in every process)
+    return repr(value) if isinstance(value, (list, tuple, range, str, int)) else type(value).__name__
+
+
+@pytest.mark.parametrize(("values", "as_ints", "as_hashes"), BOUNDARY_INPUTS, ids=_input_id)
+def test_boundary_normalisation(values: Any, as_ints: Any, as_hashes: Any) -> None:
+    items = list(values) if not isinstance(values, (list, tuple, range)) else values
+    for fn, expected in ((bd.ints, as_ints), (bd.hashes, as_hashes)):
+        if isinstance(expected, str):
+            with pytest.raises(KvflowError, match=expected):
+                fn(items)
+        else:
+            out = fn(items)
+            assert out == expected and all(type(v) is int for v in out)
+
+
+def test_numpy_integers_normalise_to_plain_ints() -> None:
+    assert bd.ints(np.arange(3, dtype=np.int64)) == (0, 1, 2)
+    assert bd.hashes([np.uint64(2**64 - 1)]) == (2**64 - 1,)
+
+
+@pytest.mark.parametrize(
+    ("value", "counts"),
+    [(0, True), (-3, True), (2**70, True), (True, False), (False, False), (1.0, False), ("1", False), (None, False)],
+)
+def test_an_int_is_never_a_bool(value: Any, counts: bool) -> None:
+    """The one rule every count, id and size is checked by (``is_int``): a bool is no number."""
+    assert bd.is_int(value) is counts
+    assert bd.is_int(np.int64(3)) is False  # (numpy integers are normalised first: ``ints``, ``count``)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import structlog
 from structlog.testing import capture_logs
@@ -23,7 +24,7 @@ from kvflow.core.events import FenceLifted, LateResultIgnored
 from kvflow.core.jobs import LOAD, STORE, TransferJob
 from kvflow.core.state.invariants import check_invariants
 from kvflow.engine.async_engine import Engine
-from kvflow.engine.notices import Notices, StepReport, merge_reports
+from kvflow.engine.notices import NOTICE_FIELDS, LoadFailure, Notices, StepReport, merge_reports
 from kvflow.engine.sync import SyncEngine
 from kvflow.engine.watch import Counters, Latencies, percentile
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
@@ -923,3 +924,22 @@ def test_a_submit_that_raises_fails_the_jobs_on_every_rank_and_fences_nothing() 
     assert engine.fences() == [] and engine.held_device_blocks() == []
     engine.finish_request("A")
     assert_clean(engine)
+
+
+def test_a_step_report_carries_every_notice_and_merging_reports_keeps_them_all() -> None:
+    """The notices are named once (``Notices``): a step report has each under its name and
+    type, and ``merge_reports`` adds each (what the engine's step loop and tests merge)."""
+    notice_types = {f.name: f.type for f in msgspec.structs.fields(Notices)}
+    report_types = {f.name: f.type for f in msgspec.structs.fields(StepReport)}
+    assert NOTICE_FIELDS == tuple(notice_types) and all(report_types[n] == t for n, t in notice_types.items())
+    failure = LoadFailure("r", 2, (5,), "x")
+    one = StepReport(now_ms=1.0, loads_finished=[("a", 1)], loads_failed=[failure], stores_finished=[3],
+                     stores_failed=[(4, "e")], released_device_blocks=[7], timed_out=1, rejected_store_blocks=2)
+    two = StepReport(now_ms=2.0, loads_finished=[("b", 9)], released_device_blocks=[8], timed_out=2,
+                     rejected_store_blocks=1, all_blocks_cleared=True)
+    merge_reports(one, two)
+    assert one == StepReport(
+        now_ms=1.0, loads_finished=[("a", 1), ("b", 9)], loads_failed=[failure], stores_finished=[3],
+        stores_failed=[(4, "e")], released_device_blocks=[7, 8], timed_out=3, rejected_store_blocks=3,
+        all_blocks_cleared=True,
+    )

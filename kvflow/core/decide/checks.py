@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from kvflow.core.errors import BlockHeld, Rejected
 from kvflow.core.events import Event
 from kvflow.core.jobs import STORE
-from kvflow.core.state.model import State
+from kvflow.core.state.model import Request, State
 
 # how a decider hands over each event it decides: applied (and recorded, observed) at once,
 # so the decider's next line reads the state that event produced (see kvflow.core.decide.dispatch)
 Emit = Callable[[Event], None]
 
 
-def whole(value: object) -> bool:
-    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
-
-
-def check_not_finished(req: Any, request_id: str, what: str) -> None:
+def check_not_finished(req: Request | None, request_id: str | None, what: str) -> None:
     """A finished request takes no new work; a preempted one whose earlier jobs are still
     live comes back under its id (F18: ``RequestResumed``)."""
     if req is not None and req.finished and not req.preempted:
@@ -40,7 +35,7 @@ def check_device_blocks(
     if len(unique) != len(device_blocks):
         raise Rejected("a device block is named twice in one call")
     try:
-        lowest = min(device_blocks)  # (a tuple is walked faster than the set)
+        lowest = min(device_blocks)
     except TypeError:
         raise Rejected(f"device blocks must be integers, got {list(device_blocks)[:4]!r}") from None
     if lowest < 0:

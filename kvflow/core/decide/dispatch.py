@@ -4,16 +4,15 @@ Each decider is a plain function ``decide_x(state, cmd, emit) -> answer``. ``emi
 applies the event at once (the caller's: ``OffloadManager`` evolves, records and observes it;
 ``replay --redecide`` compares it with the recorded one), so a decision always reads the state
 its earlier events produced (an eviction frees the slots the next store takes). The return
-value is the command's answer (hit count, job id, jobs to submit). A function call per event
-instead of a generator's resumption: the live path's cheapest form of the same protocol.
+value is the command's answer (hit count, job id, jobs to submit).
 
 Rule: a decider validates everything *before its first emit* and raises a
 :class:`~kvflow.core.errors.Rejected` subclass for a bad call (F12), so a refused command appends
 nothing. Pure: no I/O, no clock, no randomness, no logging.
 
-The deciders live in ``decide_lookup`` (lookup and loads), ``decide_store`` (stores, touches,
-eviction, bad blocks) and ``decide_jobs`` (planning, results, deadlines, finish, reset, fences);
-``decide_checks`` holds the checks they share. This module maps each command to its decider.
+The deciders live in ``lookup`` (lookup and loads), ``store`` (stores, touches, eviction, bad
+blocks), ``jobs`` (planning, results, deadlines, finish, reset, fences) and ``remote`` (the
+remote tier); ``checks`` holds the checks they share. This module maps each command to its decider.
 """
 
 from __future__ import annotations

@@ -15,12 +15,13 @@ from kvflow.core.commands import (
     ResetAll,
     Tick,
 )
-from kvflow.core.decide.checks import Emit, whole
+from kvflow.core.decide.checks import Emit
 from kvflow.core.decide.remote import push_ahead_of_eviction, write_through
 from kvflow.core.decide.store import chain_touch, drop_corrupt
 from kvflow.core.errors import Rejected, UnknownJob
 from kvflow.core.events import (
     FenceLifted,
+    FenceReason,
     JobCompleted,
     JobFailed,
     JobsSubmitted,
@@ -32,37 +33,27 @@ from kvflow.core.events import (
     RequestFinished,
     Reset,
 )
-from kvflow.core.jobs import LOAD, STORE, TransferJob
+from kvflow.core.jobs import LOAD, STORE, TransferJob, every_rank, has_rank, is_rank, with_rank
 from kvflow.core.state.model import Job, State
-from kvflow.core.state.tables import JobState
+from kvflow.core.state.tables import ABANDONED, FENCED, IN_FLIGHT, QUEUED
+from kvflow.core.values import is_int
 
 CANCELLED_BY_RESET = "cancelled by reset before submission"
 
-# (module constants: reading a member off an Enum class costs about ten times a global's,
-# and a job's outcome reads several)
-_QUEUED, _IN_FLIGHT, _FENCED, _ABANDONED = (
-    JobState.QUEUED,
-    JobState.IN_FLIGHT,
-    JobState.FENCED,
-    JobState.ABANDONED,
-)
-
-
 def decide_plan_step(state: State, cmd: PlanStep, emit: Emit) -> list[TransferJob]:
     config = state.config
-    # (the mode first: the usual one ends the test without ``Config.remote``'s call)
     if config.remote_store_mode == "ahead_of_eviction" and config.remote:
         push_ahead_of_eviction(state, emit)
     if not state.queued:
         return []
     job_ids = tuple(state.queued)
     jobs = []
-    for jid in job_ids:  # (a loop: a job or two, where a comprehension costs a call on Python 3.11)
+    for jid in job_ids:
         job = state.jobs[jid]
         jobs.append(
             TransferJob(
                 job_id=jid,
-                direction=job.direction,  # type: ignore[arg-type]
+                direction=job.direction,
                 device_blocks=job.device_blocks,
                 slots=job.slots,
                 hashes=job.hashes,
@@ -81,10 +72,12 @@ def decide_plan_step(state: State, cmd: PlanStep, emit: Emit) -> list[TransferJo
 
 
 def _terminal_event(kind: type[Any], state: State, job: Job, **outcome: Any) -> Any:
-    """A JobCompleted / JobFailed / JobTimedOut describing ``job``, with its outcome fields."""
+    """A JobFailed / JobTimedOut describing ``job``, with its outcome fields. (A JobCompleted,
+    the end of nearly every job, is built where it is decided, in ``_apply_result``: msgspec
+    builds a struct from plain keywords faster than from a mapping, docs/performance.md.)"""
     return kind(
         seq=state.next_seq,
-        abandoned=job.state is _ABANDONED,
+        abandoned=job.state is ABANDONED,
         job_id=job.job_id,
         direction=job.direction,
         request_id=job.request_id,
@@ -92,22 +85,6 @@ def _terminal_event(kind: type[Any], state: State, job: Job, **outcome: Any) -> 
         device_blocks=job.device_blocks,
         slots=job.slots,
         **outcome,
-    )
-
-
-def _completed(state: State, job: Job, rank: int) -> JobCompleted:
-    """``_terminal_event(JobCompleted, ...)`` spelt out: the usual end, and msgspec builds a
-    struct from plain keywords several times faster than from a ``**`` mapping."""
-    return JobCompleted(
-        seq=state.next_seq,
-        abandoned=job.state is _ABANDONED,
-        job_id=job.job_id,
-        direction=job.direction,  # type: ignore[arg-type]
-        request_id=job.request_id,
-        hashes=job.hashes,
-        device_blocks=job.device_blocks,
-        slots=job.slots,
-        rank=rank,
     )
 
 
@@ -126,21 +103,20 @@ def _check_result(state: State, result: JobResult) -> Job | None:
     """A result must name a job issued and submitted, and a rank of the world (F12).
     Returns the job (None: it has ended)."""
     job_id, rank = result.job_id, result.rank
-    # (``type(x) is int``: a plain int passes without a call)
-    if not (type(job_id) is int or whole(job_id)) or not 0 < job_id <= state.last_job_id:
+    if not is_int(job_id) or not 0 < job_id <= state.last_job_id:
         raise UnknownJob(f"result for unknown job {job_id!r} (last issued: {state.last_job_id})")
     world = state.config.world_size
-    if not (type(rank) is int or whole(rank)) or not 0 <= rank < world:
+    if not is_int(rank) or not is_rank(rank, world):
         raise Rejected(f"result for job {result.job_id}: rank {result.rank!r} outside world size {world}")
     job = state.jobs.get(job_id)
-    if job is not None and job.state is _QUEUED:
+    if job is not None and job.state is QUEUED:
         raise Rejected(f"result for job {job_id}, which was never submitted")
     return job
 
 
-def _fence_lifted(state: State, job: Job, reason: str) -> FenceLifted:
+def _fence_lifted(state: State, job: Job, reason: FenceReason) -> FenceLifted:
     return FenceLifted(
-        seq=state.next_seq, job_id=job.job_id, device_blocks=job.device_blocks, slots=job.slots, reason=reason  # type: ignore[arg-type]
+        seq=state.next_seq, job_id=job.job_id, device_blocks=job.device_blocks, slots=job.slots, reason=reason
     )
 
 
@@ -149,33 +125,44 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
     for a fenced job, says that rank's copy is over: the last one lifts the fence). ``check``:
     the result is checked first (before any event); else the caller checked it."""
     job = _check_result(state, cmd) if check else state.jobs.get(cmd.job_id)
-    bit = 1 << cmd.rank
-    every_rank = (1 << state.config.world_size) - 1
-    if job is None or job.acks & bit or job.state is _FENCED:
+    rank, every = cmd.rank, every_rank(state.config.world_size)
+    if job is None or has_rank(job.acks, rank) or job.state is FENCED:
         emit(LateResultIgnored(seq=state.next_seq, job_id=cmd.job_id, rank=cmd.rank, ok=cmd.ok, error=cmd.error))
-        if job is not None and job.state is _FENCED:
+        if job is not None and job.state is FENCED:
             if cmd.corrupt and job.direction == LOAD and not cmd.ok:
                 # F17 also when the report comes after the outcome (a timeout, another rank's
                 # failure): the host copies it found bad leave the tier
                 drop_corrupt(state, [h for h in job.hashes if h in set(cmd.corrupt)], emit)
-            if job.reported == every_rank:
+            if job.reported == every:
                 emit(_fence_lifted(state, job, "copy over"))
         return
-    request_id = None if job.state is _ABANDONED else job.request_id
+    request_id = None if job.state is ABANDONED else job.request_id
     if not cmd.ok:
         # F15: while another rank has not reported, its copy may still run: fence the memory
-        fenced = job.reported | bit != every_rank
+        fenced = with_rank(job.reported, rank) != every
         emit(_terminal_event(JobFailed, state, job, rank=cmd.rank, error=cmd.error or "unknown error", fenced=fenced))
-        if cmd.corrupt and job.direction == LOAD and job.state is not _ABANDONED:
+        if cmd.corrupt and job.direction == LOAD and job.state is not ABANDONED:
             # F17: bad bytes are never offered twice: the entries the load found corrupt
             # leave the tier now that its pins are released (those another request still
             # pins go when that load fails on them too)
             named = set(cmd.corrupt)
             bad = [h for h in job.hashes if h in named]
             drop_corrupt(state, bad, emit)
-    elif job.acks | bit == every_rank:
-        landed = job.direction == STORE and job.state is not _ABANDONED
-        emit(_completed(state, job, cmd.rank))
+    elif with_rank(job.acks, rank) == every:
+        landed = job.direction == STORE and job.state is not ABANDONED
+        emit(
+            JobCompleted(
+                seq=state.next_seq,
+                abandoned=job.state is ABANDONED,
+                job_id=job.job_id,
+                direction=job.direction,
+                request_id=job.request_id,
+                hashes=job.hashes,
+                device_blocks=job.device_blocks,
+                slots=job.slots,
+                rank=rank,
+            )
+        )
         if landed and state.config.remote:
             write_through(state, job.hashes, emit)
     else:
@@ -206,7 +193,7 @@ def decide_job_results(state: State, cmd: JobResults, emit: Emit) -> None:
 def expired_jobs(state: State, now_ms: float) -> list[Job]:
     """The in-flight jobs whose deadline has come by ``now_ms`` (F2), in job order. (A fenced
     job's outcome is already known: its deadline has nothing left to decide.)"""
-    return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is _IN_FLIGHT]
+    return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is IN_FLIGHT]
 
 
 def decide_tick(state: State, cmd: Tick, emit: Emit) -> int:
@@ -250,7 +237,7 @@ def decide_reset(state: State, cmd: ResetAll, emit: Emit) -> None:
     for jid in list(state.queued):
         job = state.jobs[jid]
         emit(_terminal_event(JobFailed, state, job, rank=-1, error=CANCELLED_BY_RESET))
-    live = tuple(jid for jid, job in state.jobs.items() if job.state is not _FENCED)
+    live = tuple(jid for jid, job in state.jobs.items() if job.state is not FENCED)
     emit(Reset(seq=state.next_seq, abandoned_job_ids=live, keeps_requests=True))
 
 

@@ -3,16 +3,16 @@ the load of the hits the engine accepts. Pure."""
 
 from __future__ import annotations
 
-from itertools import compress, count, takewhile
+from itertools import takewhile
 
 from kvflow.core.commands import AcceptHits, Lookup
-from kvflow.core.decide.checks import Emit, check_device_blocks, check_not_finished, whole
+from kvflow.core.decide.checks import Emit, check_device_blocks, check_not_finished
 from kvflow.core.decide.remote import remote_loads
 from kvflow.core.decide.store import extend_chain
 from kvflow.core.errors import Rejected, UnknownRequest
 from kvflow.core.events import BlocksTouched, LoadQueued, PinsAcquired, PinsReleased, RequestResumed
-from kvflow.core.state.bulk import values_at
 from kvflow.core.state.model import State
+from kvflow.core.values import is_int
 
 
 def hit_cap_blocks(num_tokens: int, block_tokens: int) -> int:
@@ -22,10 +22,9 @@ def hit_cap_blocks(num_tokens: int, block_tokens: int) -> int:
 
 def decide_lookup(state: State, cmd: Lookup, emit: Emit) -> int:
     request_id, num_tokens, skip = cmd.request_id, cmd.num_tokens, cmd.device_hit_blocks
-    # (``type(x) is int``: the engine's plain int passes without a call)
-    if not (type(num_tokens) is int or whole(num_tokens)) or num_tokens < 0:
+    if not is_int(num_tokens) or num_tokens < 0:
         raise Rejected(f"lookup of request {request_id}: num_tokens must be >= 0")
-    if not (type(skip) is int or whole(skip)) or skip < 0:
+    if not is_int(skip) or skip < 0:
         raise Rejected(f"lookup of request {request_id}: device_hit_blocks must be >= 0")
     if not state.config.enabled:
         return 0
@@ -43,14 +42,13 @@ def decide_lookup(state: State, cmd: Lookup, emit: Emit) -> int:
     if extension is not None:
         emit(extension)
     window = cmd.block_hashes[skip:cap]
-    # only RESIDENT entries are visible: on the tier and not pending. The scans are lazy and
-    # at C level: each stops at the first block that is not visible, so a miss costs one
-    # probe however long the prompt
+    # only a prefix hits, and only RESIDENT entries are visible (on the tier and not being
+    # stored): the hits end at the first block that is on the tier no longer or not yet
     hits = tuple(takewhile(state.slot_of.__contains__, window))
-    if hits:  # (most lookups miss: the index of live stores is not read for them)
+    if hits:
         pending = state.pending
-        if pending and not pending.keys().isdisjoint(hits):
-            hits = hits[: next(compress(count(), map(pending.__contains__, hits)))]
+        if pending:
+            hits = tuple(takewhile(lambda h: h not in pending, hits))
     n = len(hits)
     emit(PinsAcquired(seq=state.next_seq, request_id=request_id, hashes=hits, num_tokens=num_tokens))
     if n < len(window) and state.remote:
@@ -77,14 +75,14 @@ def decide_accept_hits(state: State, cmd: AcceptHits, emit: Emit) -> int | None:
     job_id = None
     if n:
         hashes = req.offered[:n]
-        job_id = state.last_job_id + 1
+        job_id = state.next_job_id
         emit(LoadQueued(
             seq=state.next_seq,
             job_id=job_id,
             request_id=cmd.request_id,
             hashes=hashes,
             device_blocks=tuple(cmd.device_blocks),
-            slots=values_at(state.slot_of, hashes),
+            slots=state.slots_of(hashes),
         ))
     if req.offered:
         emit(PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered))

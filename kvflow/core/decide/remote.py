@@ -22,7 +22,6 @@ from kvflow.core.decide.store import _admission, eviction
 from kvflow.core.decide.victims import NOTHING_PINNED, checked_victims
 from kvflow.core.events import RemoteIndexed, RemoteLoadQueued, RemoteStoreQueued
 from kvflow.core.jobs import REMOTE_STORE
-from kvflow.core.state.bulk import values_at
 from kvflow.core.state.model import State
 
 
@@ -55,14 +54,10 @@ def remote_loads(state: State, window: Sequence[int], emit: Emit) -> int | None:
         emit(eviction(state, victims, "capacity"))
     if not admitted:
         return None
-    free = state.free_slots
-    job_id = state.last_job_id + 1
+    job_id = state.next_job_id
     emit(
         RemoteLoadQueued(
-            seq=state.next_seq,
-            job_id=job_id,
-            hashes=tuple(admitted),
-            slots=tuple(free[len(free) - len(admitted) :][::-1]),
+            seq=state.next_seq, job_id=job_id, hashes=tuple(admitted), slots=state.next_slots(len(admitted))
         )
     )
     return job_id
@@ -81,9 +76,9 @@ def write_through(state: State, hashes: Sequence[int], emit: Emit) -> int | None
 
 
 def _remote_store(state: State, hashes: Sequence[int], emit: Emit) -> int:
-    todo, slot_of = tuple(hashes), state.slot_of
-    job_id = state.last_job_id + 1
-    emit(RemoteStoreQueued(seq=state.next_seq, job_id=job_id, hashes=todo, slots=values_at(slot_of, todo)))
+    todo = tuple(hashes)
+    job_id = state.next_job_id
+    emit(RemoteStoreQueued(seq=state.next_seq, job_id=job_id, hashes=todo, slots=state.slots_of(todo)))
     return job_id
 
 

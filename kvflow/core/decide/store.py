@@ -3,14 +3,13 @@ explicit eviction, and the eviction of blocks found bad (F17). Pure."""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import compress, filterfalse
+from itertools import filterfalse
 from typing import Any
 
 from kvflow.core.commands import BlocksComputed, DeviceBlocksEvicting, Evict, Invalidate, Touch
-from kvflow.core.decide.checks import Emit, check_device_blocks, check_not_finished, whole
+from kvflow.core.decide.checks import Emit, check_device_blocks, check_not_finished
 from kvflow.core.decide.victims import checked_victims
 from kvflow.core.errors import Rejected
 from kvflow.core.events import (
@@ -18,14 +17,15 @@ from kvflow.core.events import (
     BlocksEvicted,
     BlocksTouched,
     ChainExtended,
+    EvictReason,
     RequestOpened,
     RequestResumed,
     StoreQueued,
     StoreRejected,
 )
 from kvflow.core.jobs import LOAD, REMOTE_STORE
-from kvflow.core.state.bulk import values_at
 from kvflow.core.state.model import Request, State
+from kvflow.core.values import is_int
 
 
 def _fenced_slot_owners(state: State) -> list[int]:
@@ -80,15 +80,14 @@ def extend_chain(
 ) -> ChainExtended | None:
     """With ``chain_recency``: the request's chain grows by those of ``hashes`` new to it,
     or None when it has them all already (a store of blocks its lookup named).
-    ``distinct``: the set of ``hashes``, when the caller has built it (then the dict view
-    answers, at C level, for less than a scan of ``hashes``)."""
+    ``distinct``: the set of ``hashes``, when the caller has built it."""
     if not state.config.chain_recency or not hashes:
         return None
     if req is not None:
         if req.chain_tail_start(hashes) >= 0:  # (its chain's last blocks, or all of them: a lookup repeated)
             return None
         chain = req.chain
-        if chain and (chain.keys() >= distinct if distinct is not None else all(map(chain.__contains__, hashes))):
+        if chain and chain.keys() >= (distinct if distinct is not None else set(hashes)):
             return None
     return ChainExtended(seq=state.next_seq, request_id=request_id, hashes=tuple(hashes))
 
@@ -100,23 +99,16 @@ def chain_touch(state: State, req: Request) -> BlocksTouched | None:
     if not state.config.chain_recency:
         return None
     slot_of, order = state.slot_of, req.chain_order
-    if order is not None:  # (the chain as one tuple: its dict is not asked for)
+    if order is not None:  # (the chain kept as one tuple)
         if not order:
             return None
         if req.chain_whole_at == state.departures:
-            # (the usual finish: its store put the chain's tail on the tier, and nothing
-            # has left the tier since)
+            # its store put the chain's tail on the tier, and nothing has left the tier since
             touched = order[::-1]
         else:
             touched = tuple(filter(slot_of.__contains__, reversed(order)))
     else:
-        chain = req.chain
-        # (the whole chain on the tier, asked of the dict views at C level: cheaper than
-        # ``on_tier``'s scan of a tuple, and the chain's tuple is built once)
-        if slot_of.keys() >= chain.keys():
-            touched = tuple(chain)[::-1]  # (a dict's reverse iterator is the slower way)
-        else:
-            touched = tuple(filter(slot_of.__contains__, reversed(chain)))
+        touched = tuple(filter(slot_of.__contains__, reversed(req.chain)))
     if not touched:
         return None
     return BlocksTouched(seq=state.next_seq, hashes=touched, reuse=False)
@@ -124,10 +116,7 @@ def chain_touch(state: State, req: Request) -> BlocksTouched | None:
 
 def on_tier(state: State, hashes: tuple[int, ...]) -> tuple[int, ...]:
     """Those of ``hashes`` that are on the tier (resident, or being stored), in order."""
-    slot_of = state.slot_of
-    if all(map(slot_of.__contains__, hashes)):
-        return hashes  # the common case: every block is on the tier
-    return tuple(filter(slot_of.__contains__, hashes))
+    return tuple(filter(state.slot_of.__contains__, hashes))
 
 
 # hashes admitted, their device blocks, victims, and the blocks rejected (hashes, device blocks)
@@ -149,14 +138,13 @@ def _admission(
     protected: Sequence[int] = ()
     new_hashes: Sequence[int]
     new_blocks: Sequence[int]
-    if state.slot_of.keys().isdisjoint(block_hashes):  # (the common case: none is there yet)
-        # (the command's own tuples: their slices below are the events' fields, uncopied)
+    slot_of = state.slot_of
+    if slot_of.keys().isdisjoint(block_hashes):  # none of them is on the tier: all are new
         new_hashes, new_blocks = block_hashes, device_blocks
     else:
         protected = block_hashes
-        absent = list(map(operator.not_, map(state.slot_of.__contains__, block_hashes)))
-        new_hashes = list(compress(block_hashes, absent))
-        new_blocks = list(compress(device_blocks, absent))
+        new = [(h, d) for h, d in zip(block_hashes, device_blocks) if h not in slot_of]
+        new_hashes, new_blocks = [h for h, _ in new], [d for _, d in new]
     if not unique and len(set(new_hashes)) != len(new_hashes):  # a hash named twice is stored once
         firsts: dict[int, int] = {}
         for h, d in zip(new_hashes, new_blocks):
@@ -181,7 +169,7 @@ def _decide_store(
         )
     req = state.requests.get(request_id) if request_id is not None else None
     if req is not None:
-        check_not_finished(req, request_id, "store: request")  # type: ignore[arg-type]
+        check_not_finished(req, request_id, "store: request")
     held = state.held
     same = dict(zip(device_blocks, block_hashes)) if held and not held.keys().isdisjoint(device_blocks) else {}
     check_device_blocks(state, device_blocks, same)
@@ -212,8 +200,7 @@ def _decide_store(
     job_id = None
     admitted = len(admit_hashes)
     if admitted:
-        free = state.free_slots
-        job_id = state.last_job_id + 1
+        job_id = state.next_job_id
         emit(
             StoreQueued(
                 seq=state.next_seq,
@@ -221,7 +208,7 @@ def _decide_store(
                 request_id=request_id,
                 hashes=tuple(admit_hashes),  # (a tuple already: returned as it is)
                 device_blocks=tuple(admit_blocks),
-                slots=tuple(free[len(free) - admitted :][::-1]),
+                slots=state.next_slots(admitted),
             )
         )
     elif request_id is not None and req is None and not rejected_hashes:
@@ -250,7 +237,7 @@ def _computed_lazy(state: State, cmd: BlocksComputed, emit: Emit) -> None:
     """Lazy mode: nothing is stored now, but the request is known (and back, if preempted)
     (F18)."""
     req = state.requests.get(cmd.request_id) if cmd.request_id is not None else None
-    check_not_finished(req, cmd.request_id, "blocks_computed: request")  # type: ignore[arg-type]
+    check_not_finished(req, cmd.request_id, "blocks_computed: request")
     check_device_blocks(state, cmd.device_blocks, dict(zip(cmd.device_blocks, cmd.block_hashes)))
     if cmd.request_id is not None and state.config.enabled:
         if req is not None and req.finished:
@@ -283,7 +270,7 @@ def decide_touch(state: State, cmd: Touch, emit: Emit) -> int:
 
 
 def decide_evict(state: State, cmd: Evict, emit: Emit) -> int:
-    if not whole(cmd.num_blocks) or cmd.num_blocks < 0:
+    if not is_int(cmd.num_blocks) or cmd.num_blocks < 0:
         raise Rejected(f"evict: num_blocks must be >= 0, got {cmd.num_blocks!r}")
     if cmd.num_blocks == 0:
         return 0
@@ -295,7 +282,7 @@ def decide_evict(state: State, cmd: Evict, emit: Emit) -> int:
     return len(victims)
 
 
-def _evict_resident(state: State, hashes: Sequence[int], reason: str) -> BlocksEvicted | None:
+def _evict_resident(state: State, hashes: Sequence[int], reason: EvictReason) -> BlocksEvicted | None:
     """The eviction of those of ``hashes`` that are RESIDENT and unpinned (each once), or None."""
     slot_of, pending, pinned = state.slot_of, state.pending, state.pin_count
     chosen = [h for h in dict.fromkeys(hashes) if h in slot_of and h not in pending and h not in pinned]
@@ -304,13 +291,13 @@ def _evict_resident(state: State, hashes: Sequence[int], reason: str) -> BlocksE
     return eviction(state, chosen, reason)
 
 
-def eviction(state: State, victims: Sequence[int], reason: str) -> BlocksEvicted:
+def eviction(state: State, victims: Sequence[int], reason: EvictReason) -> BlocksEvicted:
     """The eviction of ``victims`` (RESIDENT, unpinned, distinct), with their slots."""
     return BlocksEvicted(
         seq=state.next_seq,
         hashes=tuple(victims),
-        slots=values_at(state.slot_of, victims),
-        reason=reason,  # type: ignore[arg-type]
+        slots=state.slots_of(victims),
+        reason=reason,
     )
 
 

@@ -32,6 +32,7 @@ from itertools import filterfalse
 
 from kvflow.core.errors import ConfigError
 from kvflow.core.policies.base import Policy
+from kvflow.core.values import is_int
 
 
 class ARCPolicy(Policy):
@@ -43,7 +44,7 @@ class ARCPolicy(Policy):
 
     def __init__(self, capacity: int) -> None:
         """``capacity`` is the tier's size in blocks: it bounds ``p`` and the ghost lists."""
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        if not is_int(capacity) or capacity < 0:
             raise ConfigError(f"arc policy capacity must be an int >= 0, got {capacity!r}")
         self.capacity = capacity
         # OrderedDicts, coldest first: the cold end is found at once and move_to_end is O(1)

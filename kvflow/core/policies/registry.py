@@ -25,6 +25,7 @@ from kvflow.core.errors import ConfigError, PolicyError, one_line
 from kvflow.core.policies.arc import ARCPolicy
 from kvflow.core.policies.base import Policy
 from kvflow.core.policies.lru import LRUPolicy
+from kvflow.core.values import is_int
 
 # The built-in policies by name; every policy class is built as ``cls(capacity)``.
 POLICIES: dict[str, type[Policy]] = {LRUPolicy.name: LRUPolicy, ARCPolicy.name: ARCPolicy}
@@ -94,7 +95,7 @@ def policy_class(name: str) -> type[Policy]:
 def make_policy(name: str, capacity: int) -> Policy:
     """A fresh, empty policy ``name`` for a tier of ``capacity`` blocks."""
     cls = policy_class(name)
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+    if not is_int(capacity) or capacity < 0:
         raise ConfigError(f"policy capacity must be an int >= 0, got {capacity!r}")
     try:
         return cls(capacity)

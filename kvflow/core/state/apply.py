@@ -7,9 +7,9 @@ from one state to another is done by the one writer for that pair (``kvflow.core
 diagram ``kvflow diagram`` prints, the table tests and this code cannot disagree. An illegal
 event raises :class:`~kvflow.core.errors.IllegalTransition` and leaves the state as it was.
 
-The state is mutated in place (folding a log must run at millions of block changes per
-second); ``State.copy()`` gives an independent snapshot. Pure: no I/O, no clock, no
-randomness, no logging.
+The state is mutated in place (an event changes a few entries of a tier that may hold
+millions: a copy per event would cost the whole tier each time); ``State.copy()`` gives an
+independent snapshot. Pure: no I/O, no clock, no randomness, no logging.
 
 The job events are applied in ``kvflow.core.state.job_events``; the entry, pin and request events
 here.
@@ -17,7 +17,7 @@ here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvflow.core.errors import IllegalTransition
@@ -38,16 +38,15 @@ from kvflow.core.events import (
     event_name,
 )
 from kvflow.core.state import legality as lg
-from kvflow.core.state.bulk import values_at
 from kvflow.core.state.job_events import JOB_EVOLVERS
 from kvflow.core.state.model import Request, State
 from kvflow.core.state.moves import ensure_request, entry_move, pin, unpin
 from kvflow.core.state.tables import (
     ABSENT,
     BLOCK_TRANSITIONS,
+    FENCED,
     RESIDENT,
     STORING,
-    JobState,
 )
 
 # --- one function per entry, pin and request event -------------------------------------------
@@ -68,7 +67,7 @@ def _evicted(state: State, event: BlocksEvicted, check: bool) -> None:
         lg.check_resident(state, event, "blocks_evicted", event.hashes)
         if not state.pin_count.keys().isdisjoint(event.hashes):
             raise lg.illegal(state, event, "RESIDENT", "a pinned block cannot be evicted")
-        if values_at(state.slot_of, event.hashes) != event.slots:
+        if state.slots_of(event.hashes) != event.slots:
             raise lg.illegal(state, event, "RESIDENT", "the evicted slots are not where the blocks live")
         if len(set(event.hashes)) != len(event.hashes):
             raise lg.illegal(state, event, "RESIDENT", "a block is evicted twice in one event")
@@ -196,7 +195,7 @@ def _reset(state: State, event: Reset, check: bool) -> None:
     abandoned = event.abandoned_job_ids
     if state.queued:
         raise lg.illegal(state, event, "QUEUED", "queued jobs must be cancelled before a reset")
-    if list(abandoned) != [jid for jid, j in state.jobs.items() if j.state is not JobState.FENCED]:
+    if list(abandoned) != [jid for jid, j in state.jobs.items() if j.state is not FENCED]:
         raise lg.illegal(state, event, "IN_FLIGHT", "the reset must abandon exactly the in-flight jobs")
     # every entry goes where the table sends it under "reset" (the bulk writer below is the
     # one for ABSENT; a table that said otherwise is refused before anything changes)
@@ -232,30 +231,35 @@ def _reset(state: State, event: Reset, check: bool) -> None:
     state.policy.clear()
 
 
-# The evolver of each event type: ``evolve`` without its seq check (used as such by loops that
-# apply many events and check the seq themselves: ``fold``, the replay's chunks, the live emit)
-EVOLVERS: dict[type, Callable[[State, Any, bool], None]] = {
+Evolver = Callable[[State, Any, bool], None]
+"""How one event type is applied: ``evolver(state, event, check)``; ``check`` runs the
+event's legality checks first (see ``evolve``)."""
+
+EVOLVERS: dict[type, Evolver] = {
     **JOB_EVOLVERS,
-    BlocksEvicted: _evicted,  # type: ignore[dict-item]
-    BlocksTouched: _touched,  # type: ignore[dict-item]
-    BlocksCorrupt: _corrupt,  # type: ignore[dict-item]
-    StoreRejected: _rejected,  # type: ignore[dict-item]
-    PinsAcquired: _pins_acquired,  # type: ignore[dict-item]
-    PinsReleased: _pins_released,  # type: ignore[dict-item]
-    RequestFinished: _finished,  # type: ignore[dict-item]
-    RequestOpened: _opened,  # type: ignore[dict-item]
-    RequestResumed: _resumed,  # type: ignore[dict-item]
-    RequestClosed: _closed,  # type: ignore[dict-item]
-    ChainExtended: _chain_extended,  # type: ignore[dict-item]
-    Reset: _reset,  # type: ignore[dict-item]
+    BlocksEvicted: _evicted,
+    BlocksTouched: _touched,
+    BlocksCorrupt: _corrupt,
+    StoreRejected: _rejected,
+    PinsAcquired: _pins_acquired,
+    PinsReleased: _pins_released,
+    RequestFinished: _finished,
+    RequestOpened: _opened,
+    RequestResumed: _resumed,
+    RequestClosed: _closed,
+    ChainExtended: _chain_extended,
+    Reset: _reset,
 }
 
 
 def evolve(state: State, event: Event, check: bool = True) -> State:
     """Apply one event (in place) and return the state; illegal → IllegalTransition, no change.
 
-    ``check=False`` skips the per-block legality checks (see ``live_applier``, the live path's
-    form); folds and replays of recorded logs always check.
+    Every event is applied here, whoever applies it: a fold, a replay, the live engine.
+    ``check=False`` skips the per-block legality checks, for the events a decider has just
+    built from this very state (the live path: the decider validated its command first, and
+    the Hypothesis machines fold every log they make with the checks on, so a decider that
+    emitted an illegal event is found there); a recorded log is always applied checked.
     """
     if event.seq != state.next_seq:
         raise IllegalTransition(f"SEQ {state.next_seq}", f"{event_name(event)}#{event.seq}", "events must be gapless")
@@ -264,72 +268,29 @@ def evolve(state: State, event: Event, check: bool = True) -> State:
     return state
 
 
-Observers = Mapping[type, tuple[Callable[[Any], Any], ...]]
+def fold(state: State, events: Iterable[Event]) -> State:
+    """Replay: ``evolve`` every event in order, with every check."""
+    for event in events:
+        evolve(state, event)
+    return state
+
+
+Observers = Mapping[type, Sequence[Callable[[Any], Any]]]
 
 
 def live_applier(
     state: State, observers: Observers, applied: list[Event] | None, check: bool = False
 ) -> Callable[[Event], None]:
-    """The live path's ``emit`` (see kvflow.core.decide.dispatch): apply one event a decider has just decided
-    from this very state, append it to ``applied`` (None: keep none), then hand it to the
-    callables ``observers`` names for its type, in order.
+    """The live path's ``emit`` (see kvflow.core.decide.dispatch): ``evolve`` one event a
+    decider has just decided from this very state (``check``: with the legality checks, a
+    paranoid manager's), append it to ``applied`` (None: keep none), then hand it to the
+    callables ``observers`` names for its type, in order."""
 
-    By default the decider is trusted, as ``evolve(check=False)`` trusts it, and one step
-    further: it numbered the event from ``state.next_seq`` an instant ago, so the gapless-seq
-    check is skipped too, and the evolver and the observers come from one table built here
-    (one lookup per event). ``check=True`` (a paranoid manager) applies each event through
-    ``evolve`` with every check.
-    """
-    if check:
+    def emit(event: Event) -> None:
+        evolve(state, event, check)
+        if applied is not None:
+            applied.append(event)
+        for callback in observers.get(type(event), ()):
+            callback(event)
 
-        def emit_checked(event: Event) -> None:
-            evolve(state, event, True)
-            if applied is not None:
-                applied.append(event)
-            for callback in observers.get(type(event), ()):
-                callback(event)
-
-        return emit_checked
-    steps = {kind: (evolver, tuple(observers.get(kind, ()))) for kind, evolver in EVOLVERS.items()}
-    # two forms rather than one with an ``if applied`` per event: this runs for every event
-    if applied is None:
-
-        def emit(event: Event) -> None:
-            evolver, callbacks = steps[type(event)]
-            evolver(state, event, False)
-            state.next_seq += 1
-            if callbacks:  # (most events have none: no loop set up for them)
-                for callback in callbacks:
-                    callback(event)
-
-        return emit
-    append = applied.append
-
-    def emit_kept(event: Event) -> None:
-        evolver, callbacks = steps[type(event)]
-        evolver(state, event, False)
-        state.next_seq += 1
-        append(event)
-        if callbacks:  # (most events have none: no loop set up for them)
-            for callback in callbacks:
-                callback(event)
-
-    return emit_kept
-
-
-def fold(state: State, events: Iterable[Event]) -> State:
-    """Replay: ``evolve`` every event in order, with every check (the loop is ``evolve``'s body,
-    without a call per event: a fold is the replay path's inner loop)."""
-    evolvers = EVOLVERS
-    seq = state.next_seq  # (counted here and stored once, at the end: no evolver reads it)
-    try:
-        for event in events:
-            if event.seq != seq:
-                state.next_seq = seq
-                evolve(state, event)  # (raises the gapless-seq error)
-            evolvers[type(event)](state, event, True)
-            seq += 1
-    finally:
-        state.next_seq = seq
-    return state
-
+    return emit

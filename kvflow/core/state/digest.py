@@ -14,21 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvflow.core.state.bulk import values_at
-from kvflow.core.state.tables import JobState
+from kvflow.core.state.tables import QUEUED
 
 if TYPE_CHECKING:
     from kvflow.core.state.model import State
 
-_QUEUED = JobState.QUEUED
-
-
 class Entry(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One entry of the tier in ``canonical``: encoded as the array of its fields, the bytes
     of the tuple ``(hash, state, slot, pins, job)`` (the digest of traces recorded with
-    tuples is unchanged). A struct without gc rather than a tuple: the thousands a digest
-    makes are no work for the garbage collector (tuples are tracked: a fifth of a digest's
-    time went to the collections they set off, measured on a full tier of 4,096)."""
+    tuples is unchanged). A struct without gc rather than a tuple: a digest makes one per
+    entry of the tier, and tuples would each be tracked by the garbage collector, whose
+    collections they would set off."""
 
     hash: int
     state: int  # 1: STORE_QUEUED, 2: STORING, 3: RESIDENT
@@ -41,18 +37,18 @@ def canonical(state: State) -> tuple[Any, ...]:
     """Everything that drives decisions, as sorted plain values and ``Entry`` rows (the
     digest's input)."""
     # entries: (hash, BlockState, slot, pins, pending job) sorted by hash, built column by
-    # column with C-level maps (hashes are unique, so sorting them sorts the rows)
+    # column as the state keeps them (hashes are unique, so sorting them sorts the rows)
     pending, pins, live, slot_of = state.pending, state.pin_count, state.jobs, state.slot_of
     hashes = sorted(slot_of)
     n = len(hashes)
-    # (an empty column is a run of zeros: no lookup per hash)
+    # (no pending or pinned entry: those columns are zeros)
     job_of: Iterable[int] = repeat(0, n)
     states: Iterable[int] = repeat(3, n)
     if pending:
         job_of = list(map(pending.get, hashes, job_of))
-        states = [3 if j == 0 else (1 if live[j].state is _QUEUED else 2) for j in job_of]
+        states = [3 if j == 0 else (1 if live[j].state is QUEUED else 2) for j in job_of]
     pinned = map(pins.get, hashes, repeat(0, n)) if pins else repeat(0, n)
-    entries = list(map(Entry, hashes, states, values_at(slot_of, hashes), pinned, job_of))
+    entries = list(map(Entry, hashes, states, state.slots_of(hashes), pinned, job_of))
     # (a job's ``reported`` ranks differ from its ``acks`` only while it is fenced: added
     # then only, so the digests of traces recorded before fences are unchanged)
     jobs = [

@@ -2,15 +2,15 @@
 
 ``check_invariants(state)`` returns the violations (empty when consistent). Replay runs it at
 every checkpoint and at the end (``--strict``: after every event); the Hypothesis machines run
-it after every step. Each section checks its rule in bulk (C-level set and dict operations,
-as exact as a per-item loop) and walks item by item only to name the offenders.
+it after every step. Each section checks its rule over whole tables and walks item by item
+only to name the offenders.
 """
 
 from __future__ import annotations
 
 from kvflow.core.jobs import FILLING, REMOTE_STORE
 from kvflow.core.state.model import State, held_by, pending_of
-from kvflow.core.state.tables import LIVE_JOB_STATES, JobState
+from kvflow.core.state.tables import IN_FLIGHT, LIVE_JOB_STATES, QUEUED
 
 
 def check_invariants(state: State) -> list[str]:
@@ -49,7 +49,7 @@ def check_invariants(state: State) -> list[str]:
             for h in hashes:
                 pin_totals[h] = pin_totals.get(h, 0) + 1
     for job in jobs.values():  # a live remote store pins the entries whose slots it reads
-        if job.direction == REMOTE_STORE and job.state in (JobState.QUEUED, JobState.IN_FLIGHT):
+        if job.direction == REMOTE_STORE and job.state in (QUEUED, IN_FLIGHT):
             for h in job.hashes:
                 pin_totals[h] = pin_totals.get(h, 0) + 1
     entries_ok = (
@@ -77,7 +77,7 @@ def check_invariants(state: State) -> list[str]:
     for jid, job in jobs.items():
         if job.state not in LIVE_JOB_STATES:
             problems.append(f"job {jid} is live in state {job.state.name}")
-        if (jid in state.queued) != (job.state is JobState.QUEUED):
+        if (jid in state.queued) != (job.state is QUEUED):
             problems.append(f"job {jid} queued index disagrees with state {job.state.name}")
         if job.request_id is not None:
             req = state.requests.get(job.request_id)
@@ -86,7 +86,7 @@ def check_invariants(state: State) -> list[str]:
                 problems.append(f"job {jid} ({job.state.name}) listed by request {job.request_id}: {listed}")
     for jid in state.deferred_touches:  # F14: kept only on a live store job
         job = jobs.get(jid)
-        if job is None or job.direction not in FILLING or job.state not in (JobState.QUEUED, JobState.IN_FLIGHT):
+        if job is None or job.direction not in FILLING or job.state not in (QUEUED, IN_FLIGHT):
             problems.append(f"a touch is deferred on job {jid}, which is not a live store")
     if len(state.remote) > state.config.remote_blocks:
         problems.append(f"the remote index holds {len(state.remote)} hashes, above remote_blocks")
@@ -148,7 +148,7 @@ def _entry_problems(state: State, pin_totals: dict[int, int], problems: list[str
         if jid is None:
             name = "RESIDENT"
         else:
-            name = "STORE_QUEUED" if job is not None and job.state is JobState.QUEUED else "STORING"
+            name = "STORE_QUEUED" if job is not None and job.state is QUEUED else "STORING"
         if pins < 0:
             problems.append(f"block {h} has negative pins {pins}")
         if pins != pin_totals.get(h, 0):

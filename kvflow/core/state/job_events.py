@@ -6,6 +6,7 @@ Pure."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from kvflow.core.errors import IllegalTransition
 from kvflow.core.events import (
@@ -22,9 +23,19 @@ from kvflow.core.events import (
     RemoteStoreQueued,
     StoreQueued,
 )
-from kvflow.core.jobs import FILLING, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
+from kvflow.core.jobs import (
+    FILLING,
+    LOAD,
+    REMOTE_LOAD,
+    REMOTE_STORE,
+    STORE,
+    Direction,
+    every_rank,
+    has_rank,
+    is_rank,
+    with_rank,
+)
 from kvflow.core.state import legality as lg
-from kvflow.core.state.bulk import all_in, values_at
 from kvflow.core.state.model import Job, State
 from kvflow.core.state.moves import (
     WRITERS,
@@ -35,37 +46,17 @@ from kvflow.core.state.moves import (
     unpin,
 )
 from kvflow.core.state.tables import (
+    ABANDONED,
     ABSENT,
+    FENCED,
     JOB_TRANSITIONS,
+    NEW,
     OUTCOME_JOB_STATES,
+    QUEUED,
     RESIDENT,
     STORE_QUEUED,
     STORING,
-    JobState,
 )
-
-# (module constants: reading a member off an Enum class costs about 15 times a global's)
-_NEW, _QUEUED, _ABANDONED = JobState.NEW, JobState.QUEUED, JobState.ABANDONED
-# the job ends' tags: ``_terminal`` tells the ends apart by them (``is``: each tag below is the
-# one string object ``_END_TAGS`` gives for it), not by the end's type
-_COMPLETED, _FAILED, _TIMED_OUT = (str(t.__struct_config__.tag) for t in (JobCompleted, JobFailed, JobTimedOut))
-# an outcome with ``fenced`` set reads as "<tag>:fenced" in JOB_TRANSITIONS
-_FENCED_TAGS = {tag: tag + ":fenced" for tag in (_COMPLETED, _FAILED, _TIMED_OUT)}
-_END_TAGS: dict[type, str] = {JobCompleted: _COMPLETED, JobFailed: _FAILED, JobTimedOut: _TIMED_OUT}
-"""A job end's type -> its tag; ``_end_tag`` adds any other record type that carries an end's tag."""
-
-
-def _end_tag(kind: type) -> str:
-    """The tag of a record type that is no job end event but carries an end's tag: a trace
-    reader's job end read without its payload (``kvflow.log.format``), which an unchecked
-    ``_terminal`` applies as it is (it reads the payload from the job). KeyError otherwise."""
-    tag = getattr(getattr(kind, "__struct_config__", None), "tag", None)
-    same = [known for known in _FENCED_TAGS if known == tag]
-    if not same:
-        raise KeyError(kind)
-    _END_TAGS[kind] = same[0]
-    return same[0]
-
 
 # What the queue events do to their entries, read from BLOCK_TRANSITIONS once (see
 # moves.entry_move; None: the entries stay as they are)
@@ -76,7 +67,6 @@ _QUEUE_REMOTE_STORE = entry_move(RESIDENT, "remote_store_queued")
 # submitting a job: a filling job's entries are STORE_QUEUED, any other's RESIDENT
 _SUBMIT_FILLING = entry_move(STORE_QUEUED, "jobs_submitted")
 _SUBMIT_OTHER = entry_move(RESIDENT, "jobs_submitted")
-_QUEUED_SUBMITS = "jobs_submitted" in JOB_TRANSITIONS[_QUEUED]  # (read once, as the moves are)
 
 # --- jobs -----------------------------------------------------------------------------------
 
@@ -84,7 +74,7 @@ _QUEUED_SUBMITS = "jobs_submitted" in JOB_TRANSITIONS[_QUEUED]  # (read once, as
 def _add_job(
     state: State,
     event: StoreQueued | LoadQueued | RemoteLoadQueued | RemoteStoreQueued,
-    direction: str,
+    direction: Direction,
     tag: str,
     request_id: str | None,
     device_blocks: tuple[int, ...],
@@ -92,7 +82,7 @@ def _add_job(
     """The job the event queues (in the state the table gives it), holding its device blocks;
     its request (``None`` for remote jobs and lazy stores) is created if new and lists it."""
     job_id = event.job_id
-    job = Job(job_id, direction, request_id, event.hashes, device_blocks, event.slots, JOB_TRANSITIONS[_NEW][tag])
+    job = Job(job_id, direction, request_id, event.hashes, device_blocks, event.slots, JOB_TRANSITIONS[NEW][tag])
     state.jobs[job_id] = job
     state.queued[job_id] = None
     state.last_job_id = job_id
@@ -101,7 +91,7 @@ def _add_job(
         if len(state.jobs) == 1:  # the only live job: no index is kept (see State.held)
             state._held = None
         else:
-            for d in device_blocks:  # (a loop: about 0.6x the cost of update(dict.fromkeys(...)))
+            for d in device_blocks:
                 held[d] = job_id
     req = ensure_request(state, request_id)
     if req is not None:
@@ -114,14 +104,9 @@ def _end_job(state: State, job: Job, forgotten: bool) -> None:
     ``forgotten``: a job fenced, or abandoned by a reset, was forgotten by its request then)."""
     job_id, device_blocks = job.job_id, job.device_blocks
     del state.jobs[job_id]
-    if state.queued:  # (a job cancelled before submission; usually none is queued)
-        state.queued.pop(job_id, None)
+    state.queued.pop(job_id, None)  # (a job cancelled before submission)
     held = state._held
-    if held is None:
-        pass  # not kept (see State.held)
-    elif len(held) == len(device_blocks):
-        held.clear()  # its blocks are all that is held
-    else:
+    if held is not None:  # (see State.held)
         for d in device_blocks:
             del held[d]
     if job.request_id is not None and not forgotten:
@@ -162,7 +147,6 @@ def _release_fenced_slots(state: State, job: Job) -> None:
 # --- one function per job event ------------------------------------------------------------
 
 
-
 def _store_queued(state: State, event: StoreQueued, check: bool) -> None:
     request_id = event.request_id
     if check:
@@ -187,7 +171,7 @@ def _load_queued(state: State, event: LoadQueued, check: bool) -> None:
             raise lg.illegal(state, event, "NO_REQUEST", f"request {event.request_id} is not live")
         if req.offered[:n] != event.hashes:  # (offered hits are pinned, hence RESIDENT)
             raise lg.illegal(state, event, "PINS", "a load must take the request's offered hits, in order")
-        if values_at(state.slot_of, event.hashes) != event.slots:
+        if state.slots_of(event.hashes) != event.slots:
             raise lg.illegal(state, event, "RESIDENT", "the load's slots are not where its blocks live")
     if req is None:
         raise lg.illegal(state, event, "NO_REQUEST", f"request {event.request_id} is not live")
@@ -200,8 +184,7 @@ def _load_queued(state: State, event: LoadQueued, check: bool) -> None:
 
 
 def _check_remote_job(state: State, event: RemoteLoadQueued | RemoteStoreQueued) -> None:
-    if event.job_id != state.last_job_id + 1:
-        raise lg.illegal(state, event, "NEW", f"job id {event.job_id} is not {state.last_job_id + 1}")
+    lg.check_job_id(state, event)
     if len(event.hashes) != len(event.slots) or not event.hashes:
         raise lg.illegal(state, event, "NEW", "hashes and slots must match, non-empty")
 
@@ -219,7 +202,7 @@ def _remote_store_queued(state: State, event: RemoteStoreQueued, check: bool) ->
     if check:
         _check_remote_job(state, event)
         lg.check_resident(state, event, "remote_store_queued", event.hashes)
-        if values_at(state.slot_of, event.hashes) != event.slots:
+        if state.slots_of(event.hashes) != event.slots:
             raise lg.illegal(state, event, "RESIDENT", "the remote store's slots are not where its blocks live")
         if len(set(event.hashes)) != len(event.hashes):
             raise lg.illegal(state, event, "RESIDENT", "a block is stored twice in one event")
@@ -258,12 +241,7 @@ def _check_submission(state: State, event: JobsSubmitted) -> None:
 
 def _jobs_submitted(state: State, event: JobsSubmitted, check: bool) -> None:
     jobs, queued, job_ids = state.jobs, state.queued, event.job_ids
-    if check and not (
-        # the usual case at C level: every job in the queued index, which holds exactly the
-        # QUEUED jobs (an invariant every event keeps), and the table submits a QUEUED job;
-        # anything else is walked job by job, to name the offender
-        _QUEUED_SUBMITS and all_in(queued, job_ids) and len(set(job_ids)) == len(job_ids)
-    ):
+    if check:
         _check_submission(state, event)
     deadline = event.deadline_ms
     for jid in job_ids:
@@ -279,10 +257,11 @@ def _jobs_submitted(state: State, event: JobsSubmitted, check: bool) -> None:
 
 def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, job: Job) -> None:
     """The end describes ``job`` (whose table allows it: ``_terminal`` read that first)."""
-    if type(event) is JobFailed and event.fenced:
-        if not 0 <= event.rank < state.config.world_size:
+    world = state.config.world_size
+    if isinstance(event, JobFailed) and event.fenced:
+        if not is_rank(event.rank, world):
             raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
-        if job.reported | (1 << event.rank) == (1 << state.config.world_size) - 1:
+        if with_rank(job.reported, event.rank) == every_rank(world):
             raise lg.illegal(state, event, job.state.name, "every rank has reported: nothing to fence")
     if (
         job.hashes != event.hashes
@@ -294,27 +273,26 @@ def _check_terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut,
         raise lg.illegal(state, event, job.state.name, f"job {job.job_id} abandoned is {job.abandoned}")
     # (Its entries need no check: a live store's hashes stay pending on it and a live load's
     # stay pinned, hence RESIDENT, until this event: the invariants every earlier event kept.)
-    if type(event) is JobCompleted:
-        world = state.config.world_size
-        if not 0 <= event.rank < world:
+    if isinstance(event, JobCompleted):
+        if not is_rank(event.rank, world):
             raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
-        if job.acks | (1 << event.rank) != (1 << world) - 1:
+        if with_rank(job.acks, event.rank) != every_rank(world):
             raise lg.illegal(state, event, job.state.name, f"job {job.job_id} lacks rank results")
 
 
+_END_TAGS = {kind: str(kind.__struct_config__.tag) for kind in (JobCompleted, JobFailed, JobTimedOut)}
+"""Each job end's tag (its ``event_name``), read once."""
+
+
 def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check: bool) -> None:
-    # (unchecked, only the end's own fields are read, never its payload: the job's is applied,
-    # so a trace reader's end read without its payload is applied as it is; see _end_tag)
-    try:
-        tag = _END_TAGS[type(event)]
-    except KeyError:
-        tag = _end_tag(type(event))
-    fenced = tag is not _COMPLETED and event.fenced  # type: ignore[union-attr]
-    job_tag = _FENCED_TAGS[tag] if fenced else tag
+    tag = _END_TAGS[type(event)]
+    completed = isinstance(event, JobCompleted)
+    fenced = not isinstance(event, JobCompleted) and event.fenced
+    job_tag = tag + ":fenced" if fenced else tag  # (how JOB_TRANSITIONS names a fenced outcome)
     if check:
         job, nxt = lg.check_job(state, event, job_tag, event.job_id)
         _check_terminal(state, event, job)
-    else:  # (the decider's own event, or a trusted replay: its job is live, the table allows it)
+    else:  # (the decider's own event: its job is live, the table allows it)
         job = state.jobs[event.job_id]
         nxt = JOB_TRANSITIONS[job.state][job_tag]
     was = job.state
@@ -323,10 +301,10 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
             was.name, f"{tag}#{event.seq}", "the job table must end or fence the job here"
         )
     job.state = nxt
-    abandoned = was is _ABANDONED
+    abandoned = was is ABANDONED
     if fenced:
-        if tag is _FAILED:
-            job.reported |= 1 << event.rank  # type: ignore[union-attr]
+        if isinstance(event, JobFailed):
+            job.reported = with_rank(job.reported, event.rank)
         if abandoned:
             return  # already fenced by the reset (its entries left the tier then)
         _fence(state, job)  # memory stays fenced; the outcome below applies now
@@ -338,10 +316,10 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
             return
     direction = job.direction
     if direction in FILLING:
-        write = WRITERS[STORE_QUEUED if was is _QUEUED else STORING][tag]
+        write = WRITERS[STORE_QUEUED if was is QUEUED else STORING][tag]
         if write is not None:
             write(state, job.hashes, job)
-        if direction == REMOTE_LOAD and tag is not _COMPLETED:
+        if direction == REMOTE_LOAD and not completed:
             # a dead key never loops lookup -> load -> fail: it leaves the remote index now
             for h in job.hashes:
                 state.remote.pop(h, None)
@@ -351,38 +329,37 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
         write(state, job.hashes, job)
     unpin(state, job.hashes)
     if direction == REMOTE_STORE:
-        if tag is _COMPLETED:
+        if completed:
             remember_remote(state, job.hashes)
-    else:
-        del state.requests[job.request_id].loading[job.job_id]  # type: ignore[index]
+    elif job.request_id is not None:
+        del state.requests[job.request_id].loading[job.job_id]
 
 
 def _rank_succeeded(state: State, event: RankSucceeded, check: bool) -> None:
     job, nxt = lg.check_job(state, event, "rank_succeeded", event.job_id)
-    world = state.config.world_size
-    if not 0 <= event.rank < world:  # (before the shift: a negative rank cannot shift)
-        raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
-    bit = 1 << event.rank
-    if job.acks & bit:
-        raise lg.illegal(state, event, job.state.name, f"rank {event.rank} cannot report again")
-    if job.acks | bit == (1 << world) - 1:
+    world, rank = state.config.world_size, event.rank
+    if not is_rank(rank, world):
+        raise lg.illegal(state, event, job.state.name, f"rank {rank} out of range")
+    if has_rank(job.acks, rank):
+        raise lg.illegal(state, event, job.state.name, f"rank {rank} cannot report again")
+    if with_rank(job.acks, rank) == every_rank(world):
         raise lg.illegal(state, event, job.state.name, "the last rank's success is JobCompleted")
     job.state = nxt
-    job.acks |= bit
-    job.reported |= bit
+    job.acks = with_rank(job.acks, rank)
+    job.reported = with_rank(job.reported, rank)
 
 
 def _late(state: State, event: LateResultIgnored, check: bool) -> None:
     job = state.jobs.get(event.job_id)
-    if job is not None and job.state is JobState.FENCED:
+    if job is not None and job.state is FENCED:
         # a fenced job's rank reports: that rank's copy is over
-        if not 0 <= event.rank < state.config.world_size:
+        if not is_rank(event.rank, state.config.world_size):
             raise lg.illegal(state, event, job.state.name, f"rank {event.rank} out of range")
         job.state = lg.job_next(state, event, "late_result_ignored", job)
-        job.reported |= 1 << event.rank
+        job.reported = with_rank(job.reported, event.rank)
     elif job is not None:
         # legal for a live job only as a repeat of a rank that already reported success
-        if not (0 <= event.rank < 64 and job.acks & (1 << event.rank)):
+        if not (is_rank(event.rank, state.config.world_size) and has_rank(job.acks, event.rank)):
             raise lg.illegal(state, event, job.state.name, f"job {event.job_id} is live")
         job.state = lg.job_next(state, event, "late_result_ignored", job)
     elif not 0 < event.job_id <= state.last_job_id:
@@ -393,24 +370,24 @@ def _fence_lifted(state: State, event: FenceLifted, check: bool) -> None:
     job, nxt = lg.check_job(state, event, "fence_lifted", event.job_id)
     if job.device_blocks != event.device_blocks or job.slots != event.slots:
         raise lg.illegal(state, event, job.state.name, f"event does not describe job {job.job_id}")
-    if event.reason == "copy over" and job.reported != (1 << state.config.world_size) - 1:
+    if event.reason == "copy over" and job.reported != every_rank(state.config.world_size):
         raise lg.illegal(state, event, job.state.name, f"job {job.job_id}: not every rank has reported")
     job.state = nxt
     _end_job(state, job, forgotten=True)  # its request forgot it when it was fenced
     _release_fenced_slots(state, job)
 
 
-JOB_EVOLVERS: dict[type, Callable[[State, object, bool], None]] = {
-    StoreQueued: _store_queued,  # type: ignore[dict-item]
-    RemoteLoadQueued: _remote_load_queued,  # type: ignore[dict-item]
-    RemoteStoreQueued: _remote_store_queued,  # type: ignore[dict-item]
-    RemoteIndexed: _remote_indexed,  # type: ignore[dict-item]
-    LoadQueued: _load_queued,  # type: ignore[dict-item]
-    JobsSubmitted: _jobs_submitted,  # type: ignore[dict-item]
-    RankSucceeded: _rank_succeeded,  # type: ignore[dict-item]
-    JobCompleted: _terminal,  # type: ignore[dict-item]
-    JobFailed: _terminal,  # type: ignore[dict-item]
-    JobTimedOut: _terminal,  # type: ignore[dict-item]
-    LateResultIgnored: _late,  # type: ignore[dict-item]
-    FenceLifted: _fence_lifted,  # type: ignore[dict-item]
+JOB_EVOLVERS: dict[type, Callable[[State, Any, bool], None]] = {
+    StoreQueued: _store_queued,
+    RemoteLoadQueued: _remote_load_queued,
+    RemoteStoreQueued: _remote_store_queued,
+    RemoteIndexed: _remote_indexed,
+    LoadQueued: _load_queued,
+    JobsSubmitted: _jobs_submitted,
+    RankSucceeded: _rank_succeeded,
+    JobCompleted: _terminal,
+    JobFailed: _terminal,
+    JobTimedOut: _terminal,
+    LateResultIgnored: _late,
+    FenceLifted: _fence_lifted,
 }

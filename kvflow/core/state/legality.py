@@ -1,16 +1,22 @@
 """Legality checks for ``evolve``: is this event allowed in the current state?
 
 Each check reads the lifecycle tables (kvflow.core.state.tables) and raises
-:class:`~kvflow.core.errors.IllegalTransition` naming the state and the event; none mutates, so
-``evolve`` runs every check of an event before it changes anything. The bulk checks use
-C-level set and dict operations and walk block by block only to name the offender.
+:class:`~kvflow.core.errors.IllegalTransition` naming the state, the event and the first
+offending block or job; none mutates, so ``evolve`` runs every check of an event before it
+changes anything.
 """
 
 from __future__ import annotations
 
 from kvflow.core.errors import IllegalTransition
-from kvflow.core.events import Event, LoadQueued, RemoteLoadQueued, StoreQueued, event_name
-from kvflow.core.state.bulk import all_in
+from kvflow.core.events import (
+    Event,
+    LoadQueued,
+    RemoteLoadQueued,
+    RemoteStoreQueued,
+    StoreQueued,
+    event_name,
+)
 from kvflow.core.state.model import Job, State
 from kvflow.core.state.tables import (
     ABSENT,
@@ -20,9 +26,6 @@ from kvflow.core.state.tables import (
     BlockState,
     JobState,
 )
-
-# the event tags legal on a RESIDENT entry (for the bulk check)
-_RESIDENT_TAGS = frozenset(BLOCK_TRANSITIONS[RESIDENT])
 
 
 def illegal(state: State, event: Event, what: str, detail: str) -> IllegalTransition:
@@ -61,46 +64,61 @@ def check_job(state: State, event: Event, tag: str, job_id: int) -> tuple[Job, J
 
 
 def check_resident(state: State, event: Event, tag: str, hashes: tuple[int, ...]) -> None:
-    """Every hash must be RESIDENT and ``tag`` legal there."""
-    pending = state.pending
-    if tag in _RESIDENT_TAGS and all_in(state.slot_of, hashes):
-        if not pending or pending.keys().isdisjoint(hashes):
-            return
+    """Every hash must be RESIDENT (on the tier, not pending) and ``tag`` legal there; the
+    blocks are walked one by one only to name the first that is not."""
+    if (
+        tag in BLOCK_TRANSITIONS[RESIDENT]
+        and state.slot_of.keys() >= set(hashes)
+        and state.pending.keys().isdisjoint(hashes)
+    ):
+        return
     for h in hashes:
-        check_block(state, event, tag, h)
-    raise illegal(state, event, "RESIDENT", f"event {tag} does not apply to resident blocks")
+        current = state.block_state(h)
+        if current is not RESIDENT:
+            raise illegal(state, event, current.name, f"block {h} is not resident")
+        block_next(state, event, tag, current, h)
+
+
+def check_job_id(state: State, event: StoreQueued | LoadQueued | RemoteLoadQueued | RemoteStoreQueued) -> None:
+    """A queued job takes the next job id."""
+    if event.job_id != state.next_job_id:
+        raise illegal(state, event, "NEW", f"job id {event.job_id} is not {state.next_job_id}")
 
 
 def check_new_job(state: State, event: StoreQueued | LoadQueued) -> None:
     """The next job id, one device block and one slot per hash, device blocks no live job
     holds, each named once."""
-    if event.job_id != state.last_job_id + 1:
-        raise illegal(state, event, "NEW", f"job id {event.job_id} is not {state.last_job_id + 1}")
+    check_job_id(state, event)
     device_blocks = event.device_blocks
     if not (len(event.hashes) == len(device_blocks) == len(event.slots)) or not event.hashes:
         raise illegal(state, event, "NEW", "hashes, device_blocks and slots must match, non-empty")
     held = state.held
-    # (an empty dict's isdisjoint still hashes every block: most of the time no job holds any)
-    if (not held or held.keys().isdisjoint(device_blocks)) and len(set(device_blocks)) == len(device_blocks):
-        return
     for d in device_blocks:
         if d in held:
             raise illegal(state, event, "HELD", f"device block {d} is held by job {held[d]}")
-    raise illegal(state, event, "HELD", "device blocks repeat within one job")
+    if len(set(device_blocks)) != len(device_blocks):
+        raise illegal(state, event, "HELD", "device blocks repeat within one job")
 
 
 def check_new_entries(state: State, event: StoreQueued | RemoteLoadQueued) -> None:
     """A store names blocks that are not on the tier, each once, and takes the next free
     slots, in allocation order."""
-    hashes, slot_of = event.hashes, state.slot_of
-    if not slot_of.keys().isdisjoint(hashes) or len(set(hashes)) != len(hashes):
-        h = next((h for h in hashes if h in slot_of), hashes[0])
-        current = state.block_state(h)
-        if current is ABSENT:  # repeated within the event
-            raise illegal(state, event, "STORE_QUEUED", f"block {h} is stored twice in one event")
-        raise illegal(state, event, current.name, f"block {h} is already on the tier")
+    hashes = event.hashes
+    named: set[int] = set(hashes)
+    if len(named) != len(hashes) or not state.slot_of.keys().isdisjoint(named):
+        _name_entry_on_tier(state, event)
     slots = event.slots
-    n = len(slots)
-    free = state.free_slots
-    if n > len(free) or tuple(free[len(free) - n :][::-1]) != slots:
+    if len(slots) > len(state.free_slots) or state.next_slots(len(slots)) != slots:
         raise illegal(state, event, "SLOTS", f"slots {list(slots)[:8]} are not the next free slots")
+
+
+def _name_entry_on_tier(state: State, event: StoreQueued | RemoteLoadQueued) -> None:
+    """Raise naming the first block of the event already on the tier or named twice."""
+    named: set[int] = set()
+    for h in event.hashes:
+        current = state.block_state(h)
+        if current is not ABSENT:
+            raise illegal(state, event, current.name, f"block {h} is already on the tier")
+        if h in named:
+            raise illegal(state, event, "STORE_QUEUED", f"block {h} is stored twice in one event")
+        named.add(h)

@@ -7,23 +7,33 @@ Its queries here read; they never change anything. Pure: no I/O, no clock, no ra
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import msgspec
 
 from kvflow.core.config import Config
-from kvflow.core.jobs import FILLING
+from kvflow.core.jobs import FILLING, Direction
 from kvflow.core.policies.base import Policy
 from kvflow.core.policies.registry import make_policy
 from kvflow.core.state.digest import canonical, digest
-from kvflow.core.state.tables import ABSENT, RESIDENT, STORE_QUEUED, STORING, BlockState, JobState
+from kvflow.core.state.tables import (
+    ABANDONED,
+    ABSENT,
+    FENCED,
+    QUEUED,
+    RESIDENT,
+    STORE_QUEUED,
+    STORING,
+    BlockState,
+    JobState,
+)
 
 
 class Entry:
     """A read-only picture of one CPU-tier entry (``state.entries[hash]``).
 
-    The state stores entries column-wise (``slot_of``, ``pending``, ``pin_count``) so that
-    the hot paths are a few C-level dict operations per event rather than a Python object
+    The state stores entries column-wise (``slot_of``, ``pending``, ``pin_count``): an event
+    changes a few columns for all its blocks, and a tier of millions of blocks holds no object
     per block; this view assembles one entry for readers (inspect, tests, invariants).
     """
 
@@ -73,25 +83,20 @@ class EntriesView(Mapping[int, Entry]):
         return len(self._state.slot_of)
 
 
-_QUEUED = JobState.QUEUED  # (a global: reading a member off an Enum class is slow)
-
-
 class Job(msgspec.Struct, eq=False, gc=False):
     """A live transfer job (terminal jobs leave the state; their events stay in the log).
 
-    A Struct rather than a class with ``__slots__``: one is built for every job queued, and
-    msgspec builds it in C (about a third of the time of a Python ``__init__``). ``eq=False``:
-    jobs compare (and hash) by identity, as before; ``gc=False``: it holds only scalars and
-    tuples of them, so it is never part of a reference cycle.
+    ``eq=False``: jobs compare (and hash) by identity; ``gc=False``: a job holds only scalars
+    and tuples of them, so it is never part of a reference cycle.
     """
 
     job_id: int
-    direction: str
+    direction: Direction
     request_id: str | None
     hashes: tuple[int, ...]
     device_blocks: tuple[int, ...]
     slots: tuple[int, ...]
-    state: JobState = _QUEUED
+    state: JobState = QUEUED
     deadline_ms: float = 0.0
     acks: int = 0  # bit mask of ranks that reported success
     reported: int = 0  # bit mask of ranks that reported at all: their copy is over
@@ -99,12 +104,12 @@ class Job(msgspec.Struct, eq=False, gc=False):
     @property
     def abandoned(self) -> bool:
         """A reset came while it was in flight (its memory is fenced: see ``fenced``)."""
-        return self.state is JobState.ABANDONED
+        return self.state is ABANDONED
 
     @property
     def fenced(self) -> bool:
         """Its outcome is known but its copy may still run: its memory is fenced (F15)."""
-        return self.state is JobState.FENCED or self.state is JobState.ABANDONED
+        return self.state is FENCED or self.state is ABANDONED
 
     def __repr__(self) -> str:
         return (
@@ -132,8 +137,8 @@ class Request:
         self._chain: dict[int, None] | None = {}
         # the chain's hashes as one tuple, ``tuple(chain)``, while a single event has named
         # them (usually the event's own tuple: a lookup's hashes); None once a later event
-        # extends the chain (then only the dict is kept). A store of the chain's tail and
-        # the request's finish read it instead of asking the dict of each hash.
+        # extends the chain (then only the dict is kept): a store of the chain's tail and the
+        # request's finish compare with it, and most chains are never extended.
         self.chain_order: tuple[int, ...] | None = ()
         # ``State.departures`` when every hash of ``chain_order`` was last known on the tier
         # (a store of the chain's tail queued, the rest there), else -1: while no entry has
@@ -144,7 +149,7 @@ class Request:
     def chain(self) -> dict[int, None]:
         """Its full blocks' hashes in prefix order, each once, as its lookups and stores
         named them (ChainExtended; empty unless Config.chain_recency): its finish touches
-        them (F14). Built from ``chain_order`` when first read (most chains never are)."""
+        them (F14). Built from ``chain_order`` when first read."""
         chain = self._chain
         if chain is None:
             chain = self._chain = dict.fromkeys(self.chain_order or ())
@@ -155,8 +160,8 @@ class Request:
         return self.chain_order if self.chain_order is not None else tuple(self._chain or ())
 
     def start_chain(self, hashes: tuple[int, ...]) -> None:
-        """The chain's first hashes (usually a lookup's). Kept as the tuple itself when it
-        names each hash once, which a set tells for less than the dict would cost."""
+        """The chain's first hashes (usually a lookup's), kept as the tuple itself when it
+        names each hash once."""
         if len(set(hashes)) == len(hashes):
             self.chain_order, self._chain = hashes, None
         else:
@@ -165,9 +170,8 @@ class Request:
 
     def chain_tail_start(self, hashes: Sequence[int]) -> int:
         """Where ``hashes`` begin in the chain if they are its last blocks, in order (the
-        usual store: the blocks after its lookup's hits), else -1. They are then in the chain
-        and each named once, which one comparison with ``chain_order`` tells for less than a
-        lookup of each hash (-1 too once the chain is kept as a dict only)."""
+        usual store: the blocks after its lookup's hits), else -1 (also once the chain is kept
+        as a dict only). They are then in the chain, each named once."""
         order = self.chain_order
         if not order:
             return -1
@@ -177,9 +181,9 @@ class Request:
     def extend_chain(self, hashes: tuple[int, ...]) -> None:
         """The new ones of ``hashes`` go to the chain's end, in order."""
         chain = self.chain
-        self.chain_order = None  # (a tuple rebuilt per extension would cost a copy of the chain each)
+        self.chain_order = None  # (from now on the dict alone holds the chain)
         self.chain_whole_at = -1  # (the new ones are not known on the tier)
-        for h in hashes:  # (a loop: cheaper than update(dict.fromkeys(...)), which builds a dict first)
+        for h in hashes:
             chain[h] = None
 
     @property
@@ -296,6 +300,23 @@ class State:
         return self.next_seq - 1
 
     @property
+    def next_job_id(self) -> int:
+        """The id the next queued job takes: job ids count 1, 2, 3... in the order jobs are
+        queued, whatever their direction."""
+        return self.last_job_id + 1
+
+    def slots_of(self, hashes: Iterable[int]) -> tuple[int, ...]:
+        """The slots of these entries on the tier, in order (KeyError: one is not there)."""
+        return tuple(map(self.slot_of.__getitem__, hashes))
+
+    def next_slots(self, n: int) -> tuple[int, ...]:
+        """The slots the next ``n`` new entries take, in order: the top ``n`` of the free stack,
+        the top first (a fresh tier hands out 0, 1, 2...: contiguous host runs). Fewer if
+        fewer are free."""
+        free = self.free_slots
+        return tuple(reversed(free[len(free) - n :]))
+
+    @property
     def entries(self) -> EntriesView:
         return EntriesView(self)
 
@@ -305,7 +326,7 @@ class State:
         job_id = self.pending.get(block_hash)
         if job_id is None:
             return RESIDENT
-        return STORE_QUEUED if self.jobs[job_id].state is JobState.QUEUED else STORING
+        return STORE_QUEUED if self.jobs[job_id].state is QUEUED else STORING
 
     def is_resident(self, block_hash: int) -> bool:
         return block_hash in self.slot_of and block_hash not in self.pending

@@ -18,12 +18,12 @@ from kvflow.core.state.tables import (
 
 # --- entry moves: the one writer for each (from, to) pair of BLOCK_TRANSITIONS ----------
 # The entries are stored column-wise (slot_of, pending, pin_count; the policy orders the
-# RESIDENT ones), so a move is a few dict operations per hash. (Plain loops of subscript
-# stores and deletes: in CPython 3.11 they beat map() over __setitem__ / __delitem__.)
+# RESIDENT ones), so a move is a few dict operations per hash.
 
 
 def _admit(state: State, hashes: tuple[int, ...], job: Job) -> None:
-    """ABSENT -> STORE_QUEUED: the store job's slots are taken, its hashes pending on it."""
+    """ABSENT -> STORE_QUEUED: the store job's slots are taken (``State.next_slots``: the
+    top of the free stack), its hashes pending on it."""
     free = state.free_slots
     del free[len(free) - len(job.slots) :]
     state.slot_of.update(zip(hashes, job.slots))
@@ -33,7 +33,7 @@ def _admit(state: State, hashes: tuple[int, ...], job: Job) -> None:
             state._pending = None
         else:
             job_id = job.job_id
-            for h in hashes:  # (a loop: about 0.6x the cost of update(dict.fromkeys(...)), which builds a dict)
+            for h in hashes:
                 pending[h] = job_id
 
 
@@ -60,11 +60,8 @@ def _unpend(pending: dict[int, int] | None, hashes: tuple[int, ...]) -> None:
     """The job's hashes (distinct, each pending on it) are pending no more."""
     if pending is None:
         return  # not kept (see State.pending)
-    if len(pending) == len(hashes):
-        pending.clear()  # the usual case, one store at a time: they are all there is
-    else:
-        for h in hashes:
-            del pending[h]
+    for h in hashes:
+        del pending[h]
 
 
 def _free(state: State, hashes: tuple[int, ...]) -> None:
@@ -118,8 +115,8 @@ WRITERS: dict[BlockState, dict[str, Callable[..., None] | None]] = {
 def entry_move(current: BlockState, tag: str) -> Callable[..., None] | None:
     """The writer that moves entries in ``current`` to where the table says ``tag`` takes
     them, called ``write(state, hashes, job)``; None where they stay as they are (the event's
-    own effect does the rest). Read once, at import, by a call site whose ``current`` and
-    ``tag`` never vary: a per-event lookup would cost a call and two subscripts each time."""
+    own effect does the rest). Each evolver reads the writers it needs once, at import: its
+    ``current`` and ``tag`` never vary."""
     return WRITERS[current][tag]
 
 
@@ -138,17 +135,18 @@ def ensure_request(state: State, request_id: str | None) -> Request | None:
 def note_chain_whole(state: State, req: Request, stored: tuple[int, ...]) -> None:
     """The request's store of ``stored`` was queued: if they are its chain's tail and the
     rest of its chain is on the tier, the whole chain is (see Request.chain_whole_at)."""
-    start = req.chain_tail_start(stored)
-    if start == 0 or (start > 0 and all(map(state.slot_of.__contains__, req.chain_order[:start]))):  # type: ignore[index]
+    start, order, slot_of = req.chain_tail_start(stored), req.chain_order, state.slot_of
+    if start == 0 or (start > 0 and order is not None and all(map(slot_of.__contains__, order[:start]))):
         req.chain_whole_at = state.departures
 
 
 def pin(state: State, hashes: tuple[int, ...]) -> None:
+    """One more pin on each of ``hashes`` (a hash named twice is pinned twice). Hashes named
+    once and pinned by no one yet (a lookup's hits, nearly always) take their pin in one
+    update (docs/performance.md)."""
     pins = state.pin_count
-    # the common case, no other pin on them and each named once, at C level: faster than
-    # the loop below from about 8 hashes on (CPython 3.12; below that, about even)
     ones = dict.fromkeys(hashes, 1)
-    if len(ones) == len(hashes) and (not pins or pins.keys().isdisjoint(ones)):
+    if len(ones) == len(hashes) and pins.keys().isdisjoint(ones):
         pins.update(ones)
         return
     for h in hashes:
@@ -156,11 +154,12 @@ def pin(state: State, hashes: tuple[int, ...]) -> None:
 
 
 def unpin(state: State, hashes: tuple[int, ...]) -> None:
+    """One pin less on each of ``hashes``; an entry without pins leaves ``pin_count``. When
+    these hashes hold every pin, once each (the one load in flight), the table empties at once
+    (docs/performance.md)."""
     pins = state.pin_count
     if len(pins) == len(hashes) and max(pins.values(), default=0) == 1:
-        # each pinned once, all by these hashes (which the caller's pins include): the
-        # usual end of the one load in flight
-        pins.clear()
+        pins.clear()  # (the caller's pins are among them: they are all there are)
         return
     for h in hashes:
         left = pins[h] - 1

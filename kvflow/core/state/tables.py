@@ -42,6 +42,17 @@ ABSENT, STORE_QUEUED, STORING, RESIDENT = (
     BlockState.STORING,
     BlockState.RESIDENT,
 )
+NEW, QUEUED, IN_FLIGHT, COMPLETED, FAILED, TIMED_OUT, ABANDONED, FENCED, LIFTED = (
+    JobState.NEW,
+    JobState.QUEUED,
+    JobState.IN_FLIGHT,
+    JobState.COMPLETED,
+    JobState.FAILED,
+    JobState.TIMED_OUT,
+    JobState.ABANDONED,
+    JobState.FENCED,
+    JobState.LIFTED,
+)
 
 # (state, event tag) -> next state, for one CPU-tier entry named by the event.
 # Pins are a counter on a RESIDENT entry (see the pin rules in evolve), not a separate state.

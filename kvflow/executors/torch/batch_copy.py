@@ -3,12 +3,12 @@
 Kernels that read or write pinned memory (the page kernel, ``page_kernel``) move one direction
 at 0.90-0.95 of the link but both directions at once at only 0.69-0.78 (measured on an H200):
 each multiprocessor access is a small PCIe request, and both directions' requests share each
-way of the link. The copy engines move both directions at the link's speed. One
-``cudaMemcpyAsync`` per transfer costs microseconds of host time each; the batch call takes a
-whole batch as three arrays (destinations, sources, sizes), built with numpy. The driver still
-costs the host about 1 us per transfer (0.5-4 us for small host-to-device ones), so the
-executor hands it few, large transfers: the staged path's runs of whole blocks (one per run of
-consecutive slots of a page-first pool), or pages of 512 KiB and more (``scatter="batch"``).
+way of the link. The copy engines move both directions at the link's speed. Rather than one
+``cudaMemcpyAsync`` per transfer, the batch call takes a whole batch as three arrays
+(destinations, sources, sizes), built with numpy. The driver still spends host time on each
+transfer in the batch (docs/performance.md), so the executor hands it few, large transfers:
+the staged path's runs of whole blocks (one per run of consecutive slots of a page-first
+pool), or pages of 512 KiB and more (``scatter="batch"``).
 
 The entry point is looked up through ``cuGetProcAddress`` at the 12.8 ABI, so the signature is
 fixed whatever the driver's version; drivers without it (before 12.8) leave ``available`` false

@@ -27,7 +27,7 @@ Finish = Callable[[], Failures]
 
 
 KERNEL_MAX_PAGE = 512 << 10  # bytes; at larger pages the copy engines move a page faster
-BATCH_MIN_PAGE = 512 << 10  # bytes; below, the driver's cost per page copy bounds ``batch``
+BATCH_MIN_PAGE = 512 << 10  # bytes; below, the driver's host time per page copy bounds ``batch``
 
 
 def auto_scatter(
@@ -41,8 +41,8 @@ def auto_scatter(
     kernel for one direction alone, whole blocks on the copy engines while both directions
     copy) moves 0.91-0.95 of the link each way and 0.86-0.91 both ways at 16 KiB - 2 MiB
     pages. Without it: the page kernel (0.90-0.95 each way, 0.69-0.78 both ways) below 512 KiB;
-    above, ``batch`` (each page a copy-engine transfer, 0.97; the driver costs the host about
-    1 us a page, 0.5-4 us at small pages, so it is no choice below) or the UVA kernels. Host
+    above, ``batch`` (each page a copy-engine transfer, 0.97; the driver spends host time on
+    every page, so it is no choice below: docs/performance.md) or the UVA kernels. Host
     staging (a CPU gather per byte) is the portable fallback: NPU, CPU, unpinned pools.
     """
     if staged:
@@ -106,8 +106,8 @@ class CopySetup(StagedCopies):
                 staged=self._stage is not None,
             )
         # The page kernel moves every batch in one launch, a single run too (0.93-0.95 of the
-        # link, as the copy engines; one launch where one copy per region cost 3 ms of host
-        # time at 64 regions). The batched copy engines take every batch of two runs or more:
+        # link, as the copy engines, where one copy per region would take the host a copy
+        # call per region). The batched copy engines take every batch of two runs or more:
         # a single run is one copy per region already.
         self.max_runs = int(max_runs) if max_runs is not None else (
             0 if self.scatter in ("kernel", "staged") else 1 if self.scatter == "batch" else 16

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.core.errors import ConfigError
+from kvflow.core.values import is_int
 from kvflow.executors.torch.npu import DeviceTraits, traits_for
 
 ALIGN = 4096
@@ -82,7 +83,7 @@ class PoolSpec:
 
 
 def _check_sizes(page_bytes: Sequence[int], cpu_blocks: object) -> tuple[int, ...]:
-    if isinstance(cpu_blocks, bool) or not isinstance(cpu_blocks, int):
+    if not is_int(cpu_blocks):
         raise ConfigError(f"cpu_blocks must be an integer, not {cpu_blocks!r}")
     if cpu_blocks < 0:
         raise ConfigError(f"cpu_blocks must be >= 0 (0 disables offload), got {cpu_blocks}")

@@ -35,6 +35,7 @@ import torch
 from kvflow.core.commands import JobResult
 from kvflow.core.errors import ConfigError, KvflowError, Rejected, UnknownJob
 from kvflow.core.jobs import TransferJob
+from kvflow.core.values import is_int
 from kvflow.executors.torch.host_pool import HostPool, PoolSpec
 from kvflow.executors.torch.layout import KVCaches, KVLayout
 
@@ -197,7 +198,7 @@ class RankGroup:
         fail_job_ids: Mapping[int, Collection[int]] | None = None,
         start_timeout_s: float = 120.0,
     ) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        if not is_int(world_size) or world_size < 1:
             raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
         if device_type != "cpu":
             count = torch.accelerator.device_count() if hasattr(torch, "accelerator") else 0

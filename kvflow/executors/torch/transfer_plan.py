@@ -28,8 +28,8 @@ class Plan:
     device_blocks: np.ndarray
     slots: np.ndarray
     owner: np.ndarray  # index into jobs for each pair
-    # the list of runs is built only when a copy path walks it: for a scattered batch that the
-    # page kernel moves in one launch, a Python tuple per run cost more than the launch
+    # the list of runs is built only when a copy path walks it: the page kernel moves a
+    # scattered batch in one launch from the arrays above, and never needs it
     _runs: list[tuple[int, int, int]] | None = field(default=None, repr=False)
 
     @property

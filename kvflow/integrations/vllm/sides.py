@@ -33,6 +33,7 @@ from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import LOAD, STORE, TransferJob
 from kvflow.core.policies.registry import policy_class
+from kvflow.core.values import ID_LIMIT, is_int
 from kvflow.engine.manager import OffloadManager
 from kvflow.engine.notices import StepReport
 from kvflow.integrations.vllm.kv_events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
@@ -43,14 +44,12 @@ from kvflow.log.writer import TraceWriter
 if TYPE_CHECKING:  # (torch is imported when a worker registers its KV caches)
     from kvflow.executors.torch.executor import TorchExecutor
 
-_MASK64 = (1 << 64) - 1
-
 
 def kvflow_hash(block_hash: bytes | int) -> int:
     """A vLLM block hash as kvflow's 64-bit int."""
     if isinstance(block_hash, (bytes, bytearray)):
         return int.from_bytes(bytes(block_hash[:8]), "big")
-    return int(block_hash) & _MASK64
+    return int(block_hash) % ID_LIMIT
 
 
 @dataclass(frozen=True)
@@ -138,7 +137,7 @@ def _policy(value: Any) -> str:
 
 
 def _whole(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ConfigError(f"kv_connector_extra_config: {name} must be a whole number > 0, got {value!r}")
     return value
 

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -314,7 +315,7 @@ def _print_fleet(summary: dict[str, Any], workload: str) -> None:
     table.add_column("shared remote tier", justify="right")
     table.add_column("per-instance tiers only", justify="right")
     shared, local = summary["shared"], summary["local"]
-    rows = [
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("hit rate", lambda s: f"{s['hit_rate']:.1%}"),
         ("hit tokens", lambda s: f"{s['hit_tokens']:,}"),
         ("  cpu hit tokens", lambda s: f"{s['cpu_hit_tokens']:,}"),

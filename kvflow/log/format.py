@@ -40,7 +40,7 @@ class Checkpoint(msgspec.Struct, frozen=True, tag="checkpoint", tag_field="type"
     records: str = ""
 
 
-Record = Union[Command, Event, Checkpoint]  # type: ignore[valid-type]
+Record = Union[Command, Event, Checkpoint]
 RECORD_TYPES: tuple[type, ...] = (*COMMAND_TYPES, *EVENT_TYPES, Checkpoint)
 RecordUnion = Union[tuple(RECORD_TYPES)]  # type: ignore[valid-type]
 

@@ -171,7 +171,7 @@ class _Redecider:
         state = self.result.state
         seq = recorded.seq if recorded is not None else (produced.seq if produced is not None else state.next_seq)
         refused = self.refused
-        if recorded is not None and produced is None:
+        if produced is None:  # (never both None)
             what = "today's code produced no event here" + (f" (it refused the command: {refused})" if refused else "")
         elif recorded is None:
             what = f"today's code produced an extra {event_name(produced)} event"

@@ -16,8 +16,8 @@ from dataclasses import replace
 from typing import Any
 
 from kvflow.core.errors import ConfigError
-from kvflow.executors.simulated import SimulatedExecutor
 from kvflow.core.values import is_int
+from kvflow.executors.simulated import SimulatedExecutor
 from kvflow.simulate.run import SimOptions, Simulation
 from kvflow.simulate.workload import WorkloadRequest, read_workload
 from kvflow.tiers.simulated_remote import SimulatedRemoteExecutor, SimulatedRemoteStore

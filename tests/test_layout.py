@@ -166,3 +166,14 @@ def test_one_door_per_name(module: str) -> None:
                 continue
             bad.append(f"line {line}: {name} is not defined in {source}")
     assert bad == []
+
+
+def test_no_module_re_exports_a_name_it_imports() -> None:
+    """``from kvflow.x import name as name`` is the re-export idiom: a second door. (The public
+    faces, ``kvflow`` and ``kvflow.executors``, load their names lazily instead.)"""
+    bad = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvflow"):
+                bad += [f"{module}: {a.name} as {a.asname}" for a in node.names if a.asname == a.name]
+    assert bad == []

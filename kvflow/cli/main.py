@@ -1,4 +1,4 @@
-"""The ``kvflow`` command (DESIGN §6): the click group that the verbs hang from.
+"""The ``kvflow`` command: the click group that the verbs hang from.
 
 Start-up is kept short: this module imports only click, the version and ``kvflow.cli.common``
 at load time. Every verb lives in a module of its own job and is imported only when it is run

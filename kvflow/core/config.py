@@ -34,7 +34,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     ``remote_store_mode`` says when blocks are copied there.
     ``chain_recency`` (a logic flag): kvflow keeps each request's chain (the full-block
     hashes its lookups and stores name, in prefix order) and applies the chain's recency
-    itself (F14, DESIGN §7 rules 2 and 4): ``accept_hits`` touches the hits it loads deepest
+    itself (F14; docs/simulate.md, rules 2 and 4): ``accept_hits`` touches the hits it loads deepest
     first, ``finish_request`` touches the chain's blocks on the tier deepest first with
     ``reuse=False``. Off, recency comes only from the engine's ``touch`` calls (how traces
     recorded before the flag existed were decided: their headers lack it and read as off).

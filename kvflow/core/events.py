@@ -19,12 +19,7 @@ from typing import Literal, Union, get_args
 
 import msgspec
 
-# (JobResult and TransferJob, the executor's side of the vocabulary, are documented as
-# ``kvflow.core.events`` imports, docs/executor.md: they stay importable from here; kvflow's own
-# modules import them from their homes, ``kvflow.core.commands`` and ``kvflow.core.jobs``)
-from kvflow.core.commands import JobResult as JobResult
 from kvflow.core.jobs import Blocks, Direction, Hashes
-from kvflow.core.jobs import TransferJob as TransferJob
 
 EVENT_VERSION = 1
 
@@ -256,7 +251,7 @@ class ChainExtended(_Event, frozen=True, tag="chain_extended"):
     hashes, named by a lookup or a store, that are new to it (``Config.chain_recency``;
     at least one is). The request's
     own recency follows its chain: when it finishes, the chain's blocks on the tier are
-    touched deepest first (F14, DESIGN §7 rule 4). A request first heard of here is known
+    touched deepest first (F14; docs/simulate.md, rule 4). A request first heard of here is known
     from now on (F18)."""
 
     request_id: str

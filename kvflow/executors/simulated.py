@@ -5,7 +5,7 @@ the torch executor: it models two copy streams (one per direction) that each run
 one after another, a per-job latency plus bytes over bandwidth, and faults:
 
 * ``fault_rate``: each job fails with this probability, drawn once per job *in submission
-  order* from ``random.Random(seed)`` (DESIGN §7 rule 6);
+  order* from ``random.Random(seed)`` (the simulation's rule 5, docs/simulate.md);
 * ``fail_jobs``: the k-th submitted jobs (1-based) fail;
 * ``hang_jobs``: the k-th submitted jobs never complete (they time out in the engine and
   stay fenced until the executor is closed);
@@ -53,7 +53,7 @@ class VirtualClock:
 class TransferModel:
     """How long a job takes: ``latency_us + bytes / bandwidth``.
 
-    Defaults follow DESIGN §8's measurement (one pinned copy ~55.5 GB/s each way) and a KV
+    Defaults follow the link's measurement (docs/performance.md) (one pinned copy ~55.5 GB/s each way) and a KV
     block of a 7B-class model at 512 tokens (32 layers x 2 x 512 x 4096 x 2 bytes = 256 MiB
     would be one whole block; we use bytes_per_block given by the caller).
     """

@@ -1,4 +1,4 @@
-"""What a trace file holds (DESIGN §5): its header, its records and their versions, and the
+"""What a trace file holds: its header, its records and their versions, and the
 record chain that makes an altered trace evident.
 
 A trace is JSON lines (``.gz`` for gzip): one header line, then records in order: the commands

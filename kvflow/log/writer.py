@@ -1,4 +1,4 @@
-"""Writing a trace as the engine runs (DESIGN §5).
+"""Writing a trace as the engine runs (the format: docs/debugging.md, "The trace format").
 
 Deterministic: the same run gives the same bytes (no timestamps in the header; events carry only
 injected time). Records (frozen structs) are kept as they are recorded and encoded in batches

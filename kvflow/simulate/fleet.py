@@ -1,6 +1,6 @@
 """``kvflow simulate --instances N``: a Mooncake workload routed across N kvflow instances, each
 with its own device cache and CPU tier, run twice: once with a remote tier all instances share,
-once with per-instance tiers only. Every instance is the sequential simulation of DESIGN §7
+once with per-instance tiers only. Every instance is the sequential simulation of docs/simulate.md
 (the real decision code); the shared tier is ``kvflow.tiers.simulated_remote``, reached through
 the same remote-tier lifecycle as the Redis tier (probe, remote load, write-through).
 

@@ -1,7 +1,7 @@
 """``kvflow simulate``: a Mooncake workload through the real engine, decisions and a simulated
-executor on a virtual clock (DESIGN §7).
+executor on a virtual clock (the rules: docs/simulate.md, "What a simulated request does").
 
-Sequential mode (the default) follows §7's rules one request at a time, so that an independent
+Sequential mode (the default) follows those rules one request at a time, so that an independent
 implementation of those rules gets the same numbers (``tests/reference_sim.py`` is one).
 Timed mode keeps every decision rule but lets requests arrive at their ``timestamp``, run
 concurrently (prefill time from a token rate) and overlap their transfers; it reports load
@@ -128,7 +128,7 @@ class SimOptions:
 
 
 class DeviceCache:
-    """The device prefix cache of §7: LRU over hashes, capacity ``M`` (0 holds nothing)."""
+    """The device prefix cache of the simulation's rule 1: LRU over hashes, capacity ``M`` (0 holds nothing)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -221,7 +221,7 @@ class Simulation:
         """The executor the engine drives (a fleet instance puts its remote tier beside it)."""
         return executor
 
-    # -- sequential (§7) -----------------------------------------------------------------
+    # -- sequential ---------------------------------------------------------------------
 
     def _run_until_idle(self) -> StepReport:
         engine, executor, clock = self.engine, self.executor, self.clock
@@ -247,7 +247,7 @@ class Simulation:
         r = self._before_lookup(rid, full, L, d)
         c = engine.lookup(rid, full, L, d)
         if c:
-            engine.accept_hits(rid, self.ids.take(c))  # (touches the hits deepest first: §7 rule 2)
+            engine.accept_hits(rid, self.ids.take(c))  # (touches the hits deepest first: rule 2)
             report = self._run_until_idle()
             if report.loads_failed:
                 c = r = 0  # a failed load's blocks are computed, not hit
@@ -255,7 +255,7 @@ class Simulation:
         if not self.lazy and self.config.enabled and full:
             engine.blocks_computed(rid, full, self.ids.take(len(full)))
             self._run_until_idle()
-        engine.finish_request(rid)  # (touches its chain deepest first: §7 rule 4)
+        engine.finish_request(rid)  # (touches its chain deepest first: rule 4)
         evicted = self.device.use(full)
         if self.lazy and evicted and self.config.enabled:
             engine.device_blocks_evicting(evicted, self.ids.take(len(evicted)))
@@ -306,7 +306,7 @@ class Simulation:
             schedule(clock.now_ms + uncached / self.options.prefill_tokens_per_ms, "computed", live)
 
         def end(live: _Live) -> None:
-            engine.finish_request(live.rid)  # (touches its chain deepest first: §7 rule 4)
+            engine.finish_request(live.rid)  # (touches its chain deepest first: rule 4)
             evicted = self.device.use(live.full)
             if self.lazy and evicted and self.config.enabled:
                 engine.device_blocks_evicting(evicted, self.ids.take(len(evicted)))

@@ -1,4 +1,4 @@
-"""Reader of Mooncake-format workloads, the input of ``kvflow simulate`` (DESIGN §7).
+"""Reader of Mooncake-format workloads, the input of ``kvflow simulate`` (docs/simulate.md).
 
 A workload is JSON Lines, one request per line, in arrival order::
 
@@ -98,7 +98,7 @@ def read_workload(
     (non-negative ints, exactly ``ceil(input_length / block_tokens)`` of them). Booleans are not
     ints. A file with no request is an error.
 
-    Unlike kvflow's own traces (DESIGN §5), a torn last line (no trailing newline, not valid JSON)
+    Unlike kvflow's own traces, a torn last line (no trailing newline, not valid JSON)
     is an error here, not a warning: workloads are produced by generators and converters, not by
     processes that may crash mid-write, so a torn line means a damaged file.
 

@@ -87,7 +87,7 @@ def decide_accept_hits(state: State, cmd: AcceptHits, emit: Emit) -> int | None:
     if req.offered:
         emit(PinsReleased(seq=state.next_seq, request_id=cmd.request_id, hashes=req.offered))
     if n and state.config.chain_recency:
-        # DESIGN §7 rule 2: the hits it loads are used again now, deepest first, so that
+        # the simulation's rule 2 (docs/simulate.md): the hits it loads are used again now, deepest first, so that
         # the request's own stores never evict the prefix they extend
         emit(BlocksTouched(seq=state.next_seq, hashes=hashes[::-1], reuse=True))
     return job_id

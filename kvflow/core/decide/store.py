@@ -93,7 +93,7 @@ def extend_chain(
 
 
 def chain_touch(state: State, req: Request) -> BlocksTouched | None:
-    """DESIGN §7 rule 4, at a request's finish: its chain's blocks on the tier, deepest
+    """The simulation's rule 4 (docs/simulate.md), at a request's finish: its chain's blocks on the tier, deepest
     first, touched for order only (``reuse=False``), so that eviction takes a chain's tail
     before its head (F14); blocks still being stored keep the touch until they land."""
     if not state.config.chain_recency:
@@ -129,7 +129,7 @@ def _admission(
     device_blocks: Sequence[int],
     unique: bool = False,
 ) -> Admission:
-    """DESIGN §7 step 3: every block of the store not on the tier (resident, queued or in
+    """The simulation's rule 3 (docs/simulate.md): every block of the store not on the tier (resident, queued or in
     flight; F3), each hash once, in prefix order, takes a free slot, else evicts the policy's
     next victim, never a block of this store's own chain (F16); when nothing else can be
     evicted, it and every later block are rejected. ``unique``: the caller knows that

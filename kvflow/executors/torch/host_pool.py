@@ -2,7 +2,7 @@
 
 Region ``r`` is ``cpu_blocks`` pages of ``page_bytes[r]`` back to back, so slot ``i`` of a region
 is one contiguous page and a run of consecutive slots is one contiguous range: a job whose slots
-form a run is copied with one transfer per region (DESIGN §8). Region starts are aligned to 4 KiB
+form a run is copied with one transfer per region. Region starts are aligned to 4 KiB
 so that a rank can pin just its own range.
 
 The pool is sized once, before any worker maps it, and never reallocated (F10). ``cpu_blocks=0``

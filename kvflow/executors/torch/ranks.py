@@ -182,7 +182,7 @@ class RankGroup:
     """``world_size`` rank processes sharing one host pool; the engine-facing side of them.
 
     ``submit(jobs)`` goes to every rank; ``poll()`` returns ``JobResult(job_id, rank, ok, error)``
-    from all ranks (a job is done when every rank reported ok: the core's rule, §3). Each rank
+    from all ranks (a job is done when every rank reported ok: the core's rule). Each rank
     has its own pair of pipes, so a rank killed mid-write cannot wedge the others' channel;
     the parent merges them into one list.
     """

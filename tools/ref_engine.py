@@ -319,7 +319,7 @@ class RefEngine:
 
         t0 = time.perf_counter()
         compute_done = None
-        if self.model.device.type == "cuda" and self.kvflow.engine.manager.state.queued:  # (stores wait on it)
+        if self.model.device.type == "cuda" and self.kvflow.manager.state.queued:  # (stores wait on it)
             compute_done = torch.cuda.Event()
             compute_done.record()
         report = self.kvflow.step(compute_done=compute_done)

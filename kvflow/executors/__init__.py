@@ -17,6 +17,7 @@ from typing import Any
 
 _LAZY = {
     "SimulatedExecutor": "kvflow.executors.simulated",
+    "VirtualClock": "kvflow.executors.simulated",
     "TorchExecutor": "kvflow.executors.torch.executor",
     "HostPool": "kvflow.executors.torch.host_pool",
     "PoolSpec": "kvflow.executors.torch.host_pool",

@@ -13,7 +13,7 @@ from kvflow.core.config import Config
 from kvflow.engine.manager import OffloadManager
 from kvflow.engine.notices import StepReport, merge_reports
 from kvflow.engine.protocols import Executor
-from kvflow.engine.sync import SyncEngine, monotonic_ms
+from kvflow.engine.sync import SyncEngine
 from kvflow.engine.watch import Counters, Latencies
 
 P = ParamSpec("P")
@@ -45,7 +45,7 @@ class Engine(AbstractAsyncContextManager["Engine"]):
         config: Config,
         executor: Executor,
         *,
-        clock: Callable[[], float] = monotonic_ms,
+        clock: Callable[[], float] | None = None,
         trace_path: str | None = None,
         trace_meta: dict[str, Any] | None = None,
         bytes_per_block: int = 0,

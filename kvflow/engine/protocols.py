@@ -9,7 +9,7 @@ ability its executor lacks is refused there, with one line naming the ability.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvflow.core.commands import JobResult
@@ -54,6 +54,15 @@ class KnowsBlockBytes(Protocol):
 
     @property
     def block_bytes(self) -> int: ...
+
+
+@runtime_checkable
+class KeepsTime(Protocol):
+    """An executor whose copies take time on a clock of its own (a simulated one): the engine
+    reads that clock unless it is given another, so that deadlines and copies agree."""
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
 
 
 @runtime_checkable

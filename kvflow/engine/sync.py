@@ -15,7 +15,13 @@ from kvflow.core.config import Config
 from kvflow.core.jobs import TransferJob
 from kvflow.engine.manager import OffloadManager
 from kvflow.engine.notices import Fence, StepReport, merge_reports
-from kvflow.engine.protocols import Executor, KnowsBlockBytes, ProbesRemoteTier, check_executor
+from kvflow.engine.protocols import (
+    Executor,
+    KeepsTime,
+    KnowsBlockBytes,
+    ProbesRemoteTier,
+    check_executor,
+)
 from kvflow.engine.watch import EngineWatch
 from kvflow.log.memory import MemoryLog, NullLog
 from kvflow.log.protocol import Log
@@ -35,7 +41,7 @@ class SyncEngine:
         config: Config,
         executor: Executor,
         *,
-        clock: Callable[[], float] = monotonic_ms,
+        clock: Callable[[], float] | None = None,
         trace_path: str | None = None,
         trace_meta: dict[str, Any] | None = None,
         bytes_per_block: int = 0,
@@ -57,12 +63,16 @@ class SyncEngine:
         The executor's abilities are checked here, once (``ConfigError``, naming what is
         missing): its host pool must have ``config.cpu_blocks`` slots, and a config with a
         remote tier needs an executor that probes it. ``bytes_per_block`` defaults to the
-        executor's own ``block_bytes`` when it knows it."""
+        executor's own ``block_bytes`` when it knows it, and ``clock`` (milliseconds) to the
+        executor's own clock when it keeps one (a ``SimulatedExecutor``'s virtual clock), else
+        to monotonic time."""
         check_executor(config, executor)
         self.config = config
         self._executor = executor
         # the remote tier's prober (None without a remote tier)
         self._prober = executor if config.remote and isinstance(executor, ProbesRemoteTier) else None
+        if clock is None:  # (a simulated executor's copies run on its own clock: so do deadlines)
+            clock = executor.clock if isinstance(executor, KeepsTime) else monotonic_ms
         self.clock = clock
         if not bytes_per_block and isinstance(executor, KnowsBlockBytes):
             bytes_per_block = executor.block_bytes

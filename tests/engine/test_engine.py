@@ -943,3 +943,14 @@ def test_a_step_report_carries_every_notice_and_merging_reports_keeps_them_all()
         stores_failed=[(4, "e")], released_device_blocks=[7, 8], timed_out=3, rejected_store_blocks=3,
         all_blocks_cleared=True,
     )
+
+
+def test_the_engine_reads_a_simulated_executors_clock_unless_given_another() -> None:
+    """A simulated executor's copies take time on its virtual clock: the engine's deadlines must
+    run on the same one, so it is the default; a clock given explicitly wins."""
+    clock = VirtualClock(5.0)
+    config = Config(cpu_blocks=8, block_tokens=B)
+    engine = SyncEngine(config, SimulatedExecutor(clock, MODEL))
+    assert engine.clock is clock and engine.step().now_ms == 5.0
+    wall = SyncEngine(config, SimulatedExecutor(clock, MODEL), clock=lambda: 42.0)
+    assert wall.step().now_ms == 42.0

@@ -57,6 +57,7 @@ from kvflow.core.state.model import State
 from kvflow.core.state.tables import JobState
 from kvflow.engine.notices import (
     ABANDONED_BY_RESET,
+    NO_NOTICES,
     NOTICE_TYPES,
     Fence,
     LoadFailure,
@@ -213,7 +214,7 @@ class OffloadManager:
 
     def has_notices(self) -> bool:
         """Whether ``take_notices`` would hand over anything."""
-        return bool(self.notice_book.notices)
+        return self.notice_book.notices != NO_NOTICES
 
     # -- the step ------------------------------------------------------------------------
 
@@ -233,12 +234,14 @@ class OffloadManager:
         the step before anything is applied."""
         if type(now_ms) is not float or not isfinite(now_ms):
             now_ms = bd.time_ms(now_ms, "now_ms")
-        refused = self.apply_results(results)
+        refused = self.apply_results(results) if results else 0
         if found:
             self.remote_found(found)
         timed_out, jobs = self._advance(now_ms, plan=plan)
-        notices = msgspec.structs.asdict(self.notice_book.take())
-        report = StepReport(now_ms=now_ms, submitted=jobs, timed_out=timed_out, refused_results=refused, **notices)
+        book = self.notice_book
+        # (a StepReport's first fields are the Notices', in their order: its positional ones)
+        notices = msgspec.structs.astuple(book.take()) if book.notices != NO_NOTICES else ()
+        report = StepReport(*notices, now_ms=now_ms, submitted=jobs, timed_out=timed_out, refused_results=refused)
         return jobs, report
 
     def apply_results(self, results: Sequence[JobResult]) -> int:

@@ -30,6 +30,15 @@ class Policy(ABC):
     def __init__(self, capacity: int) -> None:
         """``capacity``: the tier's size in blocks (a policy may ignore it)."""
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """A bulk form applies the class's own single-block method: a class that redefines
+        one without its bulk form gets the loop below for it, whatever its parent had (a
+        built-in policy's bulk forms are written for its own single-block methods)."""
+        super().__init_subclass__(**kwargs)
+        for single, bulk in _BULK_FORMS.items():
+            if single in cls.__dict__ and bulk not in cls.__dict__:
+                setattr(cls, bulk, getattr(Policy, bulk))
+
     @abstractmethod
     def insert(self, block_hash: int) -> None:
         """``block_hash`` became resident (its store completed). It was not resident before."""
@@ -114,6 +123,10 @@ class Policy(ABC):
 
     def _failed(self, method: str, block_hash: int, exc: Exception) -> PolicyError:
         return PolicyError(f"policy {policy_name(self)!r}: {method}({block_hash}) raised {one_line(exc)}")
+
+
+_BULK_FORMS = {"insert": "insert_many", "touch": "touch_many", "refresh": "refresh_many", "remove": "remove_many"}
+"""Each single-block method the state calls and its bulk form."""
 
 
 def policy_name(policy: object) -> str:

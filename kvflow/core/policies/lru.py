@@ -30,10 +30,9 @@ class LRUPolicy(Policy):
         self._order: OrderedDict[int, None] = OrderedDict()  # the keys, coldest first
 
     def insert(self, block_hash: int) -> None:
-        """The most recent. ``ValueError`` if already resident: the state and the policy
-        disagree, and keeping the old place would corrupt the order."""
+        """The most recent. ``ValueError`` if already resident."""
         if block_hash in self._order:
-            raise ValueError(f"block hash {block_hash} is already resident in the lru policy")
+            raise _resident_already(block_hash)
         self._order[block_hash] = None
 
     def touch(self, block_hash: int) -> None:
@@ -46,6 +45,43 @@ class LRUPolicy(Policy):
     def remove(self, block_hash: int) -> None:
         """``KeyError`` if not resident."""
         del self._order[block_hash]
+
+    # The bulk forms: each single-block method's body applied to every hash in order, without
+    # a method call per hash (docs/performance.md, "Policies").
+
+    def insert_many(self, hashes: tuple[int, ...]) -> None:
+        order = self._order
+        before = len(order)
+        for block_hash in hashes:
+            order[block_hash] = None  # (a resident one keeps its place: the count falls short)
+        if len(order) != before + len(hashes):
+            # one was resident, or is named twice: the new ones (the newest) are taken back
+            while len(order) > before:
+                order.popitem()
+            culprit = _first_known(order, hashes)
+            raise self._failed("insert", culprit, _resident_already(culprit))
+
+    def touch_many(self, hashes: tuple[int, ...]) -> None:
+        self._move_to_end(hashes, "touch")
+
+    def refresh_many(self, hashes: tuple[int, ...]) -> None:
+        self._move_to_end(hashes, "refresh")
+
+    def _move_to_end(self, hashes: tuple[int, ...], method: str) -> None:
+        move_to_end = self._order.move_to_end
+        for block_hash in hashes:
+            try:
+                move_to_end(block_hash)
+            except KeyError as exc:
+                raise self._failed(method, block_hash, exc) from exc
+
+    def remove_many(self, hashes: tuple[int, ...]) -> None:
+        order = self._order
+        for block_hash in hashes:
+            try:
+                del order[block_hash]
+            except KeyError as exc:
+                raise self._failed("remove", block_hash, exc) from exc
 
     def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
         """The ``num_blocks`` coldest hashes that are not ``pinned``, coldest first."""
@@ -75,3 +111,19 @@ class LRUPolicy(Policy):
 
     def __repr__(self) -> str:
         return f"LRUPolicy(resident={len(self)})"
+
+
+def _resident_already(block_hash: int) -> ValueError:
+    """An insert of a resident block: the state and the policy disagree, and keeping the old
+    place would corrupt the order."""
+    return ValueError(f"block hash {block_hash} is already resident in the lru policy")
+
+
+def _first_known(order: OrderedDict[int, None], hashes: tuple[int, ...]) -> int:
+    """The first of ``hashes`` that ``order`` holds or that ``hashes`` named before."""
+    seen: set[int] = set()
+    for block_hash in hashes:
+        if block_hash in order or block_hash in seen:
+            return block_hash
+        seen.add(block_hash)
+    raise AssertionError("every hash is new")  # (the caller found one that is not)

@@ -40,10 +40,10 @@ def checked_victims(state: State, num_blocks: int, kept: Mapping[int, object]) -
         type(chosen) is list
         and len(chosen) == num_blocks
         and operator.countOf(map(type, chosen), int) == num_blocks
-        and len(distinct := set(chosen)) == num_blocks
-        and state.slot_of.keys() >= distinct
-        and state.pending.keys().isdisjoint(distinct)
-        and kept.keys().isdisjoint(distinct)
+        # (those on the tier, as a set: as many as asked for if each is there, and named once)
+        and len(on_tier := state.slot_of.keys() & chosen) == num_blocks
+        and state.pending.keys().isdisjoint(on_tier)
+        and kept.keys().isdisjoint(on_tier)
     ):
         return chosen
     raise PolicyError(

@@ -160,11 +160,18 @@ class ARCPolicy(Policy):
     def _trim_ghosts(self) -> None:
         """Drop the oldest ghosts until the directory bounds hold (module docstring): B1's
         for ``|T1| + |B1| <= capacity``, then B2's (B1's once B2 is empty) for the total."""
-        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
-        while b1 and len(t1) + len(b1) > capacity:
+        b1, b2, capacity = self._b1, self._b2, self.capacity
+        n1, n2, m1, m2 = len(self._t1), len(self._t2), len(b1), len(b2)
+        while m1 and n1 + m1 > capacity:
             b1.popitem(False)  # (the oldest)
-        while (b1 or b2) and len(t1) + len(t2) + len(b1) + len(b2) > 2 * capacity:
-            (b2 or b1).popitem(False)
+            m1 -= 1
+        while (m1 or m2) and n1 + n2 + m1 + m2 > 2 * capacity:
+            if m2:
+                b2.popitem(False)
+                m2 -= 1
+            else:
+                b1.popitem(False)
+                m1 -= 1
 
     def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
         """The paper's REPLACE choice made ``num_blocks`` times: ``T1``'s coldest while

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from itertools import filterfalse, islice
 
 from kvflow.core.errors import ConfigError
-from kvflow.core.policies.base import Policy
+from kvflow.core.policies.base import AlreadyResident, Policy
 from kvflow.core.values import is_int
 
 
@@ -59,11 +59,10 @@ class ARCPolicy(Policy):
         """The adaptive target size of ``T1``, in ``[0, capacity]``."""
         return self._p
 
-    # Each rule is written once, over a run of hashes (``_insert`` ... ``_remove``): the state
-    # calls the bulk forms, one call per event, and a single-block method is its run of one
-    # (docs/performance.md, "Policies"). A run stops at the first hash that does not fit,
-    # raising ``KeyError(hash)`` or ``_Resident(hash)``, which the bulk forms turn into a
-    # PolicyError naming that hash.
+    # Each rule is written once, over a run of hashes: the state calls the bulk forms, one
+    # call per event, and a single-block method is its run of one (docs/performance.md,
+    # "Policies"). A run stops at the first hash it cannot take, raising ``KeyError(hash)`` or
+    # ``AlreadyResident(hash)``, which the bulk forms turn into a PolicyError naming it.
 
     def insert(self, block_hash: int) -> None:
         """A ghost hit adapts ``p`` and goes to ``T2`` (it was wanted again after eviction);
@@ -87,7 +86,7 @@ class ARCPolicy(Policy):
     def insert_many(self, hashes: tuple[int, ...]) -> None:
         try:
             self._insert(hashes)
-        except (KeyError, ValueError) as exc:
+        except AlreadyResident as exc:
             raise self._failed("insert", exc.args[0], exc) from exc
 
     def touch_many(self, hashes: tuple[int, ...]) -> None:
@@ -112,7 +111,7 @@ class ARCPolicy(Policy):
         t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
         for block_hash in hashes:
             if block_hash in t1 or block_hash in t2:
-                raise _Resident(block_hash)
+                raise AlreadyResident(block_hash)
             if block_hash in b1:
                 # the step is computed with the hit still counted in B1, as in the paper
                 self._p = min(capacity, self._p + max(1, len(b2) // len(b1)))
@@ -220,9 +219,3 @@ class ARCPolicy(Policy):
             f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
         )
 
-
-class _Resident(ValueError):
-    """An insert of a resident hash (``args[0]``)."""
-
-    def __str__(self) -> str:
-        return f"block hash {self.args[0]} is already resident in the arc policy"

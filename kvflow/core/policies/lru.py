@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from itertools import filterfalse, islice
 
-from kvflow.core.policies.base import Policy
+from kvflow.core.policies.base import AlreadyResident, Policy
 
 
 class LRUPolicy(Policy):
@@ -29,59 +29,74 @@ class LRUPolicy(Policy):
         """LRU keeps nothing beyond the residents, so it does not need ``capacity``."""
         self._order: OrderedDict[int, None] = OrderedDict()  # the keys, coldest first
 
+    # Each rule is written once, over a run of hashes: the state calls the bulk forms, one
+    # call per event, and a single-block method is its run of one (docs/performance.md,
+    # "Policies"). A run that meets a hash it cannot take raises ``KeyError(hash)`` or
+    # ``AlreadyResident(hash)``, which the bulk forms turn into a PolicyError naming it.
+
     def insert(self, block_hash: int) -> None:
         """The most recent. ``ValueError`` if already resident."""
-        if block_hash in self._order:
-            raise _resident_already(block_hash)
-        self._order[block_hash] = None
+        self._insert((block_hash,))
 
     def touch(self, block_hash: int) -> None:
         """The most recent. ``KeyError`` if not resident."""
-        self._order.move_to_end(block_hash)
+        self._move_to_end((block_hash,))
 
     # LRU has no notion of frequency: a reorder is a touch
     refresh = touch
 
     def remove(self, block_hash: int) -> None:
         """``KeyError`` if not resident."""
-        del self._order[block_hash]
-
-    # The bulk forms: each single-block method's body applied to every hash in order, without
-    # a method call per hash (docs/performance.md, "Policies").
+        self._remove((block_hash,))
 
     def insert_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._insert(hashes)
+        except AlreadyResident as exc:
+            raise self._failed("insert", exc.args[0], exc) from exc
+
+    def touch_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._move_to_end(hashes)
+        except KeyError as exc:
+            raise self._failed("touch", exc.args[0], exc) from exc
+
+    def refresh_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._move_to_end(hashes)
+        except KeyError as exc:
+            raise self._failed("refresh", exc.args[0], exc) from exc
+
+    def remove_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._remove(hashes)
+        except KeyError as exc:
+            raise self._failed("remove", exc.args[0], exc) from exc
+
+    def _insert(self, hashes: tuple[int, ...]) -> None:
+        """All or nothing: a hash resident already, or named twice, changes nothing."""
         order = self._order
         before = len(order)
         for block_hash in hashes:
             order[block_hash] = None  # (a resident one keeps its place: the count falls short)
         if len(order) != before + len(hashes):
-            # one was resident, or is named twice: the new ones (the newest) are taken back
-            while len(order) > before:
+            while len(order) > before:  # the new ones, the newest, are taken back
                 order.popitem()
-            culprit = _first_known(order, hashes)
-            raise self._failed("insert", culprit, _resident_already(culprit))
+            seen: set[int] = set()
+            for block_hash in hashes:
+                if block_hash in order or block_hash in seen:
+                    raise AlreadyResident(block_hash)
+                seen.add(block_hash)
 
-    def touch_many(self, hashes: tuple[int, ...]) -> None:
-        self._move_to_end(hashes, "touch")
-
-    def refresh_many(self, hashes: tuple[int, ...]) -> None:
-        self._move_to_end(hashes, "refresh")
-
-    def _move_to_end(self, hashes: tuple[int, ...], method: str) -> None:
+    def _move_to_end(self, hashes: tuple[int, ...]) -> None:
         move_to_end = self._order.move_to_end
         for block_hash in hashes:
-            try:
-                move_to_end(block_hash)
-            except KeyError as exc:
-                raise self._failed(method, block_hash, exc) from exc
+            move_to_end(block_hash)
 
-    def remove_many(self, hashes: tuple[int, ...]) -> None:
+    def _remove(self, hashes: tuple[int, ...]) -> None:
         order = self._order
         for block_hash in hashes:
-            try:
-                del order[block_hash]
-            except KeyError as exc:
-                raise self._failed("remove", block_hash, exc) from exc
+            del order[block_hash]
 
     def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
         """The ``num_blocks`` coldest hashes that are not ``pinned``, coldest first."""
@@ -112,18 +127,3 @@ class LRUPolicy(Policy):
     def __repr__(self) -> str:
         return f"LRUPolicy(resident={len(self)})"
 
-
-def _resident_already(block_hash: int) -> ValueError:
-    """An insert of a resident block: the state and the policy disagree, and keeping the old
-    place would corrupt the order."""
-    return ValueError(f"block hash {block_hash} is already resident in the lru policy")
-
-
-def _first_known(order: OrderedDict[int, None], hashes: tuple[int, ...]) -> int:
-    """The first of ``hashes`` that ``order`` holds or that ``hashes`` named before."""
-    seen: set[int] = set()
-    for block_hash in hashes:
-        if block_hash in order or block_hash in seen:
-            return block_hash
-        seen.add(block_hash)
-    raise AssertionError("every hash is new")  # (the caller found one that is not)

@@ -57,6 +57,7 @@ from kvflow.core.state.model import State
 from kvflow.core.state.tables import JobState
 from kvflow.engine.notices import (
     ABANDONED_BY_RESET,
+    NO_NOTICES,
     NOTICE_TYPES,
     Fence,
     LoadFailure,
@@ -213,7 +214,7 @@ class OffloadManager:
 
     def has_notices(self) -> bool:
         """Whether ``take_notices`` would hand over anything."""
-        return bool(self.notice_book.notices)
+        return self.notice_book.notices != NO_NOTICES
 
     # -- the step ------------------------------------------------------------------------
 
@@ -233,12 +234,15 @@ class OffloadManager:
         the step before anything is applied."""
         if type(now_ms) is not float or not isfinite(now_ms):
             now_ms = bd.time_ms(now_ms, "now_ms")
-        refused = self.apply_results(results)
+        refused = self.apply_results(results) if results else 0
         if found:
             self.remote_found(found)
-        timed_out, jobs = self._advance(now_ms, plan=plan)
-        notices = msgspec.structs.asdict(self.notice_book.take())
-        report = StepReport(now_ms=now_ms, submitted=jobs, timed_out=timed_out, refused_results=refused, **notices)
+        timed_out = self._time_out(now_ms)
+        jobs = self._hand_over(now_ms) if plan else []
+        book = self.notice_book
+        # (a StepReport's first fields are the Notices', in their order: its positional ones)
+        notices = msgspec.structs.astuple(book.take()) if book.notices != NO_NOTICES else ()
+        report = StepReport(*notices, now_ms=now_ms, submitted=jobs, timed_out=timed_out, refused_results=refused)
         return jobs, report
 
     def apply_results(self, results: Sequence[JobResult]) -> int:
@@ -323,19 +327,14 @@ class OffloadManager:
 
         With nothing queued there is nothing to decide, and no command is recorded (an
         engine calls this every step)."""
-        return self._advance(now_ms, tick=False)[1]
+        return self._hand_over(bd.time_ms(now_ms, "now_ms"))
 
-    def _advance(self, now_ms: float, *, tick: bool = True, plan: bool = True) -> tuple[int, list[TransferJob]]:
-        """``tick`` (the timeouts: how many), then ``plan_step`` (the jobs to hand over), with
-        one check of ``now_ms``."""
-        if type(now_ms) is not float or not isfinite(now_ms):
-            now_ms = bd.time_ms(now_ms, "now_ms")
-        timed_out = 0
-        if tick and expired_jobs(self.state, now_ms):  # (none due: nothing to decide, nothing recorded)
-            timed_out = int(self.execute(Tick(now_ms=now_ms)))
-        if plan and self.state.queued:  # (nothing queued: nothing to decide, nothing recorded)
-            return timed_out, self.execute(PlanStep(now_ms=now_ms))
-        return timed_out, []
+    def _hand_over(self, now_ms: float) -> list[TransferJob]:
+        """``plan_step`` at a checked ``now_ms``."""
+        if not self.state.queued:  # (nothing queued: nothing to decide, nothing recorded)
+            return []
+        jobs: list[TransferJob] = self.execute(PlanStep(now_ms=now_ms))
+        return jobs
 
     def job_result(
         self, job_id: int, rank: int = 0, ok: bool = True, error: str | None = None, corrupt: Sequence[int] = ()
@@ -356,7 +355,13 @@ class OffloadManager:
 
         When no job is due there is nothing to decide, and no command is recorded (an
         engine calls this every step)."""
-        return self._advance(now_ms, plan=False)[0]
+        return self._time_out(bd.time_ms(now_ms, "now_ms"))
+
+    def _time_out(self, now_ms: float) -> int:
+        """``tick`` at a checked ``now_ms``."""
+        if not expired_jobs(self.state, now_ms):  # (none due: nothing to decide, nothing recorded)
+            return 0
+        return int(self.execute(Tick(now_ms=now_ms)))
 
     def next_deadline_ms(self) -> float | None:
         """The earliest deadline of an in-flight job (when the next timeout can come)."""

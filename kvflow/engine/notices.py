@@ -70,6 +70,9 @@ class Notices(msgspec.Struct):
         return any(getattr(self, name) for name in Notices.__struct_fields__)
 
 
+NO_NOTICES = Notices()
+"""Nothing to tell: what a fresh ``Notices()`` holds (never handed out nor changed)."""
+
 NOTICE_FIELDS: tuple[str, ...] = Notices.__struct_fields__
 """The notices' names, in order: a ``StepReport`` carries each one under the same name."""
 

@@ -193,7 +193,11 @@ def decide_job_results(state: State, cmd: JobResults, emit: Emit) -> None:
 def expired_jobs(state: State, now_ms: float) -> list[Job]:
     """The in-flight jobs whose deadline has come by ``now_ms`` (F2), in job order. (A fenced
     job's outcome is already known: its deadline has nothing left to decide.)"""
-    return [job for job in state.jobs.values() if job.deadline_ms <= now_ms and job.state is IN_FLIGHT]
+    expired = []
+    for job in state.jobs.values():
+        if job.deadline_ms <= now_ms and job.state is IN_FLIGHT:
+            expired.append(job)
+    return expired
 
 
 def decide_tick(state: State, cmd: Tick, emit: Emit) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from kvflow.core.commands import RemoteFound
 from kvflow.core.decide.checks import Emit
 from kvflow.core.decide.store import _admission, eviction
-from kvflow.core.decide.victims import NOTHING_PINNED, checked_victims
+from kvflow.core.decide.victims import checked_victims
 from kvflow.core.events import RemoteIndexed, RemoteLoadQueued, RemoteStoreQueued
 from kvflow.core.jobs import REMOTE_STORE
 from kvflow.core.state.model import State
@@ -96,7 +96,7 @@ def push_ahead_of_eviction(state: State, emit: Emit) -> None:
     window = coldest_window(state)
     if not state.config.remote or len(state.free_slots) >= window:
         return None
-    coldest = checked_victims(state, min(window, state.num_resident()), NOTHING_PINNED) or []
+    coldest = checked_victims(state, min(window, state.num_resident()), {}) or []
     pushing = {h for job in state.jobs.values() if job.direction == REMOTE_STORE for h in job.hashes}
     todo = [h for h in coldest if h not in state.remote and h not in pushing]
     if todo:

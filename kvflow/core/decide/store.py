@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import filterfalse
+from itertools import chain, filterfalse
 from typing import Any
 
 from kvflow.core.commands import BlocksComputed, DeviceBlocksEvicting, Evict, Invalidate, Touch
@@ -44,16 +44,13 @@ def _fenced_slot_owners(state: State) -> list[int]:
     ]
 
 
-def _eviction_blocker(state: State, protected: Sequence[int] = ()) -> Callable[[int], bool]:
-    """Which resident entries eviction passes over: the pinned ones, ``protected`` (F16: a
+def _kept_from_eviction(state: State, protected: Sequence[int] = ()) -> dict[int, Any]:
+    """The resident entries eviction passes over: the pinned ones, ``protected`` (F16: a
     store's own chain) and those whose slot a fence keeps (F15)."""
     if state.fenced_slots or not state.slot_of.keys().isdisjoint(protected):
-        blocked = set(state.pin_count)
-        blocked.update(protected)
-        blocked.update(_fenced_slot_owners(state))
-        return blocked.__contains__
+        return dict.fromkeys(chain(state.pin_count, protected, _fenced_slot_owners(state)))
     # the policy orders exactly the RESIDENT entries: only pins block them
-    return state.pin_count.__contains__
+    return state.pin_count
 
 
 def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> list[int]:
@@ -61,14 +58,14 @@ def _victims_up_to(state: State, wanted: int, protected: Sequence[int] = ()) -> 
     pinned block nor one of ``protected`` (F16: a store's own chain)."""
     if wanted <= 0:
         return []
-    is_blocked = _eviction_blocker(state, protected)
-    victims = checked_victims(state, wanted, is_blocked)
+    kept = _kept_from_eviction(state, protected)
+    victims = checked_victims(state, wanted, kept)
     if victims is not None:
         return victims
-    evictable = sum(1 for h in state.policy.resident() if not is_blocked(h))
+    evictable = sum(1 for h in state.policy.resident() if h not in kept)
     if evictable <= 0:
         return []
-    return checked_victims(state, evictable, is_blocked) or []
+    return checked_victims(state, evictable, kept) or []
 
 
 def extend_chain(
@@ -275,7 +272,7 @@ def decide_evict(state: State, cmd: Evict, emit: Emit) -> int:
     if cmd.num_blocks == 0:
         return 0
     # (an entry whose slot stays fenced would free nothing)
-    victims = checked_victims(state, cmd.num_blocks, _eviction_blocker(state))
+    victims = checked_victims(state, cmd.num_blocks, _kept_from_eviction(state))
     if victims is None:
         raise Rejected(f"evict: fewer than {cmd.num_blocks} unpinned resident blocks (all-or-nothing)")
     emit(eviction(state, victims, "explicit"))

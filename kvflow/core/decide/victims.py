@@ -16,34 +16,34 @@ observer raises; nothing is evicted and no load is queued. Pure.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvflow.core.errors import PolicyError, one_line
 from kvflow.core.policies.base import policy_name
 from kvflow.core.state.model import State
 
-# ``pinned`` for a question that passes over nothing (the policy's coldest blocks, whatever holds them)
-NOTHING_PINNED: Callable[[int], bool] = frozenset().__contains__
 
-
-def checked_victims(state: State, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
-    """``state.policy.victims(num_blocks, pinned)``, checked (see the module docstring)."""
+def checked_victims(state: State, num_blocks: int, kept: Mapping[int, object]) -> list[int] | None:
+    """``state.policy.victims(num_blocks, pinned)``, checked (see the module docstring); the
+    policy's ``pinned`` is ``kept``'s ``in``: ``kept`` holds the blocks eviction must pass over
+    (the state's pin counts, or more), ``{}`` to ask for the policy's coldest blocks whatever
+    holds them."""
     policy = state.policy
+    pinned: Callable[[int], bool] = kept.__contains__
     try:
         chosen = policy.victims(num_blocks, pinned)
     except Exception as exc:
         raise PolicyError(f"policy {policy_name(policy)!r}: victims({num_blocks}) raised {one_line(exc)}") from exc
     if chosen is None:
         return None
-    # (the usual answer passes at C level: no bytecode per hash)
     if (
         type(chosen) is list
         and len(chosen) == num_blocks
         and operator.countOf(map(type, chosen), int) == num_blocks
-        and len(distinct := set(chosen)) == num_blocks
-        and state.slot_of.keys() >= distinct
-        and (not state.jobs or state.pending.keys().isdisjoint(chosen))
-        and not any(map(pinned, chosen))
+        # (those on the tier, as a set: as many as asked for if each is there, and named once)
+        and len(on_tier := state.slot_of.keys() & chosen) == num_blocks
+        and state.pending.keys().isdisjoint(on_tier)
+        and kept.keys().isdisjoint(on_tier)
     ):
         return chosen
     raise PolicyError(

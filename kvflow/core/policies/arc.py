@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from itertools import filterfalse
+from itertools import filterfalse, islice
 
 from kvflow.core.errors import ConfigError
-from kvflow.core.policies.base import Policy
+from kvflow.core.policies.base import AlreadyResident, Policy
 from kvflow.core.values import is_int
 
 
@@ -59,88 +59,136 @@ class ARCPolicy(Policy):
         """The adaptive target size of ``T1``, in ``[0, capacity]``."""
         return self._p
 
+    # Each rule is written once, over a run of hashes: the state calls the bulk forms, one
+    # call per event, and a single-block method is its run of one (docs/performance.md,
+    # "Policies"). A run stops at the first hash it cannot take, raising ``KeyError(hash)`` or
+    # ``AlreadyResident(hash)``, which the bulk forms turn into a PolicyError naming it.
+
     def insert(self, block_hash: int) -> None:
         """A ghost hit adapts ``p`` and goes to ``T2`` (it was wanted again after eviction);
         a first sighting goes to ``T1``. ``ValueError`` if already resident: the state and
         the policy disagree."""
-        if block_hash in self._t1 or block_hash in self._t2:
-            raise ValueError(f"block hash {block_hash} is already resident in the arc policy")
-        b1, b2 = self._b1, self._b2
-        if block_hash in b1:
-            # the step is computed with the hit still counted in B1, as in the paper
-            self._p = min(self.capacity, self._p + max(1, len(b2) // len(b1)))
-            del b1[block_hash]
-            self._t2[block_hash] = None
-        elif block_hash in b2:
-            self._p = max(0, self._p - max(1, len(b1) // len(b2)))
-            del b2[block_hash]
-            self._t2[block_hash] = None
-        else:
-            self._t1[block_hash] = None
-            self._trim_ghosts()
+        self._insert((block_hash,))
 
     def touch(self, block_hash: int) -> None:
         """The most recent of ``T2``. ``KeyError`` if not resident."""
-        if block_hash in self._t1:
-            del self._t1[block_hash]
-            self._t2[block_hash] = None
-        else:
-            self._t2.move_to_end(block_hash)
+        self._touch((block_hash,))
 
     def refresh(self, block_hash: int) -> None:
         """The most recent of its own list (T1 stays T1). ``KeyError`` if not resident."""
-        if block_hash in self._t1:
-            self._t1.move_to_end(block_hash)
-        else:
-            self._t2.move_to_end(block_hash)
+        self._refresh((block_hash,))
 
     def remove(self, block_hash: int) -> None:
         """Remembered in ``B1`` or ``B2``, so a quick return adapts ``p``. ``KeyError`` if
         not resident."""
-        if block_hash in self._t1:
-            del self._t1[block_hash]
-            self._b1[block_hash] = None
-        else:
-            del self._t2[block_hash]
-            self._b2[block_hash] = None
-        # Moving T -> B keeps |T1| + |B1| and the total, so the bounds still hold unless the
-        # residents alone exceeded the capacity (a state that overfilled the tier).
-        if len(self._t1) + len(self._t2) >= self.capacity:
-            self._trim_ghosts()
+        self._remove((block_hash,))
+
+    def insert_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._insert(hashes)
+        except AlreadyResident as exc:
+            raise self._failed("insert", exc.args[0], exc) from exc
+
+    def touch_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._touch(hashes)
+        except KeyError as exc:
+            raise self._failed("touch", exc.args[0], exc) from exc
+
+    def refresh_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._refresh(hashes)
+        except KeyError as exc:
+            raise self._failed("refresh", exc.args[0], exc) from exc
+
+    def remove_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._remove(hashes)
+        except KeyError as exc:
+            raise self._failed("remove", exc.args[0], exc) from exc
+
+    def _insert(self, hashes: tuple[int, ...]) -> None:
+        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
+        for block_hash in hashes:
+            if block_hash in t1 or block_hash in t2:
+                raise AlreadyResident(block_hash)
+            if block_hash in b1:
+                # the step is computed with the hit still counted in B1, as in the paper
+                self._p = min(capacity, self._p + max(1, len(b2) // len(b1)))
+                del b1[block_hash]
+                t2[block_hash] = None
+            elif block_hash in b2:
+                self._p = max(0, self._p - max(1, len(b1) // len(b2)))
+                del b2[block_hash]
+                t2[block_hash] = None
+            else:
+                t1[block_hash] = None
+                self._trim_ghosts()
+
+    def _touch(self, hashes: tuple[int, ...]) -> None:
+        t1, t2 = self._t1, self._t2
+        for block_hash in hashes:
+            if block_hash in t1:
+                del t1[block_hash]
+                t2[block_hash] = None
+            else:
+                t2.move_to_end(block_hash)
+
+    def _refresh(self, hashes: tuple[int, ...]) -> None:
+        t1, t2 = self._t1, self._t2
+        for block_hash in hashes:
+            if block_hash in t1:
+                t1.move_to_end(block_hash)
+            else:
+                t2.move_to_end(block_hash)
+
+    def _remove(self, hashes: tuple[int, ...]) -> None:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        for block_hash in hashes:
+            if block_hash in t1:
+                del t1[block_hash]
+                b1[block_hash] = None
+            else:
+                del t2[block_hash]
+                b2[block_hash] = None
+            # Moving T -> B keeps |T1| + |B1| and the total, so the bounds still hold unless
+            # the residents alone exceeded the capacity (a state that overfilled the tier).
+            if len(t1) + len(t2) >= self.capacity:
+                self._trim_ghosts()
 
     def _trim_ghosts(self) -> None:
         """Drop the oldest ghosts until the directory bounds hold (module docstring): B1's
         for ``|T1| + |B1| <= capacity``, then B2's (B1's once B2 is empty) for the total."""
-        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
-        while b1 and len(t1) + len(b1) > capacity:
+        b1, b2, capacity = self._b1, self._b2, self.capacity
+        n1, n2, m1, m2 = len(self._t1), len(self._t2), len(b1), len(b2)
+        while m1 and n1 + m1 > capacity:
             b1.popitem(False)  # (the oldest)
-        while (b1 or b2) and len(t1) + len(t2) + len(b1) + len(b2) > 2 * capacity:
-            (b2 or b1).popitem(False)
+            m1 -= 1
+        while (m1 or m2) and n1 + n2 + m1 + m2 > 2 * capacity:
+            if m2:
+                b2.popitem(False)
+                m2 -= 1
+            else:
+                b1.popitem(False)
+                m1 -= 1
 
     def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
         """The paper's REPLACE choice made ``num_blocks`` times: ``T1``'s coldest while
         ``|T1|`` (less the victims taken from it) exceeds ``p``, else ``T2``'s coldest; when
-        the preferred list has nothing evictable left, the other's. Does not mutate."""
+        the preferred list has nothing evictable left, the other's. Does not mutate.
+
+        So the choices come in three runs: ``T1``'s coldest evictable, until ``|T1|`` is
+        down to ``p``; then ``T2``'s; then, if ``T2`` had too few, ``T1``'s next ones."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._t1) + len(self._t2):
             return None
         cold1 = filterfalse(pinned, self._t1)  # each list's evictable entries, coldest first
         cold2 = filterfalse(pinned, self._t2)
-        next1, next2 = next(cold1, None), next(cold2, None)
-        t1_left = len(self._t1)
-        chosen: list[int] = []
-        while len(chosen) < num_blocks:
-            if next1 is not None and (t1_left > self._p or next2 is None):
-                chosen.append(next1)
-                t1_left -= 1
-                next1 = next(cold1, None)
-            elif next2 is not None:
-                chosen.append(next2)
-                next2 = next(cold2, None)
-            else:
-                return None
-        return chosen
+        chosen = list(islice(cold1, min(num_blocks, max(0, len(self._t1) - self._p))))
+        chosen += islice(cold2, num_blocks - len(chosen))
+        chosen += islice(cold1, num_blocks - len(chosen))
+        return chosen if len(chosen) == num_blocks else None
 
     def resident(self) -> list[int]:
         """``T1`` then ``T2``, each coldest first."""
@@ -170,3 +218,4 @@ class ARCPolicy(Policy):
             f"ARCPolicy(capacity={self.capacity}, p={self._p}, t1={len(self._t1)}, "
             f"t2={len(self._t2)}, b1={len(self._b1)}, b2={len(self._b2)})"
         )
+

@@ -9,7 +9,9 @@ those, and checks every ``victims`` answer before acting on it (``PolicyError`` 
 
 A policy must be deterministic (no clock, no randomness, no iteration of a set), or a trace
 would not re-decide the same. The bulk forms the state calls, one call per event, apply the
-single-block method to each hash in order; they are written once, here.
+single-block method to each hash in order; they are written once, here. The built-in policies
+write their own, each rule once over a run of hashes (docs/performance.md, "Policies"); a
+subclass that redefines a single-block method gets this loop for its bulk form again.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ class Policy(ABC):
 
     def __init__(self, capacity: int) -> None:
         """``capacity``: the tier's size in blocks (a policy may ignore it)."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """A bulk form applies the class's own single-block method: a class that redefines
+        one without its bulk form gets the loop below for it, whatever its parent had (a
+        built-in policy's bulk forms are written for its own single-block methods)."""
+        super().__init_subclass__(**kwargs)
+        for single, bulk in _BULK_FORMS.items():
+            if single in cls.__dict__ and bulk not in cls.__dict__:
+                setattr(cls, bulk, getattr(Policy, bulk))
 
     @abstractmethod
     def insert(self, block_hash: int) -> None:
@@ -114,6 +125,18 @@ class Policy(ABC):
 
     def _failed(self, method: str, block_hash: int, exc: Exception) -> PolicyError:
         return PolicyError(f"policy {policy_name(self)!r}: {method}({block_hash}) raised {one_line(exc)}")
+
+
+class AlreadyResident(ValueError):
+    """An insert of a block the policy holds already (``args[0]``, its hash): the state and the
+    policy disagree, and keeping the old place would corrupt the order."""
+
+    def __str__(self) -> str:
+        return f"block hash {self.args[0]} is already resident"
+
+
+_BULK_FORMS = {"insert": "insert_many", "touch": "touch_many", "refresh": "refresh_many", "remove": "remove_many"}
+"""Each single-block method the state calls and its bulk form."""
 
 
 def policy_name(policy: object) -> str:

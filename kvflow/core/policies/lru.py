@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from itertools import filterfalse, islice
 
-from kvflow.core.policies.base import Policy
+from kvflow.core.policies.base import AlreadyResident, Policy
 
 
 class LRUPolicy(Policy):
@@ -29,23 +29,74 @@ class LRUPolicy(Policy):
         """LRU keeps nothing beyond the residents, so it does not need ``capacity``."""
         self._order: OrderedDict[int, None] = OrderedDict()  # the keys, coldest first
 
+    # Each rule is written once, over a run of hashes: the state calls the bulk forms, one
+    # call per event, and a single-block method is its run of one (docs/performance.md,
+    # "Policies"). A run that meets a hash it cannot take raises ``KeyError(hash)`` or
+    # ``AlreadyResident(hash)``, which the bulk forms turn into a PolicyError naming it.
+
     def insert(self, block_hash: int) -> None:
-        """The most recent. ``ValueError`` if already resident: the state and the policy
-        disagree, and keeping the old place would corrupt the order."""
-        if block_hash in self._order:
-            raise ValueError(f"block hash {block_hash} is already resident in the lru policy")
-        self._order[block_hash] = None
+        """The most recent. ``ValueError`` if already resident."""
+        self._insert((block_hash,))
 
     def touch(self, block_hash: int) -> None:
         """The most recent. ``KeyError`` if not resident."""
-        self._order.move_to_end(block_hash)
+        self._move_to_end((block_hash,))
 
     # LRU has no notion of frequency: a reorder is a touch
     refresh = touch
 
     def remove(self, block_hash: int) -> None:
         """``KeyError`` if not resident."""
-        del self._order[block_hash]
+        self._remove((block_hash,))
+
+    def insert_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._insert(hashes)
+        except AlreadyResident as exc:
+            raise self._failed("insert", exc.args[0], exc) from exc
+
+    def touch_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._move_to_end(hashes)
+        except KeyError as exc:
+            raise self._failed("touch", exc.args[0], exc) from exc
+
+    def refresh_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._move_to_end(hashes)
+        except KeyError as exc:
+            raise self._failed("refresh", exc.args[0], exc) from exc
+
+    def remove_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._remove(hashes)
+        except KeyError as exc:
+            raise self._failed("remove", exc.args[0], exc) from exc
+
+    def _insert(self, hashes: tuple[int, ...]) -> None:
+        """All or nothing: a hash resident already, or named twice, changes nothing."""
+        order = self._order
+        before = len(order)
+        for block_hash in hashes:
+            order[block_hash] = None  # (a resident one keeps its place: the count falls short)
+        if len(order) != before + len(hashes):
+            while len(order) > before:  # the new ones, the newest, are taken back
+                order.popitem()
+            seen: set[int] = set()
+            for block_hash in hashes:
+                if block_hash in order or block_hash in seen:
+                    raise AlreadyResident(block_hash)
+                seen.add(block_hash)
+
+    def _move_to_end(self, hashes: tuple[int, ...]) -> None:
+        move_to_end = self._order.move_to_end
+        for block_hash in hashes:
+            move_to_end(block_hash)
+
+    def _remove(self, hashes: tuple[int, ...]) -> None:
+        order = self._order
+        for block_hash in hashes:
+            del order[block_hash]
 
     def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
         """The ``num_blocks`` coldest hashes that are not ``pinned``, coldest first."""
@@ -75,3 +126,4 @@ class LRUPolicy(Policy):
 
     def __repr__(self) -> str:
         return f"LRUPolicy(resident={len(self)})"
+

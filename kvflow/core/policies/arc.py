@@ -109,9 +109,16 @@ class ARCPolicy(Policy):
 
     def _insert(self, hashes: tuple[int, ...]) -> None:
         t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
+        # First sightings trim the ghosts once per run rather than once each: the same oldest
+        # ghosts go either way (no ghost is added meanwhile), but a trim still owed must happen
+        # before a ghost is looked up, since it may drop that very ghost.
+        owed = False
         for block_hash in hashes:
             if block_hash in t1 or block_hash in t2:
                 raise AlreadyResident(block_hash)
+            if owed and (block_hash in b1 or block_hash in b2):
+                self._trim_ghosts()
+                owed = False
             if block_hash in b1:
                 # the step is computed with the hit still counted in B1, as in the paper
                 self._p = min(capacity, self._p + max(1, len(b2) // len(b1)))
@@ -123,7 +130,9 @@ class ARCPolicy(Policy):
                 t2[block_hash] = None
             else:
                 t1[block_hash] = None
-                self._trim_ghosts()
+                owed = True
+        if owed:
+            self._trim_ghosts()
 
     def _touch(self, hashes: tuple[int, ...]) -> None:
         t1, t2 = self._t1, self._t2

@@ -24,6 +24,7 @@ from kvflow.core.commands import (
     BlocksComputed,
     Command,
     DeviceBlocksEvicting,
+    DiskRestored,
     EndFences,
     Evict,
     FinishRequest,
@@ -47,6 +48,7 @@ from kvflow.core.decide.jobs import (
     decide_reset,
     decide_tick,
 )
+from kvflow.core.decide.disk import decide_disk_restored
 from kvflow.core.decide.lookup import decide_accept_hits, decide_lookup
 from kvflow.core.decide.remote import decide_remote_found
 from kvflow.core.decide.store import (
@@ -76,6 +78,7 @@ DECIDERS: dict[type, Decider] = {
     Invalidate: decide_invalidate,
     EndFences: decide_end_fences,
     RemoteFound: decide_remote_found,
+    DiskRestored: decide_disk_restored,
 }
 
 

@@ -19,15 +19,15 @@ import pytest
 from kvflow.core.config import Config
 from kvflow.core.errors import IllegalTransition
 from kvflow.core.events import (
-    DiskEvicted,
-    DiskIndexed,
-    DiskLoadQueued,
-    DiskStoreQueued,
     EVENT_TYPES,
     BlocksCorrupt,
     BlocksEvicted,
     BlocksTouched,
     ChainExtended,
+    DiskEvicted,
+    DiskIndexed,
+    DiskLoadQueued,
+    DiskStoreQueued,
     Event,
     FenceLifted,
     JobCompleted,

@@ -39,6 +39,7 @@ from kvflow.core.commands import (
     Touch,
 )
 from kvflow.core.decide.checks import Emit
+from kvflow.core.decide.disk import decide_disk_restored
 from kvflow.core.decide.jobs import (
     decide_end_fences,
     decide_finish,
@@ -48,7 +49,6 @@ from kvflow.core.decide.jobs import (
     decide_reset,
     decide_tick,
 )
-from kvflow.core.decide.disk import decide_disk_restored
 from kvflow.core.decide.lookup import decide_accept_hits, decide_lookup
 from kvflow.core.decide.remote import decide_remote_found
 from kvflow.core.decide.store import (

@@ -82,7 +82,7 @@ _SUBMIT_OTHER = entry_move(RESIDENT, "jobs_submitted")
 
 def _add_job(
     state: State,
-    event: StoreQueued | LoadQueued | RemoteLoadQueued | RemoteStoreQueued | DiskLoadQueued | DiskStoreQueued,
+    event: lg.QueuedJob,
     direction: Direction,
     tag: str,
     request_id: str | None,

@@ -20,7 +20,6 @@ from kvflow.core.events import (
     event_name,
 )
 from kvflow.core.state.model import Job, State
-
 from kvflow.core.state.tables import (
     ABSENT,
     BLOCK_TRANSITIONS,

@@ -78,8 +78,9 @@ def engine_thread_cost(url: str, payload: int, requests: int, blocks: int) -> di
     from kvflow.engine.sync import SyncEngine
     from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
     from kvflow.tiers.entry import Layout
+    from kvflow.tiers.host_slots import SlotPages
     from kvflow.tiers.redis_store import RedisBlockStore, connect
-    from kvflow.tiers.remote_executor import RemoteTierExecutor, SlotPages
+    from kvflow.tiers.remote_executor import RemoteTierExecutor
 
     cpu_blocks = requests * blocks
     slots = SlotPages([np.zeros((cpu_blocks, payload), np.uint8)])

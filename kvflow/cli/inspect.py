@@ -254,6 +254,9 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
     )
     if "remote_index" in state:
         click.echo(f"  remote tier: {len(state['remote_index'])} blocks known there {few(state['remote_index'], 8)}")
+    if "disk_index" in state:
+        on_disk = [e["hash"] for e in state["disk_index"]]
+        click.echo(f"  disk tier: {len(on_disk)} blocks, {state['disk_free_slots']} slots free {few(on_disk, 8)}")
     if state["entries"]:
         table = Table(title="entries (by slot)", title_justify="left")
         for column in ("slot", "hash", "state", "pins", "job"):

@@ -128,6 +128,14 @@ class RemoteFound(_Command, frozen=True, tag="remote_found"):
     block_hashes: Hashes
 
 
+class DiskRestored(_Command, frozen=True, tag="disk_restored"):
+    """The disk tier's journal vouches for these entries (``disk_slots[i]`` holds
+    ``block_hashes[i]``), written by an earlier run: index them (a warm restart)."""
+
+    block_hashes: Hashes
+    disk_slots: Blocks
+
+
 Command = Union[
     Lookup,
     AcceptHits,
@@ -144,6 +152,7 @@ Command = Union[
     Invalidate,
     EndFences,
     RemoteFound,
+    DiskRestored,
 ]
 
 COMMAND_TYPES: tuple[type, ...] = get_args(Command)

@@ -16,6 +16,11 @@ STORE_MODES = ("eager", "lazy")
 REMOTE_STORE_MODES = ("write_through", "ahead_of_eviction")
 # The most remote-tier hashes a state remembers (its remote index costs ~100 bytes a hash)
 MAX_REMOTE_BLOCKS = 1 << 26
+# When blocks go to the disk tier: when they come near eviction from the CPU tier (spill: the
+# policy's coldest, before their slot is reused), or as soon as their CPU-tier store completes
+DISK_STORE_MODES = ("ahead_of_eviction", "write_through")
+# The most disk-tier entries (a 30 TB disk holds about 15 M blocks of 2 MiB)
+MAX_DISK_BLOCKS = 1 << 28
 # Rank acknowledgements are kept as a bit mask that traces record as a 64-bit integer.
 MAX_WORLD_SIZE = 64
 
@@ -32,6 +37,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     ``remote_blocks`` turns on the remote tier behind the CPU tier (``kvflow.tiers``): the
     most remote hashes kvflow remembers (oldest forgotten first); ``0``: no remote tier.
     ``remote_store_mode`` says when blocks are copied there.
+    ``disk_blocks`` turns on the disk tier behind the CPU tier (``kvflow.tiers.disk_executor``):
+    its capacity in blocks, whose slots kvflow assigns (the least recently used entry goes
+    first); ``0``: no disk tier. ``disk_store_mode`` says when blocks are copied there.
     ``chain_recency`` (a logic flag): kvflow keeps each request's chain (the full-block
     hashes its lookups and stores name, in prefix order) and applies the chain's recency
     itself (F14; docs/simulate.md, rules 2 and 4): ``accept_hits`` touches the hits it loads deepest
@@ -49,6 +57,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     remote_blocks: int = 0
     remote_store_mode: str = "write_through"
     chain_recency: bool = True
+    disk_blocks: int = 0
+    disk_store_mode: str = "ahead_of_eviction"
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -61,10 +71,16 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     def remote(self) -> bool:
         return self.remote_blocks > 0
 
+    @property
+    def disk(self) -> bool:
+        return self.disk_blocks > 0
+
     def to_dict(self) -> dict[str, Any]:
         out = msgspec.structs.asdict(self)
         if not self.remote:  # (traces without a remote tier keep the header they always had)
             del out["remote_blocks"], out["remote_store_mode"]
+        if not self.disk:
+            del out["disk_blocks"], out["disk_store_mode"]
         return out
 
 
@@ -111,6 +127,16 @@ def validate_config(config: Config) -> None:
         raise ConfigError(
             f"remote_store_mode must be one of {', '.join(REMOTE_STORE_MODES)}, "
             f"got {config.remote_store_mode!r}"
+        )
+    if not is_int(config.disk_blocks) or not 0 <= config.disk_blocks <= MAX_DISK_BLOCKS:
+        raise ConfigError(
+            f"disk_blocks must be a whole number within 0..{MAX_DISK_BLOCKS:,} "
+            f"(0: no disk tier), got {config.disk_blocks!r}"
+        )
+    if config.disk_store_mode not in DISK_STORE_MODES:
+        raise ConfigError(
+            f"disk_store_mode must be one of {', '.join(DISK_STORE_MODES)}, "
+            f"got {config.disk_store_mode!r}"
         )
     if type(config.chain_recency) is not bool:
         raise ConfigError(f"chain_recency must be true or false, got {config.chain_recency!r}")

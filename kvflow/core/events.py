@@ -85,6 +85,44 @@ class RemoteIndexed(_Event, frozen=True, tag="remote_indexed"):
     hashes: Hashes
 
 
+class DiskLoadQueued(_Event, frozen=True, tag="disk_load_queued"):
+    """A disk load was queued: blocks the disk tier holds (in ``disk_slots``) and the CPU tier
+    lacks each take the listed host slot (STORE_QUEUED); like a store's, they become visible
+    only when the job completes. The disk slots are read until the job ends."""
+
+    job_id: int
+    hashes: Hashes
+    slots: Blocks
+    disk_slots: Blocks
+
+
+class DiskStoreQueued(_Event, frozen=True, tag="disk_store_queued"):
+    """Resident entries are copied from their host slots to the listed free disk slots. The
+    job pins them until it is terminal; the blocks join the disk index when it completes."""
+
+    job_id: int
+    hashes: Hashes
+    slots: Blocks
+    disk_slots: Blocks
+
+
+class DiskEvicted(_Event, frozen=True, tag="disk_evicted"):
+    """Entries left the disk tier's index to free their slots (the least recently used
+    first), or because a load found them unusable (``reason``)."""
+
+    hashes: Hashes
+    disk_slots: Blocks
+    reason: str = "capacity"
+
+
+class DiskIndexed(_Event, frozen=True, tag="disk_indexed"):
+    """At start, the disk tier's journal vouched for these entries (a previous run stored
+    them): they join the disk index in these slots, and lookups can load them."""
+
+    hashes: Hashes
+    disk_slots: Blocks
+
+
 class JobsSubmitted(_Event, frozen=True, tag="jobs_submitted"):
     """Queued jobs were handed to the executor (queued -> in_flight), once each (F5).
 
@@ -314,6 +352,10 @@ Event = Union[
     RemoteStoreQueued,
     RemoteIndexed,
     ChainExtended,
+    DiskLoadQueued,
+    DiskStoreQueued,
+    DiskEvicted,
+    DiskIndexed,
 ]
 
 EVENT_TYPES: tuple[type, ...] = get_args(Event)

@@ -13,13 +13,18 @@ import msgspec
 # store / load: device <-> host slots. remote_load: the remote tier -> host slots (a CPU-tier
 # entry filled like a store: visible when it completes); remote_store: host slots -> the remote
 # tier (the entries stay resident, pinned by the job while it reads their slots).
-Direction = Literal["store", "load", "remote_store", "remote_load"]
+# disk_load / disk_store: the same between host slots and the disk tier's slots (``disk_slots``).
+Direction = Literal["store", "load", "remote_store", "remote_load", "disk_store", "disk_load"]
 STORE: Direction = "store"
 LOAD: Direction = "load"
 REMOTE_STORE: Direction = "remote_store"
 REMOTE_LOAD: Direction = "remote_load"
+DISK_STORE: Direction = "disk_store"
+DISK_LOAD: Direction = "disk_load"
 # jobs whose entries are pending (STORE_QUEUED / STORING) until they complete
-FILLING: tuple[str, ...] = (STORE, REMOTE_LOAD)
+FILLING: tuple[str, ...] = (STORE, REMOTE_LOAD, DISK_LOAD)
+# jobs that read resident entries' host slots for a lower tier, pinning them meanwhile
+COPYING_DOWN: tuple[str, ...] = (REMOTE_STORE, DISK_STORE)
 
 Hashes = tuple[int, ...]
 Blocks = tuple[int, ...]
@@ -63,7 +68,8 @@ def ranks_missing(mask: int, world_size: int) -> tuple[int, ...]:
 
 # gc=False: a job holds only scalars and tuples of them (see events.py)
 class TransferJob(msgspec.Struct, frozen=True, gc=False):
-    """What an executor is asked to do: copy ``device_blocks[i]`` <-> host ``slots[i]``."""
+    """What an executor is asked to do: copy ``device_blocks[i]`` <-> host ``slots[i]``, or
+    for a disk job, host ``slots[i]`` <-> the disk tier's ``disk_slots[i]``."""
 
     job_id: int
     direction: Direction
@@ -71,3 +77,4 @@ class TransferJob(msgspec.Struct, frozen=True, gc=False):
     slots: Blocks
     hashes: Hashes = ()
     request_id: str | None = None
+    disk_slots: Blocks = ()

@@ -31,6 +31,7 @@ from kvflow.core.commands import (
     BlocksComputed,
     Command,
     DeviceBlocksEvicting,
+    DiskRestored,
     EndFences,
     Evict,
     FinishRequest,
@@ -389,6 +390,15 @@ class OffloadManager:
         """A probe found these blocks on the remote tier: lookups that miss the CPU tier on
         them load them from there. Returns how many were new to the remote index."""
         answer = self.execute(RemoteFound(block_hashes=bd.hashes(block_hashes)))
+        return int(answer)
+
+    def disk_restored(self, entries: Sequence[tuple[int, int]]) -> int:
+        """A warm restart: the disk tier's journal vouches for these ``(disk slot, block hash)``
+        entries; lookups that miss the CPU tier on them load them from disk. Returns how many
+        joined the disk index (an entry whose slot or block is taken already is skipped)."""
+        slots = bd.ints([s for s, _ in entries], "disk slots")
+        hashes = bd.hashes([h for _, h in entries])
+        answer = self.execute(DiskRestored(block_hashes=hashes, disk_slots=slots))
         return int(answer)
 
     def remote_probe_candidates(

@@ -39,6 +39,10 @@ _COUNTERS = (
     ("blocks_rejected", "kvflow_rejected_blocks", "Blocks a store could not admit (tier full)"),
     ("bytes_stored", "kvflow_stored_bytes", "Bytes stored to the CPU tier"),
     ("bytes_loaded", "kvflow_loaded_bytes", "Bytes loaded from the CPU tier"),
+    ("disk_blocks_stored", "kvflow_disk_stored_blocks", "Blocks copied to the disk tier"),
+    ("disk_blocks_loaded", "kvflow_disk_loaded_blocks", "Blocks loaded from the disk tier into host slots"),
+    ("disk_blocks_restored", "kvflow_disk_restored_blocks", "Blocks a warm restart found on the disk tier"),
+    ("disk_degraded", "kvflow_disk_degraded", "Times the disk tier turned degraded"),
 )
 
 # seconds; a pinned copy of one block takes tens of µs, a big job up to its deadline
@@ -97,6 +101,17 @@ class PrometheusMetrics:
         jobs.add_metric(["fenced"], len(state.jobs) - live)
         yield jobs
         yield GaugeMetricFamily("kvflow_pinned_blocks", "Blocks pinned by lookups and loads", value=len(state.pin_count))
+        disk = state.disk
+        if disk is not None:
+            on_disk = GaugeMetricFamily("kvflow_disk_tier_blocks", "Slots of the disk tier by what holds them", labels=["state"])
+            on_disk.add_metric(["indexed"], len(disk.slot_of))
+            on_disk.add_metric(["free"], len(disk.free))
+            on_disk.add_metric(["in_use"], len(disk.busy))
+            yield on_disk
+            yield GaugeMetricFamily(
+                "kvflow_disk_tier_degraded", "1 while the disk tier reports a problem (full, read-only, failing)",
+                value=int(self._engine.watch.disk_problem is not None),
+            )  # fmt: skip
 
     def describe(self) -> list[Any]:
         return []  # (the families are known only at scrape time; no up-front registration check)

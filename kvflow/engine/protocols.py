@@ -76,6 +76,23 @@ class ProbesRemoteTier(Protocol):
     def take_found(self) -> list[int]: ...
 
 
+@runtime_checkable
+class ServesDiskTier(Protocol):
+    """An executor that runs the disk tier's jobs (``disk_store`` / ``disk_load``):
+    ``disk_entries`` lists what the tier held when it was opened, ``(disk slot, block hash)``
+    pairs its journal vouches for (a warm restart; the engine indexes them when it is built);
+    ``disk_problem`` says what is wrong with the tier now (a full or read-only file system, a
+    file gone or failing), or None. A config with a disk tier (``disk_blocks > 0``) needs it,
+    with exactly ``disk_blocks`` slots."""
+
+    @property
+    def disk_slots(self) -> int: ...
+
+    def disk_entries(self) -> list[tuple[int, int]]: ...
+
+    def disk_problem(self) -> str | None: ...
+
+
 def check_executor(config: Config, executor: object) -> None:
     """Refuse (``ConfigError``, one line) an executor that is not one, or that lacks an
     ability ``config`` needs, or whose host pool does not match ``config``."""
@@ -92,6 +109,18 @@ def check_executor(config: Config, executor: object) -> None:
             f"config remote_blocks={config.remote_blocks} needs an executor that probes a remote tier "
             f"(probe, take_found); {type(executor).__name__} does not: wrap it with kvflow.tiers.redis_store.redis_tier"
         )
+    if config.disk:
+        if not isinstance(executor, ServesDiskTier):
+            raise ConfigError(
+                f"config disk_blocks={config.disk_blocks} needs an executor that serves a disk tier "
+                f"(disk_slots, disk_entries, disk_problem); {type(executor).__name__} does not: "
+                "wrap it with kvflow.tiers.disk_executor.disk_tier"
+            )
+        if executor.disk_slots != config.disk_blocks:
+            raise ConfigError(
+                f"config disk_blocks={config.disk_blocks} but the executor's disk tier has {executor.disk_slots} "
+                "slots: build both from the same number"
+            )
 
 
 @runtime_checkable

@@ -20,6 +20,7 @@ from kvflow.engine.protocols import (
     KeepsTime,
     KnowsBlockBytes,
     ProbesRemoteTier,
+    ServesDiskTier,
     check_executor,
 )
 from kvflow.engine.watch import EngineWatch
@@ -102,6 +103,13 @@ class SyncEngine:
         self.counters = self.watch.counters
         self.latencies = self.watch.latencies
         self.closed = False
+        # the disk tier (None without one): what it held at start is indexed now (a warm
+        # restart), and what goes wrong with it is watched at every step
+        self._disk = executor if config.disk and isinstance(executor, ServesDiskTier) else None
+        if self._disk is not None:
+            restored = self._disk.disk_entries()
+            if restored:
+                self.counters.disk_blocks_restored += self.manager.disk_restored(restored)
 
     @property
     def executor(self) -> Executor:
@@ -215,6 +223,8 @@ class SyncEngine:
             watch.watch_fences(now)
         if watch.pinned_since:
             watch.watch_pins(now)
+        if self._disk is not None:
+            watch.watch_disk(self._disk.disk_problem())
         return report
 
     def apply_results(self, results: Sequence[JobResult]) -> None:

@@ -24,7 +24,7 @@ from kvflow.core.events import (
     StoreRejected,
     event_name,
 )
-from kvflow.core.jobs import LOAD, REMOTE_STORE, STORE
+from kvflow.core.jobs import DISK_STORE, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.engine.manager import OffloadManager
 
 
@@ -57,6 +57,14 @@ class Counters:
     remote_blocks_loaded: int = 0
     remote_bytes_stored: int = 0
     remote_bytes_loaded: int = 0
+    # the disk tier: blocks and bytes its completed jobs moved, blocks a warm restart brought
+    # back, and the times it turned degraded (a full or read-only file system, a file gone...)
+    disk_blocks_stored: int = 0
+    disk_blocks_loaded: int = 0
+    disk_bytes_stored: int = 0
+    disk_bytes_loaded: int = 0
+    disk_blocks_restored: int = 0
+    disk_degraded: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -129,6 +137,7 @@ class EngineWatch:
         self.fence_warn_ms = fence_warn_ms
         # request -> when its lookups started holding hits it has not accepted or released
         self.pinned_since: dict[str, float] = {}
+        self.disk_problem: str | None = None  # what is wrong with the disk tier now
         self._pins_warned: set[str] = set()
         self.pin_warn_ms = pin_warn_ms
         self._subscribe()
@@ -238,13 +247,20 @@ class EngineWatch:
             c.blocks_loaded += n
             c.bytes_loaded += n * self.bytes_per_block
             c.hit_tokens += n * self.config.block_tokens  # only loads that landed
-        else:  # the remote tier's jobs (no device copy: no latency sample)
+        else:  # the lower tiers' jobs (no device copy: no latency sample)
+            moved = n * self.bytes_per_block
             if direction == REMOTE_STORE:
                 c.remote_blocks_stored += n
-                c.remote_bytes_stored += n * self.bytes_per_block
-            else:
+                c.remote_bytes_stored += moved
+            elif direction == REMOTE_LOAD:
                 c.remote_blocks_loaded += n
-                c.remote_bytes_loaded += n * self.bytes_per_block
+                c.remote_bytes_loaded += moved
+            elif direction == DISK_STORE:
+                c.disk_blocks_stored += n
+                c.disk_bytes_stored += moved
+            else:
+                c.disk_blocks_loaded += n
+                c.disk_bytes_loaded += moved
             return
         if started is not None:
             self.latencies.add(direction, self.clock() - started)
@@ -280,6 +296,20 @@ class EngineWatch:
     def _latency(self, direction: str, started: float) -> None:
         if direction == STORE or direction == LOAD:  # (device copies only)
             self.latencies.add(direction, self.clock() - started)
+
+    def watch_disk(self, problem: str | None) -> None:
+        """The disk tier's health, read at every step: turning degraded is counted and
+        logged once (``kvflow.disk_degraded``), recovering is logged (``kvflow.disk_recovered``).
+        Meanwhile its jobs fail and the CPU tier serves on its own."""
+        if problem == self.disk_problem:
+            return
+        if problem is not None:
+            if self.disk_problem is None:
+                self.counters.disk_degraded += 1
+            self.log.warning("kvflow.disk_degraded", problem=problem)
+        else:
+            self.log.info("kvflow.disk_recovered", was=self.disk_problem)
+        self.disk_problem = problem
 
     def _on_evicted(self, event: BlocksEvicted) -> None:
         self.counters.blocks_evicted += len(event.hashes)

@@ -13,6 +13,11 @@ one after another, a per-job latency plus bytes over bandwidth, and faults:
   deadline reports late: that result lifts its fence, F15);
 * ``fail_rank``: with several ranks, which rank reports the failure (others succeed).
 
+With ``disk`` (a ``TransferModel`` of the disk: its bandwidth and per-job latency) and
+``disk_slots``, it also serves a simulated disk tier: disk stores and loads run on two more
+streams, one per direction, taking the disk model's time for their blocks (the bytes are not
+kept: the decisions say what the disk holds). Faults apply to them as to any job.
+
 Deterministic for a seed. Reads time only from the clock it is given.
 """
 
@@ -29,10 +34,12 @@ from typing import Any
 
 from kvflow.core.commands import JobResult
 from kvflow.core.errors import ConfigError, Rejected, UnknownJob
-from kvflow.core.jobs import TransferJob
+from kvflow.core.jobs import DISK_LOAD, DISK_STORE, LOAD, STORE, TransferJob
 from kvflow.core.values import is_int
 
 _job_id = operator.attrgetter("job_id")
+# one copy stream per direction: the link's two, and the disk's two
+_STREAMS = (STORE, LOAD, DISK_STORE, DISK_LOAD)
 
 
 class VirtualClock:
@@ -146,7 +153,7 @@ class SimStats:
     bytes: int = 0
     faults_injected: int = 0
     hung: int = 0
-    busy_ms: dict[str, float] = field(default_factory=lambda: {"store": 0.0, "load": 0.0})
+    busy_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_STREAMS, 0.0))
 
 
 class SimulatedExecutor:
@@ -166,6 +173,8 @@ class SimulatedExecutor:
         slow_by_ms: float = 0.0,
         fail_rank: int = 0,
         error_text: str = "simulated transfer failure",
+        disk: TransferModel | None = None,
+        disk_slots: int = 0,
     ) -> None:
         if not 0.0 <= fault_rate <= 1.0:
             raise ConfigError(f"fault_rate must be within 0..1, got {fault_rate}")
@@ -191,7 +200,12 @@ class SimulatedExecutor:
         self.error_text = error_text
         self.stats = SimStats()
         self._ordinal = 0
-        self._stream_free_ms = {"store": 0.0, "load": 0.0}
+        self._stream_free_ms = dict.fromkeys(_STREAMS, 0.0)
+        self.disk = disk
+        if not is_int(disk_slots) or disk_slots < 0 or (disk_slots > 0 and disk is None):
+            raise ConfigError(f"disk_slots must be a whole number >= 0, with a disk model, got {disk_slots!r}")
+        self._disk_slots = disk_slots
+        self._disk_durations: dict[int, float] = {}
         self._heap: list[tuple[float, int, int]] = []  # (done_ms, ordinal, job_id)
         self._pending: dict[int, tuple[float, bool]] = {}  # job -> (done_ms, fails)
         self._known = _IdSet()  # every id ever submitted (F5), in bounded memory
@@ -202,6 +216,8 @@ class SimulatedExecutor:
         across directions, not within one)."""
         if not jobs:
             return
+        if self.disk is None and any(job.disk_slots for job in jobs):
+            raise Rejected("a disk job, but this simulated executor has no disk model")
         now = self.clock.now_ms
         known = self._known
         ids = list(map(_job_id, jobs))
@@ -218,12 +234,16 @@ class SimulatedExecutor:
         blocks_total = 0
         for job, job_id in zip(jobs, ids):
             direction, blocks = job.direction, len(job.device_blocks)
-            blocks_total += blocks
             self._ordinal = ordinal = self._ordinal + 1
             free = stream_free[direction]
-            duration = durations.get(blocks)
-            if duration is None:  # (a job's size recurs: its duration is worked out once)
-                duration = durations[blocks] = model.duration_ms(blocks)
+            if job.disk_slots:
+                duration = self._disk_duration(len(job.hashes))
+            else:
+                blocks_total += blocks
+                known_duration = durations.get(blocks)
+                if known_duration is None:  # (a job's size recurs: its duration is worked out once)
+                    known_duration = durations[blocks] = model.duration_ms(blocks)
+                duration = known_duration
             done = max(now, free) + duration
             if injects_faults:
                 fails, slow, hangs = self._faults(ordinal)
@@ -246,6 +266,26 @@ class SimulatedExecutor:
         stats.jobs += len(jobs)
         stats.blocks += blocks_total
         stats.bytes += blocks_total * model.bytes_per_block
+
+    def _disk_duration(self, blocks: int) -> float:
+        assert self.disk is not None  # (submit refused disk jobs without one)
+        duration = self._disk_durations.get(blocks)
+        if duration is None:
+            duration = self._disk_durations[blocks] = self.disk.duration_ms(blocks)
+        return duration
+
+    # -- the simulated disk tier (kvflow.engine.protocols.ServesDiskTier) ---------------------
+
+    @property
+    def disk_slots(self) -> int:
+        return self._disk_slots
+
+    def disk_entries(self) -> list[tuple[int, int]]:
+        """A simulated disk starts empty."""
+        return []
+
+    def disk_problem(self) -> str | None:
+        return None
 
     def _faults(self, ordinal: int) -> tuple[bool, bool, bool]:
         """Whether the ``ordinal``-th submitted job fails, runs slow, hangs. The random draw

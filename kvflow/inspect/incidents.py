@@ -14,7 +14,7 @@ from typing import Any
 from kvflow.core.commands import COMMAND_TYPES
 from kvflow.core.decide.jobs import CANCELLED_BY_RESET
 from kvflow.core.events import BlocksEvicted, FenceLifted, JobFailed, JobTimedOut, LateResultIgnored
-from kvflow.core.jobs import FILLING, LOAD, REMOTE_LOAD
+from kvflow.core.jobs import DISK_LOAD, FILLING, LOAD, REMOTE_LOAD
 from kvflow.core.state.model import State
 from kvflow.inspect.render import exact_ms
 from kvflow.inspect.walk import JobInfo, _Walk
@@ -143,6 +143,8 @@ def _recovery_from_state(
         recovery["hashes_never_visible"] = [h for h in event.hashes if h not in state.entries]
         if event.direction == REMOTE_LOAD:
             recovery["dropped_from_remote_index"] = [h for h in event.hashes if h not in state.remote]
+        elif event.direction == DISK_LOAD and state.disk is not None:
+            recovery["dropped_from_disk_index"] = [h for h in event.hashes if h not in state.disk.slot_of]
     else:
         recovery["entries_kept_resident"] = [h for h in event.hashes if state.is_resident(h)]
         pins_before = before["pins"]
@@ -169,6 +171,8 @@ def _recovery_from_event(event: JobFailed | JobTimedOut, info: JobInfo | None) -
         recovery["hashes_never_visible"] = list(event.hashes)
         if event.direction == REMOTE_LOAD:
             recovery["dropped_from_remote_index"] = list(event.hashes)
+        elif event.direction == DISK_LOAD:
+            recovery["dropped_from_disk_index"] = list(event.hashes)
     else:
         recovery["entries_kept_resident"] = list(event.hashes)
         recovery["pins_released"] = len(event.hashes)

@@ -13,6 +13,7 @@ from kvflow.core.commands import (
     AcceptHits,
     BlocksComputed,
     DeviceBlocksEvicting,
+    DiskRestored,
     Evict,
     FinishRequest,
     JobResult,
@@ -27,6 +28,10 @@ from kvflow.core.events import (
     BlocksEvicted,
     BlocksTouched,
     ChainExtended,
+    DiskEvicted,
+    DiskIndexed,
+    DiskLoadQueued,
+    DiskStoreQueued,
     FenceLifted,
     JobCompleted,
     JobFailed,
@@ -103,6 +108,25 @@ def describe(record: Any) -> str:
             f"remote_store job {r.job_id} queued: {_blocks(len(r.hashes))} {few(r.hashes)} "
             f"from slots {few(r.slots)} to the remote tier (pinned while copied)"
         )
+    if kind is DiskLoadQueued:
+        return (
+            f"disk_load job {r.job_id} queued: {_blocks(len(r.hashes))} {few(r.hashes)} "
+            f"from disk slots {few(r.disk_slots)} into slots {few(r.slots)}"
+        )
+    if kind is DiskStoreQueued:
+        return (
+            f"disk_store job {r.job_id} queued: {_blocks(len(r.hashes))} {few(r.hashes)} "
+            f"from slots {few(r.slots)} to disk slots {few(r.disk_slots)} (pinned while copied)"
+        )
+    if kind is DiskEvicted:
+        return (
+            f"disk tier dropped {_blocks(len(r.hashes))} {few(r.hashes)} from disk slots "
+            f"{few(r.disk_slots)} ({r.reason})"
+        )
+    if kind is DiskIndexed:
+        return f"disk tier holds {_blocks(len(r.hashes))} {few(r.hashes)} in disk slots {few(r.disk_slots)} (restored)"
+    if kind is DiskRestored:
+        return f"warm restart: the disk tier's journal vouches for {_blocks(len(r.block_hashes))} {few(r.block_hashes)}"
     if kind is RemoteIndexed:
         return f"remote tier holds {_blocks(len(r.hashes))} {few(r.hashes)} (a probe found them)"
     if kind is RemoteFound:
@@ -215,6 +239,8 @@ def recovery_summary(incident: Incident) -> str:
         parts.append(f"{len(rec['hashes_never_visible'])} hashes never visible")
     if "dropped_from_remote_index" in rec:
         parts.append(f"{len(rec['dropped_from_remote_index'])} dropped from the remote index")
+    if "dropped_from_disk_index" in rec:
+        parts.append(f"{len(rec['dropped_from_disk_index'])} dropped from the disk index")
     if "entries_kept_resident" in rec:
         parts.append(f"{len(rec['entries_kept_resident'])} entries kept resident")
     if "evicted_as_corrupt" in rec:

@@ -83,6 +83,13 @@ def state_to_dict(state: State) -> dict[str, Any]:
         "recency_coldest_first": state.policy.resident(),
         # (a trace with a remote tier only: what this instance knew the remote tier held)
         **({"remote_index": list(state.remote)} if state.config.remote else {}),
+        # (a trace with a disk tier only: block -> disk slot, least recently used first)
+        **(
+            {"disk_index": [{"hash": h, "disk_slot": s} for h, s in state.disk.slot_of.items()],
+             "disk_free_slots": len(state.disk.free)}
+            if state.disk is not None
+            else {}
+        ),
     }
 
 

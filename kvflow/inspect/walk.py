@@ -14,6 +14,8 @@ from typing import Any
 from kvflow.core.commands import PlanStep, Tick
 from kvflow.core.errors import IllegalTransition
 from kvflow.core.events import (
+    DiskLoadQueued,
+    DiskStoreQueued,
     FenceLifted,
     JobCompleted,
     JobFailed,
@@ -26,7 +28,7 @@ from kvflow.core.events import (
     Reset,
     StoreQueued,
 )
-from kvflow.core.jobs import LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
+from kvflow.core.jobs import DISK_LOAD, DISK_STORE, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.core.state.apply import evolve
 from kvflow.core.state.model import State
 from kvflow.log.reader import TraceReader
@@ -113,6 +115,9 @@ class _Walk:
             )
         elif kind is RemoteLoadQueued or kind is RemoteStoreQueued:
             direction = REMOTE_LOAD if kind is RemoteLoadQueued else REMOTE_STORE
+            jobs[event.job_id] = JobInfo(event.job_id, direction, None, event.hashes, (), event.slots, event.seq)
+        elif kind is DiskLoadQueued or kind is DiskStoreQueued:
+            direction = DISK_LOAD if kind is DiskLoadQueued else DISK_STORE
             jobs[event.job_id] = JobInfo(event.job_id, direction, None, event.hashes, (), event.slots, event.seq)
         elif kind is JobsSubmitted:
             for jid in event.job_ids:

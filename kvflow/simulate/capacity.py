@@ -138,7 +138,7 @@ def kv_geometry(
     return KvGeometry(kv_bytes_per_token)
 
 
-def blocks_for_gb(gb: float, bytes_per_block: int) -> int:
+def blocks_for_gb(gb: float, bytes_per_block: int, option: str = "--cpu-gb") -> int:
     """A CPU tier of ``gb`` GB as whole blocks of ``bytes_per_block`` bytes (the bytes per block
     the simulated transfers move), rounded down: a partial block holds nothing, and rounding
     down never gives the tier more memory than asked. ``0`` disables offload, like
@@ -147,13 +147,13 @@ def blocks_for_gb(gb: float, bytes_per_block: int) -> int:
     if not is_int(bytes_per_block) or bytes_per_block <= 0:
         raise ConfigError(f"bytes per block must be a whole number > 0, got {bytes_per_block!r}")
     if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb < 0:
-        raise ConfigError(f"--cpu-gb must be a finite number >= 0, got {gb!r}")
+        raise ConfigError(f"{option} must be a finite number >= 0, got {gb!r}")
     # to the nearest byte first, so that float noise (0.3 * 1e9 = 299999999.99...) cannot
     # cost a whole block when GB is an exact multiple of the block size
     blocks = round(gb * GB) // bytes_per_block
     if blocks == 0 and gb > 0:
         raise ConfigError(
-            f"--cpu-gb {gb:g} is less than one block of {bytes_per_block:,} bytes "
-            "(rounds down to 0 blocks; use 0 to disable offload)"
+            f"{option} {gb:g} is less than one block of {bytes_per_block:,} bytes "
+            "(rounds down to 0 blocks; use 0 for none)"
         )
     return blocks

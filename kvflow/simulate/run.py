@@ -66,6 +66,12 @@ class SimOptions:
     record: str | None = None
     remote_blocks: int = 0  # the remote index's capacity (kvflow.simulate.fleet sets it)
     remote_store_mode: str = "write_through"
+    # a disk tier below the CPU tier: its size in GB of KV (None or 0: none), its read and
+    # write bandwidth and per-job latency, and when blocks go there
+    disk_gb: float | None = None
+    disk_bandwidth_gbps: float = 3.0
+    disk_latency_us: float = 100.0
+    disk_store_mode: str = "ahead_of_eviction"
 
     def geometry(self) -> KvGeometry:
         return kv_geometry(self.model, self.kv_dtype, self.kv_bytes_per_token)
@@ -83,6 +89,16 @@ class SimOptions:
             raise ConfigError("give the CPU capacity once: --cpu-blocks or --cpu-gb, not both")
         return blocks_for_gb(self.cpu_gb, self.bytes_per_block)
 
+    def disk_blocks(self) -> int:
+        """The disk tier's capacity in blocks (0: no disk tier)."""
+        return 0 if self.disk_gb is None else blocks_for_gb(self.disk_gb, self.bytes_per_block, "--disk-gb")
+
+    def disk_model(self) -> TransferModel | None:
+        """How long a disk job takes (None without a disk tier)."""
+        if not self.disk_blocks():
+            return None
+        return TransferModel(self.bytes_per_block, self.disk_bandwidth_gbps, self.disk_latency_us)
+
     def validate(self) -> None:
         if not is_int(self.device_blocks) or self.device_blocks < 0:
             raise ConfigError(f"--device-blocks must be a whole number >= 0, got {self.device_blocks!r}")
@@ -95,6 +111,12 @@ class SimOptions:
         if not math.isfinite(self.prefill_tokens_per_ms) or self.prefill_tokens_per_ms <= 0:
             raise ConfigError(f"--prefill-tokens-per-ms must be a finite number > 0, got {self.prefill_tokens_per_ms}")
         self.capacity_blocks()  # (and the geometry it needs)
+        if self.disk_blocks() and not self.capacity_blocks():
+            raise ConfigError("--disk-gb needs a CPU tier: blocks reach the disk through it")
+        for name in ("disk_bandwidth_gbps", "disk_latency_us"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (value == 0 and name == "disk_bandwidth_gbps"):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value!r}")
 
     def config(self) -> Config:
         return Config(
@@ -105,6 +127,8 @@ class SimOptions:
             job_deadline_ms=self.job_deadline_ms,
             remote_blocks=self.remote_blocks,
             remote_store_mode=self.remote_store_mode,
+            disk_blocks=self.disk_blocks(),
+            disk_store_mode=self.disk_store_mode,
         )
 
     def described(self) -> dict[str, Any]:
@@ -124,6 +148,18 @@ class SimOptions:
             "block_tokens": self.block_tokens,
             "fault_rate": self.fault_rate,
             "seed": self.seed,
+            **(
+                {
+                    "disk_blocks": self.disk_blocks(),
+                    "disk_gb": self.disk_gb,
+                    "disk_bytes": self.disk_blocks() * bytes_per_block,
+                    "disk_bandwidth_gbps": self.disk_bandwidth_gbps,
+                    "disk_latency_us": self.disk_latency_us,
+                    "disk_store_mode": self.disk_store_mode,
+                }
+                if self.disk_blocks()
+                else {}
+            ),
         }
 
 
@@ -165,6 +201,7 @@ class _Totals:
     cpu_hit_tokens: int = 0
     device_hit_tokens: int = 0
     remote_hit_tokens: int = 0  # of the cpu hits, those the remote tier brought
+    disk_hit_tokens: int = 0  # of the cpu hits, those the disk tier brought
 
 
 class _Ids:
@@ -193,6 +230,8 @@ class Simulation:
                 fault_rate=options.fault_rate,
                 seed=options.seed,
                 hang_jobs=options.hang_jobs,
+                disk=options.disk_model(),
+                disk_slots=self.config.disk_blocks,
             )
         )
         meta = {
@@ -251,7 +290,11 @@ class Simulation:
             report = self._run_until_idle()
             if report.loads_failed:
                 c = r = 0  # a failed load's blocks are computed, not hit
-        self.totals.remote_hit_tokens += min(r, c) * B  # (what the hook brought, if hit)
+        brought = min(r, c) * B  # (what the hook brought, if hit)
+        if self.config.disk:
+            self.totals.disk_hit_tokens += brought
+        else:
+            self.totals.remote_hit_tokens += brought
         if not self.lazy and self.config.enabled and full:
             engine.blocks_computed(rid, full, self.ids.take(len(full)))
             self._run_until_idle()
@@ -263,9 +306,20 @@ class Simulation:
         self._count(L, d, c)
 
     def _before_lookup(self, rid: str, full: tuple[int, ...], L: int, d: int) -> int:
-        """A hook before the lookup that counts: how many blocks it brought to the CPU tier
+        """Before the lookup that counts, the request waits for what a lower tier holds past
+        its CPU-tier hits: a first lookup queues the disk load of that run, which runs to its
+        end (the disk's time is spent), so the lookup that counts hits those blocks on the CPU
+        tier. Returns how many more blocks the CPU tier offers now than before
         (kvflow.simulate.fleet's instances fetch from their shared remote tier here)."""
-        return 0
+        if not self.config.disk:
+            return 0
+        engine = self.engine
+        before = engine.lookup(rid, full, L, d)
+        engine.accept_hits(rid, [])
+        self._run_until_idle()
+        after = engine.lookup(rid, full, L, d)
+        engine.accept_hits(rid, [])
+        return after - before
 
     def _count(self, L: int, d: int, c: int) -> None:
         B = self.config.block_tokens
@@ -413,6 +467,20 @@ class Simulation:
             "mode": self.options.mode,
             "config": self.options.described(),
         }
+        if self.config.disk:
+            busy = self.executor.stats.busy_ms
+            out.update(
+                hit_tokens_cpu=t.cpu_hit_tokens - t.disk_hit_tokens,
+                hit_tokens_disk=t.disk_hit_tokens,
+                disk_stored_blocks=c.disk_blocks_stored,
+                disk_loaded_blocks=c.disk_blocks_loaded,
+                disk_bytes_stored=c.disk_bytes_stored,
+                disk_bytes_loaded=c.disk_bytes_loaded,
+                disk_store_ms=busy["disk_store"],
+                disk_load_ms=busy["disk_load"],
+                cpu_store_ms=busy["store"],
+                cpu_load_ms=busy["load"],
+            )
         if self.options.mode == "timed":
             out.update(self.engine.latencies.summary())
         return out

@@ -199,7 +199,8 @@ def redis_tier(
     entries are keyed and checked by. ``timeout_s`` (socket timeout, one attempt) defaults to a
     quarter of the job deadline, at most 1 s. A block a probe found absent is not asked about
     again for ``absent_ttl_s``."""
-    from kvflow.tiers.remote_executor import OwnsPool, RemoteTierExecutor, SlotPages
+    from kvflow.tiers.host_slots import OwnsPool, SlotPages
+    from kvflow.tiers.remote_executor import RemoteTierExecutor
 
     if not config.remote:
         raise ConfigError("the remote tier needs config.remote_blocks > 0")

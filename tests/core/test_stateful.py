@@ -67,6 +67,8 @@ class OffloadMachine(RuleBasedStateMachine):
     CPU_BLOCKS = 5
     REMOTE_BLOCKS = 0  # a remote tier's index (0: none)
     REMOTE_MODE = "write_through"
+    DISK_BLOCKS = 0  # a disk tier's slots (0: none)
+    DISK_MODE = "ahead_of_eviction"
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,6 +81,8 @@ class OffloadMachine(RuleBasedStateMachine):
             job_deadline_ms=DEADLINE_MS,
             remote_blocks=self.REMOTE_BLOCKS,
             remote_store_mode=self.REMOTE_MODE,
+            disk_blocks=self.DISK_BLOCKS,
+            disk_store_mode=self.DISK_MODE,
         )
         self.m = OffloadManager(self.config)
         self.kv = KVEventPublisher(BT)
@@ -268,14 +272,15 @@ class OffloadMachine(RuleBasedStateMachine):
         queued = list(self.m.state.queued)
         jobs = self.m.plan_step(self.now)
         ids = [j.job_id for j in jobs]
-        # (ahead of eviction, planning itself may queue remote stores: handed out at once)
+        # (ahead of eviction, planning itself may queue remote / disk stores: handed out at once)
         assert ids[: len(queued)] == queued
-        assert all(j.direction == "remote_store" for j in jobs[len(queued) :])
+        assert all(j.direction in ("remote_store", "disk_store") for j in jobs[len(queued) :])
         assert not set(ids) & self.handed_out, "a job was handed out twice (F5)"
         self.handed_out.update(ids)
         for job in jobs:
-            remote = job.direction.startswith("remote_")
-            assert len(job.hashes) == len(job.slots) == (len(job.hashes) if remote else len(job.device_blocks)) > 0
+            lower = job.direction.startswith(("remote_", "disk_"))
+            assert len(job.hashes) == len(job.slots) == (len(job.hashes) if lower else len(job.device_blocks)) > 0
+            assert len(job.disk_slots) == (len(job.hashes) if job.direction.startswith("disk_") else 0)
             self.copying[job.job_id] = (job, set(range(self.WORLD_SIZE)))
 
     @precondition(
@@ -620,6 +625,49 @@ class OffloadMachineRemoteAheadTwoRanks(OffloadMachineRemote):
     REMOTE_MODE = "ahead_of_eviction"
 
 
+class OffloadMachineDisk(OffloadMachine):
+    """With a disk tier of fewer slots than blocks (spill ahead of eviction): disk stores read
+    resident entries, disk loads fill absent ones, the disk's own evictions never take a slot
+    a copy may still use, a warm restart's entries join, and every rule above still holds."""
+
+    DISK_BLOCKS = 4
+
+    @rule(data=st.data(), hashes=st.lists(HASH_POOL, max_size=3, unique=True))
+    def warm_restart_entries(self, data: Any, hashes: list[int]) -> None:
+        """Entries a journal vouches for join where their slot is free and their block new."""
+        disk = self.m.state.disk
+        assert disk is not None
+        slots = data.draw(st.lists(st.integers(0, self.DISK_BLOCKS - 1), min_size=len(hashes), max_size=len(hashes)))
+        indexed, free = dict(disk.slot_of), set(disk.free)
+        accepted: dict[int, int] = {}
+        for h, s in zip(hashes, slots):
+            if h not in indexed and s in free and s not in accepted.values():
+                accepted[h] = s
+        assert self.m.disk_restored(list(zip(slots, hashes))) == len(accepted)
+        assert all(disk.slot_of[h] == s for h, s in accepted.items())
+
+    @invariant()
+    def disk_jobs_use_their_disk_slots_alone(self) -> None:
+        state = self.m.state
+        disk = state.disk
+        assert disk is not None
+        for job_id, (job, ranks) in self.copying.items():
+            for s in job.disk_slots:
+                assert disk.busy.get(s) == job_id, f"disk slot {s} of running job {job_id} was released"
+                assert s not in disk.free
+        for job in state.jobs.values():
+            if job.direction == "disk_load" and job.state in (JobState.QUEUED, JobState.IN_FLIGHT):
+                assert all(state.pending.get(h) == job.job_id for h in job.hashes)
+                assert all(disk.slot_of.get(h) == s for h, s in zip(job.hashes, job.disk_slots))
+            elif job.direction == "disk_store" and job.state in (JobState.QUEUED, JobState.IN_FLIGHT):
+                assert all(state.is_resident(h) and state.pin_count.get(h, 0) > 0 for h in job.hashes)
+
+
+class OffloadMachineDiskWriteThroughTwoRanks(OffloadMachineDisk):
+    WORLD_SIZE = 2
+    DISK_MODE = "write_through"
+
+
 class OffloadMachineTinyTier(OffloadMachine):
     CPU_BLOCKS = 4  # the smallest tier the machine warms: evictions and rejections often
 
@@ -636,6 +684,8 @@ TestLazyTwoRanks = OffloadMachineLazyTwoRanks.TestCase
 TestTinyTier = OffloadMachineTinyTier.TestCase
 TestRemote = OffloadMachineRemote.TestCase
 TestRemoteAheadTwoRanks = OffloadMachineRemoteAheadTwoRanks.TestCase
+TestDisk = OffloadMachineDisk.TestCase
+TestDiskWriteThroughTwoRanks = OffloadMachineDiskWriteThroughTwoRanks.TestCase
 for _case in (
     TestOneRank,
     TestTwoRanks,
@@ -644,6 +694,8 @@ for _case in (
     TestTinyTier,
     TestRemote,
     TestRemoteAheadTwoRanks,
+    TestDisk,
+    TestDiskWriteThroughTwoRanks,
 ):
     _case.settings = MACHINE_SETTINGS
 del _case  # (left in the module, pytest collected it as another machine: the last one twice)

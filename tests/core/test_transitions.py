@@ -24,6 +24,10 @@ from kvflow.core.events import (
     BlocksEvicted,
     BlocksTouched,
     ChainExtended,
+    DiskEvicted,
+    DiskIndexed,
+    DiskLoadQueued,
+    DiskStoreQueued,
     Event,
     FenceLifted,
     JobCompleted,
@@ -61,6 +65,17 @@ LOADABLE, SPARE = 9001, 9002  # resident after the preamble (job 1, completed)
 H = 77  # the block under test
 D = 700  # its device block
 MISS = 555  # never on the tier
+DISK_BLOCKS = 4  # a disk tier too, so that its events are tried in every state
+ON_DISK = 9100  # put on the disk tier's index by events that need one there
+
+
+def on_disk(m: OffloadManager, block_hash: int) -> int:
+    """``block_hash``'s disk slot, indexing it first (a warm restart's event) if needed."""
+    disk = m.state.disk
+    assert disk is not None
+    if block_hash not in disk.slot_of:
+        apply_directly(m, DiskIndexed(seq=seq(m), hashes=(block_hash,), disk_slots=disk.next_slots(1)))
+    return disk.slot_of[block_hash]
 
 ALL_TAGS = sorted(t.__struct_config__.tag for t in EVENT_TYPES)  # type: ignore[attr-defined]
 # Tags whose event never names (or changes) one CPU-tier entry: the block table leaves them out.
@@ -74,6 +89,8 @@ NON_BLOCK_TAGS = {
     "request_resumed",
     "request_closed",
     "remote_indexed",  # the remote tier's index, not a CPU-tier entry
+    "disk_indexed",  # the disk tier's index
+    "disk_evicted",
     "chain_extended",  # a request's chain: which hashes it names, not what the tier holds
 }
 BLOCK_TAGS = sorted(set(ALL_TAGS) - NON_BLOCK_TAGS)
@@ -91,6 +108,8 @@ NON_JOB_TAGS = {
     "request_closed",
     "remote_indexed",
     "chain_extended",
+    "disk_indexed",
+    "disk_evicted",
 }
 # An outcome event with ``fenced`` set is its own row key in the job table (F15).
 FENCED_TAGS = {"job_failed:fenced", "job_timed_out:fenced"}
@@ -109,6 +128,7 @@ def fresh(world_size: int = 1, cpu_blocks: int = 6) -> OffloadManager:
             block_tokens=BT,
             world_size=world_size,
             job_deadline_ms=DEADLINE_MS,
+            disk_blocks=DISK_BLOCKS,
         )
     )
     m.blocks_computed("pre", [LOADABLE, SPARE], [900, 901])
@@ -232,6 +252,16 @@ def block_event(tag: str, m: OffloadManager) -> Event:
         return RemoteLoadQueued(seq=seq(m), job_id=s.next_job_id, hashes=(H,), slots=s.next_slots(1))
     if tag == "remote_store_queued":
         return RemoteStoreQueued(seq=seq(m), job_id=s.next_job_id, hashes=(H,), slots=(slot,))
+    if tag == "disk_load_queued":
+        disk_slot = on_disk(m, H)
+        return DiskLoadQueued(
+            seq=seq(m), job_id=s.next_job_id, hashes=(H,), slots=s.next_slots(1), disk_slots=(disk_slot,)
+        )
+    if tag == "disk_store_queued":
+        assert s.disk is not None
+        return DiskStoreQueued(
+            seq=seq(m), job_id=s.next_job_id, hashes=(H,), slots=(slot,), disk_slots=s.disk.next_slots(1)
+        )
     if tag == "load_queued":
         if s.is_resident(H):
             assert m.lookup("rl", [H, MISS], TOKENS) == 1
@@ -308,6 +338,12 @@ def neutral_event(tag: str, m: OffloadManager, target_job: int | None = None) ->
         return LateResultIgnored(seq=seq(m), job_id=1, rank=0, ok=True)
     if tag == "remote_indexed":
         return RemoteIndexed(seq=seq(m), hashes=(H, SPARE))
+    if tag == "disk_indexed":
+        assert m.state.disk is not None
+        return DiskIndexed(seq=seq(m), hashes=(H, SPARE), disk_slots=m.state.disk.next_slots(2))
+    if tag == "disk_evicted":
+        disk_slot = on_disk(m, ON_DISK)
+        return DiskEvicted(seq=seq(m), hashes=(ON_DISK,), disk_slots=(disk_slot,))
     if tag == "fence_lifted":
         job_id = fenced_other_job(m)
         job = m.state.jobs[job_id]
@@ -488,6 +524,14 @@ def job_event(tag: str, m: OffloadManager, job_id: int) -> Event:
         return RemoteLoadQueued(seq=seq(m), job_id=job_id, hashes=(602,), slots=s.next_slots(1))
     if tag == "remote_store_queued":
         return RemoteStoreQueued(seq=seq(m), job_id=job_id, hashes=(SPARE,), slots=(s.entries[SPARE].slot,))
+    if tag == "disk_load_queued":
+        disk_slot = on_disk(m, 602)
+        return DiskLoadQueued(seq=seq(m), job_id=job_id, hashes=(602,), slots=s.next_slots(1), disk_slots=(disk_slot,))
+    if tag == "disk_store_queued":
+        assert s.disk is not None
+        return DiskStoreQueued(
+            seq=seq(m), job_id=job_id, hashes=(SPARE,), slots=(s.entries[SPARE].slot,), disk_slots=s.disk.next_slots(1)
+        )
     if tag == "load_queued":
         assert m.lookup("rq", [SPARE, MISS], TOKENS) == 1
         return LoadQueued(

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflow.core.commands import JobResult
-from kvflow.core.errors import ConfigError, KvflowError, UnknownJob
-from kvflow.core.jobs import LOAD, STORE, TransferJob
+from kvflow.core.errors import ConfigError, KvflowError, Rejected, UnknownJob
+from kvflow.core.jobs import DISK_LOAD, DISK_STORE, LOAD, STORE, TransferJob
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
 
 # 1 MB blocks at 10 GB/s: 0.1 ms per block, plus 0.05 ms per job.
@@ -109,7 +109,9 @@ def test_the_two_directions_overlap() -> None:
     assert t[1] == pytest.approx(expected_ms(10))
     assert t[2] == pytest.approx(expected_ms(10))  # not behind the store
     assert t[3] == pytest.approx(expected_ms(10) + expected_ms(1))  # behind the other load
-    assert ex.stats.busy_ms == pytest.approx({STORE: expected_ms(10), LOAD: expected_ms(10) + expected_ms(1)})
+    assert ex.stats.busy_ms == pytest.approx(
+        {STORE: expected_ms(10), LOAD: expected_ms(10) + expected_ms(1), DISK_STORE: 0.0, DISK_LOAD: 0.0}
+    )
 
 
 def test_a_job_submitted_after_its_stream_went_idle_starts_at_submission() -> None:
@@ -368,3 +370,33 @@ def test_a_million_submissions_in_order_take_one_range() -> None:
     for job_id in range(1, 1_000_001):
         ids.add(job_id)
     assert ids.ranges() == 1 and 1 in ids and 1_000_000 in ids and 1_000_001 not in ids
+
+
+DISK = TransferModel(bytes_per_block=MODEL.bytes_per_block, bandwidth_gbps=2.0, latency_us=80.0)
+
+
+def disk_job(job_id: int, direction: str, n: int) -> TransferJob:
+    return TransferJob(
+        job_id=job_id, direction=direction, device_blocks=(), slots=tuple(range(n)),  # type: ignore[arg-type]
+        hashes=tuple(range(100, 100 + n)), disk_slots=tuple(range(n)),
+    )  # fmt: skip
+
+
+def test_disk_jobs_take_the_disk_models_time_on_streams_of_their_own() -> None:
+    clock = VirtualClock()
+    ex = SimulatedExecutor(clock, MODEL, disk=DISK, disk_slots=8)
+    ex.submit([job(1, STORE, 4), disk_job(2, DISK_STORE, 4), disk_job(3, DISK_STORE, 2), disk_job(4, DISK_LOAD, 1)])
+    t = done_at(drain(ex, clock))
+    assert t[1] == pytest.approx(expected_ms(4))  # the link's stream, not behind the disk
+    assert t[2] == pytest.approx(DISK.duration_ms(4))
+    assert t[3] == pytest.approx(DISK.duration_ms(4) + DISK.duration_ms(2))  # behind the other disk store
+    assert t[4] == pytest.approx(DISK.duration_ms(1))  # the disk's read stream
+    assert ex.stats.blocks == 4  # (device blocks copied over the link only)
+
+
+def test_a_disk_job_without_a_disk_model_is_refused() -> None:
+    ex = SimulatedExecutor(VirtualClock(), MODEL)
+    with pytest.raises(Rejected):
+        ex.submit([disk_job(1, DISK_LOAD, 1)])
+    with pytest.raises(ConfigError):
+        SimulatedExecutor(VirtualClock(), MODEL, disk_slots=4)

@@ -24,6 +24,7 @@ from kvflow.core.commands import (
     BlocksComputed,
     Command,
     DeviceBlocksEvicting,
+    DiskRestored,
     EndFences,
     Evict,
     FinishRequest,
@@ -38,6 +39,7 @@ from kvflow.core.commands import (
     Touch,
 )
 from kvflow.core.decide.checks import Emit
+from kvflow.core.decide.disk import decide_disk_restored
 from kvflow.core.decide.jobs import (
     decide_end_fences,
     decide_finish,
@@ -76,6 +78,7 @@ DECIDERS: dict[type, Decider] = {
     Invalidate: decide_invalidate,
     EndFences: decide_end_fences,
     RemoteFound: decide_remote_found,
+    DiskRestored: decide_disk_restored,
 }
 
 

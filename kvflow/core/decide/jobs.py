@@ -16,6 +16,7 @@ from kvflow.core.commands import (
     Tick,
 )
 from kvflow.core.decide.checks import Emit
+from kvflow.core.decide.disk import disk_write_through, spill_ahead_of_eviction
 from kvflow.core.decide.remote import push_ahead_of_eviction, write_through
 from kvflow.core.decide.store import chain_touch, drop_corrupt
 from kvflow.core.errors import Rejected, UnknownJob
@@ -44,6 +45,8 @@ def decide_plan_step(state: State, cmd: PlanStep, emit: Emit) -> list[TransferJo
     config = state.config
     if config.remote_store_mode == "ahead_of_eviction" and config.remote:
         push_ahead_of_eviction(state, emit)
+    if state.disk is not None:
+        spill_ahead_of_eviction(state, emit)
     if not state.queued:
         return []
     job_ids = tuple(state.queued)
@@ -58,6 +61,7 @@ def decide_plan_step(state: State, cmd: PlanStep, emit: Emit) -> list[TransferJo
                 slots=job.slots,
                 hashes=job.hashes,
                 request_id=job.request_id,
+                disk_slots=job.disk_slots,
             )
         )
     emit(
@@ -165,6 +169,8 @@ def _apply_result(state: State, cmd: JobResult, emit: Emit, check: bool = False)
         )
         if landed and state.config.remote:
             write_through(state, job.hashes, emit)
+        if landed and state.disk is not None:
+            disk_write_through(state, job.hashes, emit)
     else:
         emit(RankSucceeded(seq=state.next_seq, job_id=job.job_id, rank=cmd.rank))
         return

@@ -7,6 +7,7 @@ from itertools import takewhile
 
 from kvflow.core.commands import AcceptHits, Lookup
 from kvflow.core.decide.checks import Emit, check_device_blocks, check_not_finished
+from kvflow.core.decide.disk import disk_loads
 from kvflow.core.decide.remote import remote_loads
 from kvflow.core.decide.store import extend_chain
 from kvflow.core.errors import Rejected, UnknownRequest
@@ -51,9 +52,13 @@ def decide_lookup(state: State, cmd: Lookup, emit: Emit) -> int:
             hits = tuple(takewhile(lambda h: h not in pending, hits))
     n = len(hits)
     emit(PinsAcquired(seq=state.next_seq, request_id=request_id, hashes=hits, num_tokens=num_tokens))
-    if n < len(window) and state.remote:
-        # what the remote tier holds beyond the hits comes to the CPU tier (a later lookup hits)
-        remote_loads(state, window[n:], emit)
+    if n < len(window) and (state.disk is not None or state.remote):
+        # what the lower tiers hold beyond the hits comes to the CPU tier (a later lookup
+        # hits): the disk's run first, then the remote tier's from where the disk's ends
+        if state.disk is not None:
+            disk_loads(state, window[n:], emit)
+        if state.remote:
+            remote_loads(state, window[n:], emit)
     return n
 
 

@@ -23,13 +23,13 @@ from kvflow.core.events import (
     StoreQueued,
     StoreRejected,
 )
-from kvflow.core.jobs import LOAD, REMOTE_STORE
+from kvflow.core.jobs import COPYING_DOWN, LOAD
 from kvflow.core.state.model import Request, State
 from kvflow.core.values import is_int
 
 
 def _fenced_slot_owners(state: State) -> list[int]:
-    """Resident entries whose slot a fenced load (or remote store) may still read (F15):
+    """Resident entries whose slot a fenced load (or a copy to a lower tier) may still read (F15):
     evicting one would free no slot until the fence is lifted, so eviction for space passes
     them over."""
     if not state.fenced_slots:
@@ -38,7 +38,7 @@ def _fenced_slot_owners(state: State) -> list[int]:
     return [
         h
         for job in state.jobs.values()
-        if job.fenced and (job.direction == LOAD or job.direction == REMOTE_STORE)
+        if job.fenced and (job.direction == LOAD or job.direction in COPYING_DOWN)
         for h, s in zip(job.hashes, job.slots)
         if slot_of.get(h) == s
     ]

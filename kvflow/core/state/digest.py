@@ -65,6 +65,7 @@ def canonical(state: State) -> tuple[Any, ...]:
             j.abandoned,
         )
         + ((j.reported,) if j.reported != j.acks else ())
+        + ((list(j.disk_slots),) if j.disk_slots else ())
         for j in sorted(state.jobs.values(), key=lambda j: j.job_id)
     ]
     requests = [
@@ -99,7 +100,7 @@ def canonical(state: State) -> tuple[Any, ...]:
     ) + ((sorted(state.bad),) if state.bad else ()) + (
         # the remote index in its order (the oldest is forgotten first): only when present
         (("remote", list(state.remote)),) if state.remote else ()
-    )
+    ) + ((("disk", state.disk.canonical()),) if state.disk is not None else ())
 
 
 def digest(state: State) -> str:

@@ -8,7 +8,7 @@ only to name the offenders.
 
 from __future__ import annotations
 
-from kvflow.core.jobs import FILLING, REMOTE_STORE
+from kvflow.core.jobs import COPYING_DOWN, FILLING
 from kvflow.core.state.model import State, held_by, pending_of
 from kvflow.core.state.tables import IN_FLIGHT, LIVE_JOB_STATES, QUEUED
 
@@ -48,8 +48,8 @@ def check_invariants(state: State) -> list[str]:
         for hashes in (r.offered, *r.loading.values()):
             for h in hashes:
                 pin_totals[h] = pin_totals.get(h, 0) + 1
-    for job in jobs.values():  # a live remote store pins the entries whose slots it reads
-        if job.direction == REMOTE_STORE and job.state in (QUEUED, IN_FLIGHT):
+    for job in jobs.values():  # a live copy to a lower tier pins the entries whose slots it reads
+        if job.direction in COPYING_DOWN and job.state in (QUEUED, IN_FLIGHT):
             for h in job.hashes:
                 pin_totals[h] = pin_totals.get(h, 0) + 1
     entries_ok = (
@@ -90,6 +90,8 @@ def check_invariants(state: State) -> list[str]:
             problems.append(f"a touch is deferred on job {jid}, which is not a live store")
     if len(state.remote) > state.config.remote_blocks:
         problems.append(f"the remote index holds {len(state.remote)} hashes, above remote_blocks")
+    if state.disk is not None:
+        _disk_problems(state, problems)
     # the indexes of the live jobs: one not kept is built from the jobs when read, so only
     # a kept one can disagree
     if state._held is not None and state._held != held_by(jobs):
@@ -163,3 +165,21 @@ def _entry_problems(state: State, pin_totals: dict[int, int], problems: list[str
     for h in state.pin_count:
         if h not in state.slot_of and h not in pin_totals:
             problems.append(f"pins on block {h} which is not on the tier")
+
+
+def _disk_problems(state: State, problems: list[str]) -> None:
+    """Every disk slot is exactly one of: free, holding an indexed block, used by a job (a
+    job's slot may also hold its indexed block: a load reads it); jobs hold the slots they name."""
+    disk = state.disk
+    assert disk is not None
+    capacity = state.config.disk_blocks
+    free, indexed, busy = disk.free, list(disk.slot_of.values()), disk.busy
+    if len(set(free)) != len(free) or not set(free).isdisjoint(indexed) or not set(free).isdisjoint(busy):
+        problems.append("a free disk slot is also held")
+    if len(set(indexed)) != len(indexed):
+        problems.append("two indexed blocks share a disk slot")
+    if len(set(free) | set(indexed) | set(busy)) != capacity:
+        problems.append("disk slots are lost or out of range")
+    holders = {s: jid for jid, job in state.jobs.items() for s in job.disk_slots}
+    if holders != busy:
+        problems.append("the disk slots in use do not match the disk jobs")

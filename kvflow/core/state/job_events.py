@@ -10,6 +10,10 @@ from typing import Any
 
 from kvflow.core.errors import IllegalTransition
 from kvflow.core.events import (
+    DiskEvicted,
+    DiskIndexed,
+    DiskLoadQueued,
+    DiskStoreQueued,
     FenceLifted,
     JobCompleted,
     JobFailed,
@@ -24,6 +28,8 @@ from kvflow.core.events import (
     StoreQueued,
 )
 from kvflow.core.jobs import (
+    DISK_LOAD,
+    DISK_STORE,
     FILLING,
     LOAD,
     REMOTE_LOAD,
@@ -35,6 +41,7 @@ from kvflow.core.jobs import (
     is_rank,
     with_rank,
 )
+from kvflow.core.state import disk as disk_tier
 from kvflow.core.state import legality as lg
 from kvflow.core.state.model import Job, State
 from kvflow.core.state.moves import (
@@ -64,6 +71,8 @@ _QUEUE_STORE = entry_move(ABSENT, "store_queued")
 _QUEUE_REMOTE_LOAD = entry_move(ABSENT, "remote_load_queued")
 _QUEUE_LOAD = entry_move(RESIDENT, "load_queued")
 _QUEUE_REMOTE_STORE = entry_move(RESIDENT, "remote_store_queued")
+_QUEUE_DISK_LOAD = entry_move(ABSENT, "disk_load_queued")
+_QUEUE_DISK_STORE = entry_move(RESIDENT, "disk_store_queued")
 # submitting a job: a filling job's entries are STORE_QUEUED, any other's RESIDENT
 _SUBMIT_FILLING = entry_move(STORE_QUEUED, "jobs_submitted")
 _SUBMIT_OTHER = entry_move(RESIDENT, "jobs_submitted")
@@ -73,16 +82,20 @@ _SUBMIT_OTHER = entry_move(RESIDENT, "jobs_submitted")
 
 def _add_job(
     state: State,
-    event: StoreQueued | LoadQueued | RemoteLoadQueued | RemoteStoreQueued,
+    event: lg.QueuedJob,
     direction: Direction,
     tag: str,
     request_id: str | None,
     device_blocks: tuple[int, ...],
+    disk_slots: tuple[int, ...] = (),
 ) -> Job:
     """The job the event queues (in the state the table gives it), holding its device blocks;
     its request (``None`` for remote jobs and lazy stores) is created if new and lists it."""
     job_id = event.job_id
-    job = Job(job_id, direction, request_id, event.hashes, device_blocks, event.slots, JOB_TRANSITIONS[NEW][tag])
+    job = Job(
+        job_id, direction, request_id, event.hashes, device_blocks, event.slots, JOB_TRANSITIONS[NEW][tag],
+        disk_slots=disk_slots,
+    )  # fmt: skip
     state.jobs[job_id] = job
     state.queued[job_id] = None
     state.last_job_id = job_id
@@ -228,6 +241,85 @@ def _remote_indexed(state: State, event: RemoteIndexed, check: bool) -> None:
     remember_remote(state, event.hashes)
 
 
+def _check_disk_job(state: State, event: DiskLoadQueued | DiskStoreQueued) -> disk_tier.DiskIndex:
+    disk = state.disk
+    if disk is None:
+        raise lg.illegal(state, event, "NEW", "no disk tier in this configuration")
+    lg.check_job_id(state, event)
+    n = len(event.hashes)
+    if not n or len(event.slots) != n or len(event.disk_slots) != n:
+        raise lg.illegal(state, event, "NEW", "hashes, slots and disk slots must match, non-empty")
+    if len(set(event.hashes)) != n or len(set(event.disk_slots)) != n:
+        raise lg.illegal(state, event, "NEW", "a block or a disk slot is named twice")
+    if not disk.busy.keys().isdisjoint(event.disk_slots):
+        raise lg.illegal(state, event, "NEW", "a disk slot another job uses")
+    return disk
+
+
+def _disk_load_queued(state: State, event: DiskLoadQueued, check: bool) -> None:
+    if check:
+        disk = _check_disk_job(state, event)
+        lg.check_new_entries(state, event)
+        if any(disk.slot_of.get(h) != s for h, s in zip(event.hashes, event.disk_slots)):
+            raise lg.illegal(state, event, "NEW", "the disk slots are not where the disk index holds the blocks")
+    job = _add_job(state, event, DISK_LOAD, "disk_load_queued", None, (), event.disk_slots)
+    if _QUEUE_DISK_LOAD is not None:
+        _QUEUE_DISK_LOAD(state, event.hashes, job)
+    disk_tier.take_slots(state, job)
+
+
+def _disk_store_queued(state: State, event: DiskStoreQueued, check: bool) -> None:
+    if check:
+        disk = _check_disk_job(state, event)
+        lg.check_resident(state, event, "disk_store_queued", event.hashes)
+        if state.slots_of(event.hashes) != event.slots:
+            raise lg.illegal(state, event, "RESIDENT", "the disk store's slots are not where its blocks live")
+        if disk.next_slots(len(event.disk_slots)) != event.disk_slots:
+            raise lg.illegal(state, event, "NEW", "a disk store takes the next free disk slots")
+    job = _add_job(state, event, DISK_STORE, "disk_store_queued", None, (), event.disk_slots)
+    if _QUEUE_DISK_STORE is not None:
+        _QUEUE_DISK_STORE(state, event.hashes, job)
+    pin(state, event.hashes)  # its slots are read until the job ends
+    disk_tier.take_slots(state, job)
+
+
+def _disk_evicted(state: State, event: DiskEvicted, check: bool) -> None:
+    disk = state.disk
+    if disk is None:
+        raise lg.illegal(state, event, "ABSENT", "no disk tier in this configuration")
+    slot_of = disk.slot_of
+    if check:
+        if len(event.hashes) != len(event.disk_slots) or len(set(event.hashes)) != len(event.hashes):
+            raise lg.illegal(state, event, "ABSENT", "hashes and disk slots must match, each named once")
+        for h, s in zip(event.hashes, event.disk_slots):
+            if slot_of.get(h) != s:
+                raise lg.illegal(state, event, "ABSENT", f"block {h} is not in disk slot {s}")
+            if s in disk.busy:
+                raise lg.illegal(state, event, "ABSENT", f"disk slot {s} is in use by job {disk.busy[s]}")
+    for h, s in zip(event.hashes, event.disk_slots):
+        del slot_of[h]
+        disk.free.append(s)
+
+
+def _disk_indexed(state: State, event: DiskIndexed, check: bool) -> None:
+    disk = state.disk
+    if disk is None:
+        raise lg.illegal(state, event, "ABSENT", "no disk tier in this configuration")
+    n = len(event.hashes)
+    free = dict.fromkeys(disk.free)
+    if check:
+        if len(event.disk_slots) != n or len(set(event.hashes)) != n or len(set(event.disk_slots)) != n:
+            raise lg.illegal(state, event, "ABSENT", "hashes and disk slots must match, each named once")
+        if not disk.slot_of.keys().isdisjoint(event.hashes):
+            raise lg.illegal(state, event, "ABSENT", "a block the disk index holds already")
+        if any(s not in free for s in event.disk_slots):
+            raise lg.illegal(state, event, "ABSENT", "a disk slot that is not free")
+    for h, s in zip(event.hashes, event.disk_slots):
+        del free[s]
+        disk.slot_of[h] = s
+    disk.free[:] = free
+
+
 def _check_submission(state: State, event: JobsSubmitted) -> None:
     """Each job is live, queued, the table lets it be submitted, and it is named once."""
     job_ids = event.job_ids
@@ -313,8 +405,13 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
         if abandoned:
             # its entries left the tier at the reset; only its fenced slots come back now
             _release_fenced_slots(state, job)
+            disk_tier.release_slots(state, job)
             return
     direction = job.direction
+    if job.disk_slots:
+        disk_tier.apply_outcome(state, job, completed)
+        if not fenced:
+            disk_tier.release_slots(state, job)
     if direction in FILLING:
         write = WRITERS[STORE_QUEUED if was is QUEUED else STORING][tag]
         if write is not None:
@@ -375,6 +472,7 @@ def _fence_lifted(state: State, event: FenceLifted, check: bool) -> None:
     job.state = nxt
     _end_job(state, job, forgotten=True)  # its request forgot it when it was fenced
     _release_fenced_slots(state, job)
+    disk_tier.release_slots(state, job)
 
 
 JOB_EVOLVERS: dict[type, Callable[[State, Any, bool], None]] = {
@@ -382,6 +480,10 @@ JOB_EVOLVERS: dict[type, Callable[[State, Any, bool], None]] = {
     RemoteLoadQueued: _remote_load_queued,
     RemoteStoreQueued: _remote_store_queued,
     RemoteIndexed: _remote_indexed,
+    DiskLoadQueued: _disk_load_queued,
+    DiskStoreQueued: _disk_store_queued,
+    DiskEvicted: _disk_evicted,
+    DiskIndexed: _disk_indexed,
     LoadQueued: _load_queued,
     JobsSubmitted: _jobs_submitted,
     RankSucceeded: _rank_succeeded,

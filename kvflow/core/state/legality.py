@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from kvflow.core.errors import IllegalTransition
 from kvflow.core.events import (
+    DiskLoadQueued,
+    DiskStoreQueued,
     Event,
     LoadQueued,
     RemoteLoadQueued,
@@ -26,6 +28,9 @@ from kvflow.core.state.tables import (
     BlockState,
     JobState,
 )
+
+# the events that queue a job
+QueuedJob = StoreQueued | LoadQueued | RemoteLoadQueued | RemoteStoreQueued | DiskLoadQueued | DiskStoreQueued
 
 
 def illegal(state: State, event: Event, what: str, detail: str) -> IllegalTransition:
@@ -79,7 +84,7 @@ def check_resident(state: State, event: Event, tag: str, hashes: tuple[int, ...]
         block_next(state, event, tag, current, h)
 
 
-def check_job_id(state: State, event: StoreQueued | LoadQueued | RemoteLoadQueued | RemoteStoreQueued) -> None:
+def check_job_id(state: State, event: QueuedJob) -> None:
     """A queued job takes the next job id."""
     if event.job_id != state.next_job_id:
         raise illegal(state, event, "NEW", f"job id {event.job_id} is not {state.next_job_id}")
@@ -100,7 +105,7 @@ def check_new_job(state: State, event: StoreQueued | LoadQueued) -> None:
         raise illegal(state, event, "HELD", "device blocks repeat within one job")
 
 
-def check_new_entries(state: State, event: StoreQueued | RemoteLoadQueued) -> None:
+def check_new_entries(state: State, event: StoreQueued | RemoteLoadQueued | DiskLoadQueued) -> None:
     """A store names blocks that are not on the tier, each once, and takes the next free
     slots, in allocation order."""
     hashes = event.hashes
@@ -112,7 +117,7 @@ def check_new_entries(state: State, event: StoreQueued | RemoteLoadQueued) -> No
         raise illegal(state, event, "SLOTS", f"slots {list(slots)[:8]} are not the next free slots")
 
 
-def _name_entry_on_tier(state: State, event: StoreQueued | RemoteLoadQueued) -> None:
+def _name_entry_on_tier(state: State, event: StoreQueued | RemoteLoadQueued | DiskLoadQueued) -> None:
     """Raise naming the first block of the event already on the tier or named twice."""
     named: set[int] = set()
     for h in event.hashes:

@@ -17,6 +17,7 @@ from kvflow.core.jobs import FILLING, Direction
 from kvflow.core.policies.base import Policy
 from kvflow.core.policies.registry import make_policy
 from kvflow.core.state.digest import canonical, digest
+from kvflow.core.state.disk import DiskIndex
 from kvflow.core.state.tables import (
     ABANDONED,
     ABSENT,
@@ -101,6 +102,7 @@ class Job(msgspec.Struct, eq=False, gc=False):
     deadline_ms: float = 0.0
     acks: int = 0  # bit mask of ranks that reported success
     reported: int = 0  # bit mask of ranks that reported at all: their copy is over
+    disk_slots: tuple[int, ...] = ()  # a disk job's slots on the disk tier
 
     @property
     def abandoned(self) -> bool:
@@ -226,6 +228,7 @@ class State:
         "deferred_touches",
         "bad",
         "remote",
+        "disk",
         "departures",
     )
 
@@ -258,6 +261,8 @@ class State:
         # the remote tier's index: hashes known to be there, oldest first (capped at
         # config.remote_blocks); a remote load that fails drops its hashes at once
         self.remote: dict[int, None] = {}
+        # the disk tier's index, free slots and slots in use (None without a disk tier)
+        self.disk: DiskIndex | None = DiskIndex(config.disk_blocks) if config.disk_blocks else None
         # how many times entries have left the tier (an eviction, a dropped store, a reset):
         # what was known on the tier at one count is there still while the count is the same
         # (see Request.chain_whole_at). Not part of the digest: it only spares a lookup
@@ -360,7 +365,7 @@ class State:
         for jid, j in self.jobs.items():
             clone.jobs[jid] = Job(
                 j.job_id, j.direction, j.request_id, j.hashes, j.device_blocks, j.slots,
-                j.state, j.deadline_ms, j.acks, j.reported,
+                j.state, j.deadline_ms, j.acks, j.reported, j.disk_slots,
             )  # fmt: skip
         clone.queued = dict(self.queued)
         clone._held = None if self._held is None else dict(self._held)
@@ -379,6 +384,7 @@ class State:
         clone.deferred_touches = dict(self.deferred_touches)
         clone.bad = dict(self.bad)
         clone.remote = dict(self.remote)
+        clone.disk = None if self.disk is None else self.disk.copy()
         clone.departures = self.departures
         return clone
 

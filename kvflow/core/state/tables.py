@@ -57,7 +57,12 @@ NEW, QUEUED, IN_FLIGHT, COMPLETED, FAILED, TIMED_OUT, ABANDONED, FENCED, LIFTED 
 # (state, event tag) -> next state, for one CPU-tier entry named by the event.
 # Pins are a counter on a RESIDENT entry (see the pin rules in evolve), not a separate state.
 BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
-    ABSENT: {"store_queued": STORE_QUEUED, "remote_load_queued": STORE_QUEUED, "reset": ABSENT},
+    ABSENT: {
+        "store_queued": STORE_QUEUED,
+        "remote_load_queued": STORE_QUEUED,
+        "disk_load_queued": STORE_QUEUED,
+        "reset": ABSENT,
+    },
     STORE_QUEUED: {
         "jobs_submitted": STORING,
         "job_failed": ABSENT,  # cancelled before submission (reset)
@@ -73,6 +78,7 @@ BLOCK_TRANSITIONS: dict[BlockState, dict[str, BlockState]] = {
     RESIDENT: {
         "load_queued": RESIDENT,
         "remote_store_queued": RESIDENT,  # copied to the remote tier, pinned meanwhile
+        "disk_store_queued": RESIDENT,  # copied to the disk tier, pinned meanwhile
         "jobs_submitted": RESIDENT,  # its load job was handed to the executor
         "job_completed": RESIDENT,  # a load finished: its pin is released
         "job_failed": RESIDENT,  # a load failed: entry stays, pin released (F1)
@@ -94,6 +100,8 @@ JOB_TRANSITIONS: dict[JobState, dict[str, JobState]] = {
         "load_queued": JobState.QUEUED,
         "remote_load_queued": JobState.QUEUED,
         "remote_store_queued": JobState.QUEUED,
+        "disk_load_queued": JobState.QUEUED,
+        "disk_store_queued": JobState.QUEUED,
     },
     JobState.QUEUED: {
         "jobs_submitted": JobState.IN_FLIGHT,

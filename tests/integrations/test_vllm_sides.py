@@ -142,6 +142,7 @@ def test_a_warm_restart_indexes_what_every_rank_holds_then_waits_for_the_disk_lo
     then hits on the CPU tier."""
     side = disk_side(world_size=2)
     h1, h2 = kvflow_hash(hashes(1)[0]), kvflow_hash(hashes(2)[0])
+    assert side.matched_tokens("early", hashes(1, 2), 2 * B + 1, 0) is None  # what the disks hold is not known yet
     side.disk_entries({0: [(0, h1), (1, h2)]})
     assert side.manager.state.disk is not None and side.manager.state.disk.slot_of == {}  # rank 1 not yet
     side.disk_entries({1: [(0, h1), (5, h2)]})

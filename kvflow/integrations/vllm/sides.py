@@ -255,6 +255,8 @@ class SchedulerSide:
         next step (the disk tier is loading blocks past the hits)."""
         if request_id in self._load_failed:
             return 0
+        if self._disk_entries is not None and self.manager.state.disk is not None:
+            return None  # the workers' disk tiers have not said yet what they hold (first step)
         tracked = self.requests.setdefault(request_id, _Tracked())
         tracked.hashes = [kvflow_hash(h) for h in block_hashes]
         self._vllm_hash.update(zip(tracked.hashes, block_hashes))

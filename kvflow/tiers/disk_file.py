@@ -166,7 +166,7 @@ class DiskEntryFile:
         meta = self._read_meta()
         wanted = (FORMAT_VERSION, self._digest.hex(), self.slot_bytes, self.slots)
         size_ok = _size(self.path / DATA) == self.slots * self.slot_bytes
-        if meta is not None and (meta.format, meta.layout_digest, meta.slot_bytes, meta.slots) == wanted and size_ok:
+        if isinstance(meta, Meta) and (meta.format, meta.layout_digest, meta.slot_bytes, meta.slots) == wanted and size_ok:
             self._generation = meta.generation
             self._open_data(direct)
             kept = self._replay_journal()
@@ -319,10 +319,10 @@ class DiskEntryFile:
                     reasons[i] = reason
                 written = []
         if written:
-            failed = self._append([(items[i][0], items[i][1]) for i in written])
-            if failed is not None:
+            unrecorded = self._append([(items[i][0], items[i][1]) for i in written])
+            if unrecorded is not None:
                 for i in written:
-                    reasons[i] = failed
+                    reasons[i] = unrecorded
             elif all(r is None for r in reasons) and self._broken is None and self._read_only is None:
                 self._degraded = None  # the file system takes writes again (space was freed)
         return reasons
@@ -389,7 +389,7 @@ class DiskEntryFile:
         """The items worth doing, their pages as flat byte views: in range, the layout's size,
         contiguous pages, and (``once``: stores) a slot named once."""
         seen: set[int] = set()
-        todo = []
+        todo: list[tuple[int, Item]] = []
         want = self.layout.payload_bytes
         for i, (slot, block_hash, pages) in enumerate(items):
             views = [memoryview(p) for p in pages]
@@ -439,7 +439,7 @@ class DiskEntryFile:
             if self._aligned(pages, writable=True):
                 block = self._buffer("head", ALIGN)
                 _full(os.preadv, self._data_fd, [block, *pages], offset)
-                digest = header_miss(block, self._digest, block_hash, want)
+                digest = header_miss(memoryview(block), self._digest, block_hash, want)
                 if isinstance(digest, Miss):
                     return _miss_reason(block, digest)
                 if checksum_pages(pages)[1] != digest:
@@ -447,7 +447,7 @@ class DiskEntryFile:
                 return None
             bounce = self._buffer("bounce", self.slot_bytes)
             _full(os.preadv, self._data_fd, [bounce], offset)
-            digest = header_miss(bounce, self._digest, block_hash, want)
+            digest = header_miss(memoryview(bounce), self._digest, block_hash, want)
             if isinstance(digest, Miss):
                 return _miss_reason(bounce, digest)
             payload = memoryview(bounce)[ALIGN : ALIGN + want]

@@ -69,6 +69,7 @@ _FS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, er
                         errno.ESTALE, errno.ENXIO, errno.ENODEV})  # fmt: skip
 
 Item = tuple[int, int, Sequence[memoryview]]
+_Buffer = memoryview | mmap.mmap | bytes
 
 
 def slot_bytes_of(layout: Layout) -> int:
@@ -593,10 +594,12 @@ class _Short(Exception):
     """A read or write that moved fewer bytes than asked (the end of the file, or a refusal)."""
 
 
-def _full(call: Callable[[int, list[memoryview], int], int], fd: int, buffers: Sequence[object], offset: int) -> None:
+def _full(
+    call: Callable[[int, list[memoryview], int], int], fd: int, buffers: Sequence[_Buffer], offset: int
+) -> None:
     """``preadv``/``pwritev`` all of ``buffers`` at ``offset``, going on after a partial
     transfer; ``_Short`` when one moves nothing (the end of the file)."""
-    views = [memoryview(b).cast("B") for b in buffers]  # type: ignore[arg-type]
+    views = [memoryview(b).cast("B") for b in buffers]
     total = sum(len(v) for v in views)
     done = 0
     while views:
@@ -611,9 +614,9 @@ def _full(call: Callable[[int, list[memoryview], int], int], fd: int, buffers: S
             views[0] = views[0][moved:]
 
 
-def _miss_reason(block: object, miss: Miss) -> str:
+def _miss_reason(block: _Buffer, miss: Miss) -> str:
     """A header that is all zeros is a slot never written (or cut short), not a foreign entry."""
-    if miss.reason == "not a kvflow entry" and not any(memoryview(block)[:HEADER_BYTES]):  # type: ignore[arg-type]
+    if miss.reason == "not a kvflow entry" and not any(memoryview(block)[:HEADER_BYTES]):
         return "empty slot"
     return miss.reason
 

@@ -349,12 +349,15 @@ def test_a_second_vllm_process_loads_the_first_ones_prefixes_from_the_disk_tier(
             capture_output=True, text=True, timeout=300, env=env,
         )
         assert done.returncode == 0, done.stderr[-3000:]
-        runs.append((json.loads(done.stdout.split("RESULT ", 1)[1]), trace))
+        assert "RESULT " in done.stdout, (done.stdout[-2000:], done.stderr[-2000:])
+        runs.append((json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0]), trace))
     (first, _), (second, second_trace) = runs
     assert [o for o, _ in first] == [o for o, _ in second] == without_kvflow[0][:CONVERSATIONS]
     assert [c for _, c in first] == [0] * CONVERSATIONS  # nothing on disk yet
     assert [c for _, c in second] == [PREFIX] * CONVERSATIONS  # every prefix from the disk tier
     replayed = CliRunner().invoke(kvflow_cli, ["replay", str(second_trace), "--redecide"])
     assert replayed.exit_code == 0, replayed.output
-    inspected = CliRunner().invoke(kvflow_cli, ["inspect", str(second_trace), "--json"])
-    assert inspected.exit_code == 0, inspected.output
+    incidents = CliRunner().invoke(kvflow_cli, ["incidents", str(second_trace), "--json"])
+    assert incidents.exit_code == 0, incidents.output
+    assert json.loads(incidents.stdout) == []  # (stderr says the killed writer left no last checkpoint)
+    assert "no checkpoint after them" in incidents.stderr

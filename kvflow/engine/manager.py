@@ -48,7 +48,7 @@ from kvflow.core.commands import (
 from kvflow.core.config import Config
 from kvflow.core.decide.dispatch import DECIDERS, after_decision
 from kvflow.core.decide.jobs import expired_jobs
-from kvflow.core.decide.lookup import hit_cap_blocks
+from kvflow.core.decide.lookup import arriving, hit_cap_blocks
 from kvflow.core.decide.remote import probe_candidates
 from kvflow.core.errors import ConcurrentCall, EngineClosed, Rejected
 from kvflow.core.events import EVENT_TYPES, Event, Reset
@@ -409,6 +409,14 @@ class OffloadManager:
         cap = hit_cap_blocks(int(num_tokens), self.config.block_tokens)
         window = list(block_hashes[int(device_hit_blocks) + int(hits) : cap])
         return probe_candidates(self.state, window)
+
+    def arriving(self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int, hits: int) -> int:
+        """After a lookup that hit ``hits`` blocks: how many of the blocks right after them a
+        lower tier (disk, remote) is loading into the CPU tier now. An engine that can hold a
+        request back (vLLM: "ask again later") waits for them, then its next lookup hits them.
+        A query."""
+        cap = hit_cap_blocks(int(num_tokens), self.config.block_tokens)
+        return arriving(self.state, block_hashes[int(device_hit_blocks) + int(hits) : cap])
 
     def reset(self) -> None:
         """Forget the tier: queued jobs are cancelled, in-flight ones abandoned (their slots

@@ -69,18 +69,56 @@ def checksum(payload: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode(layout_digest: bytes, block_hash: int, pages: Sequence[bytes | memoryview]) -> bytes:
-    """One entry: header then the block's pages, as one value (written by one ``SET``)."""
+def checksum_pages(pages: Sequence[bytes | memoryview]) -> tuple[int, int]:
+    """(length, checksum) of a payload given as its pages, back to back."""
     hasher = xxhash.xxh3_64()
     length = 0
     for page in pages:
         hasher.update(page)
         length += len(page)
-    header = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, layout_digest, block_hash.to_bytes(16, "little", signed=True),
-        length, hasher.intdigest(),
-    )  # fmt: skip
-    return b"".join([header, *pages])
+    return length, hasher.intdigest()
+
+
+def hash_bytes(block_hash: int) -> bytes:
+    """A block hash as entries (and the disk tier's journal) carry it: 16 bytes, signed (a
+    hash may be negative; a wider hash than today's 64 bits still fits)."""
+    return block_hash.to_bytes(16, "little", signed=True)
+
+
+def hash_from(raw: bytes | memoryview) -> int:
+    return int.from_bytes(raw, "little", signed=True)
+
+
+def header(layout_digest: bytes, block_hash: int, length: int, digest: int) -> bytes:
+    """The ``HEADER_BYTES`` that go ahead of a payload of ``length`` bytes with checksum ``digest``."""
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, layout_digest, hash_bytes(block_hash), length, digest)
+
+
+def header_miss(
+    value: bytes | memoryview, layout_digest: bytes, block_hash: int, payload_bytes: int
+) -> int | Miss:
+    """The payload checksum that the header at the start of ``value`` promises, if it names
+    this block under this layout at this length; else a ``Miss`` saying which field is wrong."""
+    if len(value) < HEADER_BYTES:
+        return Miss("short entry")
+    magic, version, layout, raw_hash, length, digest = _HEADER.unpack_from(value)
+    if magic != MAGIC:
+        return Miss("not a kvflow entry")
+    if version != FORMAT_VERSION:
+        return Miss(f"entry format {version}, expected {FORMAT_VERSION}")
+    if layout != layout_digest:
+        return Miss("another layout")
+    if hash_from(raw_hash) != block_hash:
+        return Miss("another block")
+    if length != payload_bytes:
+        return Miss(f"length {length}, expected {payload_bytes}")
+    return int(digest)
+
+
+def encode(layout_digest: bytes, block_hash: int, pages: Sequence[bytes | memoryview]) -> bytes:
+    """One entry: header then the block's pages, as one value (written by one ``SET``)."""
+    length, digest = checksum_pages(pages)
+    return b"".join([header(layout_digest, block_hash, length, digest), *pages])
 
 
 def decode(
@@ -89,18 +127,10 @@ def decode(
     """The payload of ``value`` if it is this block under this layout, intact; else a ``Miss``."""
     if value is None:
         return Miss("absent")
-    if len(value) < HEADER_BYTES:
-        return Miss("short entry")
-    magic, version, layout, hash_bytes, length, digest = _HEADER.unpack_from(value)
-    if magic != MAGIC:
-        return Miss("not a kvflow entry")
-    if version != FORMAT_VERSION:
-        return Miss(f"entry format {version}, expected {FORMAT_VERSION}")
-    if layout != layout_digest:
-        return Miss("another layout")
-    if int.from_bytes(hash_bytes, "little", signed=True) != block_hash:
-        return Miss("another block")
-    if length != payload_bytes or len(value) != HEADER_BYTES + length:
+    digest = header_miss(value, layout_digest, block_hash, payload_bytes)
+    if isinstance(digest, Miss):
+        return digest
+    if len(value) != HEADER_BYTES + payload_bytes:
         return Miss(f"length {len(value) - HEADER_BYTES}, expected {payload_bytes}")
     payload = memoryview(value)[HEADER_BYTES:]
     if checksum(payload) != digest:

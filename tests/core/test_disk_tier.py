@@ -5,6 +5,7 @@ checked against the invariants and a fold of the log."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,47 @@ def test_a_trace_with_a_disk_tier_replays_and_redecides(tmp_path: Path) -> None:
         result = replay(path, redecide=redecide)
         assert result.divergence is None, result.divergence
         assert result.state.digest() == m.state.digest()
+
+
+def test_incidents_and_inspect_tell_what_happened_to_disk_jobs(tmp_path: Path) -> None:
+    """A disk store the file system refused and a disk load that timed out, then reported late
+    with a bad entry: each is an incident with its recovery; the state shows the disk tier."""
+    from click.testing import CliRunner
+
+    from kvflow.cli.main import main as kvflow_cli
+    from kvflow.inspect.incidents import find_incidents
+
+    path = tmp_path / "disk.jsonl"
+    config = Config(cpu_blocks=4, block_tokens=4, disk_blocks=4, disk_store_mode="write_through", job_deadline_ms=DEADLINE_MS)
+    m = OffloadManager(config, log=TraceWriter(str(path), config))
+    job = store(m, "a", [1], [10])
+    m.plan_step(0.0)
+    m.job_result(job + 1, ok=False, error="disk store failed on 1 of 1 blocks (block 1: ENOSPC: No space left on device)")
+    m.finish_request("a")
+    m.disk_restored([(3, 7)])
+    m.lookup("b", [7, 8], tokens(2))
+    m.accept_hits("b", [])
+    m.plan_step(1.0)
+    m.tick(1.0 + DEADLINE_MS)
+    m.job_result(job + 2, ok=False, error="disk load failed on 1 of 1 blocks (block 7: checksum mismatch)")
+    m.close()
+    store_failure, load_timeout = find_incidents(path).incidents
+    assert store_failure.recovery["entries_kept_resident"] == [1]
+    assert load_timeout.recovery["hashes_never_visible"] == [7]
+    assert load_timeout.recovery["dropped_from_disk_index"] == [7]
+    assert load_timeout.fence_lifted is not None
+    runner = CliRunner()
+    shown = runner.invoke(kvflow_cli, ["incidents", str(path)], env={"COLUMNS": "240"})
+    assert shown.exit_code == 0, shown.output
+    flat = " ".join(shown.output.split())  # (the table wraps long cells)
+    assert "disk_store failed" in flat and "disk_load timed out" in flat and "ENOSPC" in flat
+    as_json = runner.invoke(kvflow_cli, ["incidents", str(path), "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.output)[1]["recovery"]["dropped_from_disk_index"] == [7]
+    with TraceReader(str(path)) as reader:
+        (indexed,) = [r.seq for _, r in reader.records() if type(r).__name__ == "DiskIndexed"]
+    state = runner.invoke(kvflow_cli, ["inspect", str(path), "--at", str(indexed)], env={"COLUMNS": "240"})
+    assert state.exit_code == 0, state.output
+    assert "disk tier: 1 blocks" in state.output
+    history = runner.invoke(kvflow_cli, ["inspect", str(path), "--block", "7"], env={"COLUMNS": "240"})
+    assert history.exit_code == 0 and "disk_load job" in history.output and "restored" in history.output

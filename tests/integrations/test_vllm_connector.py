@@ -293,3 +293,71 @@ def test_scheduler_and_worker_in_vllms_engine_process(
     assert [c for _, c in result] == [0] * CONVERSATIONS + [PREFIX] * CONVERSATIONS
     replayed = CliRunner().invoke(kvflow_cli, ["replay", str(trace), "--redecide"])
     assert replayed.exit_code == 0, replayed.output
+
+
+RESTART_SCRIPT = """
+import json, os, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+def main():
+    model, disk, trace, convs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=128, block_size=32,
+              enable_prefix_caching=True, num_gpu_blocks_override=8, max_num_seqs=2, max_num_batched_tokens=128,
+              seed=0, enforce_eager=True, kv_transfer_config={
+                  "kv_connector": "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm.connector",
+                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                  "kv_connector_extra_config": {"cpu_blocks": 64, "disk_path": disk, "disk_gb": 0.01,
+                                                "disk_store_mode": "write_through", "trace_path": trace}})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = []
+    for c in convs:
+        r = llm.generate([TokensPrompt(prompt_token_ids=c)], params, use_tqdm=False)[0]
+        out.append([list(r.outputs[0].token_ids), int(r.num_cached_tokens or 0)])
+    # a serving process steps on: the last turns' copies to disk are planned and run (a
+    # request shorter than a block stores nothing)
+    for _ in range(4):
+        llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
+    time.sleep(1.0)
+    print("RESULT " + json.dumps(out), flush=True)
+    os._exit(0)  # no shutdown: the disk tier must outlive a process that just ends
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_second_vllm_process_loads_the_first_ones_prefixes_from_the_disk_tier(
+    model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]], tmp_path: Path
+) -> None:
+    """Two vLLM processes, one after the other, sharing a disk tier's directory: the first
+    computes the conversations' first turns (written through to disk) and ends without a
+    shutdown; the second, with an empty CPU tier, finds every conversation's prefix on disk at
+    its first turn. Outputs are vLLM's own without kvflow, token for token."""
+    import json
+    import subprocess
+
+    script, disk = tmp_path / "serve.py", tmp_path / "disk"
+    script.write_text(RESTART_SCRIPT)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    runs = []
+    for name in ("first", "second"):
+        trace = tmp_path / f"{name}.jsonl"
+        done = subprocess.run(
+            [sys.executable, str(script), str(model_dir), str(disk), str(trace), json.dumps(conversations())],
+            capture_output=True, text=True, timeout=300, env=env,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "RESULT " in done.stdout, (done.stdout[-2000:], done.stderr[-2000:])
+        runs.append((json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0]), trace))
+    (first, _), (second, second_trace) = runs
+    assert [o for o, _ in first] == [o for o, _ in second] == without_kvflow[0][:CONVERSATIONS]
+    assert [c for _, c in first] == [0] * CONVERSATIONS  # nothing on disk yet
+    assert [c for _, c in second] == [PREFIX] * CONVERSATIONS  # every prefix from the disk tier
+    replayed = CliRunner().invoke(kvflow_cli, ["replay", str(second_trace), "--redecide"])
+    assert replayed.exit_code == 0, replayed.output
+    incidents = CliRunner().invoke(kvflow_cli, ["incidents", str(second_trace), "--json"])
+    assert incidents.exit_code == 0, incidents.output
+    assert json.loads(incidents.stdout) == []  # (stderr says the killed writer left no last checkpoint)
+    assert "no checkpoint after them" in incidents.stderr

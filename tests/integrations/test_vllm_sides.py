@@ -43,6 +43,12 @@ def test_capacity_in_blocks_bytes_or_gb() -> None:
         ({"cpu_gb": float("nan")}, "cpu_gb must be a number > 0"),
         ({"cpu_blocks": 4, "polcy": "lru"}, "unknown key 'polcy'"),
         ({"cpu_blocks": 4, "store_mode": "lazy"}, "stores eagerly"),
+        ({"cpu_blocks": 4, "disk_path": "/tmp/kv"}, "both disk_path and disk_gb"),
+        ({"cpu_blocks": 4, "disk_gb": 1}, "both disk_path and disk_gb"),
+        ({"cpu_blocks": 4, "disk_path": 3, "disk_gb": 1}, "disk_path must be a directory's path"),
+        ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": "1"}, "disk_gb must be a number > 0"),
+        ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 0}, "disk_gb must be a number > 0"),
+        ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_store_mode": "now"}, "disk_store_mode must be one of"),
     ],
 )
 def test_bad_extra_config_is_one_clear_error(extra: dict, message: str) -> None:
@@ -113,6 +119,55 @@ def test_a_request_whose_load_failed_is_offered_nothing_again() -> None:
     assert side.loads_failed == 1
     assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == 0  # recompute
     assert side.matched_tokens("s", hashes(1, 2), 2 * B + 1, 0) == 2 * B  # the entries are fine
+
+
+def test_a_disk_tier_from_the_connector_config() -> None:
+    config = ConnectorConfig.from_extra({"cpu_blocks": 8, "disk_path": "/tmp/kv", "disk_gb": 1})
+    assert config.disk_blocks(1 << 20) == 1024 and config.disk_store_mode == "ahead_of_eviction"
+    side = SchedulerSide(config, B, 1 << 20)
+    assert side.config.disk_blocks == 1024
+    assert ConnectorConfig.from_extra({"cpu_blocks": 8}).disk_blocks(4096) == 0
+
+
+def disk_side(world_size: int = 1) -> SchedulerSide:
+    config = ConnectorConfig.from_extra(
+        {"cpu_blocks": 4, "disk_path": "/tmp/unused", "disk_gb": 8 * 4096 / (1 << 30), "disk_store_mode": "write_through"}
+    )
+    return SchedulerSide(config, B, 4096, world_size=world_size)
+
+
+def test_a_warm_restart_indexes_what_every_rank_holds_then_waits_for_the_disk_load() -> None:
+    """Each rank's disk tier sends what it held; the entries all ranks hold join the index. A
+    request whose prefix is on disk is asked about again (None) until its disk load landed,
+    then hits on the CPU tier."""
+    side = disk_side(world_size=2)
+    h1, h2 = kvflow_hash(hashes(1)[0]), kvflow_hash(hashes(2)[0])
+    assert side.matched_tokens("early", hashes(1, 2), 2 * B + 1, 0) is None  # what the disks hold is not known yet
+    side.disk_entries({0: [(0, h1), (1, h2)]})
+    assert side.manager.state.disk is not None and side.manager.state.disk.slot_of == {}  # rank 1 not yet
+    side.disk_entries({1: [(0, h1), (5, h2)]})
+    assert side.disk_restored == 1 and side.manager.state.disk.slot_of == {h1: 0}
+    side.disk_entries({0: [(1, h2)], 1: [(1, h2)]})  # (sent once: later lists change nothing)
+    assert side.manager.state.disk.slot_of == {h1: 0}
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) is None  # its disk load runs
+    plan = side.step([], [])
+    (disk_load,) = plan.jobs
+    assert disk_load.direction == "disk_load" and disk_load.disk_slots == (0,)
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) is None  # still on its way
+    side.results([JobResult(job_id=disk_load.job_id, rank=0), JobResult(job_id=disk_load.job_id, rank=1)])
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == B  # now a CPU-tier hit
+    assert check_invariants(side.manager.state) == []
+
+
+def test_a_disk_load_that_fails_lets_the_request_go_on_without_it() -> None:
+    side = disk_side()
+    h1 = kvflow_hash(hashes(1)[0])
+    side.disk_entries({0: [(2, h1)]})
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) is None
+    (disk_load,) = side.step([], []).jobs
+    side.results([JobResult(job_id=disk_load.job_id, ok=False, error="disk load failed (block 1: checksum mismatch)")])
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == 0  # computed, never asked to wait again
+    assert side.manager.state.disk is not None and side.manager.state.disk.slot_of == {}
 
 
 # --- tensor parallelism: one worker per rank ---------------------------------------------------

@@ -3,6 +3,7 @@ the load of the hits the engine accepts. Pure."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import takewhile
 
 from kvflow.core.commands import AcceptHits, Lookup
@@ -12,6 +13,7 @@ from kvflow.core.decide.remote import remote_loads
 from kvflow.core.decide.store import extend_chain
 from kvflow.core.errors import Rejected, UnknownRequest
 from kvflow.core.events import BlocksTouched, LoadQueued, PinsAcquired, PinsReleased, RequestResumed
+from kvflow.core.jobs import STORE
 from kvflow.core.state.model import State
 from kvflow.core.values import is_int
 
@@ -96,3 +98,17 @@ def decide_accept_hits(state: State, cmd: AcceptHits, emit: Emit) -> int | None:
         # the request's own stores never evict the prefix they extend
         emit(BlocksTouched(seq=state.next_seq, hashes=hashes[::-1], reuse=True))
     return job_id
+
+
+def arriving(state: State, window: Sequence[int]) -> int:
+    """How many blocks at the start of ``window`` (a lookup's blocks after its CPU-tier hits)
+    a lower tier's load is bringing to the CPU tier now: an engine that waits for them hits
+    them on the CPU tier once they land (or, if the load fails or times out, computes them)."""
+    pending, jobs = state.pending, state.jobs
+    n = 0
+    for h in window:
+        job_id = pending.get(h)
+        if job_id is None or jobs[job_id].direction == STORE:
+            break
+        n += 1
+    return n

@@ -74,9 +74,13 @@ if HAVE_VLLM:
         """The workers' results of a step (vLLM aggregates every worker's, in rank order)."""
 
         results: list[JobResult] = field(default_factory=list)
+        # rank -> what its disk tier held when it opened (sent once, a warm restart)
+        disk_entries: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
         def aggregate(self, other: KVFlowWorkerMetadata) -> KVFlowWorkerMetadata:
-            return KVFlowWorkerMetadata(results=[*self.results, *other.results])
+            return KVFlowWorkerMetadata(
+                results=[*self.results, *other.results], disk_entries={**self.disk_entries, **other.disk_entries}
+            )
 
     @dataclass
     class KVFlowStats(KVConnectorStats):
@@ -148,7 +152,13 @@ if HAVE_VLLM:
                     self._config, self._block_tokens, _kv_block_bytes(kv_cache_config), world_size=parallel.world_size
                 )
             else:
-                self._worker = WorkerSide(self._config, rank=parallel.rank)
+                model = vllm_config.model_config
+                self._worker = WorkerSide(
+                    self._config,
+                    rank=parallel.rank,
+                    model=f"{model.model}:{model.dtype}",
+                    block_tokens=self._block_tokens,
+                )
 
         # -- scheduler side ------------------------------------------------------------
 
@@ -157,7 +167,7 @@ if HAVE_VLLM:
             tokens = self._scheduler.matched_tokens(
                 request.request_id, request.block_hashes, request.num_tokens, num_computed_tokens
             )
-            return tokens, tokens > 0
+            return tokens, tokens is not None and tokens > 0
 
         def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
             assert self._scheduler is not None
@@ -183,6 +193,8 @@ if HAVE_VLLM:
         def update_connector_output(self, connector_output: Any) -> None:
             assert self._scheduler is not None
             meta = connector_output.kv_connector_worker_meta  # (None: no worker reported anything)
+            if meta is not None and meta.disk_entries:
+                self._scheduler.disk_entries(meta.disk_entries)
             self._scheduler.results(meta.results if meta is not None else [])
 
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -282,7 +294,10 @@ if HAVE_VLLM:
             if self._worker is None:
                 return None
             results = self._worker.take_results()
-            return KVFlowWorkerMetadata(results=results) if results else None
+            disk = self._worker.take_disk_entries()
+            if not results and disk is None:
+                return None
+            return KVFlowWorkerMetadata(results=results, disk_entries={} if disk is None else {self._worker.rank: disk})
 
         def shutdown(self) -> None:
             if self._worker is not None:

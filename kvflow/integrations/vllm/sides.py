@@ -21,6 +21,7 @@ Block hashes: vLLM's are bytes (a sha256 digest); kvflow's are 64-bit ints, the 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvflow.core.commands import JobResult
-from kvflow.core.config import Config
+from kvflow.core.config import DISK_STORE_MODES, Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import LOAD, STORE, TransferJob
 from kvflow.core.policies.registry import policy_class
@@ -42,7 +43,7 @@ from kvflow.log.protocol import Log
 from kvflow.log.writer import TraceWriter
 
 if TYPE_CHECKING:  # (torch is imported when a worker registers its KV caches)
-    from kvflow.executors.torch.executor import TorchExecutor
+    pass
 
 
 def kvflow_hash(block_hash: bytes | int) -> int:
@@ -68,6 +69,9 @@ class ConnectorConfig:
     trace_path: str | None = None
     checksums: bool = False
     fail_job_ids: tuple[int, ...] = ()
+    disk_path: str | None = None
+    disk_bytes: int | None = None
+    disk_store_mode: str = "ahead_of_eviction"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -82,6 +86,9 @@ class ConnectorConfig:
             "trace_path",
             "checksums",
             "fail_job_ids",
+            "disk_path",
+            "disk_gb",
+            "disk_store_mode",
         }
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -106,7 +113,11 @@ class ConnectorConfig:
             if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb <= 0:
                 raise ConfigError(f"kv_connector_extra_config: cpu_gb must be a number > 0, got {gb!r}")
             cpu_bytes = int(gb * (1 << 30))
+        disk_path, disk_bytes = _disk(extra)
         return cls(
+            disk_path=disk_path,
+            disk_bytes=disk_bytes,
+            disk_store_mode=_choice(extra.get("disk_store_mode", "ahead_of_eviction"), "disk_store_mode", DISK_STORE_MODES),
             cpu_blocks=cpu_blocks,
             cpu_bytes=cpu_bytes,
             policy=_policy(extra.get("policy", "lru")),
@@ -116,6 +127,15 @@ class ConnectorConfig:
             fail_job_ids=tuple(int(j) for j in extra.get("fail_job_ids", ())),
         )
 
+    def disk_blocks(self, block_bytes: int) -> int:
+        """The disk tier's capacity in blocks of ``block_bytes`` (0: no disk tier)."""
+        if self.disk_bytes is None:
+            return 0
+        blocks = self.disk_bytes // max(1, block_bytes)
+        if blocks <= 0:
+            raise ConfigError(f"kv_connector_extra_config: disk_gb holds no block of {block_bytes} bytes")
+        return blocks
+
     def blocks(self, block_bytes: int) -> int:
         """The tier's capacity in blocks of ``block_bytes`` (rounded down)."""
         if self.cpu_blocks is not None:
@@ -124,6 +144,26 @@ class ConnectorConfig:
         if blocks <= 0:
             raise ConfigError(f"kv_connector_extra_config: {self.cpu_bytes} bytes hold no block of {block_bytes} bytes")
         return blocks
+
+
+def _disk(extra: Mapping[str, Any]) -> tuple[str | None, int | None]:
+    """``disk_path`` and ``disk_gb``: both or neither."""
+    if ("disk_path" in extra) != ("disk_gb" in extra):
+        raise ConfigError("kv_connector_extra_config: a disk tier needs both disk_path and disk_gb")
+    if "disk_path" not in extra:
+        return None, None
+    path, gb = extra["disk_path"], extra["disk_gb"]
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"kv_connector_extra_config: disk_path must be a directory's path, got {path!r}")
+    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb <= 0:
+        raise ConfigError(f"kv_connector_extra_config: disk_gb must be a number > 0, got {gb!r}")
+    return path, int(gb * (1 << 30))
+
+
+def _choice(value: Any, name: str, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ConfigError(f"kv_connector_extra_config: {name} must be one of {', '.join(choices)}, got {value!r}")
+    return str(value)
 
 
 def _policy(value: Any) -> str:
@@ -180,7 +220,14 @@ class SchedulerSide:
             policy=config.policy,
             job_deadline_ms=config.job_deadline_ms,
             world_size=world_size,
+            disk_blocks=config.disk_blocks(block_bytes),
+            disk_store_mode=config.disk_store_mode,
         )
+        self._world_size = world_size
+        # a warm restart: each rank's disk tier sends what its journal vouches for once; the
+        # entries every rank holds are indexed when the last rank's list came
+        self._disk_entries: dict[int, list[tuple[int, int]]] | None = {}
+        self.disk_restored = 0
         log: Log = NullLog()
         if config.trace_path:
             log = TraceWriter(config.trace_path, self.config, meta={"engine": "vllm"})
@@ -199,17 +246,28 @@ class SchedulerSide:
 
     # -- lookup and allocation -------------------------------------------------------------
 
-    def matched_tokens(self, request_id: str, block_hashes: Sequence[bytes | int], num_tokens: int, num_computed_tokens: int) -> int:
+    def matched_tokens(
+        self, request_id: str, block_hashes: Sequence[bytes | int], num_tokens: int, num_computed_tokens: int
+    ) -> int | None:
         """How many tokens after the ``num_computed_tokens`` vLLM has can come from the tier.
         A request whose load failed is offered nothing again: vLLM recomputes its blocks
-        (a load that keeps failing must not loop lookup -> load -> fail)."""
+        (a load that keeps failing must not loop lookup -> load -> fail). ``None``: ask again
+        next step (the disk tier is loading blocks past the hits)."""
         if request_id in self._load_failed:
             return 0
+        if self._disk_entries is not None and self.manager.state.disk is not None:
+            return None  # the workers' disk tiers have not said yet what they hold (first step)
         tracked = self.requests.setdefault(request_id, _Tracked())
         tracked.hashes = [kvflow_hash(h) for h in block_hashes]
         self._vllm_hash.update(zip(tracked.hashes, block_hashes))
         tracked.device_hit = num_computed_tokens // self.block_tokens
         hits = self.manager.lookup(request_id, tracked.hashes, num_tokens, tracked.device_hit)
+        if self.manager.arriving(tracked.hashes, num_tokens, tracked.device_hit, hits):
+            # the blocks after the hits are on their way from the disk tier: hold the request
+            # back (vLLM asks again next step) so that its next lookup hits them here; the load
+            # ends within the job deadline, landed, failed or timed out
+            self.manager.accept_hits(request_id, [])
+            return None
         return hits * self.block_tokens
 
     def allocated(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -267,6 +325,19 @@ class SchedulerSide:
             if a < b:
                 self.manager.blocks_computed(request_id, tracked.hashes[a:b], tracked.block_ids[a:b])
         tracked.next_store = full
+
+    def disk_entries(self, by_rank: Mapping[int, Sequence[tuple[int, int]]]) -> None:
+        """A worker's disk tier sent what it held at start (a warm restart): once every rank's
+        list came, the entries all of them hold join the disk index."""
+        waiting = self._disk_entries
+        if self.manager.state.disk is None or waiting is None:
+            return
+        waiting.update({rank: list(entries) for rank, entries in by_rank.items()})
+        if len(waiting) < self._world_size:
+            return
+        everywhere = sorted(set.intersection(*(set(entries) for entries in waiting.values())))
+        self._disk_entries = None
+        self.disk_restored = self.manager.disk_restored(everywhere) if everywhere else 0
 
     def results(self, results: Sequence[JobResult], now_ms: float | None = None) -> None:
         """The workers' outcomes for this step (every rank's), applied by the manager's step
@@ -330,10 +401,15 @@ class WorkerSide:
     """kvflow's copies behind vLLM's worker hooks: a ``TorchExecutor`` over this worker's KV
     tensors (its shard), reporting under vLLM's ``rank`` of this worker."""
 
-    def __init__(self, config: ConnectorConfig, rank: int = 0) -> None:
+    def __init__(self, config: ConnectorConfig, rank: int = 0, model: str = "", block_tokens: int = 16) -> None:
+        """``model`` names the KV's model and dtype: with the page sizes it is the layout
+        identity of the disk tier's entries (a directory written under another starts empty)."""
         self.config = config
         self.rank = rank
-        self.executor: TorchExecutor | None = None
+        self.model = model
+        self.block_tokens = block_tokens
+        self.executor: Any = None  # a TorchExecutor, behind a disk tier when there is one
+        self._disk_entries: list[tuple[int, int]] | None = None  # to send once
         self._jobs: dict[int, TransferJob] = {}  # submitted, not reported
         self._pending_loads: list[TransferJob] = []
         self._pending_stores: list[TransferJob] = []
@@ -353,7 +429,7 @@ class WorkerSide:
         layout = KVLayout.from_caches(dict(kv_caches), block_dim=0)
         self.block_bytes = int(layout.block_bytes)
         cpu_blocks = self.config.blocks(layout.block_bytes)
-        self.executor = TorchExecutor(
+        executor = TorchExecutor(
             dict(kv_caches),
             cpu_blocks,
             block_dim=0,
@@ -361,10 +437,32 @@ class WorkerSide:
             checksums=self.config.checksums,
             fail_job_ids=self.config.fail_job_ids,
         )
+        disk_blocks = self.config.disk_blocks(layout.block_bytes)
+        if disk_blocks and self.config.disk_path:
+            from kvflow.tiers.disk_executor import disk_tier
+
+            # each rank keeps its own shard of every block, in a directory of its own
+            tier = disk_tier(
+                executor,
+                Config(cpu_blocks=cpu_blocks, block_tokens=self.block_tokens, disk_blocks=disk_blocks),
+                os.path.join(self.config.disk_path, f"rank-{self.rank}"),
+                model=self.model,
+                ranks=(self.rank,),
+            )
+            self._disk_entries = tier.disk_entries()
+            self.executor = tier
+        else:
+            self.executor = executor
         return int(layout.block_bytes)
 
+    def take_disk_entries(self) -> list[tuple[int, int]] | None:
+        """What this rank's disk tier held when it opened, once (then None)."""
+        out, self._disk_entries = self._disk_entries, None
+        return out
+
     def bind(self, plan: StepPlan) -> None:
-        self._pending_loads = [j for j in plan.jobs if j.direction == LOAD]
+        # (the disk tier's jobs read and write host slots only: they start with the loads)
+        self._pending_loads = [j for j in plan.jobs if j.direction != STORE]
         self._pending_stores = [j for j in plan.jobs if j.direction == STORE]
         self._delayed.update(plan.delayed_free)
         if plan.preempted:
@@ -414,9 +512,10 @@ class WorkerSide:
             kind = f"{job.direction}_{'ok' if result.ok else 'failed'}"
             stats = self._stats
             stats[f"{kind}_jobs"] = stats.get(f"{kind}_jobs", 0) + 1
-            stats[f"{kind}_blocks"] = stats.get(f"{kind}_blocks", 0) + len(job.device_blocks)
+            blocks = len(job.hashes if job.disk_slots else job.device_blocks)
+            stats[f"{kind}_blocks"] = stats.get(f"{kind}_blocks", 0) + blocks
             if result.ok:
-                moved = len(job.device_blocks) * self.block_bytes
+                moved = blocks * self.block_bytes
                 stats[f"{job.direction}_bytes"] = stats.get(f"{job.direction}_bytes", 0) + moved
         if job is None or job.direction != LOAD or job.request_id is None:
             return

@@ -1,0 +1,160 @@
+"""The disk tier's executor: disk jobs run in a thread of their own, beside the engine's device
+executor, and report through the same ``poll()``.
+
+``DiskTierExecutor`` wraps the engine's executor (a torch executor with its host pool, or one
+already wrapped by another tier): jobs whose direction is ``disk_store`` / ``disk_load`` go to
+one worker thread that reads and writes the tier's file (``kvflow.tiers.disk_file``, whose own
+I/O threads keep several blocks in flight); every other job goes to the wrapped executor
+unchanged, and so does every attribute this wrapper does not define (a remote tier's probes, the
+host pool), so tiers stack: ``redis_tier(disk_tier(executor, ...), ...)``.
+
+The engine's step never waits on the disk: ``submit`` only enqueues, ``poll`` only drains the
+thread's finished results. A job's outcome is reported only once the thread is done with its
+host slots and disk slots, so a timed-out job stays fenced (F15) until then. Whatever the file
+system does — a full disk, a read-only mount, a file truncated or deleted underneath, an I/O
+error, an entry that does not validate — becomes that job's failure, never an exception in the
+engine, and never data: a load copies into its host slots only what validated. A disk job
+moves every rank's pages of the shared host pool at once, so it answers for every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvflow.core.commands import JobResult
+from kvflow.core.config import Config
+from kvflow.core.errors import ConfigError
+from kvflow.core.jobs import DISK_LOAD, DISK_STORE, TransferJob
+from kvflow.tiers.disk_file import DiskEntryFile
+from kvflow.tiers.entry import Layout
+from kvflow.tiers.host_slots import OwnsPool, SlotPages
+
+DISK_DIRECTIONS = (DISK_STORE, DISK_LOAD)
+_STOP = object()
+
+
+class DiskTierExecutor:
+    """See the module doc."""
+
+    def __init__(self, inner: Any, disk: DiskEntryFile, slots: SlotPages, *, ranks: Sequence[int] = (0,)) -> None:
+        """``ranks``: the ranks whose results a disk job's end reports (every rank of the
+        world when one host pool serves them all; a vLLM worker, its own)."""
+        self.inner = inner
+        self.disk = disk
+        self.slots = slots
+        self._ranks = tuple(ranks)
+        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self.stats = {"disk_stored_blocks": 0, "disk_loaded_blocks": 0, "disk_failed_jobs": 0}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvflow-disk", daemon=True)
+        self._thread.start()
+
+    def __getattr__(self, name: str) -> Any:
+        # (only for names this class does not define: the wrapped executor's own abilities)
+        return getattr(self.__dict__["inner"], name)
+
+    # -- the disk tier (kvflow.engine.protocols.ServesDiskTier) ---------------------------
+
+    @property
+    def disk_slots(self) -> int:
+        return self.disk.slots
+
+    def disk_entries(self) -> list[tuple[int, int]]:
+        """What the tier held when it was opened: ``(disk slot, block hash)`` pairs its
+        journal vouches for."""
+        return list(self.disk.recovered)
+
+    def disk_problem(self) -> str | None:
+        return self.disk.degraded()
+
+    # -- the engine's side (never blocks on the disk) ------------------------------------
+
+    def submit(self, jobs: Sequence[TransferJob], compute_done: Any = None) -> None:
+        local = [j for j in jobs if j.direction not in DISK_DIRECTIONS]
+        if local:
+            self.inner.submit(local, compute_done)
+        for job in jobs:
+            if job.direction in DISK_DIRECTIONS:
+                self._work.put(job)
+
+    def poll(self) -> list[JobResult]:
+        results = list(self.inner.poll())
+        while True:
+            try:
+                results.append(self._done.get_nowait())
+            except queue.Empty:
+                return results
+
+    def close(self) -> None:
+        """Finish the disk jobs at hand, stop the thread, close the file, then the wrapped
+        executor."""
+        if not self._closed:
+            self._closed = True
+            self._work.put(_STOP)
+            self._thread.join()
+            self.disk.close()
+        self.inner.close()
+
+    # -- the worker thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            job = self._work.get()
+            if job is _STOP:
+                return
+            ok, error = self._run_job(job)
+            if not ok:
+                self.stats["disk_failed_jobs"] += 1
+            for rank in self._ranks:
+                self._done.put(JobResult(job_id=job.job_id, rank=rank, ok=ok, error=error))
+
+    def _run_job(self, job: TransferJob) -> tuple[bool, str | None]:
+        try:
+            items = [(d, h, self.slots.read(s)) for d, h, s in zip(job.disk_slots, job.hashes, job.slots)]
+            if job.direction == DISK_STORE:
+                errors = self.disk.store(items)
+                verb, counter = "disk store", "disk_stored_blocks"
+            else:
+                errors = self.disk.load(items)
+                verb, counter = "disk load", "disk_loaded_blocks"
+            bad = [(h, e) for h, e in zip(job.hashes, errors) if e is not None]
+            if bad:
+                h, reason = bad[0]
+                return False, f"{verb} failed on {len(bad)} of {len(errors)} blocks (block {h}: {reason})"
+            self.stats[counter] += len(errors)
+            return True, None
+        except Exception as exc:  # F2: whatever happens is this job's failure
+            return False, f"{type(exc).__name__}: {exc}"
+
+
+def disk_tier(
+    executor: object,
+    config: Config,
+    path: str | os.PathLike[str],
+    *,
+    model: str,
+    io_threads: int = 4,
+    direct: bool = True,
+    ranks: Sequence[int] | None = None,
+) -> DiskTierExecutor:
+    """``executor`` (with its host pool) behind a disk tier in the directory ``path``: the
+    executor to hand to ``SyncEngine`` with ``config`` (whose ``disk_blocks`` is the tier's
+    size in blocks). ``model`` names the KV's model and dtype: with the pool's page sizes and
+    ``config.block_tokens`` it is the layout identity every entry is framed and checked with;
+    a directory written under another layout starts empty. ``io_threads`` blocks are read or
+    written at once; ``direct`` uses ``O_DIRECT`` where the file system allows it. ``ranks``:
+    whose results a disk job reports (default: every rank of ``config.world_size``, one host
+    pool serving them all)."""
+    if not config.disk:
+        raise ConfigError("the disk tier needs config.disk_blocks > 0")
+    if not isinstance(executor, OwnsPool) or not executor.pool.enabled:
+        raise ConfigError("the disk tier needs an executor with a host pool (cpu_blocks > 0)")
+    slots = SlotPages.of_pool(executor.pool)
+    layout = Layout(model=model, page_bytes=slots.page_bytes, block_tokens=config.block_tokens)
+    disk = DiskEntryFile(path, layout=layout, slots=config.disk_blocks, io_threads=io_threads, direct=direct)
+    return DiskTierExecutor(executor, disk, slots, ranks=range(config.world_size) if ranks is None else ranks)

@@ -1,0 +1,227 @@
+"""The engine with a disk tier on a real file system: real bytes from device blocks through the
+host pool to the disk and back into other device blocks; a second engine on the same directory
+(a warm restart, also after SIGKILL) serving the first one's blocks; and the file system failing
+underneath (full, read-only, the file cut or deleted, I/O errors at the OS calls) with the CPU
+tier serving on, the tier degraded and saying so, and never a wrong byte. No mocks of the disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("xxhash")
+
+from kvflow.core.config import Config  # noqa: E402
+from kvflow.core.errors import ConfigError  # noqa: E402
+from kvflow.core.state.invariants import check_invariants  # noqa: E402
+from kvflow.engine.notices import StepReport, merge_reports  # noqa: E402
+from kvflow.engine.sync import SyncEngine  # noqa: E402
+from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
+from kvflow.tiers.disk_executor import disk_tier  # noqa: E402
+
+LAYERS, NUM_BLOCKS, CPU_BLOCKS, DISK_BLOCKS, B = 2, 16, 4, 32, 16
+MODEL = "disk-rig-model"
+
+
+def random_kv(seed: int) -> list[Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn((NUM_BLOCKS, 2, 4, 8), generator=gen) for _ in range(LAYERS)]
+
+
+def blocks_of(kv: list[Any], blocks: tuple[int, ...]) -> list[Any]:
+    idx = torch.tensor(blocks)
+    return [t.index_select(0, idx).clone() for t in kv]
+
+
+def instance(path: Path, seed: int, *, mode: str = "write_through", **tier: Any) -> tuple[SyncEngine, list[Any]]:
+    kv = random_kv(seed)
+    config = Config(
+        cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS, disk_store_mode=mode, job_deadline_ms=5_000.0
+    )
+    executor = disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, path, model=MODEL, **tier)
+    return SyncEngine(config, executor, keep_log=True), kv
+
+
+def settle(engine: SyncEngine, timeout_s: float = 20.0) -> StepReport:
+    merged = StepReport(now_ms=0.0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        merge_reports(merged, engine.step())
+        if not engine.has_live_jobs():
+            return merged
+        assert time.monotonic() < deadline, "jobs never finished"
+        time.sleep(0.002)
+
+
+def compute(engine: SyncEngine, rid: str, hashes: tuple[int, ...], device_blocks: tuple[int, ...]) -> None:
+    engine.lookup(rid, hashes, len(hashes) * B + 1)
+    engine.accept_hits(rid, [])
+    engine.blocks_computed(rid, hashes, device_blocks)
+    settle(engine)  # the CPU-tier store, then its copy to disk
+    engine.finish_request(rid)
+    settle(engine)
+
+
+def load(engine: SyncEngine, rid: str, hashes: tuple[int, ...], device_blocks: tuple[int, ...]) -> int:
+    """Look up until nothing more is on its way from disk, then load the CPU-tier hits."""
+    n_tokens = len(hashes) * B + 1
+    deadline = time.monotonic() + 20.0
+    while True:
+        hits = engine.lookup(rid, hashes, n_tokens)
+        if not engine.arriving(rid, hashes, n_tokens) or time.monotonic() > deadline:
+            break
+        engine.accept_hits(rid, [])
+        settle(engine)
+    if hits:
+        engine.accept_hits(rid, device_blocks[:hits])
+        settle(engine)
+    engine.finish_request(rid)
+    return hits
+
+
+FIRST, SECOND = (11, 12, 13, 14), (21, 22, 23, 24)
+
+
+def test_blocks_evicted_from_the_cpu_tier_come_back_from_disk_byte_for_byte(tmp_path: Path) -> None:
+    engine, kv = instance(tmp_path / "disk", seed=1)
+    try:
+        compute(engine, "a", FIRST, (0, 1, 2, 3))
+        compute(engine, "b", SECOND, (4, 5, 6, 7))  # the CPU tier (4 slots) now holds only SECOND
+        assert not any(engine.manager.state.is_resident(h) for h in FIRST)
+        assert engine.counters.disk_blocks_stored == 8
+        assert load(engine, "c", FIRST, (8, 9, 10, 11)) == 4
+        assert engine.counters.disk_blocks_loaded == 4
+        for got, want in zip(blocks_of(kv, (8, 9, 10, 11)), blocks_of(kv, (0, 1, 2, 3))):
+            assert got.equal(want)
+        assert check_invariants(engine.manager.state) == []
+    finally:
+        engine.close()
+
+
+def test_a_second_engine_on_the_same_directory_serves_the_first_ones_blocks(tmp_path: Path) -> None:
+    first, first_kv = instance(tmp_path / "disk", seed=1)
+    compute(first, "a", FIRST, (0, 1, 2, 3))
+    first.close()
+    second, second_kv = instance(tmp_path / "disk", seed=2)
+    try:
+        assert second.counters.disk_blocks_restored == 4
+        assert load(second, "r", FIRST, (8, 9, 10, 11)) == 4
+        for got, want in zip(blocks_of(second_kv, (8, 9, 10, 11)), blocks_of(first_kv, (0, 1, 2, 3))):
+            assert got.equal(want)
+    finally:
+        second.close()
+
+
+def test_another_model_on_the_same_directory_starts_cold(tmp_path: Path) -> None:
+    first, _ = instance(tmp_path / "disk", seed=1)
+    compute(first, "a", FIRST, (0, 1, 2, 3))
+    first.close()
+    kv = random_kv(3)
+    config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS)
+    other = SyncEngine(config, disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model="another"))
+    try:
+        assert other.counters.disk_blocks_restored == 0
+        assert load(other, "r", FIRST, (8, 9, 10, 11)) == 0
+    finally:
+        other.close()
+
+
+WRITER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from test_disk_engine import instance, compute
+engine, kv = instance(Path({path!r}), seed=1)
+compute(engine, "a", (11, 12, 13, 14), (0, 1, 2, 3))
+print("STORED", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_warm_restart_after_sigkill(tmp_path: Path) -> None:
+    """The writer is killed without closing anything: what it reported stored is served by the
+    next engine, byte for byte."""
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER.format(tests=str(Path(__file__).parent), path=str(tmp_path / "disk")))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "STORED"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    second, kv = instance(tmp_path / "disk", seed=2)
+    try:
+        assert second.counters.disk_blocks_restored == 4
+        assert load(second, "r", FIRST, (8, 9, 10, 11)) == 4
+        for got, want in zip(blocks_of(kv, (8, 9, 10, 11)), blocks_of(random_kv(1), (0, 1, 2, 3))):
+            assert got.equal(want)
+    finally:
+        second.close()
+
+
+def test_a_damaged_entry_is_a_miss_dropped_once_and_the_request_computes(tmp_path: Path) -> None:
+    first, _ = instance(tmp_path / "disk", seed=1)
+    compute(first, "a", FIRST, (0, 1, 2, 3))
+    first.close()
+    data = tmp_path / "disk" / "data"
+    with open(data, "r+b") as f:  # flip a payload byte of every slot the first run wrote
+        size = os.path.getsize(data) // DISK_BLOCKS
+        for slot in range(4):
+            f.seek(slot * size + 4096 + 7)
+            byte = f.read(1)
+            f.seek(slot * size + 4096 + 7)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    second, _ = instance(tmp_path / "disk", seed=2)
+    try:
+        assert load(second, "r", FIRST, (8, 9, 10, 11)) == 0  # never a wrong byte
+        failed = [e for e in second.manager.log.events() if type(e).__name__ == "JobFailed"]
+        assert len(failed) == 1 and "checksum" in failed[0].error
+        assert second.manager.state.disk is not None and FIRST[0] not in second.manager.state.disk.slot_of
+        assert load(second, "r2", FIRST, (8, 9, 10, 11)) == 0
+        assert len([e for e in second.manager.log.events() if type(e).__name__ == "JobFailed"]) == 1  # not again
+    finally:
+        second.close()
+
+
+def test_the_data_file_deleted_underneath_degrades_the_tier_and_the_cpu_tier_serves_on(
+    tmp_path: Path, restore_structlog: None
+) -> None:
+    from structlog.testing import capture_logs
+
+    engine, kv = instance(tmp_path / "disk", seed=1)
+    try:
+        compute(engine, "a", FIRST, (0, 1, 2, 3))
+        (tmp_path / "disk" / "data").unlink()
+        with capture_logs() as logs:
+            compute(engine, "b", SECOND, (4, 5, 6, 7))  # its copy to disk fails
+            engine.step()
+        assert engine.watch.disk_problem is not None and "deleted" in engine.watch.disk_problem
+        assert engine.counters.disk_degraded == 1
+        assert any(e["event"] == "kvflow.disk_degraded" for e in logs)
+        assert load(engine, "c", SECOND, (8, 9, 10, 11)) == 4  # the CPU tier still serves
+        assert load(engine, "d", FIRST, (12, 13, 14, 15)) == 0  # the disk does not: a miss, computed
+        assert check_invariants(engine.manager.state) == []
+    finally:
+        engine.close()
+
+
+def test_a_config_and_a_tier_of_different_sizes_are_refused(tmp_path: Path) -> None:
+    kv = random_kv(1)
+    config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS)
+    executor = disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model=MODEL)
+    try:
+        with pytest.raises(ConfigError, match="disk_blocks=64"):
+            SyncEngine(Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=64), executor)
+        with pytest.raises(ConfigError, match="serves a disk tier"):
+            SyncEngine(Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=8), TorchExecutor(kv, CPU_BLOCKS, device="cpu"))
+    finally:
+        executor.close()

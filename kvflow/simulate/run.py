@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvflow.core.config import Config
+from kvflow.core.config import MAX_DISK_BLOCKS, Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.values import is_int
 from kvflow.engine.notices import StepReport, merge_reports
@@ -118,6 +118,11 @@ class SimOptions:
         if not math.isfinite(self.prefill_tokens_per_ms) or self.prefill_tokens_per_ms <= 0:
             raise ConfigError(f"--prefill-tokens-per-ms must be a finite number > 0, got {self.prefill_tokens_per_ms}")
         self.capacity_blocks()  # (and the geometry it needs)
+        if self.disk_blocks() > MAX_DISK_BLOCKS:
+            raise ConfigError(
+                f"--disk-gb {self.disk_gb:g} is {self.disk_blocks():,} blocks, more than a disk tier's "
+                f"{MAX_DISK_BLOCKS:,}"
+            )
         if self.disk_blocks() and not self.capacity_blocks():
             raise ConfigError("--disk-gb needs a CPU tier: blocks reach the disk through it")
         if self.disk_blocks() and self.mode == "timed":
@@ -321,17 +326,20 @@ class Simulation:
         """Before the lookup that counts, the request waits for what a lower tier holds past
         its CPU-tier hits: a first lookup queues the disk load of that run, which runs to its
         end (the disk's time is spent), so the lookup that counts hits those blocks on the CPU
-        tier. Returns how many more blocks the CPU tier offers now than before
-        (kvflow.simulate.fleet's instances fetch from their shared remote tier here)."""
+        tier. Returns how many of the blocks the CPU tier offers now and did not before the
+        disk brought: a disk run may join blocks the CPU tier held to the prefix, and those
+        hit on the CPU tier (kvflow.simulate.fleet's instances fetch from their shared remote
+        tier here)."""
         if not self.config.disk:
             return 0
         engine = self.engine
+        loaded = engine.counters.disk_blocks_loaded
         before = engine.lookup(rid, full, L, d)
         engine.accept_hits(rid, [])
         self._run_until_idle()
         after = engine.lookup(rid, full, L, d)
         engine.accept_hits(rid, [])
-        return after - before
+        return min(after - before, engine.counters.disk_blocks_loaded - loaded)
 
     def _count(self, L: int, d: int, c: int) -> None:
         B = self.config.block_tokens

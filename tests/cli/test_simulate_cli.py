@@ -930,3 +930,16 @@ def test_a_disk_under_each_cpu_size_of_a_sweep(tmp_path: Path) -> None:
                     "--plot", tmp_path / "s.png")  # fmt: skip
     assert data["unit"] == "GB" and [r["config"]["disk_gb"] for r in data["results"]["lru"]] == [10, 10]
     assert data["results"]["lru"][0] == run_json(*LLAMA_1GB, "--disk-gb", 10)
+
+
+def test_the_documented_per_tier_table_is_what_the_command_prints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/simulate.md shows a command and, below it, the table it prints: run it again."""
+    text = (REPO / "docs" / "simulate.md").read_text(encoding="utf-8")
+    found = re.search(r"```bash\n(kvflow simulate [^\n]*--disk-gb [^\n]*)\n```\n.*?```text\n(per tier\n.*?)```", text, re.S)
+    assert found is not None, "docs/simulate.md: the disk tier's command and its output"
+    command, shown = found.groups()
+    monkeypatch.setenv("COLUMNS", "140")  # (what tests/test_docs.py runs the documents' commands with)
+    result = kvflow(*command.split()[1:])
+    assert result.exit_code == 0, result.output
+    printed = result.stdout[result.stdout.index("per tier\n"):]
+    assert printed == shown, f"docs/simulate.md: paste the output of `COLUMNS=140 {command}` from 'per tier' on"

@@ -1,6 +1,7 @@
 """The ``kvflow simulate`` verb: it parses, refuses what a run would ignore, and renders;
-the runs are ``kvflow.simulate``'s. At load time it imports only click and
-``kvflow.simulate.capacity`` (the option defaults); the simulator, rich and matplotlib when used.
+the runs are ``kvflow.simulate``'s. At load time it imports only click,
+``kvflow.simulate.capacity`` (the option defaults) and ``kvflow.core.config`` (the disk's store
+modes); the simulator, rich and matplotlib when used.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from typing import Any
 import click
 
 from kvflow.cli.common import fail, print_rich, warn
+from kvflow.core.config import DISK_STORE_MODES
 from kvflow.core.errors import KvflowError
 from kvflow.simulate.capacity import (
     DEFAULT_BYTES_PER_TOKEN,
     DEFAULT_CPU_BLOCKS,
+    DEFAULT_DISK_BANDWIDTH_GBPS,
+    DEFAULT_DISK_LATENCY_US,
     DEFAULT_KV_DTYPE,
     GB,
     KV_DTYPES,
@@ -107,6 +111,16 @@ def _setup_rows(cfg: dict[str, Any], workload: str) -> list[tuple[str, str]]:
     if cfg["cpu_gb"] is not None:
         tier += f" (--cpu-gb {cfg['cpu_gb']:g}, in whole blocks)"
     faults = "none" if not cfg["fault_rate"] else f"rate {cfg['fault_rate']:g}, seed {cfg['seed']}"
+    disk = []
+    if cfg.get("disk_blocks"):  # (the keys are there only with a disk tier)
+        disk = [
+            (
+                "disk tier",
+                f"{cfg['disk_blocks']:,} blocks = {_gb(cfg['disk_bytes'])} (--disk-gb {cfg['disk_gb']:g}, in "
+                f"whole blocks), {cfg['disk_store_mode'].replace('_', '-')}",
+            ),
+            ("disk model", f"{cfg['disk_bandwidth_gbps']:g} GB/s per direction, {cfg['disk_latency_us']:g} µs per job"),
+        ]
     return [
         ("workload", workload),
         ("KV geometry", _kv_text(kv)),
@@ -116,6 +130,7 @@ def _setup_rows(cfg: dict[str, Any], workload: str) -> list[tuple[str, str]]:
             f"{cfg['bytes_per_block']:,} bytes ({_binary(cfg['bytes_per_block'])}), {cfg['block_tokens']} tokens",
         ),
         ("CPU tier", tier),
+        *disk,
         ("policy, stores", f"{cfg['policy']}, {cfg['store']}"),
         ("device cache", f"{cfg['device_blocks']:,} blocks"),
         ("faults", faults),
@@ -155,11 +170,47 @@ def _print_summary(summary: dict[str, Any], workload: str) -> None:
     for name, value in rows:
         table.add_row(name, value)
     print_rich(table)
+    if "hit_tokens_disk" in summary:
+        _print_tiers(summary)
 
 
-def _parse_caps(text: str, in_gb: bool) -> list[Any]:
-    """The capacities of --sweep (whole blocks) or --sweep-gb (GB), in the order given."""
-    flag, unit = ("--sweep-gb", "GB") if in_gb else ("--sweep", "blocks")
+def _print_tiers(summary: dict[str, Any]) -> None:
+    """A run with a disk tier: what each tier served, what moved into and out of it, and how
+    long its copies kept it busy. A tier's loads go up a level: the CPU tier's to the device,
+    the disk's to the CPU tier (the disk's hits are loaded twice)."""
+    from rich.table import Table
+
+    s = summary
+    prompt = s["prompt_tokens"] or 1
+    table = Table(title="per tier", title_justify="left")
+    for column in ("tier", "hit tokens", "blocks stored / loaded", "bytes stored / loaded", "busy storing / loading"):
+        table.add_column(column, justify="left" if column == "tier" else "right")
+
+    def hits(tokens: int) -> str:
+        return f"{tokens:,} ({tokens / prompt:.1%})"
+
+    table.add_row("device", hits(s["device_hit_tokens"]), "", "", "")
+    for tier, hit, stored, loaded, moved_in, moved_out, busy_in, busy_out in (
+        ("CPU tier", "hit_tokens_cpu", "stored_blocks", "loaded_blocks", "bytes_stored", "bytes_loaded",
+         "cpu_store_ms", "cpu_load_ms"),
+        ("disk tier", "hit_tokens_disk", "disk_stored_blocks", "disk_loaded_blocks", "disk_bytes_stored",
+         "disk_bytes_loaded", "disk_store_ms", "disk_load_ms"),
+    ):
+        table.add_row(
+            tier,
+            hits(s[hit]),
+            f"{s[stored]:,} / {s[loaded]:,}",
+            f"{_gb(s[moved_in])} / {_gb(s[moved_out])}",
+            f"{s[busy_in]:,.1f} ms / {s[busy_out]:,.1f} ms",
+        )
+    print_rich(table)
+
+
+def _parse_caps(text: str, flag: str) -> list[Any]:
+    """The capacities of --sweep (whole blocks), --sweep-gb or --sweep-disk-gb (GB), in the
+    order given."""
+    in_gb = flag != "--sweep"
+    unit = "GB" if in_gb else "blocks"
     caps: list[Any] = []
     for part in text.split(","):
         part = part.strip()
@@ -204,9 +255,12 @@ def _check_writable(path: str) -> None:
 
 
 def _plot(plt: Any, sweep: dict[str, Any], name: str, path: str) -> None:
-    caps, in_gb = sweep["capacities"], sweep["unit"] == "GB"
+    caps, in_gb, of_disk = sweep["capacities"], sweep["unit"] != "blocks", sweep["unit"] == "disk GB"
     first = next(iter(sweep["results"].values()))[0]
     cfg = first["config"]
+    # a disk sweep's runs share their CPU tier (and the disk's store mode, but not its size: the
+    # first run may have none)
+    tiers = f"\nCPU tier {cfg['cpu_blocks']:,} blocks = {_gb(cfg['cpu_bytes'])} above the disk" if of_disk else ""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy, rows in sweep["results"].items():
         ax.plot(caps, [r["hit_rate"] * 100 for r in rows], marker="o", label=policy)
@@ -220,11 +274,11 @@ def _plot(plt: Any, sweep: dict[str, Any], name: str, path: str) -> None:
         ax.set_xscale("symlog", linthresh=min(positive, default=1))
     ax.minorticks_off()
     ax.set_xticks(caps, [f"{c:g}" if in_gb else f"{c:,}" for c in caps])  # the capacities run
-    ax.set_xlabel(f"CPU tier capacity ({'GB of KV cache' if in_gb else 'blocks'}, log scale)")
+    ax.set_xlabel(f"{'disk' if of_disk else 'CPU'} tier capacity ({'GB of KV cache' if in_gb else 'blocks'}, log scale)")
     ax.set_ylabel("prefix hit rate (% of prompt tokens)")
     ax.set_title(
         f"{name}: {first['requests']:,} requests, {sweep['mode']}\n{_kv_short(cfg)}, "
-        f"{cfg['block_tokens']}-token blocks · device {cfg['device_blocks']:,} blocks · {cfg['store']} stores",
+        f"{cfg['block_tokens']}-token blocks · device {cfg['device_blocks']:,} blocks · {cfg['store']} stores{tiers}",
         fontsize=10,
     )
     ax.grid(True, alpha=0.3)
@@ -239,8 +293,9 @@ def _plot(plt: Any, sweep: dict[str, Any], name: str, path: str) -> None:
 
 
 def _sweep(
-    path: str, name: str, base: Any, caps: list[Any], in_gb: bool, policies: list[str], plot: str, as_json: bool
+    path: str, name: str, base: Any, kind: str, caps: list[Any], policies: list[str], plot: str, as_json: bool
 ) -> None:
+    """``kind``: the capacity swept, a keyword of ``kvflow.simulate.run.sweep``."""
     from kvflow.simulate.run import sweep
 
     plt = _pyplot()
@@ -253,22 +308,27 @@ def _sweep(
     def line(policy: str, cap: Any, summary: dict[str, Any]) -> None:
         if not printed:  # (after the sweep's checks: a refused sweep prints nothing on stdout)
             cfg = summary["config"]
+            cpu = f", CPU tier {cfg['cpu_blocks']:,} blocks = {_gb(cfg['cpu_bytes'])}" if kind == "disk_gb" else ""
             click.echo(
-                f"sweep of {name}: {_kv_short(cfg)}, {cfg['block_tokens']}-token blocks, "
+                f"sweep of {name}: {_kv_short(cfg)}, {cfg['block_tokens']}-token blocks{cpu}, "
                 f"{base.mode} mode, policies {', '.join(policies)}"
             )
             printed.append(True)
-        blocks = summary["config"]["cpu_blocks"]
-        size = f"cpu_gb={cap:g} ({blocks:,} blocks)" if in_gb else f"cpu_blocks={cap:,}"
+        cfg = summary["config"]
+        size = (
+            f"cpu_blocks={cap:,}" if kind == "cpu_blocks"
+            else f"{kind}={cap:g} ({cfg[kind.replace('gb', 'blocks')]:,} blocks)" if cap
+            else f"{kind}=0"  # (no disk tier: its config has no disk_blocks)
+        )
+        prompt = max(1, summary["prompt_tokens"])
+        disk = f", of which disk {summary['hit_tokens_disk'] / prompt:.2%}" if "hit_tokens_disk" in summary else ""
         click.echo(
             f"{policy:>4} {size:<30} hit rate {summary['hit_rate']:.2%}  "
-            f"(cpu {summary['cpu_hit_tokens'] / max(1, summary['prompt_tokens']):.2%})"
+            f"(cpu {summary['cpu_hit_tokens'] / prompt:.2%}{disk})"
         )
 
     printed: list[bool] = []
-    result = sweep(
-        path, base, [] if in_gb else caps, caps if in_gb else [], policies, None if as_json else line
-    )
+    result = sweep(path, base, policies=policies, on_run=None if as_json else line, **{kind: caps})
     result["plot"] = None
     if plt is not None:
         _plot(plt, result, os.path.basename(name), plot)
@@ -332,9 +392,11 @@ def _print_fleet(summary: dict[str, Any], workload: str) -> None:
 
 # What each kind of run reads: an option given for a run that would not read it is refused
 # (one line, exit 2), never silently dropped.
+_SWEEPS = {"sweep": "cpu_blocks", "sweep_gb": "cpu_gb", "sweep_disk_gb": "disk_gb"}
+"""Each sweep option, and the capacity it sweeps (a keyword of ``kvflow.simulate.run.sweep``)."""
+_SWEEP_SETS = {"cpu_blocks": ("cpu_blocks", "cpu_gb"), "cpu_gb": ("cpu_blocks", "cpu_gb"), "disk_gb": ("disk_gb",)}
+"""The sizes a sweep of each kind gives itself: the options that would set them are ignored."""
 _SWEEP_IGNORES = {
-    "cpu_blocks": "the sweep gives the capacities",
-    "cpu_gb": "the sweep gives the capacities",
     "record": "a sweep runs many simulations and records no trace",
     "instances": "a sweep runs one instance",
     "routing": "a sweep runs one instance",
@@ -342,29 +404,42 @@ _SWEEP_IGNORES = {
     "remote_store": "a sweep runs one instance",
 }
 _FLEET_ONLY = ("routing", "remote_store")  # --remote-blocks alone asks for a fleet (of one)
+_DISK_MODEL = ("disk_bandwidth_gbps", "disk_latency_us", "disk_store")  # read only with a disk tier
 
 
-def _refuse_ignored(given: set[str], sweeping: bool, fleet: bool, progress: bool | None) -> None:
-    def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
-    if sweeping:
-        sweep_flag = "--sweep-gb" if "sweep_gb" in given else "--sweep"
-        for name, why in _SWEEP_IGNORES.items():
+
+def _refuse_ignored(given: set[str], sweeping: str | None, fleet: bool, progress: bool | None) -> None:
+    """``sweeping``: the sweep option given (a key of ``_SWEEPS``), or None."""
+    disk = {"disk_gb", "sweep_disk_gb"} & given
+    for name in _DISK_MODEL:
+        if name in given and not disk:
+            raise KvflowError(f"{_flag(name)} applies to --disk-gb or --sweep-disk-gb only")
+    if sweeping is not None:
+        sweep_flag = _flag(sweeping)
+        ignored = {name: "the sweep gives the capacities" for name in _SWEEP_SETS[_SWEEPS[sweeping]]}
+        for name, why in {**ignored, **_SWEEP_IGNORES}.items():
             if name in given:
-                raise KvflowError(f"{flag(name)} does not apply to {sweep_flag} ({why})")
+                raise KvflowError(f"{_flag(name)} does not apply to {sweep_flag} ({why})")
         if progress:
             raise KvflowError(f"--progress does not apply to {sweep_flag} (it prints a line per run)")
         return
     if "plot" in given:
-        raise KvflowError("--plot applies to --sweep or --sweep-gb only")
+        raise KvflowError("--plot applies to --sweep, --sweep-gb or --sweep-disk-gb only")
     if fleet:
+        for name in ("disk_gb", *_DISK_MODEL):
+            if name in given:
+                raise KvflowError(
+                    f"{_flag(name)} does not apply to --instances (the instances share a remote tier, not disks)"
+                )
         if progress:
             raise KvflowError("--progress does not apply to --instances (it draws no progress bar)")
         return
     for name in _FLEET_ONLY:
         if name in given:
-            raise KvflowError(f"{flag(name)} applies to --instances only")
+            raise KvflowError(f"{_flag(name)} applies to --instances only")
 
 
 def _given() -> set[str]:
@@ -407,11 +482,25 @@ _MODEL_NAMES = ", ".join(MODELS)
 @click.option("--bandwidth-gbps", type=float, default=55.5, show_default=True, help="Copy bandwidth per direction, GB/s.")
 @click.option("--latency-us", type=float, default=20.0, show_default=True, help="Fixed cost per transfer job, µs.")
 @click.option("--prefill-tokens-per-ms", type=float, default=10.0, show_default=True, help="Timed mode: prefill speed.")
+@click.option("--disk-gb", type=float, default=None, metavar="GB",
+              help="A disk tier below the CPU tier, of GB (10^9 bytes) of KV cache in whole blocks (0: none; "
+                   "sequential mode only).")
+@click.option("--disk-bandwidth-gbps", type=float, default=DEFAULT_DISK_BANDWIDTH_GBPS, show_default=True,
+              help="With a disk tier: its bandwidth per direction, GB/s.")
+@click.option("--disk-latency-us", type=float, default=DEFAULT_DISK_LATENCY_US, show_default=True,
+              help="With a disk tier: the fixed cost of each disk job, µs.")
+@click.option("--disk-store", type=click.Choice([m.replace("_", "-") for m in DISK_STORE_MODES]),
+              default=DISK_STORE_MODES[0].replace("_", "-"), show_default=True,
+              help="With a disk tier: copy the CPU tier's coldest blocks ahead of their eviction, or every "
+                   "block as its CPU-tier store completes.")
 @click.option("--record", type=click.Path(dir_okay=False), default=None, help="Write a kvflow trace of the run here.")
 @click.option("--sweep", default=None, metavar="BLOCKS",
               help="Comma-separated CPU capacities in blocks: run lru and arc at each, plot the hit rates.")
 @click.option("--sweep-gb", default=None, metavar="GBS",
               help="The same sweep with capacities in GB of KV cache (give --model or --kv-bytes-per-token).")
+@click.option("--sweep-disk-gb", default=None, metavar="GBS",
+              help="Comma-separated disk tier sizes in GB of KV cache: run the CPU tier given (--cpu-blocks or "
+                   "--cpu-gb) above a disk of each size, under lru and arc, and plot the hit rates.")
 @click.option("--plot", default="sweep.png", show_default=True, help="PNG written by a sweep.")
 @click.option("--instances", type=int, default=1, show_default=True,
               help="Route the requests across N instances (own device cache and CPU tier each) and compare a "
@@ -443,9 +532,14 @@ def simulate(
     bandwidth_gbps: float,
     latency_us: float,
     prefill_tokens_per_ms: float,
+    disk_gb: float | None,
+    disk_bandwidth_gbps: float,
+    disk_latency_us: float,
+    disk_store: str,
     record: str | None,
     sweep: str | None,
     sweep_gb: str | None,
+    sweep_disk_gb: str | None,
     plot: str,
     instances: int,
     routing: str,
@@ -460,7 +554,7 @@ def simulate(
 
     Size the CPU tier in blocks (--cpu-blocks) or in GB of KV cache (--cpu-gb) of a model
     (--model) or of a number of KV bytes per token (--kv-bytes-per-token); the output says
-    the geometry and the bytes per block it used."""
+    the geometry and the bytes per block it used. --disk-gb adds a disk tier below it."""
     from kvflow.simulate.run import SimOptions
     from kvflow.simulate.workload import EXAMPLE_WORKLOAD
 
@@ -472,11 +566,16 @@ def simulate(
                 "give a WORKLOAD file or --example, not both" if example else
                 "give a WORKLOAD file (Mooncake JSON Lines), or --example to run the example that ships with kvflow"
             )
-        if sweep is not None and sweep_gb is not None:
-            raise KvflowError("give one sweep: --sweep (blocks) or --sweep-gb (GB), not both")
+        sweeps = {"sweep": sweep, "sweep_gb": sweep_gb, "sweep_disk_gb": sweep_disk_gb}
+        sweeping = [name for name, text in sweeps.items() if text is not None]
+        if len(sweeping) > 1:
+            raise KvflowError(
+                f"give one sweep, not {' and '.join(map(_flag, sweeping))}: --sweep (CPU blocks), "
+                "--sweep-gb (CPU GB) or --sweep-disk-gb (disk GB)"
+            )
         given = _given()
         fleet = instances != 1 or remote_blocks is not None
-        _refuse_ignored(given, sweep is not None or sweep_gb is not None, fleet, progress)
+        _refuse_ignored(given, sweeping[0] if sweeping else None, fleet, progress)
         options = SimOptions(
             cpu_blocks=cpu_blocks,
             cpu_gb=cpu_gb,
@@ -494,21 +593,26 @@ def simulate(
             latency_us=latency_us,
             prefill_tokens_per_ms=prefill_tokens_per_ms,
             record=record,
+            disk_gb=disk_gb,
+            disk_bandwidth_gbps=disk_bandwidth_gbps,
+            disk_latency_us=disk_latency_us,
+            disk_store_mode=disk_store.replace("-", "_"),
         )
         options.validate()
         options.config()  # F11: bad capacities / policy names fail before any work
-        sized_in_gb = cpu_gb is not None or sweep_gb is not None
-        if sized_in_gb and options.geometry().default:
+        sized = {"cpu_gb": cpu_gb is not None, "sweep_gb": sweep_gb is not None, "disk_gb": bool(disk_gb),
+                 "sweep_disk_gb": sweep_disk_gb is not None}
+        in_gb = [name for name, yes in sized.items() if yes]
+        if in_gb and options.geometry().default:
             warn(
-                f"{'--cpu-gb' if cpu_gb is not None else '--sweep-gb'} without a KV geometry: assuming "
+                f"{_flag(in_gb[0])} without a KV geometry: assuming "
                 f"{DEFAULT_BYTES_PER_TOKEN:,} bytes per token ({options.bytes_per_block:,} per block); "
                 f"give --model ({_MODEL_NAMES}) or --kv-bytes-per-token"
             )
-        if sweep is not None or sweep_gb is not None:
-            in_gb = sweep_gb is not None
-            caps = _parse_caps(sweep_gb if sweep_gb is not None else sweep or "", in_gb)
+        if sweeping:
+            caps = _parse_caps(sweeps[sweeping[0]] or "", _flag(sweeping[0]))
             policies = [policy] if "policy" in given else ["lru", "arc"]
-            _sweep(path, name, options, caps, in_gb, policies, plot, as_json)
+            _sweep(path, name, options, _SWEEPS[sweeping[0]], caps, policies, plot, as_json)
             return
         if fleet:
             options.remote_store_mode = remote_store.replace("-", "_")

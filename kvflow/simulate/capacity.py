@@ -26,6 +26,8 @@ from kvflow.core.values import is_int
 __all__ = [
     "DEFAULT_BYTES_PER_TOKEN",
     "DEFAULT_CPU_BLOCKS",
+    "DEFAULT_DISK_BANDWIDTH_GBPS",
+    "DEFAULT_DISK_LATENCY_US",
     "DEFAULT_KV_DTYPE",
     "GB",
     "KV_DTYPES",
@@ -41,6 +43,12 @@ GB = 10**9
 
 DEFAULT_CPU_BLOCKS = 2000
 """The CPU tier's capacity when neither a number of blocks nor GB is given."""
+
+DEFAULT_DISK_BANDWIDTH_GBPS = 3.0
+"""A simulated disk tier's bandwidth per direction, GB/s (an NVMe drive's sequential rate)."""
+
+DEFAULT_DISK_LATENCY_US = 100.0
+"""A simulated disk job's fixed cost, µs (an NVMe read's latency, rounded up)."""
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,20 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvflow.core.config import Config
+from kvflow.core.config import MAX_DISK_BLOCKS, Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.values import is_int
 from kvflow.engine.notices import StepReport, merge_reports
 from kvflow.engine.sync import SyncEngine
 from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
-from kvflow.simulate.capacity import DEFAULT_CPU_BLOCKS, KvGeometry, blocks_for_gb, kv_geometry
+from kvflow.simulate.capacity import (
+    DEFAULT_CPU_BLOCKS,
+    DEFAULT_DISK_BANDWIDTH_GBPS,
+    DEFAULT_DISK_LATENCY_US,
+    KvGeometry,
+    blocks_for_gb,
+    kv_geometry,
+)
 from kvflow.simulate.workload import WorkloadRequest, read_workload
 
 SUMMARY_KEYS = (
@@ -69,8 +76,8 @@ class SimOptions:
     # a disk tier below the CPU tier: its size in GB of KV (None or 0: none), its read and
     # write bandwidth and per-job latency, and when blocks go there
     disk_gb: float | None = None
-    disk_bandwidth_gbps: float = 3.0
-    disk_latency_us: float = 100.0
+    disk_bandwidth_gbps: float = DEFAULT_DISK_BANDWIDTH_GBPS
+    disk_latency_us: float = DEFAULT_DISK_LATENCY_US
     disk_store_mode: str = "ahead_of_eviction"
 
     def geometry(self) -> KvGeometry:
@@ -111,12 +118,22 @@ class SimOptions:
         if not math.isfinite(self.prefill_tokens_per_ms) or self.prefill_tokens_per_ms <= 0:
             raise ConfigError(f"--prefill-tokens-per-ms must be a finite number > 0, got {self.prefill_tokens_per_ms}")
         self.capacity_blocks()  # (and the geometry it needs)
+        if self.disk_blocks() > MAX_DISK_BLOCKS:
+            raise ConfigError(
+                f"--disk-gb {self.disk_gb:g} is {self.disk_blocks():,} blocks, more than a disk tier's "
+                f"{MAX_DISK_BLOCKS:,}"
+            )
         if self.disk_blocks() and not self.capacity_blocks():
             raise ConfigError("--disk-gb needs a CPU tier: blocks reach the disk through it")
-        for name in ("disk_bandwidth_gbps", "disk_latency_us"):
+        if self.disk_blocks() and self.mode == "timed":
+            # (its requests would not wait for their disk runs: the disk's hits would count
+            # as the CPU tier's, for later requests)
+            raise ConfigError("--disk-gb runs in sequential mode only, not with --mode timed")
+        for name, least in (("disk_bandwidth_gbps", "> 0"), ("disk_latency_us", ">= 0")):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (value == 0 and name == "disk_bandwidth_gbps"):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value!r}")
+            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            if not number or value < 0 or (value == 0 and least == "> 0"):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {least}, got {value!r}")
 
     def config(self) -> Config:
         return Config(
@@ -309,17 +326,20 @@ class Simulation:
         """Before the lookup that counts, the request waits for what a lower tier holds past
         its CPU-tier hits: a first lookup queues the disk load of that run, which runs to its
         end (the disk's time is spent), so the lookup that counts hits those blocks on the CPU
-        tier. Returns how many more blocks the CPU tier offers now than before
-        (kvflow.simulate.fleet's instances fetch from their shared remote tier here)."""
+        tier. Returns how many of the blocks the CPU tier offers now and did not before the
+        disk brought: a disk run may join blocks the CPU tier held to the prefix, and those
+        hit on the CPU tier (kvflow.simulate.fleet's instances fetch from their shared remote
+        tier here)."""
         if not self.config.disk:
             return 0
         engine = self.engine
+        loaded = engine.counters.disk_blocks_loaded
         before = engine.lookup(rid, full, L, d)
         engine.accept_hits(rid, [])
         self._run_until_idle()
         after = engine.lookup(rid, full, L, d)
         engine.accept_hits(rid, [])
-        return after - before
+        return min(after - before, engine.counters.disk_blocks_loaded - loaded)
 
     def _count(self, L: int, d: int, c: int) -> None:
         B = self.config.block_tokens
@@ -500,6 +520,11 @@ def simulate(path: str, options: SimOptions, progress: Callable[[], None] | None
     return Simulation(options).run(path, progress)
 
 
+SWEEP_UNITS = {"cpu_blocks": "blocks", "cpu_gb": "GB", "disk_gb": "disk GB"}
+"""The three kinds of capacity a sweep takes (the keyword of :func:`sweep`) and the ``unit``
+its result names them by."""
+
+
 def sweep(
     path: str,
     base: SimOptions,
@@ -507,19 +532,32 @@ def sweep(
     cpu_gb: Sequence[float] = (),
     policies: Sequence[str] = ("lru", "arc"),
     on_run: Callable[[str, float, dict[str, Any]], None] | None = None,
+    disk_gb: Sequence[float] = (),
 ) -> dict[str, Any]:
-    """Run ``base`` with its CPU tier at each of ``cpu_blocks`` or of ``cpu_gb`` (GB of KV
-    cache; give one of the two) under each of ``policies``; ``on_run(policy, capacity,
-    summary)`` after each run. Every capacity and policy is checked before the first run
-    (F11). Returns the ``--json`` object of ``kvflow simulate --sweep``: the capacities, and
-    per policy one summary per capacity."""
-    if bool(cpu_blocks) == bool(cpu_gb):
-        raise ConfigError("a sweep needs capacities: in blocks (--sweep) or in GB (--sweep-gb), one of the two")
-    sized = [replace(base, cpu_blocks=n, cpu_gb=None) for n in cpu_blocks] or [
-        replace(base, cpu_blocks=None, cpu_gb=gb) for gb in cpu_gb
-    ]
-    capacities: list[float] = [*cpu_blocks, *cpu_gb]
-    runs = {policy: [replace(o, policy=policy, record=None) for o in sized] for policy in policies}
+    """Run ``base`` at each capacity of one kind, under each of ``policies``: its CPU tier at
+    each of ``cpu_blocks`` or of ``cpu_gb`` (GB of KV cache), or its disk tier at each of
+    ``disk_gb`` (the CPU tier as ``base`` gives it); ``on_run(policy, capacity, summary)``
+    after each run. Every capacity and policy is checked before the first run (F11). Returns
+    the ``--json`` object of ``kvflow simulate --sweep``: the unit (:data:`SWEEP_UNITS`), the
+    capacities, and per policy one summary per capacity."""
+    given: dict[str, list[Any]] = {
+        kind: list(caps) for kind, caps in (("cpu_blocks", cpu_blocks), ("cpu_gb", cpu_gb), ("disk_gb", disk_gb)) if caps
+    }
+    if len(given) != 1:
+        raise ConfigError(
+            "a sweep needs capacities of one kind: CPU blocks (--sweep), CPU GB (--sweep-gb) "
+            "or disk GB (--sweep-disk-gb)"
+        )
+    ((kind, capacities),) = given.items()
+
+    def sized(cap: Any, policy: str) -> SimOptions:
+        # a CPU size replaces both of base's CPU sizes (it is given once); a disk size the disk's
+        options = replace(base, policy=policy, record=None)
+        if kind == "disk_gb":
+            return replace(options, disk_gb=cap)
+        return replace(options, cpu_blocks=cap if kind == "cpu_blocks" else None, cpu_gb=cap if kind == "cpu_gb" else None)
+
+    runs = {policy: [sized(cap, policy) for cap in capacities] for policy in policies}
     for options in (o for row in runs.values() for o in row):
         options.validate()
         options.config()
@@ -533,7 +571,7 @@ def sweep(
     return {
         "workload": str(path),
         "mode": base.mode,
-        "unit": "GB" if cpu_gb else "blocks",
+        "unit": SWEEP_UNITS[kind],
         "capacities": capacities,
         "results": results,
     }

@@ -722,3 +722,224 @@ def test_kv_events_through_python_dash_m(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == kvflow("kv-events", trace).stdout
+
+
+# --- a disk tier below the CPU tier ----------------------------------------------------------------
+
+DISK_KEYS = {
+    "hit_tokens_cpu", "hit_tokens_disk", "disk_stored_blocks", "disk_loaded_blocks", "disk_bytes_stored",
+    "disk_bytes_loaded", "disk_store_ms", "disk_load_ms", "cpu_store_ms", "cpu_load_ms",
+}  # fmt: skip
+DISK_CONFIG_KEYS = {"disk_blocks", "disk_gb", "disk_bytes", "disk_bandwidth_gbps", "disk_latency_us", "disk_store_mode"}
+LLAMA_1GB = ["--example", "--model", "llama3-8b", "--cpu-gb", "1"]  # a CPU tier of 14 blocks of 64 MiB
+
+
+def run_json(*args: object) -> dict[str, Any]:
+    result = kvflow("simulate", *args, "--json")
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    data: dict[str, Any] = json.loads(result.stdout)
+    return data
+
+
+def tier_rows(out: str) -> dict[str, list[str]]:
+    """The rows of the "per tier" table: tier -> its other cells (empty ones kept)."""
+    rows = {}
+    for text in out.splitlines():
+        if text.count("│") == 6:  # five cells between the borders
+            cells = [c.strip() for c in text.split("│")[1:-1]]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_the_disk_keys_are_there_with_a_disk_and_only_then() -> None:
+    with_disk = run_json(*LLAMA_1GB, "--disk-gb", 10)
+    assert DISK_KEYS <= set(with_disk) and DISK_CONFIG_KEYS <= set(with_disk["config"])
+    assert all(isinstance(with_disk[k], int) for k in DISK_KEYS if not k.endswith("_ms"))
+    assert all(isinstance(with_disk[k], float) and with_disk[k] > 0 for k in DISK_KEYS if k.endswith("_ms"))
+    block = with_disk["config"]["bytes_per_block"]
+    assert with_disk["config"]["disk_blocks"] == 10 * 10**9 // block and with_disk["config"]["disk_gb"] == 10
+    assert with_disk["config"]["disk_bytes"] == with_disk["config"]["disk_blocks"] * block
+    assert (with_disk["config"]["disk_bandwidth_gbps"], with_disk["config"]["disk_latency_us"]) == (3.0, 100.0)
+    assert with_disk["config"]["disk_store_mode"] == "ahead_of_eviction"
+    assert with_disk["disk_bytes_stored"] == with_disk["disk_stored_blocks"] * block > 0
+    assert with_disk["disk_bytes_loaded"] == with_disk["disk_loaded_blocks"] * block > 0
+    without = run_json(*LLAMA_1GB)
+    assert not DISK_KEYS & set(without) and not DISK_CONFIG_KEYS & set(without["config"])
+    plain = kvflow("simulate", *LLAMA_1GB).stdout
+    assert tier_rows(plain) == {} and "disk tier" not in table_rows(plain)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--disk-store", "write-through"], ["--device-blocks", "40"], ["--store", "lazy", "--device-blocks", "40"],
+     ["--fault-rate", "0.1", "--seed", "3"], ["--policy", "arc"]],
+)  # fmt: skip
+def test_the_cpu_tier_hits_split_into_its_own_and_the_disks(extra: list[str]) -> None:
+    s = run_json(*LLAMA_1GB, "--disk-gb", 10, *extra)
+    assert s["hit_tokens_cpu"] + s["hit_tokens_disk"] == s["cpu_hit_tokens"]
+    assert s["hit_tokens"] == s["cpu_hit_tokens"] + s["device_hit_tokens"]
+    assert s["hit_tokens_disk"] > 0 and s["hit_tokens_cpu"] >= 0
+    # a disk hit went disk -> CPU tier -> device: what the disk loaded, the CPU tier loaded on
+    assert s["hit_tokens_disk"] <= s["disk_loaded_blocks"] * 512 <= s["loaded_blocks"] * 512
+
+
+def test_a_bigger_disk_never_lowers_the_disk_hits() -> None:
+    none, small, large = (run_json(*LLAMA_1GB, *args) for args in ([], ["--disk-gb", 2], ["--disk-gb", 10]))
+    assert 0 < small["hit_tokens_disk"] < large["hit_tokens_disk"]
+    assert none["hit_tokens"] < small["hit_tokens"] < large["hit_tokens"]
+
+
+def test_a_disk_of_zero_gb_is_no_disk() -> None:
+    assert run_json(*LLAMA_1GB, "--disk-gb", 0) == run_json(*LLAMA_1GB)
+    # the disk's model options are read (a disk of 0 is a disk option given), and change nothing
+    assert run_json(*LLAMA_1GB, "--disk-gb", 0, "--disk-latency-us", 5) == run_json(*LLAMA_1GB)
+    assert kvflow("simulate", *LLAMA_1GB, "--disk-gb", 0).stdout == kvflow("simulate", *LLAMA_1GB).stdout
+    # and so it runs where a disk would not: in timed mode
+    assert run_json(*LLAMA_1GB, "--disk-gb", 0, "--mode", "timed") == run_json(*LLAMA_1GB, "--mode", "timed")
+
+
+def test_the_disk_model_sets_the_disks_busy_time() -> None:
+    """Each disk job takes its latency plus its bytes over the bandwidth, on the disk's own
+    streams: halving the bandwidth doubles the bytes' share and leaves the decisions alone."""
+    fast = run_json(*LLAMA_1GB, "--disk-gb", 10, "--disk-latency-us", 0)
+    slow = run_json(*LLAMA_1GB, "--disk-gb", 10, "--disk-latency-us", 0, "--disk-bandwidth-gbps", 1.5)
+    assert fast["disk_load_ms"] == pytest.approx(fast["disk_bytes_loaded"] / 3e9 * 1000)
+    assert fast["disk_store_ms"] == pytest.approx(fast["disk_bytes_stored"] / 3e9 * 1000)
+    assert slow["disk_load_ms"] == pytest.approx(2 * fast["disk_load_ms"])
+    assert {k: slow[k] for k in SUMMARY_KEYS} == {k: fast[k] for k in SUMMARY_KEYS}
+    assert slow["cpu_load_ms"] == fast["cpu_load_ms"]  # the link's copies are not the disk's
+    assert slow["sim_time_ms"] > fast["sim_time_ms"]  # a request waits for its disk run
+    late = run_json(*LLAMA_1GB, "--disk-gb", 10, "--disk-latency-us", 1000)
+    jobs_lower_bound = 1000 / 1000  # (at least one job, 1 ms each)
+    assert late["disk_load_ms"] >= fast["disk_load_ms"] + jobs_lower_bound
+
+
+def test_write_through_copies_every_stored_block() -> None:
+    ahead = run_json(*LLAMA_1GB, "--disk-gb", 40)
+    through = run_json(*LLAMA_1GB, "--disk-gb", 40, "--disk-store", "write-through")
+    assert through["config"]["disk_store_mode"] == "write_through"
+    assert through["disk_stored_blocks"] > ahead["disk_stored_blocks"]
+
+
+def test_the_tables_show_the_disk_and_each_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # no cell folded onto a second line, whatever runs the tests
+    args = [*LLAMA_1GB, "--disk-gb", 10, "--disk-bandwidth-gbps", 2.5, "--disk-latency-us", 50]
+    data = run_json(*args)
+    out = kvflow("simulate", *args)
+    assert out.exit_code == 0 and out.stderr == "", out.output
+    setup = table_rows(out.stdout)
+    assert setup["disk tier"] == f"{data['config']['disk_blocks']} blocks = 10.00 GB (--disk-gb 10, in whole blocks), ahead-of-eviction"
+    assert setup["disk model"] == "2.5 GB/s per direction, 50 µs per job"
+    tiers = tier_rows(out.stdout)
+    assert list(tiers) == ["device", "CPU tier", "disk tier"]
+    prompt = data["prompt_tokens"]
+    for tier, prefix in (("CPU tier", "cpu"), ("disk tier", "disk")):
+        hit, blocks, moved, busy = tiers[tier]
+        d = "disk_" if prefix == "disk" else ""
+        assert hit == f"{data[f'hit_tokens_{prefix}']:,} ({data[f'hit_tokens_{prefix}'] / prompt:.1%})"
+        assert blocks == f"{data[f'{d}stored_blocks']:,} / {data[f'{d}loaded_blocks']:,}"
+        assert moved == f"{data[f'{d}bytes_stored'] / 1e9:,.2f} GB / {data[f'{d}bytes_loaded'] / 1e9:,.2f} GB"
+        assert busy == f"{data[f'{prefix}_store_ms']:,.1f} ms / {data[f'{prefix}_load_ms']:,.1f} ms"
+    assert tiers["device"][0] == "0 (0.0%)"
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--disk-gb", "-1"], ["--disk-gb", "-1"]),
+        (["--disk-gb", "nan"], ["--disk-gb", "nan"]),
+        (["--disk-gb", "inf"], ["--disk-gb", "inf"]),
+        (["--disk-gb", "x"], ["--disk-gb", "'x'"]),
+        (["--disk-gb", "0.01"], ["--disk-gb", "less than one block"]),
+        (["--disk-gb", "1e12"], ["--disk-gb", "more than a disk tier's"]),
+        (["--disk-gb", "2", "--disk-bandwidth-gbps", "0"], ["--disk-bandwidth-gbps", "> 0"]),
+        (["--disk-gb", "2", "--disk-bandwidth-gbps", "-3"], ["--disk-bandwidth-gbps", "-3"]),
+        (["--disk-gb", "2", "--disk-bandwidth-gbps", "nan"], ["--disk-bandwidth-gbps", "nan"]),
+        (["--disk-gb", "2", "--disk-latency-us", "-1"], ["--disk-latency-us", ">= 0"]),
+        (["--disk-gb", "2", "--disk-latency-us", "inf"], ["--disk-latency-us", "inf"]),
+        (["--disk-gb", "2", "--disk-store", "sometimes"], ["--disk-store", "sometimes", "write-through"]),
+        (["--disk-bandwidth-gbps", "5"], ["--disk-bandwidth-gbps", "--disk-gb"]),
+        (["--disk-latency-us", "5"], ["--disk-latency-us", "--disk-gb"]),
+        (["--disk-store", "write-through"], ["--disk-store", "--disk-gb"]),
+        (["--disk-gb", "2", "--instances", "2"], ["--disk-gb", "--instances", "remote tier"]),
+        (["--disk-gb", "2", "--remote-blocks", "100"], ["--disk-gb", "--instances"]),
+        (["--disk-gb", "2", "--mode", "timed"], ["--disk-gb", "timed"]),
+        (["--disk-gb", "2", "--cpu-blocks", "0"], ["--disk-gb", "CPU tier"]),
+        (["--sweep-disk-gb", "1", "--disk-gb", "2"], ["--disk-gb", "--sweep-disk-gb", "apply"]),
+        (["--sweep-disk-gb", "1", "--sweep", "32"], ["--sweep", "--sweep-disk-gb", "one sweep"]),
+        (["--sweep-disk-gb", "1", "--sweep-gb", "1"], ["--sweep-gb", "--sweep-disk-gb", "one sweep"]),
+        (["--sweep-disk-gb", "1,x"], ["--sweep-disk-gb", "'x'"]),
+        (["--sweep-disk-gb", "1,-2"], ["--sweep-disk-gb", "-2"]),
+        (["--sweep-disk-gb", " , "], ["--sweep-disk-gb", "at least one"]),
+        (["--sweep-disk-gb", "8,0.01"], ["0.01", "less than one block"]),
+        (["--sweep-disk-gb", "2", "--mode", "timed"], ["timed"]),
+    ],
+)
+def test_a_bad_disk_option_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, args: list[str], needles: list[str]
+) -> None:
+    import kvflow.simulate.run as sim
+
+    runs: list[object] = []
+    monkeypatch.setattr(sim, "simulate", lambda *a, **k: runs.append(a))
+    monkeypatch.chdir(tmp_path)
+    plot = ["--plot", "s.png"] if any(a.startswith("--sweep") for a in args) else []
+    assert_one_line_error(kvflow("simulate", "--example", "--model", "llama3-8b", *args, *plot), *needles)
+    assert runs == [] and list(tmp_path.iterdir()) == []  # refused before any run, nothing written
+
+
+def test_the_disk_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    seen: list[dict[str, Any]] = []
+    real_savefig = Figure.savefig
+
+    def savefig(fig: Figure, *args: Any, **kwargs: Any) -> None:
+        ax = fig.axes[0]
+        seen.append({"x": [list(line.get_xdata()) for line in ax.get_lines()], "xlabel": ax.get_xlabel(),
+                     "title": ax.get_title()})  # fmt: skip
+        real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    args = [*LLAMA_1GB, "--sweep-disk-gb", "0,2,10", "--plot", tmp_path / "disk.png"]
+    data = run_json(*args)
+    assert data["unit"] == "disk GB" and data["capacities"] == [0, 2, 10] and list(data["results"]) == ["lru", "arc"]
+    block = 512 * 128 * 1024
+    for policy in ("lru", "arc"):
+        runs = data["results"][policy]
+        assert [r["config"]["cpu_blocks"] for r in runs] == [10**9 // block] * 3  # the CPU tier given, each time
+        assert [r["config"].get("disk_blocks", 0) for r in runs] == [0, 2 * 10**9 // block, 10 * 10**9 // block]
+        assert "hit_tokens_disk" not in runs[0] and runs[1]["hit_tokens_disk"] < runs[2]["hit_tokens_disk"]
+    # each run is the run of that disk alone
+    assert data["results"]["arc"][2] == run_json(*LLAMA_1GB, "--disk-gb", 10, "--policy", "arc")
+    assert data["results"]["lru"][0] == run_json(*LLAMA_1GB)
+    (plot,) = seen
+    assert plot["x"] == [[0, 2, 10]] * 2 and plot["xlabel"].startswith("disk tier capacity (GB")
+    assert "CPU tier 14 blocks" in plot["title"]
+    text = kvflow("simulate", *args).stdout.splitlines()
+    assert "CPU tier 14 blocks = 0.94 GB" in text[0]
+    lru10 = data["results"]["lru"][2]
+    want = f"hit rate {lru10['hit_rate']:.2%}  (cpu {lru10['cpu_hit_tokens'] / lru10['prompt_tokens']:.2%}, "
+    want += f"of which disk {lru10['hit_tokens_disk'] / lru10['prompt_tokens']:.2%})"
+    assert any(x.strip().startswith("lru disk_gb=10 (149 blocks)") and x.endswith(want) for x in text), text
+
+
+def test_a_disk_under_each_cpu_size_of_a_sweep(tmp_path: Path) -> None:
+    data = run_json("--example", "--model", "llama3-8b", "--disk-gb", 10, "--sweep-gb", "1,4", "--policy", "lru",
+                    "--plot", tmp_path / "s.png")  # fmt: skip
+    assert data["unit"] == "GB" and [r["config"]["disk_gb"] for r in data["results"]["lru"]] == [10, 10]
+    assert data["results"]["lru"][0] == run_json(*LLAMA_1GB, "--disk-gb", 10)
+
+
+def test_the_documented_per_tier_table_is_what_the_command_prints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/simulate.md shows a command and, below it, the table it prints: run it again."""
+    text = (REPO / "docs" / "simulate.md").read_text(encoding="utf-8")
+    found = re.search(r"```bash\n(kvflow simulate [^\n]*--disk-gb [^\n]*)\n```\n.*?```text\n(per tier\n.*?)```", text, re.S)
+    assert found is not None, "docs/simulate.md: the disk tier's command and its output"
+    command, shown = found.groups()
+    monkeypatch.setenv("COLUMNS", "140")  # (what tests/test_docs.py runs the documents' commands with)
+    result = kvflow(*command.split()[1:])
+    assert result.exit_code == 0, result.output
+    printed = result.stdout[result.stdout.index("per tier\n"):]
+    assert printed == shown, f"docs/simulate.md: paste the output of `COLUMNS=140 {command}` from 'per tier' on"

@@ -2,7 +2,7 @@
 loads of the same bytes, on the same file system, in one run (rounds interleave the two).
 
     python tools/bench_disk.py [--dir D] [--block-mib 2] [--total-mib 1024] [--io-threads 4]
-                               [--batch 16] [--pages 2] [--repeat 3]
+                               [--batch 16] [--pages 2] [--repeat 5]
 
 ``fio`` writes then reads a file of ``--total-mib`` in blocks of the tier's slot size (the
 entry's header block and its payload), O_DIRECT, libaio at a queue depth of ``--io-threads``.
@@ -72,7 +72,7 @@ def main() -> int:
     parser.add_argument("--io-threads", type=int, default=4, help="the tier's I/O threads = fio's queue depth")
     parser.add_argument("--batch", type=int, default=16, help="entries per store/load call")
     parser.add_argument("--pages", type=int, default=2, help="pages (host pool regions) per entry")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     if shutil.which("fio") is None:
         print("bench_disk: fio is not installed (Debian/Ubuntu: apt-get install fio)", file=sys.stderr)

@@ -305,6 +305,15 @@ class DiskEntryFile:
         except _Failed as failed:
             return [failed.reason] * len(items)
         todo = self._admit(items, reasons, once=True)
+        # a slot about to be overwritten first loses its record: a crash mid-write then leaves
+        # the slot unrecovered rather than recovered under a block it no longer holds
+        held = [slot for _, (slot, _, _) in todo if self._holds[slot]]
+        if held:
+            unrecorded = self._append([(s, None) for s in held])
+            if unrecorded is not None:
+                for i, _ in todo:
+                    reasons[i] = unrecorded
+                return reasons
         results = list(self._pool.map(self._write_one, [item for _, item in todo]))
         written = []
         for (i, _), result in zip(todo, results):

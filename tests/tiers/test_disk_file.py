@@ -271,12 +271,13 @@ def test_a_torn_journal_tail_is_ignored_and_cut(tmp_path: Path) -> None:
 def test_data_without_its_record_is_not_recovered(tmp_path: Path) -> None:
     """The writer dies (SIGKILL) after the batch's data is durable, before its records."""
     script = textwrap.dedent(f"""
-        import os, signal, sys
+        import os, shutil, signal, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_disk_file import ODD, src
         from kvflow.tiers.disk_file import DiskEntryFile
         tier = DiskEntryFile({str(tmp_path / "tier")!r}, layout=ODD, slots=8)
         assert tier.store([(0, 10, src(10, ODD))]) == [None]
+        shutil.copy({str(tmp_path / "tier" / JOURNAL)!r}, {str(tmp_path / "journal.then")!r})
         real = os.fdatasync
         def then_die(fd):
             real(fd)
@@ -287,21 +288,36 @@ def test_data_without_its_record_is_not_recovered(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True)
     assert done.returncode == -signal.SIGKILL, done.stderr
     with DiskEntryFile(tmp_path / "tier", layout=ODD, slots=8) as again:
-        assert again.recovered == [(0, 10)]  # slot 1's data is whole, but nothing vouches for it
+        # slot 1's data is whole but nothing vouches for it; slot 0 lost its record before
+        # block 12 went over block 10
+        assert again.recovered == []
         assert load_one(again, 1, 11)[0] is None
-        # slot 0's record names the block that was overwritten: a miss, never block 12's bytes
+        assert load_one(again, 0, 12)[0] is None
+    # had the appends since been lost (a power cut: they are not synced one by one), the
+    # journal would name block 10 in slot 0: a miss, never block 12's bytes
+    (tmp_path / "journal.then").replace(tmp_path / "tier" / JOURNAL)
+    with DiskEntryFile(tmp_path / "tier", layout=ODD, slots=8) as again:
+        assert again.recovered == [(0, 10)]
         assert load_one(again, 0, 10)[0] == "another block"
 
 
-def test_a_store_whose_record_cannot_be_written_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("failing", ["the first append", "the record"])
+def test_a_store_whose_journal_cannot_be_written_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
     tier = DiskEntryFile(tmp_path / "tier", layout=ODD, slots=4)
     assert tier.store([(0, 1, src(1, ODD))]) == [None]
     journal_fd = tier._journal_fd
     real = os.pwritev
+    appends = []
 
     def journal_full(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         if fd == journal_fd:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            appends.append(offset)
+            # the store first drops slot 0's record (it is about to be overwritten), then
+            # writes the data, then appends the new records
+            if failing == "the first append" or len(appends) > 1:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(os, "pwritev", journal_full)
@@ -310,8 +326,12 @@ def test_a_store_whose_record_cannot_be_written_fails(tmp_path: Path, monkeypatc
     monkeypatch.undo()
     tier.close()
     with DiskEntryFile(tmp_path / "tier", layout=ODD, slots=4) as again:
-        assert again.recovered == [(0, 1)]
-        assert load_one(again, 0, 1)[0] == "another block"  # block 2 is there; the record says 1
+        if failing == "the first append":  # nothing was written
+            assert again.recovered == [(0, 1)]
+            assert load_one(again, 0, 1)[0] is None
+        else:  # written, durable, unrecorded
+            assert again.recovered == []
+            assert load_one(again, 0, 2)[0] is None and load_one(again, 1, 3)[0] is None
 
 
 def test_a_long_journal_is_compacted_to_what_it_vouches_for(tmp_path: Path) -> None:

@@ -20,14 +20,23 @@ def check_invariants(state: State) -> list[str]:
     slot_of, pending, pin_count, jobs = state.slot_of, state.pending, state.pin_count, state.jobs
 
     # slots: free + entries + fenced is exactly 0..cap-1, each once (a fenced load's
-    # slot can be both fenced and still owned by its resident entry)
+    # slot can be both fenced and still owned by its resident entry). The never-used slots
+    # (from ``free_slots.fresh`` up) are free by construction: the rest, 0..fresh-1, are each
+    # given back, owned or fenced, once (checked without a walk over the never-used ones)
     fenced_slots = state.fenced_slots
-    used = list(state.free_slots)
+    free = state.free_slots
+    used = list(free.freed)
     used.extend(slot_of.values())
     if fenced_slots:
         entry_slots = set(slot_of.values())
         used.extend(s for s in fenced_slots if s not in entry_slots)
-    if not (len(used) == cap and len(set(used)) == cap and (not used or (min(used) >= 0 and max(used) < cap))):
+    n = free.fresh
+    if not (
+        0 <= n <= cap
+        and len(used) == n
+        and len(set(used)) == n
+        and (not used or (min(used) >= 0 and max(used) < n))
+    ):
         _slot_problems(state, problems)
     for s, jids in fenced_slots.items():
         for jid in jids:
@@ -115,19 +124,23 @@ def check_invariants(state: State) -> list[str]:
 
 def _slot_problems(state: State, problems: list[str]) -> None:
     """Name the slots that are out of range, owned twice or missing."""
-    cap = state.capacity
+    cap, fresh = state.capacity, state.free_slots.fresh
     owner: dict[int, str] = {}
     found = len(problems)
 
     def own(slot: int, who: str) -> None:
         if not 0 <= slot < cap:
             problems.append(f"slot {slot} outside 0..{cap - 1} ({who})")
+        elif slot >= fresh:
+            problems.append(f"slot {slot} was never handed out (free from {fresh} up) but is {who}")
         elif slot in owner:
             problems.append(f"slot {slot} owned twice: {owner[slot]} and {who}")
         else:
             owner[slot] = who
 
-    for s in state.free_slots:
+    if not 0 <= fresh <= cap:
+        problems.append(f"the never-used free slots start at {fresh}, outside 0..{cap}")
+    for s in state.free_slots.freed:
         own(s, "free")
     for h, slot in state.slot_of.items():
         own(slot, f"block {h}")
@@ -135,8 +148,8 @@ def _slot_problems(state: State, problems: list[str]) -> None:
     for s, jids in state.fenced_slots.items():
         if s not in entry_slots:
             own(s, f"fence of jobs {list(jids)}")
-    if len(owner) != cap and len(problems) == found:
-        problems.append(f"free + used + fenced = {len(owner)} != capacity {cap}")
+    if len(owner) != fresh and len(problems) == found:
+        problems.append(f"free + used + fenced = {len(owner) + cap - fresh} != capacity {cap}")
 
 
 def _entry_problems(state: State, pin_totals: dict[int, int], problems: list[str]) -> None:

@@ -36,6 +36,7 @@ from kvflow.core.jobs import (
     with_rank,
 )
 from kvflow.core.state import legality as lg
+from kvflow.core.state.digest import FORGET, REMEMBER
 from kvflow.core.state.model import Job, State
 from kvflow.core.state.moves import (
     WRITERS,
@@ -141,7 +142,7 @@ def _release_fenced_slots(state: State, job: Job) -> None:
         else:
             del fenced_slots[s]
             if slot_of.get(h) != s:
-                free.append(s)
+                free.give_back((s,))
 
 
 # --- one function per job event ------------------------------------------------------------
@@ -215,6 +216,7 @@ def _remote_store_queued(state: State, event: RemoteStoreQueued, check: bool) ->
 def remember_remote(state: State, hashes: tuple[int, ...]) -> None:
     """Add to the remote index (the most recent last); beyond its capacity the oldest go."""
     remote = state.remote
+    state.tally.indexed(REMEMBER, hashes)
     for h in hashes:
         remote.pop(h, None)
         remote[h] = None
@@ -321,6 +323,7 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
             write(state, job.hashes, job)
         if direction == REMOTE_LOAD and not completed:
             # a dead key never loops lookup -> load -> fail: it leaves the remote index now
+            state.tally.indexed(FORGET, job.hashes)
             for h in job.hashes:
                 state.remote.pop(h, None)
         return

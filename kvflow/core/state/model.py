@@ -16,7 +16,8 @@ from kvflow.core.config import Config
 from kvflow.core.jobs import FILLING, Direction
 from kvflow.core.policies.base import Policy
 from kvflow.core.policies.registry import make_policy
-from kvflow.core.state.digest import canonical, digest
+from kvflow.core.state.digest import Tally, canonical, digest
+from kvflow.core.state.slots import FreeSlots
 from kvflow.core.state.tables import (
     ABANDONED,
     ABSENT,
@@ -227,9 +228,11 @@ class State:
         "bad",
         "remote",
         "departures",
+        "tally",
+        "full_digest",
     )
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, full_digest: bool = False) -> None:
         self.config = config
         self.next_seq = 1
         self.last_job_id = 0
@@ -239,9 +242,9 @@ class State:
         self.slot_of: dict[int, int] = {}
         self._pending: dict[int, int] | None = None  # (see ``pending``)
         self.pin_count: dict[int, int] = {}
-        # Free slots as a stack: allocation takes from the end, so a fresh tier hands out
+        # Free slots as a stack: allocation takes from its top, so a fresh tier hands out
         # 0, 1, 2... (contiguous host runs keep the executor's copies at full speed).
-        self.free_slots: list[int] = list(range(config.cpu_blocks - 1, -1, -1))
+        self.free_slots = FreeSlots(config.cpu_blocks)
         # slot -> fenced jobs whose copy may still use it (two fenced loads can read one
         # slot; a fenced load's slot may still belong to its resident entry)
         self.fenced_slots: dict[int, tuple[int, ...]] = {}
@@ -262,6 +265,10 @@ class State:
         # what was known on the tier at one count is there still while the count is the same
         # (see Request.chain_whole_at). Not part of the digest: it only spares a lookup
         self.departures = 0
+        # the digest's parts kept as the state changes (kvflow.core.state.digest); a state
+        # folded from a trace before version 4 digests the whole state instead (``full_digest``)
+        self.tally = Tally()
+        self.full_digest = full_digest
 
     # -- indexes of the live jobs ----------------------------------------------------------
     #
@@ -317,8 +324,7 @@ class State:
         """The slots the next ``n`` new entries take, in order: the top ``n`` of the free stack,
         the top first (a fresh tier hands out 0, 1, 2...: contiguous host runs). Fewer if
         fewer are free."""
-        free = self.free_slots
-        return tuple(reversed(free[len(free) - n :]))
+        return self.free_slots.top(n)
 
     @property
     def entries(self) -> EntriesView:
@@ -354,7 +360,7 @@ class State:
         clone.slot_of = dict(self.slot_of)
         clone._pending = None if self._pending is None else dict(self._pending)
         clone.pin_count = dict(self.pin_count)
-        clone.free_slots = list(self.free_slots)
+        clone.free_slots = self.free_slots.copy()
         clone.fenced_slots = dict(self.fenced_slots)
         clone.jobs = {}
         for jid, j in self.jobs.items():
@@ -380,6 +386,8 @@ class State:
         clone.bad = dict(self.bad)
         clone.remote = dict(self.remote)
         clone.departures = self.departures
+        clone.tally = self.tally.copy()
+        clone.full_digest = self.full_digest
         return clone
 
     # -- determinism ---------------------------------------------------------------------

@@ -28,7 +28,6 @@ from kvflow.core.events import (
 )
 from kvflow.core.jobs import LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.core.state.apply import evolve
-from kvflow.core.state.model import State
 from kvflow.log.reader import TraceReader
 
 
@@ -58,7 +57,7 @@ class _Walk:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = str(path)
         self.reader = TraceReader(path)
-        self.state = State(self.reader.config)
+        self.state = self.reader.new_state()
         self.folding = True
         self.fold_error: str | None = None
         self.step = 0

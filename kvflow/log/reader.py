@@ -20,10 +20,12 @@ import msgspec
 from kvflow._version import __version__
 from kvflow.core.config import config_from_dict
 from kvflow.core.errors import ConfigError, TraceError
+from kvflow.core.state.model import State
 from kvflow.core.values import is_int
 from kvflow.log import source
 from kvflow.log.format import (
     CHAINED_SINCE,
+    INCREMENTAL_DIGEST_SINCE,
     MAX_LINE_BYTES,
     TRACE_FORMAT,
     TRACE_VERSION,
@@ -140,6 +142,11 @@ class TraceReader:
             raise TraceError(self.path, 1, field_message(exc)) from None
         except RecursionError:
             raise TraceError(self.path, 1, "header: nested too deeply") from None
+
+    def new_state(self) -> State:
+        """An empty state to fold this trace into: its digest is the form this trace's
+        checkpoints carry (the whole state's before version 4)."""
+        return State(self.config, full_digest=self.version < INCREMENTAL_DIGEST_SINCE)
 
     def records(self) -> Iterator[tuple[int, Any]]:
         """Yield ``(line_number, record)`` for every record after the header."""

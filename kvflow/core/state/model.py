@@ -230,6 +230,7 @@ class State:
         "departures",
         "tally",
         "full_digest",
+        "pushes_settled",
     )
 
     def __init__(self, config: Config, full_digest: bool = False) -> None:
@@ -269,6 +270,9 @@ class State:
         # folded from a trace before version 4 digests the whole state instead (``full_digest``)
         self.tally = Tally()
         self.full_digest = full_digest
+        # what push_ahead_of_eviction last found nothing to copy at (kvflow.core.decide.remote:
+        # pushes_key). Not part of the digest: it only spares a question to the policy
+        self.pushes_settled: object = None
 
     # -- indexes of the live jobs ----------------------------------------------------------
     #
@@ -388,6 +392,7 @@ class State:
         clone.departures = self.departures
         clone.tally = self.tally.copy()
         clone.full_digest = self.full_digest
+        clone.pushes_settled = self.pushes_settled
         return clone
 
     # -- determinism ---------------------------------------------------------------------

@@ -72,6 +72,14 @@ def job_state_index(m: OffloadManager) -> None:
     job.state = JobState.IN_FLIGHT  # but still in the queued index
 
 
+def entries_sum_astray(m: OffloadManager) -> None:
+    m.state.tally.entries += 1
+
+
+def free_sum_astray(m: OffloadManager) -> None:
+    m.state.free_slots.tally += 1
+
+
 def fence_stray(m: OffloadManager) -> None:
     (slot,) = m.state.free_slots.top(1)
     m.state.free_slots.take(1)
@@ -105,6 +113,8 @@ CASES: list[tuple[Callable[[OffloadManager], None], str]] = [
     (request_lists_dead_job, "request b lists job 999 which is not live"),
     (job_state_index, "queued index disagrees"),
     (fence_stray, "fenced for job 4242"),
+    (entries_sum_astray, "the digest's sum over the entries does not match"),
+    (free_sum_astray, "the digest's sum over the free slots does not match"),
 ]
 
 

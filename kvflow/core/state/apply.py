@@ -38,9 +38,9 @@ from kvflow.core.events import (
     event_name,
 )
 from kvflow.core.state import legality as lg
+from kvflow.core.state.digest import CLEAR
 from kvflow.core.state.job_events import JOB_EVOLVERS
 from kvflow.core.state.model import Request, State
-from kvflow.core.state.digest import CLEAR
 from kvflow.core.state.moves import ensure_request, entry_move, pin, touch, unpin
 from kvflow.core.state.tables import (
     ABSENT,

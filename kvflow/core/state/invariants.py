@@ -9,6 +9,7 @@ only to name the offenders.
 from __future__ import annotations
 
 from kvflow.core.jobs import FILLING, REMOTE_STORE
+from kvflow.core.state.digest import pair_sum
 from kvflow.core.state.model import State, held_by, pending_of
 from kvflow.core.state.tables import IN_FLIGHT, LIVE_JOB_STATES, QUEUED
 
@@ -38,6 +39,11 @@ def check_invariants(state: State) -> list[str]:
         and (not used or (min(used) >= 0 and max(used) < n))
     ):
         _slot_problems(state, problems)
+    # the digest's sums kept as the state changed are those of the entries and the free stack
+    if state.tally.entries != pair_sum(slot_of, slot_of.values()):
+        problems.append("the digest's sum over the entries does not match the entries")
+    if free.tally != pair_sum(range(len(free.freed)), free.freed):
+        problems.append("the digest's sum over the free slots does not match the free stack")
     for s, jids in fenced_slots.items():
         for jid in jids:
             job = jobs.get(jid)

@@ -84,9 +84,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         return out
 
 
-# The largest tier a state can be built for (the slot list costs ~80 bytes a slot: 1.3 GB here);
-# trace readers refuse a header above it (kvflow.log.memory).
-MAX_CPU_BLOCKS = 1 << 24
+# The largest tier a Config may name (2**32 slots). A state costs per entry, not per slot (the
+# never-used free slots are a range: kvflow.core.state.slots), so only what is stored costs
+# memory; trace readers build their Config from the header, so they refuse a larger one too.
+MAX_CPU_BLOCKS = 1 << 32
 
 
 def validate_config(config: Config) -> None:

@@ -126,7 +126,7 @@ def _names(selector: Selector, rec: Any, walk: _Walk) -> bool:
             return True  # cannot tell: a reset touches every block and slot
         if selector.block is not None:
             return selector.block in walk.state.entries
-        return selector.slot is not None and _slot_owner(walk.state, selector.slot)[0] != "free"
+        return selector.slot is not None and _slot_owner(walk.state, selector.slot, walk)[0] != "free"
     if kind in (RankSucceeded, LateResultIgnored, JobResult):
         return _job_matches(selector, jobs.get(rec.job_id))
     if selector.job is not None:
@@ -156,7 +156,7 @@ def inspect_trace(
     following = bool(selector.given())
     if at is not None and at < 0:
         raise InspectError(f"--at must be a seq >= 0, got {at}")
-    walk = _Walk(path)
+    walk = _Walk(path, slots=selector.slot is not None)
     state = walk.state
     history: list[HistoryEntry] = []
     snapshot: State | None = state.copy() if at == 0 else None
@@ -174,7 +174,7 @@ def inspect_trace(
                 cause_shown = True
             continue
         matched = following and _names(selector, rec, walk)
-        before = _view(selector, state, walk.jobs) if matched and walk.folding else None
+        before = _view(selector, state, walk) if matched and walk.folding else None
         walk.apply(line, rec)
         if matched:
             if not cause_shown and walk.command is not None:
@@ -182,7 +182,7 @@ def inspect_trace(
                 cause_shown = True
             change = None
             if before is not None and walk.folding:
-                after = _view(selector, state, walk.jobs)
+                after = _view(selector, state, walk)
                 change = before if after == before else f"{before} -> {after}"
             history.append(_entry(line, rec, walk, change))
         if at is not None and snapshot is None and at_error is None and rec.seq >= at:
@@ -202,7 +202,7 @@ def inspect_trace(
                 f"--at {at} is beyond the last event of {walk.path} (last seq {walk.last_seq})"
             )
         if following:
-            focus_out = focus_dict(selector, snapshot, walk.jobs)
+            focus_out = focus_dict(selector, snapshot, walk)
         else:
             state_out = state_to_dict(snapshot)
     return Inspection(

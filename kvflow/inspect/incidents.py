@@ -123,7 +123,7 @@ class IncidentReport:
 def _recovery_from_state(
     state: State, event: JobFailed | JobTimedOut, info: JobInfo | None, before: dict[str, Any]
 ) -> dict[str, Any]:
-    free_after = set(state.free_slots)
+    free_after = state.free_slots  # (``in`` at once: asked of the event's slots only)
     held_after = state.held
     released = [d for d in event.device_blocks if d not in held_after]
     abandoned = info is not None and info.abandoned_at_seq is not None
@@ -211,7 +211,7 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
             if folding:
                 entries = state.entries
                 before = {
-                    "free": set(state.free_slots),
+                    "free": {s for s in rec.slots if s in state.free_slots},
                     "fenced_slots": dict(state.fenced_slots),
                     "pins": {h: entries[h].pins for h in rec.hashes if h in entries},
                 }
@@ -261,7 +261,7 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
             by_job[rec.job_id] = incident
             continue
         if kind is FenceLifted:
-            free_before = set(state.free_slots)
+            free_before = {s for s in rec.slots if s in state.free_slots}
             walk.apply(line, rec)
             fenced = by_job.get(rec.job_id)
             if fenced is not None:

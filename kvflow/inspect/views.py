@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from kvflow.core.jobs import ranks_in
 from kvflow.core.state.model import State
 from kvflow.inspect.render import few
-from kvflow.inspect.walk import JobInfo
+from kvflow.inspect.walk import _Walk
 
 if TYPE_CHECKING:
     from kvflow.inspect.history import Selector
@@ -93,20 +93,24 @@ def state_to_dict(state: State) -> dict[str, Any]:
     }
 
 
-def _slot_owner(state: State, slot: int) -> tuple[str, Any]:
-    """Who owns a slot: ("fenced", [fenced job ids]), ("block", hash) or ("free", None)."""
+def _slot_owner(state: State, slot: int, walk: _Walk) -> tuple[str, Any]:
+    """Who owns a slot: ("fenced", [fenced job ids]), ("block", hash) or ("free", None).
+    An entry takes its slot when it is admitted and keeps it, so its owner is one of the
+    blocks the trace admitted into it (``walk.filled``): asked of the state, each at once."""
     if slot in state.fenced_slots:
         return "fenced", list(state.fenced_slots[slot])
-    for h, s in state.slot_of.items():
-        if s == slot:
+    slot_of = state.slot_of
+    for h in (walk.filled or {}).get(slot, ()):
+        if slot_of.get(h) == slot:
             return "block", h
     if slot in state.free_slots:
         return "free", None
     return "unknown", None
 
 
-def focus_dict(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> dict[str, Any]:
+def focus_dict(selector: Selector, state: State, walk: _Walk) -> dict[str, Any]:
     """The followed thing's state (the state at one seq, narrowed)."""
+    jobs = walk.jobs
     out: dict[str, Any] = {"seq": state.last_seq}
     if selector.block is not None:
         h = selector.block
@@ -135,7 +139,7 @@ def focus_dict(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> di
         else:
             out.update({"request": selector.request, "state": "UNKNOWN (not seen yet, or closed)"})
     elif selector.slot is not None:
-        owner, who = _slot_owner(state, selector.slot)
+        owner, who = _slot_owner(state, selector.slot, walk)
         out.update({"slot": selector.slot, "owner": owner})
         if owner == "block":
             out["entry"] = entry_dict(who, state)
@@ -144,8 +148,9 @@ def focus_dict(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> di
     return out
 
 
-def _view(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> str:
+def _view(selector: Selector, state: State, walk: _Walk) -> str:
     """The followed thing in a few words (for before -> after)."""
+    jobs = walk.jobs
     if selector.block is not None:
         entry = state.entries.get(selector.block)
         if entry is None:
@@ -166,7 +171,7 @@ def _view(selector: Selector, state: State, jobs: dict[int, JobInfo]) -> str:
         return f"pins {sum(req.pins.values())}, live jobs {few(req.jobs)}{done}"
     if selector.slot is None:
         return ""  # (a selector names one of block, job, request or slot)
-    owner, who = _slot_owner(state, selector.slot)
+    owner, who = _slot_owner(state, selector.slot, walk)
     if owner == "block":
         return f"block {who} ({state.entries[who].state.name})"
     if owner == "fenced":

@@ -30,7 +30,6 @@ from kvflow.core.events import (
 )
 from kvflow.core.jobs import DISK_LOAD, DISK_STORE, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.core.state.apply import evolve
-from kvflow.core.state.model import State
 from kvflow.log.reader import TraceReader
 
 
@@ -57,10 +56,11 @@ class _Walk:
     """Streams a trace's records and keeps the context every analysis needs: the folded
     state, the engine step and time, the current command, and every job's description."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], slots: bool = False) -> None:
+        """``slots``: keep ``filled``, for an analysis that asks who owns a slot."""
         self.path = str(path)
         self.reader = TraceReader(path)
-        self.state = State(self.reader.config)
+        self.state = self.reader.new_state()
         self.folding = True
         self.fold_error: str | None = None
         self.step = 0
@@ -71,6 +71,9 @@ class _Walk:
         self.jobs: dict[int, JobInfo] = {}
         self.last_seq = 0
         self.warnings: list[str] = []
+        # slot -> the blocks the trace admitted into it, in order (with ``slots``): the state
+        # keeps no owner per slot, and a scan of its entries would cost the tier's size
+        self.filled: dict[int, list[int]] | None = {} if slots else None
 
     def records(self) -> Iterator[tuple[int, Any]]:
         with self.reader:
@@ -103,6 +106,9 @@ class _Walk:
                 self.fold_error = f"{self.path}:{line}: seq {event.seq} does not fold ({exc})"
         kind = type(event)
         jobs = self.jobs
+        if self.filled is not None and (kind is StoreQueued or kind is RemoteLoadQueued):
+            for s, h in zip(event.slots, event.hashes):
+                self.filled.setdefault(s, []).append(h)
         if kind is StoreQueued or kind is LoadQueued:
             jobs[event.job_id] = JobInfo(
                 event.job_id,

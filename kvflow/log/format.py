@@ -3,7 +3,7 @@ record chain that makes an altered trace evident.
 
 A trace is JSON lines (``.gz`` for gzip): one header line, then records in order: the commands
 given to kvflow, the events it appended, and periodic checkpoints. A checkpoint carries the state
-digest at its ``seq`` and, from version 3, ``records``: a digest of every byte of the trace
+digest at its ``seq`` (from version 4 the one kept as the state changes) and, from version 3, ``records``: a digest of every byte of the trace
 before the checkpoint's own line, header included (``RecordChain``). The fold checks the state
 digest; the reader checks the record digest, so a changed field that drives no state (an error
 text, a request id, a time, the header) is found too.
@@ -20,10 +20,14 @@ from kvflow.core.commands import COMMAND_TYPES, Command, Touch
 from kvflow.core.events import EVENT_TYPES, Event
 
 TRACE_FORMAT = "kvflow-trace"
-TRACE_VERSION = 3
+TRACE_VERSION = 4
 DEFAULT_CHECKPOINT_EVERY = 10_000
 CHAINED_SINCE = 3
 """The first version whose checkpoints carry the record digest (``Checkpoint.records``)."""
+INCREMENTAL_DIGEST_SINCE = 4
+"""The first version whose checkpoints carry the state digest kept as the state changes
+(kvflow.core.state.digest); an older trace's carry the digest of the whole state, and its fold
+computes that one (``State(config, full_digest=True)``)."""
 
 MAX_LINE_BYTES = 64 << 20
 """The longest line a reader accepts (64 MiB; a record listing a million hashes is about 20 MiB).
@@ -79,4 +83,5 @@ def _upcast_v1(record: Any) -> Any:
 
 UPCASTS: dict[int, Any] = {1: _upcast_v1}
 """Version upgrades: version -> function mapping an old record to the current form. (Version 2
-differs from 3 only in the record digest its checkpoints lack.)"""
+differs from 3 only in the record digest its checkpoints lack, and 3 from 4 only in the form of
+the state digest its checkpoints carry: ``INCREMENTAL_DIGEST_SINCE``.)"""

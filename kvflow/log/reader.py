@@ -18,12 +18,14 @@ from typing import Any
 import msgspec
 
 from kvflow._version import __version__
-from kvflow.core.config import MAX_CPU_BLOCKS, config_from_dict
+from kvflow.core.config import config_from_dict
 from kvflow.core.errors import ConfigError, TraceError
+from kvflow.core.state.model import State
 from kvflow.core.values import is_int
 from kvflow.log import source
 from kvflow.log.format import (
     CHAINED_SINCE,
+    INCREMENTAL_DIGEST_SINCE,
     MAX_LINE_BYTES,
     TRACE_FORMAT,
     TRACE_VERSION,
@@ -56,7 +58,7 @@ class TraceReader:
     ``findings()`` is both, one line each. After the last record: ``complete`` tells whether the
     trace ended on a checkpoint as a closed writer leaves it, ``unverified`` how many records
     come after the last checkpoint. Lines are at most ``MAX_LINE_BYTES`` long, the header's
-    ``cpu_blocks`` at most ``MAX_CPU_BLOCKS``, and every record's integers are range-checked.
+    config is checked as ``Config`` checks it (``cpu_blocks`` at most ``MAX_CPU_BLOCKS``), and every record's integers are range-checked.
     """
 
     def __init__(self, path: str | os.PathLike[str], chunk_bytes: int | None = None) -> None:
@@ -78,13 +80,6 @@ class TraceReader:
                 self.config = config_from_dict(self.header.config)
             except ConfigError as exc:
                 raise TraceError(self.path, 1, f"field 'config': {exc}") from None
-            if self.config.cpu_blocks > MAX_CPU_BLOCKS:
-                raise TraceError(
-                    self.path,
-                    1,
-                    f"field 'config': cpu_blocks {self.config.cpu_blocks} is more than a trace "
-                    f"may declare (at most {MAX_CPU_BLOCKS:,})",
-                )
         except BaseException:
             self._file.close()  # a refused header leaves no file open
             raise
@@ -147,6 +142,11 @@ class TraceReader:
             raise TraceError(self.path, 1, field_message(exc)) from None
         except RecursionError:
             raise TraceError(self.path, 1, "header: nested too deeply") from None
+
+    def new_state(self) -> State:
+        """An empty state to fold this trace into: its digest is the form this trace's
+        checkpoints carry (the whole state's before version 4)."""
+        return State(self.config, full_digest=self.version < INCREMENTAL_DIGEST_SINCE)
 
     def records(self) -> Iterator[tuple[int, Any]]:
         """Yield ``(line_number, record)`` for every record after the header."""

@@ -14,7 +14,6 @@ from typing import Any
 
 from kvflow.core.events import EVENT_TYPES
 from kvflow.core.state.invariants import check_invariants
-from kvflow.core.state.model import State
 from kvflow.log.format import Checkpoint
 from kvflow.log.reader import TraceReader
 from kvflow.replay.redecide import redecide as redecide_trace
@@ -37,7 +36,7 @@ def replay(
     checkpoint and at the end). ``on_event(line, event)`` observes each applied event.
     """
     with TraceReader(path) as reader:
-        result = ReplayResult(path=str(path), state=State(reader.config), redecided=redecide)
+        result = ReplayResult(path=str(path), state=reader.new_state(), redecided=redecide)
         if redecide:
             redecide_trace(reader, result, until, strict, on_event)
         else:

@@ -580,7 +580,7 @@ def test_F11_zero_cpu_blocks_means_offload_disabled() -> None:
     m.finish_request("r")
     assert m.log.events() == []
     assert not m.take_notices()
-    assert m.state.capacity == 0 and m.state.free_slots == []
+    assert m.state.capacity == 0 and list(m.state.free_slots) == []
 
 
 def test_F11_disabled_offload_accepts_the_engine_s_usual_calls() -> None:

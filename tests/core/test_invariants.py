@@ -28,15 +28,19 @@ def busy() -> OffloadManager:
 
 
 def dup_slot(m: OffloadManager) -> None:
-    m.state.free_slots.append(m.state.slot_of[1])
+    m.state.free_slots.freed[m.state.slot_of[1]] = None
 
 
 def lost_slot(m: OffloadManager) -> None:
-    m.state.free_slots.pop()
+    m.state.free_slots.fresh += 1  # the next never-used slot is neither free nor owned
 
 
 def wild_slot(m: OffloadManager) -> None:
-    m.state.free_slots[0] = 99
+    m.state.free_slots.freed[99] = None
+
+
+def never_handed_out(m: OffloadManager) -> None:
+    m.state.slot_of[1] = 7  # a slot the free stack still holds among the never-used ones
 
 
 def extra_pin(m: OffloadManager) -> None:
@@ -68,8 +72,17 @@ def job_state_index(m: OffloadManager) -> None:
     job.state = JobState.IN_FLIGHT  # but still in the queued index
 
 
+def entries_sum_astray(m: OffloadManager) -> None:
+    m.state.tally.entries += 1
+
+
+def free_sum_astray(m: OffloadManager) -> None:
+    m.state.free_slots.tally += 1
+
+
 def fence_stray(m: OffloadManager) -> None:
-    slot = m.state.free_slots.pop()
+    (slot,) = m.state.free_slots.top(1)
+    m.state.free_slots.take(1)
     m.state.fenced_slots[slot] = (4242,)
 
 
@@ -91,6 +104,7 @@ CASES: list[tuple[Callable[[OffloadManager], None], str]] = [
     (dup_slot, "owned twice"),
     (lost_slot, "!= capacity 8"),
     (wild_slot, "slot 99 outside 0..7"),
+    (never_handed_out, "slot 7 was never handed out (free from 5 up) but is block 1"),
     (extra_pin, "block 3 has 2 pins but requests hold 1"),
     (pin_off_tier, "pins on block 12345 which is not on the tier"),
     (pending_without_job, "block 1 (STORING) has no live store job"),
@@ -99,6 +113,8 @@ CASES: list[tuple[Callable[[OffloadManager], None], str]] = [
     (request_lists_dead_job, "request b lists job 999 which is not live"),
     (job_state_index, "queued index disagrees"),
     (fence_stray, "fenced for job 4242"),
+    (entries_sum_astray, "the digest's sum over the entries does not match"),
+    (free_sum_astray, "the digest's sum over the free slots does not match"),
 ]
 
 

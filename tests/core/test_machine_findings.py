@@ -110,7 +110,7 @@ def test_F15_a_load_reading_one_slot_twice_abandoned_by_a_reset_frees_it_once() 
     (slot, again) = state.jobs[2].slots
     assert slot == again and state.jobs[2].abandoned
     replay(machine, [report(2)])
-    assert slot in state.free_slots and state.free_slots.count(slot) == 1
+    assert slot in state.free_slots and list(state.free_slots).count(slot) == 1
 
 
 def test_F2_a_rank_repeating_its_success_while_another_copies_changes_nothing() -> None:

@@ -4,6 +4,7 @@ reset), each checked against the invariants and a fold of the log."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from kvflow.core.config import Config, config_from_dict
 from kvflow.core.errors import ConfigError
 from kvflow.core.events import EVENT_TYPES, RemoteLoadQueued, RemoteStoreQueued
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE
+from kvflow.core.policies.lru import LRUPolicy
 from kvflow.core.state.tables import BlockState
 from kvflow.engine.manager import OffloadManager
 from kvflow.log.reader import TraceReader
@@ -213,6 +215,53 @@ def test_ahead_of_eviction_copies_the_coldest_blocks_once_the_tier_runs_low() ->
     assert list(m.state.remote) == [1, 2]
     assert m.plan_step(1.0) == []  # the coldest are on the remote tier: nothing more to copy
     assert m.evict(2) == 2 and m.state.remote.keys() == {1, 2}  # evicted here, kept there
+    consistent(m)
+
+
+class CountingLRU(LRUPolicy):
+    """LRU that counts the blocks it is asked for."""
+
+    __slots__ = ()
+    asked: list[int] = []
+
+    def victims(self, num_blocks: int, pinned: Callable[[int], bool]) -> list[int] | None:
+        CountingLRU.asked.append(num_blocks)
+        return super().victims(num_blocks, pinned)
+
+
+def test_ahead_of_eviction_asks_the_policy_again_only_when_its_answer_may_differ() -> None:
+    """With the tier's coldest window on the remote tier, steps that change neither the policy's
+    order, the remote index nor the live copies (loads here) ask the policy nothing; a touch
+    (the order changed) or a failed copy (the block is lacking again) asks."""
+    CountingLRU.asked = []
+    m = remote_manager(
+        cpu_blocks=16, remote_store_mode="ahead_of_eviction", policy=f"{__name__}:CountingLRU", chain_recency=False
+    )
+    store(m, "a", list(range(1, 15)), list(range(100, 114)))
+    store(m, "b", [15], [200])  # 1 free slot: below the window (2)
+    (push,) = m.state.jobs.values()
+    assert push.hashes == (1, 2)
+    m.job_result(push.job_id)
+
+    def load(i: int) -> list:
+        assert m.lookup(f"r{i}", [5], tokens(1)) == 1
+        m.accept_hits(f"r{i}", [300 + i])
+        jobs = m.plan_step(float(i))
+        m.job_result(next(j.job_id for j in jobs if j.direction == "load"))
+        m.finish_request(f"r{i}")
+        return [j for j in jobs if j.direction == REMOTE_STORE]
+
+    assert load(0) == []  # asked: the remote index changed since
+    asked = len(CountingLRU.asked)
+    for i in range(1, 20):
+        assert load(i) == []
+    assert len(CountingLRU.asked) == asked  # the same order, index and copies: nothing asked
+    m.touch([1])  # 1 is warm now: 3 is among the coldest two, and the remote tier lacks it
+    (push,) = load(20)
+    assert push.hashes == (3,) and len(CountingLRU.asked) == asked + 1
+    m.job_result(push.job_id, ok=False, error="remote down")  # 3 is lacking again
+    (again,) = load(21)
+    assert again.hashes == (3,)
     consistent(m)
 
 

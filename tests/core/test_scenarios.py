@@ -121,7 +121,7 @@ def test_duplicate_store_of_resident_hashes_uses_no_slots() -> None:
     start = len(m.log.events())
     assert m.blocks_computed("x", [A, B], [5, 6]) is None
     # no slot, no job: only "x" becomes known (F18), with its chain
-    assert m.state.free_slots == free and [type(e).__name__ for e in new_events(m, start)] == ["ChainExtended"]
+    assert list(m.state.free_slots) == free and [type(e).__name__ for e in new_events(m, start)] == ["ChainExtended"]
     # a mixed call stores only the new hash
     job_id = m.blocks_computed("x", [A, B, C], [5, 6, 7])
     assert m.state.jobs[job_id].hashes == (C,)

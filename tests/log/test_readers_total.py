@@ -250,7 +250,7 @@ def header_with(tmp_path: Path, **config: Any) -> Path:
     return path
 
 
-@pytest.mark.parametrize("cpu_blocks", [2**62, 2**31, MAX_CPU_BLOCKS + 1])
+@pytest.mark.parametrize("cpu_blocks", [2**62, 2**33, MAX_CPU_BLOCKS + 1])
 def test_a_header_cpu_tier_beyond_the_maximum_is_refused(tmp_path: Path, cpu_blocks: int) -> None:
     path = header_with(tmp_path, cpu_blocks=cpu_blocks)
     error = trace_error(path)

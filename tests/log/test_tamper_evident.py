@@ -136,7 +136,7 @@ def test_removing_the_record_digests_does_not_pass_for_an_older_trace(tmp_path: 
 def test_a_version_downgraded_to_2_still_checks_the_digests_it_carries(tmp_path: Path) -> None:
     text = (TRACES / "clean.jsonl").read_text()
     path = tmp_path / "downgraded.jsonl"
-    path.write_text(text.replace('"version":3,', '"version":2,', 1))
+    path.write_text(text.replace(f'"version":{TRACE_VERSION},', '"version":2,', 1))
     result = replay(path)
     assert result.divergence is not None and result.divergence.kind == "records"
 

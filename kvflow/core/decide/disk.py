@@ -151,7 +151,7 @@ def decide_disk_restored(state: State, cmd: DiskRestored, emit: Emit) -> int:
     for s in slots:
         if not is_int(s) or not 0 <= s < capacity:
             raise Rejected(f"disk_restored: disk slot {s!r} is outside 0..{capacity - 1}")
-    free = set(disk.free)
+    free = disk.free
     new: dict[int, int] = {}
     taken: set[int] = set()
     for h, s in zip(hashes, slots):

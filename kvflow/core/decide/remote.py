@@ -92,16 +92,38 @@ def push_ahead_of_eviction(state: State, emit: Emit) -> None:
     """``remote_store_mode="ahead_of_eviction"``: once the CPU tier has fewer free slots than
     ``coldest_window``, its coldest resident blocks that the remote tier lacks (and no live
     remote store is copying) are copied there. Pinned by that job, they are not evicted until
-    it ends; eviction takes the next victim meanwhile."""
+    it ends; eviction takes the next victim meanwhile.
+
+    The policy is asked for the window again only when something it depends on changed since
+    a question that found nothing to copy (``pushes_settled``): an engine whose tier is full
+    and idle asks nothing at each step."""
     window = coldest_window(state)
     if not state.config.remote or len(state.free_slots) >= window:
+        return None
+    key = pushes_key(state)
+    if state.pushes_settled == key:
         return None
     coldest = checked_victims(state, min(window, state.num_resident()), {}) or []
     pushing = {h for job in state.jobs.values() if job.direction == REMOTE_STORE for h in job.hashes}
     todo = [h for h in coldest if h not in state.remote and h not in pushing]
     if todo:
         _remote_store(state, todo, emit)
+    else:
+        state.pushes_settled = key
     return None
+
+
+def pushes_key(state: State) -> tuple[bytes, bytes, tuple[int, ...]]:
+    """What ``push_ahead_of_eviction``'s answer depends on besides the free slots: the policy's
+    order and the remote index (their running digests: kvflow.core.state.digest) and the live
+    remote stores. While it is the same, the coldest window and what the remote tier lacks of
+    it are the same."""
+    tally = state.tally
+    return (
+        tally.order.digest(),
+        tally.remote.digest(),
+        tuple(jid for jid, job in state.jobs.items() if job.direction == REMOTE_STORE),
+    )
 
 
 def probe_candidates(state: State, window: Sequence[int]) -> list[int]:

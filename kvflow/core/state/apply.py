@@ -38,9 +38,10 @@ from kvflow.core.events import (
     event_name,
 )
 from kvflow.core.state import legality as lg
+from kvflow.core.state.digest import CLEAR
 from kvflow.core.state.job_events import JOB_EVOLVERS
 from kvflow.core.state.model import Request, State
-from kvflow.core.state.moves import ensure_request, entry_move, pin, unpin
+from kvflow.core.state.moves import ensure_request, entry_move, pin, touch, unpin
 from kvflow.core.state.tables import (
     ABSENT,
     BLOCK_TRANSITIONS,
@@ -90,10 +91,7 @@ def _touched(state: State, event: BlocksTouched, check: bool) -> None:
         lg.check_resident(state, event, "blocks_touched", hashes)
     if _TOUCH is not None:
         _TOUCH(state, hashes, None)
-    if event.reuse:
-        state.policy.touch_many(hashes)
-    else:
-        state.policy.refresh_many(hashes)
+    touch(state, hashes, event.reuse)
 
 
 def _corrupt(state: State, event: BlocksCorrupt, check: bool) -> None:
@@ -213,8 +211,9 @@ def _reset(state: State, event: Reset, check: bool) -> None:
             job.state = job_state
             for s in dict.fromkeys(job.slots):
                 fenced_slots[s] = fenced_slots.get(s, ()) + (jid,)
-    state.free_slots.extend(s for s in state.slot_of.values() if s not in fenced_slots)
+    state.free_slots.give_back(s for s in state.slot_of.values() if s not in fenced_slots)
     state.slot_of.clear()
+    state.tally.entries = 0
     state.departures += 1
     state._pending = None  # (every store's entries left: built empty when next read)
     state.pin_count.clear()
@@ -229,6 +228,7 @@ def _reset(state: State, event: Reset, check: bool) -> None:
     else:
         state.requests.clear()
     state.policy.clear()
+    state.tally.ordered(CLEAR, ())
 
 
 Evolver = Callable[[State, Any, bool], None]

@@ -9,6 +9,7 @@ only to name the offenders.
 from __future__ import annotations
 
 from kvflow.core.jobs import COPYING_DOWN, FILLING
+from kvflow.core.state.digest import pair_sum
 from kvflow.core.state.model import State, held_by, pending_of
 from kvflow.core.state.tables import IN_FLIGHT, LIVE_JOB_STATES, QUEUED
 
@@ -20,15 +21,29 @@ def check_invariants(state: State) -> list[str]:
     slot_of, pending, pin_count, jobs = state.slot_of, state.pending, state.pin_count, state.jobs
 
     # slots: free + entries + fenced is exactly 0..cap-1, each once (a fenced load's
-    # slot can be both fenced and still owned by its resident entry)
+    # slot can be both fenced and still owned by its resident entry). The never-used slots
+    # (from ``free_slots.fresh`` up) are free by construction: the rest, 0..fresh-1, are each
+    # given back, owned or fenced, once (checked without a walk over the never-used ones)
     fenced_slots = state.fenced_slots
-    used = list(state.free_slots)
+    free = state.free_slots
+    used = list(free.freed)
     used.extend(slot_of.values())
     if fenced_slots:
         entry_slots = set(slot_of.values())
         used.extend(s for s in fenced_slots if s not in entry_slots)
-    if not (len(used) == cap and len(set(used)) == cap and (not used or (min(used) >= 0 and max(used) < cap))):
+    n = free.fresh
+    if not (
+        0 <= n <= cap
+        and len(used) == n
+        and len(set(used)) == n
+        and (not used or (min(used) >= 0 and max(used) < n))
+    ):
         _slot_problems(state, problems)
+    # the digest's sums kept as the state changed are those of the entries and the free stack
+    if state.tally.entries != pair_sum(slot_of, slot_of.values()):
+        problems.append("the digest's sum over the entries does not match the entries")
+    if free.tally != pair_sum(range(len(free.freed)), free.freed):
+        problems.append("the digest's sum over the free slots does not match the free stack")
     for s, jids in fenced_slots.items():
         for jid in jids:
             job = jobs.get(jid)
@@ -117,19 +132,23 @@ def check_invariants(state: State) -> list[str]:
 
 def _slot_problems(state: State, problems: list[str]) -> None:
     """Name the slots that are out of range, owned twice or missing."""
-    cap = state.capacity
+    cap, fresh = state.capacity, state.free_slots.fresh
     owner: dict[int, str] = {}
     found = len(problems)
 
     def own(slot: int, who: str) -> None:
         if not 0 <= slot < cap:
             problems.append(f"slot {slot} outside 0..{cap - 1} ({who})")
+        elif slot >= fresh:
+            problems.append(f"slot {slot} was never handed out (free from {fresh} up) but is {who}")
         elif slot in owner:
             problems.append(f"slot {slot} owned twice: {owner[slot]} and {who}")
         else:
             owner[slot] = who
 
-    for s in state.free_slots:
+    if not 0 <= fresh <= cap:
+        problems.append(f"the never-used free slots start at {fresh}, outside 0..{cap}")
+    for s in state.free_slots.freed:
         own(s, "free")
     for h, slot in state.slot_of.items():
         own(slot, f"block {h}")
@@ -137,8 +156,8 @@ def _slot_problems(state: State, problems: list[str]) -> None:
     for s, jids in state.fenced_slots.items():
         if s not in entry_slots:
             own(s, f"fence of jobs {list(jids)}")
-    if len(owner) != cap and len(problems) == found:
-        problems.append(f"free + used + fenced = {len(owner)} != capacity {cap}")
+    if len(owner) != fresh and len(problems) == found:
+        problems.append(f"free + used + fenced = {len(owner) + cap - fresh} != capacity {cap}")
 
 
 def _entry_problems(state: State, pin_totals: dict[int, int], problems: list[str]) -> None:
@@ -173,7 +192,7 @@ def _disk_problems(state: State, problems: list[str]) -> None:
     disk = state.disk
     assert disk is not None
     capacity = state.config.disk_blocks
-    free, indexed, busy = disk.free, list(disk.slot_of.values()), disk.busy
+    free, indexed, busy = list(disk.free), list(disk.slot_of.values()), disk.busy
     if len(set(free)) != len(free) or not set(free).isdisjoint(indexed) or not set(free).isdisjoint(busy):
         problems.append("a free disk slot is also held")
     if len(set(indexed)) != len(indexed):

@@ -43,6 +43,7 @@ from kvflow.core.jobs import (
 )
 from kvflow.core.state import disk as disk_tier
 from kvflow.core.state import legality as lg
+from kvflow.core.state.digest import FORGET, REMEMBER
 from kvflow.core.state.model import Job, State
 from kvflow.core.state.moves import (
     WRITERS,
@@ -154,7 +155,7 @@ def _release_fenced_slots(state: State, job: Job) -> None:
         else:
             del fenced_slots[s]
             if slot_of.get(h) != s:
-                free.append(s)
+                free.give_back((s,))
 
 
 # --- one function per job event ------------------------------------------------------------
@@ -228,6 +229,7 @@ def _remote_store_queued(state: State, event: RemoteStoreQueued, check: bool) ->
 def remember_remote(state: State, hashes: tuple[int, ...]) -> None:
     """Add to the remote index (the most recent last); beyond its capacity the oldest go."""
     remote = state.remote
+    state.tally.indexed(REMEMBER, hashes)
     for h in hashes:
         remote.pop(h, None)
         remote[h] = None
@@ -287,8 +289,8 @@ def _disk_evicted(state: State, event: DiskEvicted, check: bool) -> None:
     disk = state.disk
     if disk is None:
         raise lg.illegal(state, event, "ABSENT", "no disk tier in this configuration")
-    slot_of = disk.slot_of
     if check:
+        slot_of = disk.slot_of
         if len(event.hashes) != len(event.disk_slots) or len(set(event.hashes)) != len(event.hashes):
             raise lg.illegal(state, event, "ABSENT", "hashes and disk slots must match, each named once")
         for h, s in zip(event.hashes, event.disk_slots):
@@ -296,28 +298,22 @@ def _disk_evicted(state: State, event: DiskEvicted, check: bool) -> None:
                 raise lg.illegal(state, event, "ABSENT", f"block {h} is not in disk slot {s}")
             if s in disk.busy:
                 raise lg.illegal(state, event, "ABSENT", f"disk slot {s} is in use by job {disk.busy[s]}")
-    for h, s in zip(event.hashes, event.disk_slots):
-        del slot_of[h]
-        disk.free.append(s)
+    disk_tier.evict(state, event.hashes, event.disk_slots)
 
 
 def _disk_indexed(state: State, event: DiskIndexed, check: bool) -> None:
     disk = state.disk
     if disk is None:
         raise lg.illegal(state, event, "ABSENT", "no disk tier in this configuration")
-    n = len(event.hashes)
-    free = dict.fromkeys(disk.free)
     if check:
+        n = len(event.hashes)
         if len(event.disk_slots) != n or len(set(event.hashes)) != n or len(set(event.disk_slots)) != n:
             raise lg.illegal(state, event, "ABSENT", "hashes and disk slots must match, each named once")
         if not disk.slot_of.keys().isdisjoint(event.hashes):
             raise lg.illegal(state, event, "ABSENT", "a block the disk index holds already")
-        if any(s not in free for s in event.disk_slots):
+        if any(s not in disk.free for s in event.disk_slots):
             raise lg.illegal(state, event, "ABSENT", "a disk slot that is not free")
-    for h, s in zip(event.hashes, event.disk_slots):
-        del free[s]
-        disk.slot_of[h] = s
-    disk.free[:] = free
+    disk_tier.index(state, event.hashes, event.disk_slots)
 
 
 def _check_submission(state: State, event: JobsSubmitted) -> None:
@@ -418,6 +414,7 @@ def _terminal(state: State, event: JobCompleted | JobFailed | JobTimedOut, check
             write(state, job.hashes, job)
         if direction == REMOTE_LOAD and not completed:
             # a dead key never loops lookup -> load -> fail: it leaves the remote index now
+            state.tally.indexed(FORGET, job.hashes)
             for h in job.hashes:
                 state.remote.pop(h, None)
         return

@@ -16,8 +16,9 @@ from kvflow.core.config import Config
 from kvflow.core.jobs import FILLING, Direction
 from kvflow.core.policies.base import Policy
 from kvflow.core.policies.registry import make_policy
-from kvflow.core.state.digest import canonical, digest
+from kvflow.core.state.digest import Tally, canonical, digest
 from kvflow.core.state.disk import DiskIndex
+from kvflow.core.state.slots import FreeSlots
 from kvflow.core.state.tables import (
     ABANDONED,
     ABSENT,
@@ -230,9 +231,12 @@ class State:
         "remote",
         "disk",
         "departures",
+        "tally",
+        "full_digest",
+        "pushes_settled",
     )
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, full_digest: bool = False) -> None:
         self.config = config
         self.next_seq = 1
         self.last_job_id = 0
@@ -242,9 +246,9 @@ class State:
         self.slot_of: dict[int, int] = {}
         self._pending: dict[int, int] | None = None  # (see ``pending``)
         self.pin_count: dict[int, int] = {}
-        # Free slots as a stack: allocation takes from the end, so a fresh tier hands out
+        # Free slots as a stack: allocation takes from its top, so a fresh tier hands out
         # 0, 1, 2... (contiguous host runs keep the executor's copies at full speed).
-        self.free_slots: list[int] = list(range(config.cpu_blocks - 1, -1, -1))
+        self.free_slots = FreeSlots(config.cpu_blocks)
         # slot -> fenced jobs whose copy may still use it (two fenced loads can read one
         # slot; a fenced load's slot may still belong to its resident entry)
         self.fenced_slots: dict[int, tuple[int, ...]] = {}
@@ -267,6 +271,13 @@ class State:
         # what was known on the tier at one count is there still while the count is the same
         # (see Request.chain_whole_at). Not part of the digest: it only spares a lookup
         self.departures = 0
+        # the digest's parts kept as the state changes (kvflow.core.state.digest); a state
+        # folded from a trace before version 4 digests the whole state instead (``full_digest``)
+        self.tally = Tally()
+        self.full_digest = full_digest
+        # what push_ahead_of_eviction last found nothing to copy at (kvflow.core.decide.remote:
+        # pushes_key). Not part of the digest: it only spares a question to the policy
+        self.pushes_settled: object = None
 
     # -- indexes of the live jobs ----------------------------------------------------------
     #
@@ -322,8 +333,7 @@ class State:
         """The slots the next ``n`` new entries take, in order: the top ``n`` of the free stack,
         the top first (a fresh tier hands out 0, 1, 2...: contiguous host runs). Fewer if
         fewer are free."""
-        free = self.free_slots
-        return tuple(reversed(free[len(free) - n :]))
+        return self.free_slots.top(n)
 
     @property
     def entries(self) -> EntriesView:
@@ -359,7 +369,7 @@ class State:
         clone.slot_of = dict(self.slot_of)
         clone._pending = None if self._pending is None else dict(self._pending)
         clone.pin_count = dict(self.pin_count)
-        clone.free_slots = list(self.free_slots)
+        clone.free_slots = self.free_slots.copy()
         clone.fenced_slots = dict(self.fenced_slots)
         clone.jobs = {}
         for jid, j in self.jobs.items():
@@ -386,6 +396,9 @@ class State:
         clone.remote = dict(self.remote)
         clone.disk = None if self.disk is None else self.disk.copy()
         clone.departures = self.departures
+        clone.tally = self.tally.copy()
+        clone.full_digest = self.full_digest
+        clone.pushes_settled = self.pushes_settled
         return clone
 
     # -- determinism ---------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvflow.core.state.digest import INSERT, REFRESH, REMOVE, TOUCH, pair_sum
 from kvflow.core.state.model import Job, Request, State
 from kvflow.core.state.tables import (
     ABSENT,
@@ -18,15 +19,16 @@ from kvflow.core.state.tables import (
 
 # --- entry moves: the one writer for each (from, to) pair of BLOCK_TRANSITIONS ----------
 # The entries are stored column-wise (slot_of, pending, pin_count; the policy orders the
-# RESIDENT ones), so a move is a few dict operations per hash.
+# RESIDENT ones), so a move is a few dict operations per hash. Each keeps its part of the
+# digest as it goes (State.tally: kvflow.core.state.digest).
 
 
 def _admit(state: State, hashes: tuple[int, ...], job: Job) -> None:
     """ABSENT -> STORE_QUEUED: the store job's slots are taken (``State.next_slots``: the
     top of the free stack), its hashes pending on it."""
-    free = state.free_slots
-    del free[len(free) - len(job.slots) :]
+    state.free_slots.take(len(job.slots))
     state.slot_of.update(zip(hashes, job.slots))
+    state.tally.entries += pair_sum(hashes, job.slots)
     pending = state._pending
     if pending is not None:
         if len(state.jobs) == 1:  # the only live job: no index is kept (see State.pending)
@@ -43,17 +45,23 @@ def _publish(state: State, hashes: tuple[int, ...], job: Job) -> None:
     F14: a touch that named these entries while they were being stored is applied now, so
     a chain's order is the engine's touch whatever order its stores land in."""
     state.policy.insert_many(hashes)  # (first: a policy that raises leaves the entries as they were)
+    state.tally.ordered(INSERT, hashes)
     _unpend(state._pending, hashes)
     if state.deferred_touches:
         deferred = state.deferred_touches.pop(job.job_id, None)
         if deferred is not None:
             touched, reuse = deferred
             slot_of, pending = state.slot_of, state.pending
-            resident = tuple(h for h in touched if h in slot_of and h not in pending)
-            if reuse:
-                state.policy.touch_many(resident)
-            else:
-                state.policy.refresh_many(resident)
+            touch(state, tuple(h for h in touched if h in slot_of and h not in pending), reuse)
+
+
+def touch(state: State, hashes: tuple[int, ...], reuse: bool) -> None:
+    """The policy orders resident ``hashes`` as used again (``reuse``) or only reordered."""
+    if reuse:
+        state.policy.touch_many(hashes)
+    else:
+        state.policy.refresh_many(hashes)
+    state.tally.ordered(TOUCH if reuse else REFRESH, hashes)
 
 
 def _unpend(pending: dict[int, int] | None, hashes: tuple[int, ...]) -> None:
@@ -68,12 +76,14 @@ def _free(state: State, hashes: tuple[int, ...]) -> None:
     """The entries leave their slots; a slot a fenced copy may still use stays out of the
     free list until that fence is lifted (F15)."""
     state.departures += 1
-    slots = map(state.slot_of.pop, reversed(hashes))
+    gone = hashes[::-1]
+    slots = list(map(state.slot_of.pop, gone))
+    state.tally.entries -= pair_sum(gone, slots)
     fenced_slots = state.fenced_slots
     if fenced_slots:
-        state.free_slots.extend([s for s in slots if s not in fenced_slots])
+        state.free_slots.give_back([s for s in slots if s not in fenced_slots])
     else:
-        state.free_slots.extend(slots)
+        state.free_slots.give_back(slots)
 
 
 def _drop_pending(state: State, hashes: tuple[int, ...], job: Job) -> None:
@@ -88,6 +98,7 @@ def _drop_pending(state: State, hashes: tuple[int, ...], job: Job) -> None:
 def _evict(state: State, hashes: tuple[int, ...], job: Job | None) -> None:
     """RESIDENT -> ABSENT: the slots are free again; the policy forgets (or ghosts) them."""
     state.policy.remove_many(hashes)  # (first: a policy that raises leaves the entries as they were)
+    state.tally.ordered(REMOVE, hashes)
     _free(state, hashes)
     if state.bad:
         for h in hashes:

@@ -16,9 +16,8 @@ from collections.abc import Sequence
 
 from kvflow.core.commands import DiskRestored
 from kvflow.core.decide.checks import Emit
-from kvflow.core.decide.remote import coldest_window
+from kvflow.core.decide.remote import coldest_lacking, coldest_window, pushes_key
 from kvflow.core.decide.store import _admission, eviction
-from kvflow.core.decide.victims import checked_victims
 from kvflow.core.errors import Rejected
 from kvflow.core.events import DiskEvicted, DiskIndexed, DiskLoadQueued, DiskStoreQueued
 from kvflow.core.jobs import DISK_STORE
@@ -133,9 +132,14 @@ def spill_ahead_of_eviction(state: State, emit: Emit) -> None:
     window = coldest_window(state)
     if len(state.free_slots) >= window:
         return
-    coldest = checked_victims(state, min(window, state.num_resident()), {}) or []
-    if coldest:
-        disk_store(state, coldest, emit)
+    key = pushes_key(state, DISK_STORE, state.tally.disk.digest())
+    if state.pushes_settled.get(DISK_STORE) == key:
+        return
+    todo = coldest_lacking(state, window, state.disk.slot_of, DISK_STORE)
+    if todo:
+        disk_store(state, todo, emit)
+    else:
+        state.pushes_settled[DISK_STORE] = key
 
 
 def decide_disk_restored(state: State, cmd: DiskRestored, emit: Emit) -> int:

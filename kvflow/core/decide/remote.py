@@ -14,7 +14,7 @@ drops its hashes from the index at once, so a dead key is tried once, not in a l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvflow.core.commands import RemoteFound
 from kvflow.core.decide.checks import Emit
@@ -100,29 +100,35 @@ def push_ahead_of_eviction(state: State, emit: Emit) -> None:
     window = coldest_window(state)
     if not state.config.remote or len(state.free_slots) >= window:
         return None
-    key = pushes_key(state)
-    if state.pushes_settled == key:
+    key = pushes_key(state, REMOTE_STORE, state.tally.remote.digest())
+    if state.pushes_settled.get(REMOTE_STORE) == key:
         return None
-    coldest = checked_victims(state, min(window, state.num_resident()), {}) or []
-    pushing = {h for job in state.jobs.values() if job.direction == REMOTE_STORE for h in job.hashes}
-    todo = [h for h in coldest if h not in state.remote and h not in pushing]
+    todo = coldest_lacking(state, window, state.remote, REMOTE_STORE)
     if todo:
         _remote_store(state, todo, emit)
     else:
-        state.pushes_settled = key
+        state.pushes_settled[REMOTE_STORE] = key
     return None
 
 
-def pushes_key(state: State) -> tuple[bytes, bytes, tuple[int, ...]]:
-    """What ``push_ahead_of_eviction``'s answer depends on besides the free slots: the policy's
-    order and the remote index (their running digests: kvflow.core.state.digest) and the live
-    remote stores. While it is the same, the coldest window and what the remote tier lacks of
-    it are the same."""
-    tally = state.tally
+def coldest_lacking(state: State, window: int, lower: Collection[int], direction: str) -> list[int]:
+    """The CPU tier's ``window`` coldest resident blocks that a lower tier (its index
+    ``lower``) lacks and no live job of ``direction`` is copying there, coldest first."""
+    coldest = checked_victims(state, min(window, state.num_resident()), {}) or []
+    copying = {h for job in state.jobs.values() if job.direction == direction for h in job.hashes}
+    return [h for h in coldest if h not in lower and h not in copying]
+
+
+def pushes_key(state: State, direction: str, lower: bytes) -> tuple[bytes, bytes, tuple[int, ...]]:
+    """What a copy ahead of eviction decides from besides the free slots: the policy's order
+    and the lower tier's index (their running digests: kvflow.core.state.digest) and the live
+    copies of ``direction``. While it is the same, the coldest window and what the lower tier
+    lacks of it are the same, so a question that found nothing to copy need not be asked
+    again (``State.pushes_settled``)."""
     return (
-        tally.order.digest(),
-        tally.remote.digest(),
-        tuple(jid for jid, job in state.jobs.items() if job.direction == REMOTE_STORE),
+        state.tally.order.digest(),
+        lower,
+        tuple(jid for jid, job in state.jobs.items() if job.direction == direction),
     )
 
 

@@ -275,9 +275,10 @@ class State:
         # folded from a trace before version 4 digests the whole state instead (``full_digest``)
         self.tally = Tally()
         self.full_digest = full_digest
-        # what push_ahead_of_eviction last found nothing to copy at (kvflow.core.decide.remote:
-        # pushes_key). Not part of the digest: it only spares a question to the policy
-        self.pushes_settled: object = None
+        # by direction (remote_store, disk_store): what a copy ahead of eviction last found
+        # nothing to copy at (kvflow.core.decide.remote: pushes_key). Not part of the digest:
+        # it only spares a question to the policy
+        self.pushes_settled: dict[str, object] = {}
 
     # -- indexes of the live jobs ----------------------------------------------------------
     #
@@ -398,7 +399,7 @@ class State:
         clone.departures = self.departures
         clone.tally = self.tally.copy()
         clone.full_digest = self.full_digest
-        clone.pushes_settled = self.pushes_settled
+        clone.pushes_settled = dict(self.pushes_settled)
         return clone
 
     # -- determinism ---------------------------------------------------------------------

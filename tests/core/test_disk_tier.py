@@ -104,7 +104,7 @@ def test_a_full_disk_evicts_its_least_recently_used_entries_never_one_in_use() -
     consistent(m)
 
 
-def test_a_failed_disk_load_drops_its_blocks_from_the_index_and_never_loops() -> None:
+def test_F20_a_failed_disk_load_drops_its_blocks_from_the_index_and_never_loops() -> None:
     m = disk_manager(cpu_blocks=2)
     store(m, "a", [1, 2], [10, 11])
     finish_jobs(m)
@@ -154,7 +154,7 @@ def test_a_reset_keeps_the_disk_index_and_fences_its_copies() -> None:
     consistent(m)
 
 
-def test_a_warm_restart_indexes_what_the_journal_vouches_for() -> None:
+def test_F22_a_warm_restart_indexes_what_the_journal_vouches_for() -> None:
     m = disk_manager()
     assert m.disk_restored([(3, 100), (5, 101), (5, 102), (6, 100)]) == 2  # a slot or block once
     disk = m.state.disk

@@ -67,7 +67,7 @@ def test_lookup_miss_loads_from_the_remote_tier_then_hits() -> None:
     consistent(m)
 
 
-def test_a_dead_key_is_tried_once_never_in_a_loop() -> None:
+def test_F20_a_dead_key_is_tried_once_never_in_a_loop() -> None:
     m = remote_manager()
     m.remote_found([5, 6])
     m.lookup("r", [5, 6], tokens(2))

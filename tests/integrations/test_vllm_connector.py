@@ -327,7 +327,7 @@ if __name__ == "__main__":
 """
 
 
-def test_a_second_vllm_process_loads_the_first_ones_prefixes_from_the_disk_tier(
+def test_F22_a_second_vllm_process_loads_the_first_ones_prefixes_from_the_disk_tier(
     model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]], tmp_path: Path
 ) -> None:
     """Two vLLM processes, one after the other, sharing a disk tier's directory: the first

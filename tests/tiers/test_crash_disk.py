@@ -21,7 +21,7 @@ import crash_disk  # noqa: E402
 from kvflow.tiers.disk_file import DiskEntryFile  # noqa: E402
 
 
-def test_a_killed_writer_never_leaves_a_wrong_entry(tmp_path: Path) -> None:
+def test_F22_a_killed_writer_never_leaves_a_wrong_entry(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "crash_disk.py"), "--kills", "4", "--dir", str(tmp_path / "tier"),
          "--seed", "7", "--max-delay-ms", "150"],

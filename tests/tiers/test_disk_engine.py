@@ -106,7 +106,7 @@ def test_blocks_evicted_from_the_cpu_tier_come_back_from_disk_byte_for_byte(tmp_
         engine.close()
 
 
-def test_a_second_engine_on_the_same_directory_serves_the_first_ones_blocks(tmp_path: Path) -> None:
+def test_F22_a_second_engine_on_the_same_directory_serves_the_first_ones_blocks(tmp_path: Path) -> None:
     first, first_kv = instance(tmp_path / "disk", seed=1)
     compute(first, "a", FIRST, (0, 1, 2, 3))
     first.close()
@@ -146,7 +146,7 @@ time.sleep(60)
 """
 
 
-def test_a_warm_restart_after_sigkill(tmp_path: Path) -> None:
+def test_F22_a_warm_restart_after_sigkill(tmp_path: Path) -> None:
     """The writer is killed without closing anything: what it reported stored is served by the
     next engine, byte for byte."""
     script = tmp_path / "writer.py"
@@ -168,7 +168,7 @@ def test_a_warm_restart_after_sigkill(tmp_path: Path) -> None:
         second.close()
 
 
-def test_a_damaged_entry_is_a_miss_dropped_once_and_the_request_computes(tmp_path: Path) -> None:
+def test_F20_a_damaged_entry_is_a_miss_dropped_once_and_the_request_computes(tmp_path: Path) -> None:
     first, _ = instance(tmp_path / "disk", seed=1)
     compute(first, "a", FIRST, (0, 1, 2, 3))
     first.close()

@@ -187,7 +187,7 @@ FIELDS = [
 
 
 @pytest.mark.parametrize("offset, reason", FIELDS)
-def test_a_flipped_byte_in_any_field_is_a_miss(tmp_path: Path, offset: int, reason: str) -> None:
+def test_F20_a_flipped_byte_in_any_field_is_a_miss(tmp_path: Path, offset: int, reason: str) -> None:
     with DiskEntryFile(tmp_path / "tier", layout=ODD, slots=4) as tier:
         assert tier.store([(2, 77, src(77, ODD)), (3, 78, src(78, ODD))]) == [None, None]
         where = 2 * tier.slot_bytes + offset
@@ -204,7 +204,7 @@ def test_a_flipped_byte_in_any_field_is_a_miss(tmp_path: Path, offset: int, reas
         assert tier.degraded() is None  # one bad entry is a miss, not a failing file system
 
 
-def test_a_slot_written_halfway_is_a_miss_not_old_or_new_data(tmp_path: Path, layout: Layout) -> None:
+def test_F20_a_slot_written_halfway_is_a_miss_not_old_or_new_data(tmp_path: Path, layout: Layout) -> None:
     with DiskEntryFile(tmp_path / "tier", layout=layout, slots=2) as tier:
         assert tier.store([(0, 1, src(1, layout))]) == [None]
         new = bytearray(tier.slot_bytes)
@@ -225,7 +225,7 @@ def test_a_slot_written_halfway_is_a_miss_not_old_or_new_data(tmp_path: Path, la
 # -- the journal --------------------------------------------------------------------------
 
 
-def test_the_journal_brings_back_the_last_word_on_each_slot(tmp_path: Path, layout: Layout) -> None:
+def test_F22_the_journal_brings_back_the_last_word_on_each_slot(tmp_path: Path, layout: Layout) -> None:
     tier = DiskEntryFile(tmp_path / "tier", layout=layout, slots=8)
     assert tier.store([(s, 100 + s, src(100 + s, layout)) for s in range(6)]) == [None] * 6
     tier.forget([1, 4])
@@ -242,7 +242,7 @@ def test_the_journal_brings_back_the_last_word_on_each_slot(tmp_path: Path, layo
     again.close()
 
 
-def test_a_torn_journal_tail_is_ignored_and_cut(tmp_path: Path) -> None:
+def test_F22_a_torn_journal_tail_is_ignored_and_cut(tmp_path: Path) -> None:
     tier = DiskEntryFile(tmp_path / "tier", layout=ODD, slots=8)
     assert tier.store([(0, 10, src(10, ODD)), (1, 11, src(11, ODD))]) == [None, None]
     tier.close()
@@ -268,7 +268,7 @@ def test_a_torn_journal_tail_is_ignored_and_cut(tmp_path: Path) -> None:
         assert again.recovered == [(0, 10), (1, 11)]
 
 
-def test_data_without_its_record_is_not_recovered(tmp_path: Path) -> None:
+def test_F22_data_without_its_record_is_not_recovered(tmp_path: Path) -> None:
     """The writer dies (SIGKILL) after the batch's data is durable, before its records."""
     script = textwrap.dedent(f"""
         import os, shutil, signal, sys
@@ -398,7 +398,7 @@ def test_a_file_system_refusing_o_direct_falls_back_to_buffered(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("how", ["truncate", "delete", "replace"])
-def test_a_data_file_cut_or_deleted_underneath_degrades_the_tier(tmp_path: Path, layout: Layout, how: str) -> None:
+def test_F20_a_data_file_cut_or_deleted_underneath_degrades_the_tier(tmp_path: Path, layout: Layout, how: str) -> None:
     with DiskEntryFile(tmp_path / "tier", layout=layout, slots=8) as tier:
         assert tier.store([(s, s + 1, src(s + 1, layout)) for s in range(4)]) == [None] * 4
         data = tmp_path / "tier" / DATA
@@ -436,7 +436,7 @@ def test_a_cut_between_the_check_and_the_read_is_a_short_read(tmp_path: Path, mo
 # -- I/O errors and short reads at the OS calls -------------------------------------------
 
 
-def test_eio_and_short_reads_are_misses(tmp_path: Path, layout: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_F20_eio_and_short_reads_are_misses(tmp_path: Path, layout: Layout, monkeypatch: pytest.MonkeyPatch) -> None:
     with DiskEntryFile(tmp_path / "tier", layout=layout, slots=8) as tier:
         assert tier.store([(s, s, src(s, layout)) for s in range(3)]) == [None] * 3
         real = os.preadv

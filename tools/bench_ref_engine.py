@@ -94,7 +94,7 @@ def main() -> int:
             same = all(torch.equal(a, t.index_select(0, loaded)) for a, t in zip(snapshot, kv.tensors()))
             del snapshot
             on.forget_device_cache()
-            kvflow.engine.manager.evict(len(kvflow.engine.manager.state.policy))  # next round recomputes again
+            kvflow.manager.evict(len(kvflow.manager.state.policy))  # next round recomputes again
             if rep == 0:
                 continue
             ttft["recomputed"].append(st1.ttft_s)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The one command used on the GPU machine (see docs/executor.md):
-#   bash tools/device_run.sh [all|tests|bench|churn|ref|ranks]
+#   bash tools/device_run.sh [all|tests|bench|churn|ref|ranks|disk]
 # Run from the repository root. Logs and results go under $OUT (default /tmp/kvflow-out).
 # msgspec and structlog are not in the GPU image: carry `.whl` (cp312 / pure wheels: msgspec,
 # structlog, anyio, sniffio, pytest-asyncio for the async engine tests; glassllm for the
-# token-exact reference-engine test) and they are installed. `churn` needs the patterns that
+# token-exact reference-engine test; xxhash for the disk tier) and they are installed. `churn` needs the patterns that
 # `tools/bench_churn.py extract` wrote, at $CHURN (default .data/churn.npz).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvflow-out}
@@ -14,12 +14,12 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 
-if ! $PY -c "import msgspec, structlog, anyio" 2>/dev/null; then
+if ! $PY -c "import msgspec, structlog, anyio, xxhash" 2>/dev/null; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
   else
-    echo "msgspec/structlog/anyio missing and no .whl folder carried" >&2; exit 1
+    echo "msgspec/structlog/anyio/xxhash missing and no .whl folder carried" >&2; exit 1
   fi
 fi
 
@@ -60,6 +60,14 @@ ref() {
   $PY tools/bench_ref_engine.py --out "$OUT/ref_engine_results.txt" 2>&1 | tee "$OUT/ref.log"
 }
 
+disk() {
+  # the disk tier on the machine's local disk: its tests, then a 16k-token prefix disk -> GPU
+  $PY -m pytest -q -p no:cacheprovider tests/tiers/test_disk_file.py tests/tiers/test_disk_engine.py \
+    tests/core/test_disk_tier.py -rs 2>&1 | tee "$OUT/disk_tests.log"
+  rm -rf "${DISK_DIR:-/tmp/kvflow-disk}"
+  $PY tools/bench_disk_gpu.py --dir "${DISK_DIR:-/tmp/kvflow-disk}" --out "$OUT/disk_gpu_results.txt" 2>&1 | tee "$OUT/disk_gpu.log"
+}
+
 rc=0
 case "$MODE" in
   all) probe; tests || rc=$?; bench || rc=$?; churn || rc=$?; ref || rc=$? ;;
@@ -67,7 +75,8 @@ case "$MODE" in
   bench) bench || rc=$? ;;
   churn) churn || rc=$? ;;
   ref) ref || rc=$? ;;
+  disk) probe; disk || rc=$? ;;
   ranks) probe; $PY -m pytest -q -p no:cacheprovider tests/executors/test_ranks.py -rs 2>&1 | tee "$OUT/ranks.log" || rc=$? ;;
-  *) echo "usage: $0 [all|tests|bench|churn|ref|ranks]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tests|bench|churn|ref|ranks|disk]" >&2; exit 2 ;;
 esac
 exit $rc

@@ -285,7 +285,7 @@ def test_F22_data_without_its_record_is_not_recovered(tmp_path: Path) -> None:
         os.fdatasync = then_die
         tier.store([(1, 11, src(11, ODD)), (0, 12, src(12, ODD))])
     """)
-    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True)
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))), capture_output=True)
     assert done.returncode == -signal.SIGKILL, done.stderr
     with DiskEntryFile(tmp_path / "tier", layout=ODD, slots=8) as again:
         # slot 1's data is whole but nothing vouches for it; slot 0 lost its record before
@@ -557,7 +557,7 @@ def test_a_file_size_limit_fails_the_journal_not_the_process(tmp_path: Path) -> 
         print(results[-1]); print(tier.degraded()); print(load_one(tier, (i - 1) % 4, i - 1)[0])
         tier.close()
     """)
-    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [

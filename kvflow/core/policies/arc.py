@@ -31,11 +31,11 @@ from collections.abc import Callable
 from itertools import filterfalse, islice
 
 from kvflow.core.errors import ConfigError
-from kvflow.core.policies.base import AlreadyResident, Policy
+from kvflow.core.policies.base import AlreadyResident, RunPolicy
 from kvflow.core.values import is_int
 
 
-class ARCPolicy(Policy):
+class ARCPolicy(RunPolicy):
     """ARC ordering plus ghost lists; see the module docstring for how it maps onto the state."""
 
     __slots__ = ("_b1", "_b2", "_p", "_t1", "_t2", "capacity")
@@ -59,55 +59,9 @@ class ARCPolicy(Policy):
         """The adaptive target size of ``T1``, in ``[0, capacity]``."""
         return self._p
 
-    # Each rule is written once, over a run of hashes: the state calls the bulk forms, one
-    # call per event, and a single-block method is its run of one (docs/performance.md,
-    # "Policies"). A run stops at the first hash it cannot take, raising ``KeyError(hash)`` or
-    # ``AlreadyResident(hash)``, which the bulk forms turn into a PolicyError naming it.
-
-    def insert(self, block_hash: int) -> None:
-        """A ghost hit adapts ``p`` and goes to ``T2`` (it was wanted again after eviction);
-        a first sighting goes to ``T1``. ``ValueError`` if already resident: the state and
-        the policy disagree."""
-        self._insert((block_hash,))
-
-    def touch(self, block_hash: int) -> None:
-        """The most recent of ``T2``. ``KeyError`` if not resident."""
-        self._touch((block_hash,))
-
-    def refresh(self, block_hash: int) -> None:
-        """The most recent of its own list (T1 stays T1). ``KeyError`` if not resident."""
-        self._refresh((block_hash,))
-
-    def remove(self, block_hash: int) -> None:
-        """Remembered in ``B1`` or ``B2``, so a quick return adapts ``p``. ``KeyError`` if
-        not resident."""
-        self._remove((block_hash,))
-
-    def insert_many(self, hashes: tuple[int, ...]) -> None:
-        try:
-            self._insert(hashes)
-        except AlreadyResident as exc:
-            raise self._failed("insert", exc.args[0], exc) from exc
-
-    def touch_many(self, hashes: tuple[int, ...]) -> None:
-        try:
-            self._touch(hashes)
-        except KeyError as exc:
-            raise self._failed("touch", exc.args[0], exc) from exc
-
-    def refresh_many(self, hashes: tuple[int, ...]) -> None:
-        try:
-            self._refresh(hashes)
-        except KeyError as exc:
-            raise self._failed("refresh", exc.args[0], exc) from exc
-
-    def remove_many(self, hashes: tuple[int, ...]) -> None:
-        try:
-            self._remove(hashes)
-        except KeyError as exc:
-            raise self._failed("remove", exc.args[0], exc) from exc
-
     def _insert(self, hashes: tuple[int, ...]) -> None:
+        """A ghost hit adapts ``p`` and goes to ``T2`` (it was wanted again after eviction);
+        a first sighting goes to ``T1``."""
         t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
         # First sightings trim the ghosts once per run rather than once each: the same oldest
         # ghosts go either way (no ghost is added meanwhile), but a trim still owed must happen
@@ -135,6 +89,7 @@ class ARCPolicy(Policy):
             self._trim_ghosts()
 
     def _touch(self, hashes: tuple[int, ...]) -> None:
+        """The most recent of ``T2``."""
         t1, t2 = self._t1, self._t2
         for block_hash in hashes:
             if block_hash in t1:
@@ -144,6 +99,7 @@ class ARCPolicy(Policy):
                 t2.move_to_end(block_hash)
 
     def _refresh(self, hashes: tuple[int, ...]) -> None:
+        """The most recent of its own list (T1 stays T1)."""
         t1, t2 = self._t1, self._t2
         for block_hash in hashes:
             if block_hash in t1:
@@ -152,6 +108,7 @@ class ARCPolicy(Policy):
                 t2.move_to_end(block_hash)
 
     def _remove(self, hashes: tuple[int, ...]) -> None:
+        """Remembered in ``B1`` or ``B2``, so a quick return adapts ``p``."""
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
         for block_hash in hashes:
             if block_hash in t1:

@@ -10,8 +10,9 @@ those, and checks every ``victims`` answer before acting on it (``PolicyError`` 
 A policy must be deterministic (no clock, no randomness, no iteration of a set), or a trace
 would not re-decide the same. The bulk forms the state calls, one call per event, apply the
 single-block method to each hash in order; they are written once, here. The built-in policies
-write their own, each rule once over a run of hashes (docs/performance.md, "Policies"); a
-subclass that redefines a single-block method gets this loop for its bulk form again.
+are ``RunPolicy``s, each rule written once over a run of hashes (docs/performance.md,
+"Policies"); a subclass that redefines a single-block method gets this loop for its bulk form
+again.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from kvflow.core.errors import PolicyError, one_line
+
+_BULK_FORMS = {"insert": "insert_many", "touch": "touch_many", "refresh": "refresh_many", "remove": "remove_many"}
+"""Each single-block method the state calls and its bulk form."""
 
 
 class Policy(ABC):
@@ -127,6 +131,64 @@ class Policy(ABC):
         return PolicyError(f"policy {policy_name(self)!r}: {method}({block_hash}) raised {one_line(exc)}")
 
 
+class RunPolicy(Policy):
+    """A policy whose rules are each written once, over a run of hashes (the built-in ones):
+    it implements ``_insert``, ``_touch``, ``_refresh`` and ``_remove`` of a tuple of hashes,
+    each stopping at the first hash it cannot take with ``KeyError(hash)`` or
+    ``AlreadyResident(hash)``. The state calls the bulk forms, one call per event (a run), and
+    a single-block method is its run of one (docs/performance.md, "Policies")."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def _insert(self, hashes: tuple[int, ...]) -> None: ...
+
+    @abstractmethod
+    def _touch(self, hashes: tuple[int, ...]) -> None: ...
+
+    @abstractmethod
+    def _refresh(self, hashes: tuple[int, ...]) -> None: ...
+
+    @abstractmethod
+    def _remove(self, hashes: tuple[int, ...]) -> None: ...
+
+    def insert(self, block_hash: int) -> None:
+        self._insert((block_hash,))
+
+    def touch(self, block_hash: int) -> None:
+        self._touch((block_hash,))
+
+    def refresh(self, block_hash: int) -> None:
+        self._refresh((block_hash,))
+
+    def remove(self, block_hash: int) -> None:
+        self._remove((block_hash,))
+
+    def insert_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._insert(hashes)
+        except AlreadyResident as exc:
+            raise self._failed("insert", exc.args[0], exc) from exc
+
+    def touch_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._touch(hashes)
+        except KeyError as exc:
+            raise self._failed("touch", exc.args[0], exc) from exc
+
+    def refresh_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._refresh(hashes)
+        except KeyError as exc:
+            raise self._failed("refresh", exc.args[0], exc) from exc
+
+    def remove_many(self, hashes: tuple[int, ...]) -> None:
+        try:
+            self._remove(hashes)
+        except KeyError as exc:
+            raise self._failed("remove", exc.args[0], exc) from exc
+
+
 class AlreadyResident(ValueError):
     """An insert of a block the policy holds already (``args[0]``, its hash): the state and the
     policy disagree, and keeping the old place would corrupt the order."""
@@ -135,8 +197,6 @@ class AlreadyResident(ValueError):
         return f"block hash {self.args[0]} is already resident"
 
 
-_BULK_FORMS = {"insert": "insert_many", "touch": "touch_many", "refresh": "refresh_many", "remove": "remove_many"}
-"""Each single-block method the state calls and its bulk form."""
 
 
 def policy_name(policy: object) -> str:

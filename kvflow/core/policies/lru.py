@@ -11,10 +11,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from itertools import filterfalse, islice
 
-from kvflow.core.policies.base import AlreadyResident, Policy
+from kvflow.core.policies.base import AlreadyResident, RunPolicy
 
 
-class LRUPolicy(Policy):
+class LRUPolicy(RunPolicy):
     """Evicts the least recently inserted-or-touched resident block first.
 
     The chain rule (F14) is the caller's part: touching a chain deepest first leaves its head
@@ -29,52 +29,9 @@ class LRUPolicy(Policy):
         """LRU keeps nothing beyond the residents, so it does not need ``capacity``."""
         self._order: OrderedDict[int, None] = OrderedDict()  # the keys, coldest first
 
-    # Each rule is written once, over a run of hashes: the state calls the bulk forms, one
-    # call per event, and a single-block method is its run of one (docs/performance.md,
-    # "Policies"). A run that meets a hash it cannot take raises ``KeyError(hash)`` or
-    # ``AlreadyResident(hash)``, which the bulk forms turn into a PolicyError naming it.
-
-    def insert(self, block_hash: int) -> None:
-        """The most recent. ``ValueError`` if already resident."""
-        self._insert((block_hash,))
-
-    def touch(self, block_hash: int) -> None:
-        """The most recent. ``KeyError`` if not resident."""
-        self._move_to_end((block_hash,))
-
-    # LRU has no notion of frequency: a reorder is a touch
-    refresh = touch
-
-    def remove(self, block_hash: int) -> None:
-        """``KeyError`` if not resident."""
-        self._remove((block_hash,))
-
-    def insert_many(self, hashes: tuple[int, ...]) -> None:
-        try:
-            self._insert(hashes)
-        except AlreadyResident as exc:
-            raise self._failed("insert", exc.args[0], exc) from exc
-
-    def touch_many(self, hashes: tuple[int, ...]) -> None:
-        try:
-            self._move_to_end(hashes)
-        except KeyError as exc:
-            raise self._failed("touch", exc.args[0], exc) from exc
-
-    def refresh_many(self, hashes: tuple[int, ...]) -> None:
-        try:
-            self._move_to_end(hashes)
-        except KeyError as exc:
-            raise self._failed("refresh", exc.args[0], exc) from exc
-
-    def remove_many(self, hashes: tuple[int, ...]) -> None:
-        try:
-            self._remove(hashes)
-        except KeyError as exc:
-            raise self._failed("remove", exc.args[0], exc) from exc
-
     def _insert(self, hashes: tuple[int, ...]) -> None:
-        """All or nothing: a hash resident already, or named twice, changes nothing."""
+        """The most recent, in order. All or nothing: a hash resident already, or named
+        twice, changes nothing."""
         order = self._order
         before = len(order)
         for block_hash in hashes:
@@ -88,10 +45,14 @@ class LRUPolicy(Policy):
                     raise AlreadyResident(block_hash)
                 seen.add(block_hash)
 
-    def _move_to_end(self, hashes: tuple[int, ...]) -> None:
+    def _touch(self, hashes: tuple[int, ...]) -> None:
+        """The most recent, in order."""
         move_to_end = self._order.move_to_end
         for block_hash in hashes:
             move_to_end(block_hash)
+
+    # LRU has no notion of frequency: a reorder is a touch
+    _refresh = _touch
 
     def _remove(self, hashes: tuple[int, ...]) -> None:
         order = self._order

@@ -16,8 +16,7 @@ from collections.abc import Sequence
 
 from kvflow.core.commands import DiskRestored
 from kvflow.core.decide.checks import Emit
-from kvflow.core.decide.remote import coldest_lacking, coldest_window, pushes_key
-from kvflow.core.decide.store import _admission, eviction
+from kvflow.core.decide.remote import coldest_lacking, coldest_window, host_slots_for, pushes_key
 from kvflow.core.errors import Rejected
 from kvflow.core.events import DiskEvicted, DiskIndexed, DiskLoadQueued, DiskStoreQueued
 from kvflow.core.jobs import DISK_STORE
@@ -48,12 +47,7 @@ def disk_loads(state: State, window: Sequence[int], emit: Emit) -> int | None:
     """Queue the disk load of ``disk_run(window)``: each block takes a free host slot, else
     evicts the policy's next victim, never a pinned block nor one of the run (F16); what finds
     no slot is not loaded. Returns the job id, or None."""
-    run = disk_run(state, window)
-    if not run:
-        return None
-    admitted, _, victims, _, _ = _admission(state, run, run)
-    if victims:
-        emit(eviction(state, victims, "capacity"))
+    admitted = host_slots_for(state, disk_run(state, window), emit)
     if not admitted:
         return None
     assert state.disk is not None

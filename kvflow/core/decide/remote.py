@@ -40,18 +40,25 @@ def remote_run(state: State, window: Sequence[int]) -> list[int]:
     return run
 
 
+def host_slots_for(state: State, run: Sequence[int], emit: Emit) -> list[int]:
+    """The blocks of ``run`` (a lower tier's, bound for the CPU tier) that get a host slot: each
+    takes a free one, else evicts the policy's next victim (emitted), never a pinned block (the
+    request's hits are pinned) nor one of the run (F16); what finds no slot is not loaded."""
+    if not run:
+        return []
+    admitted, _, victims, _, _ = _admission(state, run, run)
+    if victims:
+        emit(eviction(state, victims, "capacity"))
+    return list(admitted)
+
+
 def remote_loads(state: State, window: Sequence[int], emit: Emit) -> int | None:
     """Queue the remote load of ``remote_run(window)``: each block takes a free slot, else
     evicts the policy's next victim, never a pinned block (the request's hits are pinned) nor
     one of the run (F16); what finds no slot is not loaded."""
     if not state.config.remote:
         return None
-    run = remote_run(state, window)
-    if not run:
-        return None
-    admitted, _, victims, _, _ = _admission(state, run, run)
-    if victims:
-        emit(eviction(state, victims, "capacity"))
+    admitted = host_slots_for(state, remote_run(state, window), emit)
     if not admitted:
         return None
     job_id = state.next_job_id

@@ -125,10 +125,6 @@ class SimOptions:
             )
         if self.disk_blocks() and not self.capacity_blocks():
             raise ConfigError("--disk-gb needs a CPU tier: blocks reach the disk through it")
-        if self.disk_blocks() and self.mode == "timed":
-            # (its requests would not wait for their disk runs: the disk's hits would count
-            # as the CPU tier's, for later requests)
-            raise ConfigError("--disk-gb runs in sequential mode only, not with --mode timed")
         for name, least in (("disk_bandwidth_gbps", "> 0"), ("disk_latency_us", ">= 0")):
             value = getattr(self, name)
             number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
@@ -367,6 +363,7 @@ class Simulation:
         order = 0
         waiting_load: dict[int, _Live] = {}
         waiting_store: dict[int, _Live] = {}
+        waiting_disk: list[_Live] = []  # requests whose next blocks are on their way from disk
         source = iter(requests)
         pending_arrival: WorkloadRequest | None = next(source, None)
 
@@ -379,7 +376,19 @@ class Simulation:
             uncached = live.req.input_length - (live.d + live.c) * B
             schedule(clock.now_ms + uncached / self.options.prefill_tokens_per_ms, "computed", live)
 
+        def look_up(live: _Live) -> None:
+            """The lookup that counts: its hits load, or its blocks are computed."""
+            live.c = engine.lookup(live.rid, live.full, live.req.input_length, live.d)
+            if live.c:
+                job = engine.accept_hits(live.rid, self.ids.take(live.c))  # (touches the hits)
+                assert job is not None
+                waiting_load[job] = live
+            else:
+                start_compute(live)
+
         def end(live: _Live) -> None:
+            if live.before_disk >= 0 and live.c > live.before_disk:  # (the load landed)
+                self.totals.disk_hit_tokens += (live.c - live.before_disk) * B
             engine.finish_request(live.rid)  # (touches its chain deepest first: rule 4)
             evicted = self.device.use(live.full)
             if self.lazy and evicted and self.config.enabled:
@@ -412,13 +421,16 @@ class Simulation:
                 live = _Live(req, f"r{req.line}", req.hash_ids[: req.input_length // B])
                 cap = max(0, (req.input_length - 1) // B)
                 live.d = self.device.prefix_hits(live.full, cap)
-                live.c = engine.lookup(live.rid, live.full, req.input_length, live.d)
-                if live.c:
-                    job = engine.accept_hits(live.rid, self.ids.take(live.c))  # (touches the hits)
-                    assert job is not None
-                    waiting_load[job] = live
-                else:
-                    start_compute(live)
+                if self.config.disk:
+                    # the blocks past its hits that the disk holds come first: it waits for them
+                    hits = engine.lookup(live.rid, live.full, req.input_length, live.d)
+                    if engine.arriving(live.rid, live.full, req.input_length, live.d):
+                        engine.accept_hits(live.rid, [])
+                        live.before_disk = hits
+                        waiting_disk.append(live)
+                        continue
+                    engine.accept_hits(live.rid, [])
+                look_up(live)
             while agenda and agenda[0][0] <= now:
                 _, _, what, live = heapq.heappop(agenda)
                 if what == "computed":
@@ -430,6 +442,11 @@ class Simulation:
                     else:
                         waiting_store[job] = live
             report = engine.step()
+            if waiting_disk:  # (a disk load landed, failed or timed out: they look up again)
+                arrived = [w for w in waiting_disk if not engine.arriving(w.rid, w.full, w.req.input_length, w.d)]
+                for live in arrived:
+                    waiting_disk.remove(live)
+                    look_up(live)
             for _, job_id in report.loads_finished:
                 start_compute(waiting_load.pop(job_id))
             for failure in report.loads_failed:
@@ -513,6 +530,7 @@ class _Live:
     full: tuple[int, ...]
     d: int = 0
     c: int = 0
+    before_disk: int = -1  # the CPU-tier hits before its disk run came (-1: it waited for none)
 
 
 def simulate(path: str, options: SimOptions, progress: Callable[[], None] | None = None) -> dict[str, Any]:

@@ -794,7 +794,6 @@ def test_a_disk_of_zero_gb_is_no_disk() -> None:
     # the disk's model options are read (a disk of 0 is a disk option given), and change nothing
     assert run_json(*LLAMA_1GB, "--disk-gb", 0, "--disk-latency-us", 5) == run_json(*LLAMA_1GB)
     assert kvflow("simulate", *LLAMA_1GB, "--disk-gb", 0).stdout == kvflow("simulate", *LLAMA_1GB).stdout
-    # and so it runs where a disk would not: in timed mode
     assert run_json(*LLAMA_1GB, "--disk-gb", 0, "--mode", "timed") == run_json(*LLAMA_1GB, "--mode", "timed")
 
 
@@ -863,7 +862,6 @@ def test_the_tables_show_the_disk_and_each_tier(monkeypatch: pytest.MonkeyPatch)
         (["--disk-store", "write-through"], ["--disk-store", "--disk-gb"]),
         (["--disk-gb", "2", "--instances", "2"], ["--disk-gb", "--instances", "remote tier"]),
         (["--disk-gb", "2", "--remote-blocks", "100"], ["--disk-gb", "--instances"]),
-        (["--disk-gb", "2", "--mode", "timed"], ["--disk-gb", "timed"]),
         (["--disk-gb", "2", "--cpu-blocks", "0"], ["--disk-gb", "CPU tier"]),
         (["--sweep-disk-gb", "1", "--disk-gb", "2"], ["--disk-gb", "--sweep-disk-gb", "apply"]),
         (["--sweep-disk-gb", "1", "--sweep", "32"], ["--sweep", "--sweep-disk-gb", "one sweep"]),
@@ -872,7 +870,6 @@ def test_the_tables_show_the_disk_and_each_tier(monkeypatch: pytest.MonkeyPatch)
         (["--sweep-disk-gb", "1,-2"], ["--sweep-disk-gb", "-2"]),
         (["--sweep-disk-gb", " , "], ["--sweep-disk-gb", "at least one"]),
         (["--sweep-disk-gb", "8,0.01"], ["0.01", "less than one block"]),
-        (["--sweep-disk-gb", "2", "--mode", "timed"], ["timed"]),
     ],
 )
 def test_a_bad_disk_option_is_refused_in_one_line(

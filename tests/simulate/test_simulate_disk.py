@@ -50,9 +50,16 @@ def test_a_sweep_takes_one_kind_of_capacity(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(runs) == 1  # positive control: the spy sees a run
 
 
-def test_the_timed_mode_refuses_a_disk() -> None:
-    with pytest.raises(ConfigError, match="sequential"):
-        simulate(str(EXAMPLE_WORKLOAD), replace(LLAMA, disk_gb=2.0, mode="timed"))
+def test_the_timed_mode_waits_for_disk_runs_and_counts_their_hits() -> None:
+    """Arrivals overlap: a request whose next blocks are on disk waits for their load (the
+    disk's time), then loads them from the CPU tier; the hits split as in sequential mode."""
+    without = simulate(str(EXAMPLE_WORKLOAD), replace(LLAMA, mode="timed"))
+    timed = simulate(str(EXAMPLE_WORKLOAD), replace(LLAMA, disk_gb=10.0, mode="timed"))
+    assert timed["hit_tokens_disk"] > 0 and timed["disk_loaded_blocks"] > 0
+    assert timed["hit_tokens_cpu"] + timed["hit_tokens_disk"] == timed["cpu_hit_tokens"]
+    assert timed["hit_tokens_disk"] <= timed["disk_loaded_blocks"] * LLAMA.block_tokens
+    assert timed["hit_rate"] > without["hit_rate"]
+    assert timed["disk_load_ms"] > 0 and timed["failed_jobs"] == 0
 
 
 @needs_mooncake

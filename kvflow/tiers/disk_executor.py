@@ -47,12 +47,21 @@ class DiskTierExecutor:
         self.disk = disk
         self.slots = slots
         self._ranks = tuple(ranks)
-        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # one thread per direction, so that a load never waits behind a long spill of stores
+        # (their slots are disjoint: the decisions never hand out a disk slot a copy uses)
+        self._work: dict[str, queue.SimpleQueue[Any]] = {d: queue.SimpleQueue() for d in DISK_DIRECTIONS}
         self._done: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
-        self.stats = {"disk_stored_blocks": 0, "disk_loaded_blocks": 0, "disk_failed_jobs": 0}
+        # (each key is written by one thread: a store's or a load's)
+        self.stats = dict.fromkeys(
+            ("disk_stored_blocks", "disk_loaded_blocks", "disk_store_failed_jobs", "disk_load_failed_jobs"), 0
+        )
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvflow-disk", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, args=(self._work[d],), name=f"kvflow-{d.replace('_', '-')}", daemon=True)
+            for d in DISK_DIRECTIONS
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def __getattr__(self, name: str) -> Any:
         # (only for names this class does not define: the wrapped executor's own abilities)
@@ -80,7 +89,7 @@ class DiskTierExecutor:
             self.inner.submit(local, compute_done)
         for job in jobs:
             if job.direction in DISK_DIRECTIONS:
-                self._work.put(job)
+                self._work[job.direction].put(job)
 
     def poll(self) -> list[JobResult]:
         results = list(self.inner.poll())
@@ -95,21 +104,23 @@ class DiskTierExecutor:
         executor."""
         if not self._closed:
             self._closed = True
-            self._work.put(_STOP)
-            self._thread.join()
+            for work in self._work.values():
+                work.put(_STOP)
+            for thread in self._threads:
+                thread.join()
             self.disk.close()
         self.inner.close()
 
-    # -- the worker thread ----------------------------------------------------------------
+    # -- the worker threads ---------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, work: queue.SimpleQueue[Any]) -> None:
         while True:
-            job = self._work.get()
+            job = work.get()
             if job is _STOP:
                 return
             ok, error = self._run_job(job)
             if not ok:
-                self.stats["disk_failed_jobs"] += 1
+                self.stats[f"{job.direction}_failed_jobs"] += 1
             for rank in self._ranks:
                 self._done.put(JobResult(job_id=job.job_id, rank=rank, ok=ok, error=error))
 

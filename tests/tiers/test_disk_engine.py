@@ -225,3 +225,36 @@ def test_a_config_and_a_tier_of_different_sizes_are_refused(tmp_path: Path) -> N
             SyncEngine(Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=8), TorchExecutor(kv, CPU_BLOCKS, device="cpu"))
     finally:
         executor.close()
+
+
+def test_a_load_does_not_wait_behind_a_slow_spill(tmp_path: Path) -> None:
+    """Stores and loads run in threads of their own: a disk load submitted while a disk store
+    is still writing (held up at the file's seam) finishes first."""
+    import threading
+
+    from kvflow.core.jobs import DISK_LOAD, DISK_STORE, TransferJob
+
+    engine, kv = instance(tmp_path / "disk", seed=1)
+    compute(engine, "a", FIRST, (0, 1, 2, 3))  # on disk in slots 0-3
+    tier = engine.executor
+    release = threading.Event()
+    real_store = tier.disk.store
+
+    def slow_store(items):  # type: ignore[no-untyped-def]
+        release.wait(10.0)
+        return real_store(items)
+
+    tier.disk.store = slow_store
+    try:
+        disk_slot = engine.manager.state.disk.slot_of[FIRST[0]]
+        tier.submit([TransferJob(job_id=9001, direction=DISK_STORE, device_blocks=(), slots=(0,), hashes=(77,), disk_slots=(20,))])
+        tier.submit([TransferJob(job_id=9002, direction=DISK_LOAD, device_blocks=(), slots=(1,), hashes=(FIRST[0],), disk_slots=(disk_slot,))])
+        deadline = time.monotonic() + 10.0
+        done: list[Any] = []
+        while not done and time.monotonic() < deadline:
+            done = [r for r in tier.poll() if r.job_id in (9001, 9002)]
+            time.sleep(0.005)
+        assert [r.job_id for r in done] == [9002] and done[0].ok  # the load, while the store waits
+    finally:
+        release.set()
+        engine.close()

@@ -55,9 +55,11 @@ class Layout:
 
 
 class Miss(msgspec.Struct, frozen=True):
-    """A key that holds no usable block, and why (absent, evicted, foreign, stale, corrupt)."""
+    """A key that holds no usable block, and why (absent, evicted, foreign, stale, corrupt).
+    ``seen`` identifies a value that was there and was refused (empty when none was)."""
 
     reason: str
+    seen: bytes = b""
 
 
 def key_of(prefix: bytes, layout_digest: bytes, block_hash: int) -> bytes:

@@ -61,7 +61,8 @@ def test_round_trip(target) -> None:
     for h, payload in zip(hashes, got):
         assert bytes(payload) == b"".join(pages_of(h))
     assert got[-1] == Miss("absent")
-    assert store.contains([hashes[0], 42], soon()) == [True, False]
+    seen = store.seen([hashes[0], 42], soon())
+    assert seen[0] is not None and seen[1] is None
     store.close()
 
 
@@ -84,7 +85,8 @@ def test_layouts_never_meet(redis_standalone) -> None:  # noqa: F811
     assert other.get([7], soon()) == [Miss("absent")]  # another key altogether
     # ...and a value written under this layout's key by someone else is refused, not served
     store.client.set(store.key(8), encode(other_layout.digest, 8, pages_of(8)))
-    assert store.get([8], soon()) == [Miss("another layout")]
+    assert [m.reason for m in store.get([8], soon())] == ["another layout"]
+    assert store.seen([8], soon()) == [None]  # a probe does not offer it either
     redis_standalone.cli("FLUSHALL")
 
 
@@ -95,6 +97,7 @@ def test_layouts_never_meet(redis_standalone) -> None:  # noqa: F811
         (lambda v: b"XXXX" + v[4:], "not a kvflow entry"),
         (lambda v: v[:4] + b"\x09" + v[5:], "entry format 9, expected 1"),
         (lambda v: v[:-1], "length 1535, expected 1536"),
+        (lambda v: v + b"tail", "length 1540, expected 1536"),  # a whole entry, then more
         (lambda v: v[:-1] + bytes([v[-1] ^ 1]), "checksum mismatch"),
         (lambda v: v[:HEADER_BYTES] + os.urandom(len(v) - HEADER_BYTES), "checksum mismatch"),
     ],
@@ -104,10 +107,14 @@ def test_damaged_or_foreign_values_are_misses(redis_standalone, damage, reason) 
     store.put([(9, pages_of(9))], soon())
     value = store.client.get(store.key(9))
     store.client.set(store.key(9), damage(value))
-    assert store.get([9], soon()) == [Miss(reason)]
+    (miss,) = store.get([9], soon())
+    assert miss.reason == reason and miss.seen  # refused, with what it refused
+    # a probe offers only a value whose header and length fit (the checksum needs the payload)
+    assert (store.seen([9], soon()) == [miss.seen]) == (reason == "checksum mismatch")
     # an entry for block 10 stored under block 9's key is refused too
     store.client.set(store.key(9), encode(LAYOUT.digest, 10, pages_of(10)))
-    assert store.get([9], soon()) == [Miss("another block")]
+    assert [m.reason for m in store.get([9], soon())] == ["another block"]
+    assert store.seen([9], soon()) == [None]
     redis_standalone.cli("FLUSHALL")
 
 

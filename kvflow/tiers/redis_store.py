@@ -31,6 +31,7 @@ them, when the tier is built: a bad one is refused there, in one line.
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -115,6 +116,7 @@ class RedisBlockStore:
         self._clock = clock
         self._digest = layout.digest
         self._payload_bytes = layout.payload_bytes
+        self._stamps = random.Random()  # write stamps need to differ, not to be secret
 
     def key(self, block_hash: int) -> bytes:
         return key_of(self.prefix, self._digest, block_hash)
@@ -126,7 +128,8 @@ class RedisBlockStore:
 
         Raises ``RemoteUnavailable`` when no attempt reached the server before ``deadline_s``
         (a monotonic time): then no block is known to be stored."""
-        values = [(self.key(h), encode(self._digest, h, pages)) for h, pages in blocks]
+        stamp = self._stamps.getrandbits(24).to_bytes(3, "little")  # (one per batch: see seen_of)
+        values = [(self.key(h), encode(self._digest, h, pages, stamp)) for h, pages in blocks]
 
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
@@ -209,9 +212,10 @@ class RedisBlockStore:
 
 
 def seen_of(length: int, head: bytes) -> bytes:
-    """What identifies a value a reader refused: its length and its header. A writer that
-    rewrites the key changes them (its header names its payload's checksum), so a refused
-    value is not offered again until the key is rewritten."""
+    """What identifies a value a reader refused: its length and its header, whose write stamp
+    (random, one per ``put``) changes whenever a writer rewrites the key: a refused value is not
+    offered again until then (a rewrite with the same stamp, one chance in 2**24, stays
+    unoffered until this reader stores the block itself or forgets)."""
     return length.to_bytes(8, "little") + bytes(head[:HEADER_BYTES])
 
 

@@ -227,3 +227,41 @@ def test_cluster_node_killed_fails_within_the_deadline(redis_cluster) -> None:  
         for h, g in zip(hashes, got):
             assert isinstance(g, Miss) or bytes(g) == b"".join(pages_of(h))
     victim.start(cluster=True)
+
+
+def test_huge_values_under_kvflow_keys_are_refused_unread(redis_fresh) -> None:  # noqa: F811
+    """Two 128 MiB values under kvflow's keys (one behind a well-formed entry): a load and a
+    probe of them take the reader's memory up by far less than one of them (measured in a
+    process of its own: its peak RSS and tracemalloc's peak)."""
+    import json
+    import subprocess
+    import sys
+
+    store = store_for(redis_fresh)
+    big = 128 << 20
+    store.put([(1, pages_of(1))], soon())  # a good entry, then 128 MiB more behind it
+    redis_fresh.cli("SETRANGE", store.key(1).decode(), str(big), "x")
+    redis_fresh.cli("SETRANGE", store.key(2).decode(), str(big), "x")  # zeros, then "x"
+    store.close()
+    script = f"""
+import json, resource, time, tracemalloc
+from kvflow.tiers.entry import Layout
+from kvflow.tiers.redis_store import RedisBlockStore, connect
+LAYOUT = Layout(model={LAYOUT.model!r}, page_bytes={LAYOUT.page_bytes!r}, block_tokens={LAYOUT.block_tokens})
+store = RedisBlockStore(connect({redis_fresh.url!r}, timeout_s=30.0), LAYOUT, timeout_s=30.0)
+store.seen([1], time.monotonic() + 60)  # (connected, modules imported)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tracemalloc.start()
+for _ in range(3):
+    misses = store.get([1, 2], time.monotonic() + 60)
+    seen = store.seen([1, 2], time.monotonic() + 60)
+peak = tracemalloc.get_traced_memory()[1]
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps([[m.reason for m in misses], seen, peak, (after - before) * 1024]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    reasons, seen, peak, grown = json.loads(out.stdout)
+    assert reasons == [f"length {big + 1 - HEADER_BYTES}, expected 1536", "not a kvflow entry"]
+    assert seen == [None, None]
+    assert peak < 8 << 20 and grown < 32 << 20, (peak, grown)  # not one 128 MiB value read

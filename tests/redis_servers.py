@@ -6,8 +6,12 @@ session ends. No mocks and no in-process fake: the remote tier's failure handlin
 something against the real server's behaviour (silent eviction under ``maxmemory``, OOM errors
 under ``noeviction``, a pipeline that applies the rest after a failed command).
 
-Without ``redis-server`` (or redis-py) the tests skip, unless ``KVFLOW_REQUIRE_REDIS=1`` (CI),
-where a missing server is a failure.
+Servers as they are deployed too: with ACL users and passwords (``acl_server``), and with TLS
+only (``tls_server``: certificates made here by the ``openssl`` command, a CA of the test's own
+signing the server's and a client's).
+
+Without ``redis-server`` (or redis-py, or ``openssl`` for TLS) the tests skip, unless
+``KVFLOW_REQUIRE_REDIS=1`` (CI), where a missing one is a failure.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import pytest
 START_TIMEOUT_S = 10.0
 
 
-def require_redis() -> None:
-    """Skip (or, under KVFLOW_REQUIRE_REDIS=1, fail) when a real server cannot be started."""
-    missing = [name for name in ("redis-server", "redis-cli") if shutil.which(name) is None]
+def require_redis(*tools: str) -> None:
+    """Skip (or, under KVFLOW_REQUIRE_REDIS=1, fail) when a real server cannot be started
+    (or one of ``tools`` is missing)."""
+    missing = [name for name in ("redis-server", "redis-cli", *tools) if shutil.which(name) is None]
     try:
         import redis  # noqa: F401
     except ImportError:
@@ -67,18 +72,30 @@ def free_port(cluster: bool = False) -> int:
 class RedisServer:
     """One ``redis-server`` process on loopback; ``stop()`` kills it (also mid-test)."""
 
-    def __init__(self, *extra: str, cluster: bool = False, port: int | None = None) -> None:
+    def __init__(
+        self,
+        *extra: str,
+        cluster: bool = False,
+        port: int | None = None,
+        cli_args: tuple[str, ...] = (),
+        tls: bool = False,
+    ) -> None:
+        """``cli_args``: what ``redis-cli`` needs to reach it (credentials, TLS files); ``tls``:
+        it listens for TLS only, on ``port``."""
         self.dir = Path(tempfile.mkdtemp(prefix="kvflow-redis-"))
         self.port = free_port(cluster) if port is None else port
         self.host = "127.0.0.1"
         self.extra = extra
+        self.cli_args = cli_args
+        self.tls = tls
         self.process: subprocess.Popen[bytes] | None = None
         self.start(cluster)
 
     def start(self, cluster: bool = False) -> None:
         """Start (or restart, on the same port) the server."""
+        ports = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
         args = [
-            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+            "redis-server", *ports, "--bind", "127.0.0.1",
             "--dir", str(self.dir), "--save", "", "--appendonly", "no",
             "--logfile", str(self.dir / "redis.log"), "--daemonize", "no",
         ]  # fmt: skip
@@ -92,11 +109,11 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}"
 
     def cli(self, *args: str) -> str:
         out = subprocess.run(
-            ["redis-cli", "-h", self.host, "-p", str(self.port), *args],
+            ["redis-cli", "-h", self.host, "-p", str(self.port), *self.cli_args, *args],
             capture_output=True, text=True, timeout=30, check=True,
         )  # fmt: skip
         return out.stdout
@@ -174,6 +191,63 @@ class RedisCluster:
     def close(self) -> None:
         for node in self.nodes:
             node.close()
+
+
+ACL_USER, ACL_PASSWORD, DEFAULT_PASSWORD = "kvflow-user", "kvflow-pw", "default-pw"
+
+
+@pytest.fixture(scope="session")
+def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A server (its ACL file) whose default user needs a password, and with a user allowed
+    only kvflow's keys and no dangerous command."""
+    require_redis()
+    acl = tmp_path_factory.mktemp("acl") / "users.acl"
+    acl.write_text(
+        f"user default on >{DEFAULT_PASSWORD} ~* &* +@all\n"
+        f"user {ACL_USER} on >{ACL_PASSWORD} ~kvflow:* +@all -@dangerous\n"
+    )
+    server = RedisServer(
+        "--aclfile", str(acl),
+        cli_args=("--user", "default", "--pass", DEFAULT_PASSWORD, "--no-auth-warning"),
+    )  # fmt: skip
+    yield server
+    server.close()
+
+
+def make_certs(where: Path) -> dict[str, str]:
+    """With ``openssl``: a CA, a server certificate for 127.0.0.1 and a client certificate it
+    signs, and a second CA that signs nothing of these (an untrusted one). Paths by name."""
+    where.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=where, capture_output=True, check=True, timeout=60)
+
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for ca in ("ca", "other-ca"):
+        run("req", "-x509", *key, "-keyout", f"{ca}.key", "-out", f"{ca}.crt", "-days", "2",
+            "-subj", f"/CN=kvflow test {ca}")  # fmt: skip
+    (where / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        run("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=kvflow test {name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile", "san.ext")  # fmt: skip
+    names = ("ca.crt", "other-ca.crt", "server.crt", "server.key", "client.crt", "client.key")
+    return {name: str(where / name) for name in names}
+
+
+@pytest.fixture(scope="session")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, dict[str, str]]]:
+    """A server that speaks TLS only and wants a client certificate its CA signed; the files."""
+    require_redis("openssl")
+    certs = make_certs(tmp_path_factory.mktemp("certs"))
+    server = RedisServer(
+        "--tls-cert-file", certs["server.crt"], "--tls-key-file", certs["server.key"],
+        "--tls-ca-cert-file", certs["ca.crt"], "--tls-auth-clients", "yes",
+        tls=True,
+        cli_args=("--tls", "--cacert", certs["ca.crt"], "--cert", certs["client.crt"], "--key", certs["client.key"]),
+    )  # fmt: skip
+    yield server, certs
+    server.close()
 
 
 @pytest.fixture(scope="session")

@@ -25,9 +25,12 @@ import xxhash
 
 MAGIC = b"KVFL"
 FORMAT_VERSION = 1
-# magic, version, 3 reserved bytes, layout digest, block hash (signed 128-bit), payload length,
-# payload checksum (xxh3-64)
-_HEADER = struct.Struct("<4sB3x16s16sQQ")
+# magic, version, 3 bytes of write stamp, layout digest, block hash (signed 128-bit), payload
+# length, payload checksum (xxh3-64). The stamp is no part of what a reader checks (readers of
+# this format have always skipped those bytes): it makes each write of a key tell from the last,
+# so a reader that refused a value sees when the key is rewritten, even with the same bytes.
+_HEADER = struct.Struct("<4sB3s16s16sQQ")
+NO_STAMP = bytes(3)
 HEADER_BYTES = _HEADER.size
 
 
@@ -55,9 +58,11 @@ class Layout:
 
 
 class Miss(msgspec.Struct, frozen=True):
-    """A key that holds no usable block, and why (absent, evicted, foreign, stale, corrupt)."""
+    """A key that holds no usable block, and why (absent, evicted, foreign, stale, corrupt).
+    ``seen`` identifies a value that was there and was refused (empty when none was)."""
 
     reason: str
+    seen: bytes = b""
 
 
 def key_of(prefix: bytes, layout_digest: bytes, block_hash: int) -> bytes:
@@ -89,9 +94,11 @@ def hash_from(raw: bytes | memoryview) -> int:
     return int.from_bytes(raw, "little", signed=True)
 
 
-def header(layout_digest: bytes, block_hash: int, length: int, digest: int) -> bytes:
+def header(
+    layout_digest: bytes, block_hash: int, length: int, digest: int, stamp: bytes = NO_STAMP
+) -> bytes:
     """The ``HEADER_BYTES`` that go ahead of a payload of ``length`` bytes with checksum ``digest``."""
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, layout_digest, hash_bytes(block_hash), length, digest)
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, stamp, layout_digest, hash_bytes(block_hash), length, digest)
 
 
 def header_miss(
@@ -101,7 +108,7 @@ def header_miss(
     this block under this layout at this length; else a ``Miss`` saying which field is wrong."""
     if len(value) < HEADER_BYTES:
         return Miss("short entry")
-    magic, version, layout, raw_hash, length, digest = _HEADER.unpack_from(value)
+    magic, version, _stamp, layout, raw_hash, length, digest = _HEADER.unpack_from(value)
     if magic != MAGIC:
         return Miss("not a kvflow entry")
     if version != FORMAT_VERSION:
@@ -115,10 +122,12 @@ def header_miss(
     return int(digest)
 
 
-def encode(layout_digest: bytes, block_hash: int, pages: Sequence[bytes | memoryview]) -> bytes:
+def encode(
+    layout_digest: bytes, block_hash: int, pages: Sequence[bytes | memoryview], stamp: bytes = NO_STAMP
+) -> bytes:
     """One entry: header then the block's pages, as one value (written by one ``SET``)."""
     length, digest = checksum_pages(pages)
-    return b"".join([header(layout_digest, block_hash, length, digest), *pages])
+    return b"".join([header(layout_digest, block_hash, length, digest, stamp), *pages])
 
 
 def decode(

@@ -18,16 +18,24 @@ What a real server does, and what this client does about it:
   A lost connection is re-established by the next attempt or the next call: the server coming
   back needs nothing from the caller.
 
+- **Values of any size under kvflow's keys.** A read asks for the value's length and at most one
+  entry's bytes (``STRLEN`` and a bounded ``GETRANGE`` in one pipeline): a value longer than an
+  entry of this layout is refused without being read.
+
 Auth and TLS are redis-py's: put them in the URL (``rediss://user:password@host:6380/0``) or pass
 redis-py keyword arguments (``password=``, ``ssl_ca_certs=``, ``ssl_certfile=`` ...) through
-``connect``.
+``connect``. ``redis_tier`` checks every setting, and that the server answers (``PING``) with
+them, when the tier is built: a bad one is refused there, in one line.
 """
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -37,12 +45,14 @@ from redis.retry import Retry
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError, KvflowError
 from kvflow.core.values import is_int
-from kvflow.tiers.entry import Layout, Miss, decode, encode, key_of
+from kvflow.tiers.entry import HEADER_BYTES, Layout, Miss, decode, encode, header_miss, key_of
 
 if TYPE_CHECKING:
     from kvflow.tiers.remote_executor import RemoteTierExecutor
 
 DEFAULT_TIMEOUT_S = 1.0
+MAX_TIMEOUT_S = 3600.0
+URL_SCHEMES = ("redis", "rediss", "unix")
 DEFAULT_PREFIX = b"kvflow"
 # Tries per request: a dropped connection gets one fresh try; a server that is down answers no
 # faster for being asked again (and the job's deadline bounds both)
@@ -69,7 +79,7 @@ def connect(
     """A redis-py client with kvflow's settings: socket timeouts of ``timeout_s``, no retries of
     its own. ``url`` names one server (``redis://``, ``rediss://``, ``unix://``); for a cluster,
     any one node (the client discovers the rest)."""
-    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < 3600):
+    if not _seconds(timeout_s) or not 0 < timeout_s < MAX_TIMEOUT_S:
         raise ConfigError(f"remote timeout must be a positive number of seconds, got {timeout_s!r}")
     kwargs: dict[str, Any] = dict(
         socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=_no_retry()
@@ -97,8 +107,7 @@ class RedisBlockStore:
         ttl_s: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if ttl_s is not None and (not is_int(ttl_s) or ttl_s <= 0):
-            raise ConfigError(f"remote ttl must be a positive number of seconds, got {ttl_s!r}")
+        check_ttl(ttl_s)
         self.client = client
         self.layout = layout
         self.prefix = prefix
@@ -107,6 +116,7 @@ class RedisBlockStore:
         self._clock = clock
         self._digest = layout.digest
         self._payload_bytes = layout.payload_bytes
+        self._stamps = random.Random()  # write stamps need to differ, not to be secret
 
     def key(self, block_hash: int) -> bytes:
         return key_of(self.prefix, self._digest, block_hash)
@@ -118,7 +128,8 @@ class RedisBlockStore:
 
         Raises ``RemoteUnavailable`` when no attempt reached the server before ``deadline_s``
         (a monotonic time): then no block is known to be stored."""
-        values = [(self.key(h), encode(self._digest, h, pages)) for h, pages in blocks]
+        stamp = self._stamps.getrandbits(24).to_bytes(3, "little")  # (one per batch: see seen_of)
+        values = [(self.key(h), encode(self._digest, h, pages, stamp)) for h, pages in blocks]
 
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
@@ -130,32 +141,57 @@ class RedisBlockStore:
 
     def get(self, block_hashes: Sequence[int], deadline_s: float) -> list[memoryview | Miss]:
         """Each block's payload, or a ``Miss`` saying why not (absent, evicted, foreign, corrupt,
-        or the server's error for that key). Raises ``RemoteUnavailable`` as ``put`` does."""
+        or the server's error for that key); a refused value's ``Miss`` carries its ``seen``.
+        Reads at most one entry's bytes per key, whatever the server holds there. Raises
+        ``RemoteUnavailable`` as ``put`` does."""
+        replies = self._heads(block_hashes, HEADER_BYTES + self._payload_bytes, deadline_s)
+        return [self._entry(h, length, value) for h, (length, value) in zip(block_hashes, replies)]
 
-        def run() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            for h in block_hashes:
-                pipe.get(self.key(h))
-            return pipe.execute(raise_on_error=False)
-
-        out: list[memoryview | Miss] = []
-        for h, reply in zip(block_hashes, self._attempt(run, deadline_s)):
-            if isinstance(reply, Exception):
-                out.append(Miss(_error_text(reply)))
-            else:
-                out.append(decode(reply, self._digest, h, self._payload_bytes))
+    def seen(self, block_hashes: Sequence[int], deadline_s: float) -> list[bytes | None]:
+        """For each block, the identity of the value under its key (``seen_of``) if that value
+        has this block's header and an entry's exact length; ``None`` for an absent key or
+        a value that cannot be this block's entry (a hint: the payload is still checked when
+        loaded). Reads the headers only."""
+        out: list[bytes | None] = []
+        replies = self._heads(block_hashes, HEADER_BYTES, deadline_s)
+        for h, (length, head) in zip(block_hashes, replies):
+            fits = (
+                isinstance(length, int)
+                and length == HEADER_BYTES + self._payload_bytes
+                and isinstance(head, bytes)
+                and not isinstance(header_miss(head, self._digest, h, self._payload_bytes), Miss)
+            )
+            out.append(seen_of(length, head) if fits else None)
         return out
 
-    def contains(self, block_hashes: Sequence[int], deadline_s: float) -> list[bool]:
-        """Which blocks have a key (a hint: the entry is still validated when loaded)."""
+    def _heads(self, block_hashes: Sequence[int], limit: int, deadline_s: float) -> list[tuple[Any, Any]]:
+        """Per key, the value's length (``STRLEN``: 0 when absent) and at most its first
+        ``limit`` bytes (``GETRANGE``), or the server's error for either."""
 
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for h in block_hashes:
-                pipe.exists(self.key(h))
+                key = self.key(h)
+                pipe.strlen(key)
+                pipe.getrange(key, 0, limit - 1)
             return pipe.execute(raise_on_error=False)
 
-        return [reply == 1 for reply in self._attempt(run, deadline_s)]
+        replies = self._attempt(run, deadline_s)
+        return list(zip(replies[0::2], replies[1::2]))
+
+    def _entry(self, block_hash: int, length: Any, value: Any) -> memoryview | Miss:
+        for reply in (length, value):
+            if isinstance(reply, Exception):
+                return Miss(_error_text(reply))
+        if length == 0:  # (an empty value is no entry either)
+            return Miss("absent")
+        seen = seen_of(length, value)
+        if length > len(value):  # longer than an entry: refused, the rest never read
+            found = header_miss(value, self._digest, block_hash, self._payload_bytes)
+            reason = found.reason if isinstance(found, Miss) else f"length {length - HEADER_BYTES}, expected {self._payload_bytes}"
+            return Miss(reason, seen)
+        got = decode(value, self._digest, block_hash, self._payload_bytes)
+        return Miss(got.reason, seen) if isinstance(got, Miss) else got
 
     def _attempt(self, run: Callable[[], list[Any]], deadline_s: float) -> list[Any]:
         """``run``, and once more after a transport error (a dropped connection gets one fresh
@@ -173,6 +209,58 @@ class RedisBlockStore:
 
     def close(self) -> None:
         self.client.close()
+
+
+def seen_of(length: int, head: bytes) -> bytes:
+    """What identifies a value a reader refused: its length and its header, whose write stamp
+    (random, one per ``put``) changes whenever a writer rewrites the key: a refused value is not
+    offered again until then (a rewrite with the same stamp, one chance in 2**24, stays
+    unoffered until this reader stores the block itself or forgets)."""
+    return length.to_bytes(8, "little") + bytes(head[:HEADER_BYTES])
+
+
+def check_ttl(ttl_s: object) -> None:
+    if ttl_s is not None and (not is_int(ttl_s) or ttl_s <= 0):
+        raise ConfigError(f"remote ttl_s must be a positive whole number of seconds (or None), got {ttl_s!r}")
+
+
+def _seconds(value: object) -> bool:
+    """A finite number (not a flag)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def shown_url(url: str) -> str:
+    """``url`` with its password hidden, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    return parts._replace(netloc=f"{user}***@{parts.netloc.rsplit('@', 1)[1]}").geturl()
+
+
+def check_url(url: object, cluster: bool) -> None:
+    """A URL redis-py can connect with: ``redis://``/``rediss://`` with a host and a port in
+    range (a cluster: any one node), or ``unix://`` with a socket path."""
+    if not isinstance(url, str):
+        raise ConfigError(f"remote url must be a string, got {type(url).__name__}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ConfigError(f"remote url {shown_url(url)!r}: {e}") from None
+    if parts.scheme not in URL_SCHEMES:
+        raise ConfigError(
+            f"remote url {shown_url(url)!r}: scheme must be one of {', '.join(URL_SCHEMES)}, got {parts.scheme!r}"
+        )
+    if parts.scheme == "unix":
+        if cluster:
+            raise ConfigError(f"remote url {shown_url(url)!r}: a cluster is reached over redis:// or rediss://")
+        if not parts.path:
+            raise ConfigError(f"remote url {shown_url(url)!r}: no socket path")
+    elif not parts.hostname:
+        raise ConfigError(f"remote url {shown_url(url)!r}: no host")
+    elif port == 0:
+        raise ConfigError(f"remote url {shown_url(url)!r}: port 0")
 
 
 def _error_text(reply: object) -> str:
@@ -198,7 +286,11 @@ def redis_tier(
     KV's model: with the pool's page sizes and ``config.block_tokens`` it is the layout identity
     entries are keyed and checked by. ``timeout_s`` (socket timeout, one attempt) defaults to a
     quarter of the job deadline, at most 1 s. A block a probe found absent is not asked about
-    again for ``absent_ttl_s``."""
+    again for ``absent_ttl_s``.
+
+    Every argument is checked here, and the server must answer a ``PING`` with them (within
+    ``timeout_s``): a bad setting, an unreachable server, a refused password or user, an
+    untrusted certificate are a ``ConfigError`` of one line, before anything runs."""
     from kvflow.tiers.host_slots import OwnsPool, SlotPages
     from kvflow.tiers.remote_executor import RemoteTierExecutor
 
@@ -206,12 +298,23 @@ def redis_tier(
         raise ConfigError("the remote tier needs config.remote_blocks > 0")
     if not isinstance(executor, OwnsPool) or not executor.pool.enabled:
         raise ConfigError("the remote tier needs an executor with a host pool (cpu_blocks > 0)")
+    check_url(url, cluster)
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"remote model must be a non-empty string, got {model!r}")
+    if not isinstance(prefix, bytes) or not prefix:
+        raise ConfigError(f"remote prefix must be non-empty bytes (b\"kvflow\"), got {prefix!r}")
+    check_ttl(ttl_s)
+    if not _seconds(absent_ttl_s) or absent_ttl_s < 0:
+        raise ConfigError(f"remote absent_ttl_s must be a finite number of seconds >= 0, got {absent_ttl_s!r}")
     pool = executor.pool
     deadline_s = config.job_deadline_ms / 1000.0
-    timeout = min(1.0, deadline_s / 4) if timeout_s is None else float(timeout_s)
-    if not 0 < timeout <= deadline_s:
-        raise ConfigError(f"remote timeout_s must be within (0, job deadline {deadline_s} s], got {timeout_s!r}")
+    if timeout_s is not None and not _seconds(timeout_s):
+        raise ConfigError(f"remote timeout_s must be a finite number of seconds, got {timeout_s!r}")
+    timeout = min(DEFAULT_TIMEOUT_S, deadline_s / 4) if timeout_s is None else float(timeout_s)
+    if not 0 < timeout <= min(deadline_s, MAX_TIMEOUT_S - 1):
+        raise ConfigError(f"remote timeout_s must be within (0, job deadline {deadline_s:g} s], got {timeout_s!r}")
     layout = Layout(model=model, page_bytes=tuple(pool.page_bytes), block_tokens=config.block_tokens)
+    _ping(url, cluster, timeout, redis_kwargs)
 
     def open_store() -> RedisBlockStore:
         client = connect(url, cluster=cluster, timeout_s=timeout, **redis_kwargs)
@@ -224,4 +327,22 @@ def redis_tier(
         job_deadline_ms=config.job_deadline_ms,
         world_size=config.world_size,
         absent_ttl_s=absent_ttl_s,
+        call_timeout_s=ATTEMPTS * timeout,
     )
+
+
+def _ping(url: str, cluster: bool, timeout_s: float, redis_kwargs: dict[str, Any]) -> None:
+    """Connect, authenticate and ``PING`` once, each step bounded by ``timeout_s``; any failure
+    is a ``ConfigError`` naming the server (its password hidden) and the first line of why."""
+    client: Any = None
+    try:
+        client = connect(url, cluster=cluster, timeout_s=timeout_s, **redis_kwargs)
+        client.ping()
+    except (redis.RedisError, OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"remote tier {shown_url(url)}: {_error_text(e)}") from None
+    finally:
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass

@@ -14,8 +14,15 @@ lost connection, a bug — becomes that job's failure (F2), never an exception i
 remote job moves every rank's pages of the shared host pool at once, so it answers for every
 rank of the world.
 
-Probes: ``probe(hashes)`` asks the remote tier (``EXISTS``) which of a lookup's missing blocks
-it holds; ``take_found()`` hands the answer to the engine, which records it (``RemoteFound``).
+Probes: ``probe(hashes)`` asks the remote tier which of a lookup's missing blocks it holds (the
+headers and lengths of their values: a value that cannot be the block's entry is not offered);
+``take_found()`` hands the answer to the engine, which records it (``RemoteFound``).
+
+A value that was loaded and refused (a damaged or foreign payload under a well-formed header) is
+remembered with its identity (length and header): probes do not offer it again until its key is
+rewritten, so a bad entry costs one failed load, not one every other request. It is remembered
+here rather than deleted from the server: the keyspace is shared, and a value this reader refuses
+may be one another deployment still reads (or one this reader's own next store replaces).
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ from kvflow.tiers.host_slots import SlotPages
 
 REMOTE_DIRECTIONS = (REMOTE_STORE, REMOTE_LOAD)
 _STOP = object()
+# answers a probe or a refused load keeps, at most (then forgotten wholesale: they are hints)
+_REMEMBERED = 1_000_000
+# what close() waits beyond one store call for the thread to end
+_CLOSE_MARGIN_S = 5.0
 
 
 class RemoteTierExecutor:
@@ -49,9 +60,12 @@ class RemoteTierExecutor:
         world_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
         absent_ttl_s: float = 1.0,
+        call_timeout_s: float = 60.0,
     ) -> None:
         """``absent_ttl_s``: a block a probe found absent is not asked about again for this
-        long (a request waiting for its turn looks its prefix up every step)."""
+        long (a request waiting for its turn looks its prefix up every step).
+        ``call_timeout_s``: the longest one call to the store can take (its attempts' socket
+        timeouts): with the job deadline, it bounds how long ``close`` waits."""
         self.inner = inner
         self.slots = slots
         self._open_store = open_store
@@ -66,6 +80,10 @@ class RemoteTierExecutor:
         # hash -> until when a probe's "absent" stands (written by the worker thread only)
         self._absent_until: dict[int, float] = {}
         self._absent_ttl_s = absent_ttl_s
+        # hash -> identity of the value a load refused (worker thread only)
+        self._refused: dict[int, bytes] = {}
+        self._close_wait_s = min(self._deadline_s, call_timeout_s) + _CLOSE_MARGIN_S
+        self._stopping = threading.Event()
         self._store: Any = None
         self.stats = {
             "remote_stored_blocks": 0, "remote_loaded_blocks": 0, "remote_failed_jobs": 0, "probed_blocks": 0,
@@ -134,10 +152,11 @@ class RemoteTierExecutor:
                 return results
 
     def close(self) -> None:
-        """Stop the thread (it finishes the job at hand: its deadline bounds the wait), then
-        close the wrapped executor."""
+        """Stop the thread (it finishes the call at hand, bounded by its deadline and socket
+        timeouts, and leaves the queued work), then close the wrapped executor."""
+        self._stopping.set()
         self._work.put(_STOP)
-        self._thread.join(timeout=self._deadline_s + 5.0)
+        self._thread.join(timeout=self._close_wait_s)
         if self._thread.is_alive():
             raise RuntimeError("the remote tier's thread did not stop: its copies may still run")
         self.inner.close()
@@ -147,7 +166,7 @@ class RemoteTierExecutor:
     def _run(self) -> None:
         while True:
             item = self._work.get()
-            if item is _STOP:
+            if item is _STOP or self._stopping.is_set():
                 break
             work, deadline = item
             if isinstance(work, tuple):
@@ -172,15 +191,18 @@ class RemoteTierExecutor:
 
     def _run_probe(self, hashes: tuple[int, ...], deadline: float) -> None:
         try:
-            present = self._store_or_none().contains(hashes, deadline)
+            seen = self._store_or_none().seen(hashes, deadline)
             self.stats["probed_blocks"] += len(hashes)
-            self._found.put([h for h, there in zip(hashes, present) if there])
+            refused = self._refused
+            there = [s is not None and refused.get(h) != s for h, s in zip(hashes, seen)]
+            self._found.put([h for h, t in zip(hashes, there) if t])
             absent, until = self._absent_until, self._clock() + self._absent_ttl_s
-            if len(absent) > 1_000_000:  # bounded: forget the old answers wholesale
+            if len(absent) > _REMEMBERED:  # bounded: forget the old answers wholesale
                 absent.clear()
-            for h, there in zip(hashes, present):
-                if there:
+            for h, t in zip(hashes, there):
+                if t:
                     absent.pop(h, None)
+                    refused.pop(h, None)  # (rewritten since it was refused)
                 else:
                     absent[h] = until
         except Exception:
@@ -198,10 +220,17 @@ class RemoteTierExecutor:
                 if bad:
                     return False, f"remote store refused {len(bad)} of {len(errors)} blocks: {bad[0][1]}"
                 self.stats["remote_stored_blocks"] += len(errors)
+                for h in job.hashes:  # rewritten by this very store
+                    self._refused.pop(h, None)
                 return True, None
             got = store.get(job.hashes, deadline)
             misses = [(h, g.reason) for h, g in zip(job.hashes, got) if isinstance(g, Miss)]
             if misses:
+                if len(self._refused) > _REMEMBERED:
+                    self._refused.clear()
+                for h, g in zip(job.hashes, got):
+                    if isinstance(g, Miss) and g.seen:
+                        self._refused[h] = g.seen
                 h, reason = misses[0]
                 return False, f"remote miss on {len(misses)} of {len(got)} blocks (block {h}: {reason})"
             for slot, payload in zip(job.slots, got):

@@ -229,3 +229,60 @@ def test_a_cluster_node_killed_mid_run_fails_remote_jobs_and_the_cpu_tier_serves
         assert check_invariants(engine.manager.state) == []
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("damage", ["payload", "header"])
+def test_a_bad_entry_is_loaded_at_most_once_until_rewritten(redis_standalone, damage) -> None:  # noqa: F811
+    """An invalid value that stays under a block's key costs one failed load at most (a damaged
+    payload under a good header), or none (a header or length that cannot be this block's),
+    over 30 requests; once a writer rewrites the key, the block is offered and loads again."""
+    from kvflow.tiers.entry import HEADER_BYTES
+
+    writer, _ = instance(redis_standalone.url, False, seed=1)
+    reader, reader_kv = instance(redis_standalone.url, False, seed=2, absent_ttl_s=0.0)
+    try:
+        store_prefix(writer, "w", (0, 1, 2, 3))
+        key = writer.executor._store.key(HASHES[2])
+        import redis
+
+        raw = redis.Redis(host=redis_standalone.host, port=redis_standalone.port)
+        good = raw.get(key)
+        if damage == "payload":  # the header still promises the original checksum
+            raw.set(key, good[:-1] + bytes([good[-1] ^ 1]))
+        else:
+            raw.set(key, b"XXXX" + good[4:])
+        for i in range(30):
+            reader.lookup(f"r{i}", HASHES, len(HASHES) * 16 + 1)
+            reader.accept_hits(f"r{i}", [])
+            settle(reader)
+            while reader.executor.probing():
+                time.sleep(0.001)
+            reader.finish_request(f"r{i}")
+        failed = [e for e in remote_events(reader, JobFailed) if e.direction == REMOTE_LOAD]
+        assert len(failed) == (1 if damage == "payload" else 0), [e.error for e in failed]
+        assert HASHES[2] not in reader.manager.state.remote
+        assert all(reader.manager.state.is_resident(h) for h in HASHES[:2])  # the good ones loaded
+        assert check_invariants(reader.manager.state) == []
+        # rewritten (another writer stores the same block again): offered and loaded
+        from kvflow.tiers.redis_store import RedisBlockStore, connect
+
+        other = RedisBlockStore(connect(redis_standalone.url), writer.executor._store.layout)
+        assert other.put([(HASHES[2], [good[HEADER_BYTES:]])], time.monotonic() + 5) == [None]
+        other.close()
+        hits = 0
+        for i in range(30, 40):
+            hits = reader.lookup(f"r{i}", HASHES, len(HASHES) * 16 + 1)
+            reader.accept_hits(f"r{i}", [])
+            settle(reader)
+            while reader.executor.probing():
+                time.sleep(0.001)
+            reader.finish_request(f"r{i}")
+            if reader.manager.state.is_resident(HASHES[2]):
+                break
+        assert reader.manager.state.is_resident(HASHES[2]), hits
+        assert len(good) > HEADER_BYTES
+        raw.close()
+    finally:
+        writer.close()
+        reader.close()
+        redis_standalone.cli("FLUSHALL")

@@ -61,7 +61,8 @@ def test_round_trip(target) -> None:
     for h, payload in zip(hashes, got):
         assert bytes(payload) == b"".join(pages_of(h))
     assert got[-1] == Miss("absent")
-    assert store.contains([hashes[0], 42], soon()) == [True, False]
+    seen = store.seen([hashes[0], 42], soon())
+    assert seen[0] is not None and seen[1] is None
     store.close()
 
 
@@ -84,7 +85,8 @@ def test_layouts_never_meet(redis_standalone) -> None:  # noqa: F811
     assert other.get([7], soon()) == [Miss("absent")]  # another key altogether
     # ...and a value written under this layout's key by someone else is refused, not served
     store.client.set(store.key(8), encode(other_layout.digest, 8, pages_of(8)))
-    assert store.get([8], soon()) == [Miss("another layout")]
+    assert [m.reason for m in store.get([8], soon())] == ["another layout"]
+    assert store.seen([8], soon()) == [None]  # a probe does not offer it either
     redis_standalone.cli("FLUSHALL")
 
 
@@ -95,6 +97,7 @@ def test_layouts_never_meet(redis_standalone) -> None:  # noqa: F811
         (lambda v: b"XXXX" + v[4:], "not a kvflow entry"),
         (lambda v: v[:4] + b"\x09" + v[5:], "entry format 9, expected 1"),
         (lambda v: v[:-1], "length 1535, expected 1536"),
+        (lambda v: v + b"tail", "length 1540, expected 1536"),  # a whole entry, then more
         (lambda v: v[:-1] + bytes([v[-1] ^ 1]), "checksum mismatch"),
         (lambda v: v[:HEADER_BYTES] + os.urandom(len(v) - HEADER_BYTES), "checksum mismatch"),
     ],
@@ -104,10 +107,14 @@ def test_damaged_or_foreign_values_are_misses(redis_standalone, damage, reason) 
     store.put([(9, pages_of(9))], soon())
     value = store.client.get(store.key(9))
     store.client.set(store.key(9), damage(value))
-    assert store.get([9], soon()) == [Miss(reason)]
+    (miss,) = store.get([9], soon())
+    assert miss.reason == reason and miss.seen  # refused, with what it refused
+    # a probe offers only a value whose header and length fit (the checksum needs the payload)
+    assert (store.seen([9], soon()) == [miss.seen]) == (reason == "checksum mismatch")
     # an entry for block 10 stored under block 9's key is refused too
     store.client.set(store.key(9), encode(LAYOUT.digest, 10, pages_of(10)))
-    assert store.get([9], soon()) == [Miss("another block")]
+    assert [m.reason for m in store.get([9], soon())] == ["another block"]
+    assert store.seen([9], soon()) == [None]
     redis_standalone.cli("FLUSHALL")
 
 
@@ -220,3 +227,41 @@ def test_cluster_node_killed_fails_within_the_deadline(redis_cluster) -> None:  
         for h, g in zip(hashes, got):
             assert isinstance(g, Miss) or bytes(g) == b"".join(pages_of(h))
     victim.start(cluster=True)
+
+
+def test_huge_values_under_kvflow_keys_are_refused_unread(redis_fresh) -> None:  # noqa: F811
+    """Two 128 MiB values under kvflow's keys (one behind a well-formed entry): a load and a
+    probe of them take the reader's memory up by far less than one of them (measured in a
+    process of its own: its peak RSS and tracemalloc's peak)."""
+    import json
+    import subprocess
+    import sys
+
+    store = store_for(redis_fresh)
+    big = 128 << 20
+    store.put([(1, pages_of(1))], soon())  # a good entry, then 128 MiB more behind it
+    redis_fresh.cli("SETRANGE", store.key(1).decode(), str(big), "x")
+    redis_fresh.cli("SETRANGE", store.key(2).decode(), str(big), "x")  # zeros, then "x"
+    store.close()
+    script = f"""
+import json, resource, time, tracemalloc
+from kvflow.tiers.entry import Layout
+from kvflow.tiers.redis_store import RedisBlockStore, connect
+LAYOUT = Layout(model={LAYOUT.model!r}, page_bytes={LAYOUT.page_bytes!r}, block_tokens={LAYOUT.block_tokens})
+store = RedisBlockStore(connect({redis_fresh.url!r}, timeout_s=30.0), LAYOUT, timeout_s=30.0)
+store.seen([1], time.monotonic() + 60)  # (connected, modules imported)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tracemalloc.start()
+for _ in range(3):
+    misses = store.get([1, 2], time.monotonic() + 60)
+    seen = store.seen([1, 2], time.monotonic() + 60)
+peak = tracemalloc.get_traced_memory()[1]
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps([[m.reason for m in misses], seen, peak, (after - before) * 1024]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    reasons, seen, peak, grown = json.loads(out.stdout)
+    assert reasons == [f"length {big + 1 - HEADER_BYTES}, expected 1536", "not a kvflow entry"]
+    assert seen == [None, None]
+    assert peak < 8 << 20 and grown < 32 << 20, (peak, grown)  # not one 128 MiB value read

@@ -1,9 +1,10 @@
 """Helpers shared by the core's tests (test_failure_rules.py, test_scenarios.py, the trace
-writer's tests)."""
+writer's tests) and by the lower tiers' engine tests (``settle``)."""
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -69,3 +70,17 @@ def mixed_run(
             m.job_result(job.job_id, ok=rng.random() > 0.2, error="copy failed")
         m.finish_request(rid)
         after()
+
+
+def settle(engine: Any, timeout_s: float = 20.0) -> Any:
+    """Step a ``SyncEngine`` until no job is live (its copies run in threads); the merged report."""
+    from kvflow.engine.notices import StepReport, merge_reports
+
+    merged = StepReport(now_ms=0.0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        merge_reports(merged, engine.step())
+        if not engine.has_live_jobs():
+            return merged
+        assert time.monotonic() < deadline, "jobs never finished"
+        time.sleep(0.002)

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import torch
+from core_helpers import settle
 
 from kvflow.core.config import Config
 from kvflow.engine.sync import SyncEngine
@@ -36,20 +37,6 @@ def instance(url: str, cluster: bool, seed: int, *, deadline_ms: float = 2000.0,
     config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, remote_blocks=1024, job_deadline_ms=deadline_ms)
     executor = redis_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, url, model=MODEL, cluster=cluster, **tier)
     return SyncEngine(config, executor, keep_log=True), kv
-
-
-def settle(engine: SyncEngine, timeout_s: float = 20.0) -> Any:
-    """Step until no job is live; the merged report."""
-    from kvflow.engine.notices import StepReport, merge_reports
-
-    merged = StepReport(now_ms=0.0)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        merge_reports(merged, engine.step())
-        if not engine.has_live_jobs():
-            return merged
-        assert time.monotonic() < deadline, "jobs never finished"
-        time.sleep(0.002)
 
 
 def store_prefix(engine: SyncEngine, request_id: str, device_blocks: tuple[int, ...]) -> None:

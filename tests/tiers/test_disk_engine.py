@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from core_helpers import settle
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("xxhash")
@@ -22,7 +23,6 @@ pytest.importorskip("xxhash")
 from kvflow.core.config import Config  # noqa: E402
 from kvflow.core.errors import ConfigError  # noqa: E402
 from kvflow.core.state.invariants import check_invariants  # noqa: E402
-from kvflow.engine.notices import StepReport, merge_reports  # noqa: E402
 from kvflow.engine.sync import SyncEngine  # noqa: E402
 from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
 from kvflow.tiers.disk_executor import disk_tier  # noqa: E402
@@ -48,17 +48,6 @@ def instance(path: Path, seed: int, *, mode: str = "write_through", **tier: Any)
     )
     executor = disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, path, model=MODEL, **tier)
     return SyncEngine(config, executor, keep_log=True), kv
-
-
-def settle(engine: SyncEngine, timeout_s: float = 20.0) -> StepReport:
-    merged = StepReport(now_ms=0.0)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        merge_reports(merged, engine.step())
-        if not engine.has_live_jobs():
-            return merged
-        assert time.monotonic() < deadline, "jobs never finished"
-        time.sleep(0.002)
 
 
 def compute(engine: SyncEngine, rid: str, hashes: tuple[int, ...], device_blocks: tuple[int, ...]) -> None:
@@ -136,7 +125,7 @@ def test_another_model_on_the_same_directory_starts_cold(tmp_path: Path) -> None
 
 WRITER = """
 import sys, time
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {helpers!r}]
 from pathlib import Path
 from test_disk_engine import instance, compute
 engine, kv = instance(Path({path!r}), seed=1)
@@ -150,7 +139,7 @@ def test_F22_a_warm_restart_after_sigkill(tmp_path: Path) -> None:
     """The writer is killed without closing anything: what it reported stored is served by the
     next engine, byte for byte."""
     script = tmp_path / "writer.py"
-    script.write_text(WRITER.format(tests=str(Path(__file__).parent), path=str(tmp_path / "disk")))
+    script.write_text(WRITER.format(tests=str(Path(__file__).parent), helpers=str(Path(__file__).parents[1]), path=str(tmp_path / "disk")))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     try:

@@ -166,6 +166,8 @@ def disk_tier(
     if not isinstance(executor, OwnsPool) or not executor.pool.enabled:
         raise ConfigError("the disk tier needs an executor with a host pool (cpu_blocks > 0)")
     slots = SlotPages.of_pool(executor.pool)
-    layout = Layout(model=model, page_bytes=slots.page_bytes, block_tokens=config.block_tokens)
+    layout = Layout(
+        model=model, page_bytes=slots.page_bytes, block_tokens=config.block_tokens, kv_dtype=executor.kv_dtype
+    )
     disk = DiskEntryFile(path, layout=layout, slots=config.disk_blocks, io_threads=io_threads, direct=direct)
     return DiskTierExecutor(executor, disk, slots, ranks=range(config.world_size) if ranks is None else ranks)

@@ -92,6 +92,7 @@ class Meta(msgspec.Struct, frozen=True):
     slot_bytes: int
     slots: int
     generation: int  # seeds the journal's checksums: records of another initialisation never count
+    kv_dtype: str = ""
 
 
 class _Failed(Exception):
@@ -197,8 +198,9 @@ class DiskEntryFile:
         if meta.format != FORMAT_VERSION:
             was.append(f"entry format {meta.format} (now {FORMAT_VERSION})")
         if meta.layout_digest != self._digest.hex():
-            was.append(f"layout {meta.model} {meta.page_bytes} x{meta.block_tokens} tokens "
-                       f"(now {self.layout.model} {list(self.layout.page_bytes)} x{self.layout.block_tokens} tokens)")  # fmt: skip
+            was.append(f"layout {meta.model} {meta.kv_dtype or '-'} {meta.page_bytes} x{meta.block_tokens} tokens "
+                       f"(now {self.layout.model} {self.layout.kv_dtype or '-'} {list(self.layout.page_bytes)} "
+                       f"x{self.layout.block_tokens} tokens)")  # fmt: skip
         if meta.slot_bytes != self.slot_bytes:
             was.append(f"slot size {meta.slot_bytes} (now {self.slot_bytes})")
         if meta.slots != self.slots:
@@ -238,6 +240,7 @@ class DiskEntryFile:
             format=FORMAT_VERSION, model=self.layout.model, page_bytes=list(self.layout.page_bytes),
             block_tokens=self.layout.block_tokens, layout_digest=self._digest.hex(),
             slot_bytes=self.slot_bytes, slots=self.slots, generation=self._generation,
+            kv_dtype=self.layout.kv_dtype,
         )  # fmt: skip
         _replace(self.path / META, msgspec.json.encode(meta))
 

@@ -41,6 +41,7 @@ class Layout:
     model: str
     page_bytes: tuple[int, ...]
     block_tokens: int
+    kv_dtype: str = ""  # the KV's element type(s), e.g. "bfloat16" (the executor's)
 
     @property
     def digest(self) -> bytes:
@@ -48,6 +49,7 @@ class Layout:
         canonical = msgspec.json.encode(
             {"model": self.model, "page_bytes": list(self.page_bytes),
              "block_tokens": self.block_tokens, "format": FORMAT_VERSION}
+            | ({"kv_dtype": self.kv_dtype} if self.kv_dtype else {})
         )  # fmt: skip
         return hashlib.blake2b(canonical, digest_size=16).digest()
 

@@ -23,10 +23,14 @@ class HostPoolPages(Protocol):
 
 @runtime_checkable
 class OwnsPool(Protocol):
-    """An executor with a host pool (the torch executor): what the lower tiers are built on."""
+    """An executor with a host pool (the torch executor): what the lower tiers are built on.
+    ``kv_dtype`` names the KV's element type(s): entries of another are never read."""
 
     @property
     def pool(self) -> HostPoolPages: ...
+
+    @property
+    def kv_dtype(self) -> str: ...
 
 
 class SlotPages:

@@ -313,7 +313,9 @@ def redis_tier(
     timeout = min(DEFAULT_TIMEOUT_S, deadline_s / 4) if timeout_s is None else float(timeout_s)
     if not 0 < timeout <= min(deadline_s, MAX_TIMEOUT_S - 1):
         raise ConfigError(f"remote timeout_s must be within (0, job deadline {deadline_s:g} s], got {timeout_s!r}")
-    layout = Layout(model=model, page_bytes=tuple(pool.page_bytes), block_tokens=config.block_tokens)
+    layout = Layout(
+        model=model, page_bytes=tuple(pool.page_bytes), block_tokens=config.block_tokens, kv_dtype=executor.kv_dtype
+    )
     _ping(url, cluster, timeout, redis_kwargs)
 
     def open_store() -> RedisBlockStore:

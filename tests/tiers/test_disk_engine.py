@@ -247,3 +247,23 @@ def test_a_load_does_not_wait_behind_a_slow_spill(tmp_path: Path) -> None:
     finally:
         release.set()
         engine.close()
+
+
+def test_F20_a_bfloat16_and_a_float16_deployment_of_one_model_never_read_each_others_blocks(tmp_path: Path) -> None:
+    """Same model name, same page sizes (2 bytes an element either way): the KV's element type is
+    part of the layout identity, so the fp16 engine starts the bf16 one's directory cold."""
+    def engine_of(dtype: Any, seed: int) -> tuple[SyncEngine, list[Any]]:
+        kv = [t.to(dtype) for t in random_kv(seed)]
+        config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS, disk_store_mode="write_through")
+        return SyncEngine(config, disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model=MODEL)), kv
+
+    bf16, _ = engine_of(torch.bfloat16, 1)
+    compute(bf16, "a", FIRST, (0, 1, 2, 3))
+    bf16.close()
+    fp16, _ = engine_of(torch.float16, 2)
+    try:
+        assert fp16.executor.disk.restart_note.startswith("cold") and "bfloat16" in fp16.executor.disk.restart_note
+        assert fp16.counters.disk_blocks_restored == 0
+        assert load(fp16, "r", FIRST, (8, 9, 10, 11)) == 0
+    finally:
+        fp16.close()

@@ -117,7 +117,6 @@ def test_an_evicted_key_fails_its_load_once_and_is_dropped(redis_standalone) -> 
     finally:
         writer.close()
         reader.close()
-        redis_standalone.cli("FLUSHALL")
 
 
 def test_killed_server_fails_remote_jobs_engine_serves_from_cpu_and_reconnects(redis_fresh) -> None:  # noqa: F811
@@ -285,4 +284,37 @@ def test_a_bad_entry_is_loaded_at_most_once_until_rewritten(redis_standalone, da
     finally:
         writer.close()
         reader.close()
-        redis_standalone.cli("FLUSHALL")
+
+
+def test_F20_a_bfloat16_and_a_float16_deployment_of_one_model_share_no_entries(server) -> None:
+    """Same model name, same page sizes: the KV's element type is part of the layout identity, so
+    an fp16 reader never finds (nor loads) what a bf16 writer stored in the same keyspace."""
+    import torch
+
+    from kvflow.core.config import Config
+    from kvflow.engine.sync import SyncEngine
+    from kvflow.executors.torch.executor import TorchExecutor
+    from kvflow.tiers.redis_store import redis_tier
+
+    def engine_of(dtype: torch.dtype, seed: int) -> SyncEngine:
+        kv = [t.to(dtype) for t in random_kv(seed)]
+        config = Config(cpu_blocks=8, block_tokens=16, remote_blocks=1024, job_deadline_ms=2000.0)
+        executor = redis_tier(
+            TorchExecutor(kv, 8, device="cpu"), config, server.url, model="rig-model", cluster=is_cluster(server)
+        )
+        return SyncEngine(config, executor, keep_log=True)
+
+    writer, reader = engine_of(torch.bfloat16, 1), engine_of(torch.float16, 2)
+    try:
+        store_prefix(writer, "w", (0, 1, 2, 3))
+        assert writer.executor.stats["remote_stored_blocks"] == len(HASHES)
+        assert load_prefix(reader, "r", (8, 9, 10, 11), timeout_s=1.0) == 0
+        assert reader.executor.stats["remote_loaded_blocks"] == 0
+        same = engine_of(torch.bfloat16, 3)  # positive control: another bf16 reader finds them
+        try:
+            assert load_prefix(same, "s", (8, 9, 10, 11)) == len(HASHES)
+        finally:
+            same.close()
+    finally:
+        writer.close()
+        reader.close()

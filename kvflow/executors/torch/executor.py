@@ -174,6 +174,11 @@ class TorchExecutor(PageCopies):
         }
         self._lanes: dict[str, _Lane] = {d: self._start_lane(d) for d in (STORE, LOAD)}
 
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV tensors' element type(s) ("bfloat16"): part of the lower tiers' layout identity."""
+        return self.layout.kv_dtype
     def _wants_page_first(self, scatter: str) -> bool:
         """Lay the pool out slot by slot for the staged path (CUDA with the page kernel)."""
         if scatter == "staged":

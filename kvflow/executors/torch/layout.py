@@ -82,6 +82,14 @@ class KVLayout:
     regions: tuple[Region, ...]
     num_blocks: int
     device: torch.device
+    # the KV tensors' element types, each once, in order ("bfloat16"): the lower tiers' entries
+    # name them, so that a bf16 and an fp16 deployment of one model never read each other's bytes
+    kv_dtypes: tuple[str, ...] = ()
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV's element type(s), as the lower tiers' layout identity names them."""
+        return ",".join(self.kv_dtypes)
 
     @property
     def page_bytes(self) -> tuple[int, ...]:
@@ -132,7 +140,8 @@ class KVLayout:
         n = counts.pop()
         if n <= 0:
             raise ConfigError("KV cache has 0 blocks")
-        return cls(regions=tuple(regions), num_blocks=n, device=device)
+        dtypes = tuple(dict.fromkeys(str(t.dtype).removeprefix("torch.") for _, t in named))
+        return cls(regions=tuple(regions), num_blocks=n, device=device, kv_dtypes=dtypes)
 
 
 def _named_tensors(kv_caches: KVCaches) -> list[tuple[str, torch.Tensor]]:

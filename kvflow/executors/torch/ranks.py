@@ -210,6 +210,7 @@ class RankGroup:
         layout = KVLayout.from_caches(factory.meta())
         self.world_size = world_size
         self.regions_per_rank = layout.num_regions
+        self.kv_dtype = layout.kv_dtype  # (part of the lower tiers' layout identity)
         self.pool = HostPool.create(
             layout.page_bytes * world_size, cpu_blocks, device="cpu", shared=True
         )

@@ -410,13 +410,13 @@ class OffloadManager:
         window = list(block_hashes[int(device_hit_blocks) + int(hits) : cap])
         return probe_candidates(self.state, window)
 
-    def arriving(self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int, hits: int) -> int:
-        """After a lookup that hit ``hits`` blocks: how many of the blocks right after them a
-        lower tier (disk, remote) is loading into the CPU tier now. An engine that can hold a
-        request back (vLLM: "ask again later") waits for them, then its next lookup hits them.
-        A query."""
+    def arriving(self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0) -> int:
+        """How many of a request's blocks right after its CPU-tier hits (those after the first
+        ``device_hit_blocks``) a lower tier (disk, remote) is loading into the CPU tier now. An
+        engine that can hold a request back (vLLM: "ask again later") waits for them, then its
+        next lookup hits them. A query."""
         cap = hit_cap_blocks(int(num_tokens), self.config.block_tokens)
-        return arriving(self.state, block_hashes[int(device_hit_blocks) + int(hits) : cap])
+        return arriving(self.state, block_hashes[int(device_hit_blocks) : cap])
 
     def reset(self) -> None:
         """Forget the tier: queued jobs are cancelled, in-flight ones abandoned (their slots

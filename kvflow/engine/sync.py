@@ -137,12 +137,12 @@ class SyncEngine:
         self.counters.lookup_tokens += num_tokens
         return hits
 
-    def arriving(self, request_id: str, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0) -> int:
-        """After ``lookup``: how many blocks right after its hits a lower tier (disk, remote)
-        is loading into the CPU tier now. An engine that can hold the request back waits for
-        them (a few steps, bounded by the job deadline), then looks up again and hits them."""
-        hits = self.manager.state.requests[request_id].offered if request_id in self.manager.state.requests else ()
-        return self.manager.arriving(block_hashes, num_tokens, device_hit_blocks, len(hits))
+    def arriving(self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0) -> int:
+        """How many of a request's blocks right after its CPU-tier hits a lower tier (disk,
+        remote) is loading into the CPU tier now (a lookup queued their load). An engine that
+        can hold the request back waits for them (a few steps, bounded by the job deadline),
+        then looks up again and hits them."""
+        return self.manager.arriving(block_hashes, num_tokens, device_hit_blocks)
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated ``device_blocks`` for the first ``len(device_blocks)`` hits of

@@ -424,7 +424,7 @@ class Simulation:
                 if self.config.disk:
                     # the blocks past its hits that the disk holds come first: it waits for them
                     hits = engine.lookup(live.rid, live.full, req.input_length, live.d)
-                    if engine.arriving(live.rid, live.full, req.input_length, live.d):
+                    if engine.arriving(live.full, req.input_length, live.d):
                         engine.accept_hits(live.rid, [])
                         live.before_disk = hits
                         waiting_disk.append(live)
@@ -443,7 +443,7 @@ class Simulation:
                         waiting_store[job] = live
             report = engine.step()
             if waiting_disk:  # (a disk load landed, failed or timed out: they look up again)
-                arrived = [w for w in waiting_disk if not engine.arriving(w.rid, w.full, w.req.input_length, w.d)]
+                arrived = [w for w in waiting_disk if not engine.arriving(w.full, w.req.input_length, w.d)]
                 for live in arrived:
                     waiting_disk.remove(live)
                     look_up(live)

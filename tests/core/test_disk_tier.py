@@ -56,11 +56,14 @@ def test_a_lookup_that_misses_the_cpu_tier_loads_from_disk_then_hits() -> None:
     m.finish_request("a")
     assert m.evict(2) == 2  # gone from the CPU tier, still on disk
     assert m.lookup("b", [1, 2, 3], tokens(3)) == 0
+    assert m.arriving([1, 2, 3], tokens(3)) == 2  # on their way from disk (a query: the same after a release)
     (load,) = m.state.jobs.values()
     assert (load.direction, load.hashes, load.disk_slots) == (DISK_LOAD, (1, 2), (0, 1))
     assert [m.state.block_state(h) for h in (1, 2)] == [BlockState.STORE_QUEUED] * 2
     m.accept_hits("b", [])
+    assert m.arriving([1, 2, 3], tokens(3)) == 2
     finish_jobs(m)
+    assert m.arriving([1, 2, 3], tokens(3)) == 0  # landed: resident hits now, nothing arriving
     assert m.lookup("b", [1, 2, 3], tokens(3)) == 2  # now CPU-tier hits
     assert list(m.state.disk.slot_of) == [1, 2]  # (loaded: the most recently used)
     consistent(m)

@@ -65,7 +65,7 @@ def load(engine: SyncEngine, rid: str, hashes: tuple[int, ...], device_blocks: t
     deadline = time.monotonic() + 20.0
     while True:
         hits = engine.lookup(rid, hashes, n_tokens)
-        if not engine.arriving(rid, hashes, n_tokens) or time.monotonic() > deadline:
+        if not engine.arriving(hashes, n_tokens) or time.monotonic() > deadline:
             break
         engine.accept_hits(rid, [])
         settle(engine)

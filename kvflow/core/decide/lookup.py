@@ -101,14 +101,19 @@ def decide_accept_hits(state: State, cmd: AcceptHits, emit: Emit) -> int | None:
 
 
 def arriving(state: State, window: Sequence[int]) -> int:
-    """How many blocks at the start of ``window`` (a lookup's blocks after its CPU-tier hits)
-    a lower tier's load is bringing to the CPU tier now: an engine that waits for them hits
-    them on the CPU tier once they land (or, if the load fails or times out, computes them)."""
-    pending, jobs = state.pending, state.jobs
+    """How many blocks right after the resident prefix of ``window`` (a lookup's blocks: its
+    hits come first) a lower tier's load is bringing to the CPU tier now: an engine that waits
+    for them hits them on the CPU tier once they land (or, if the load fails or times out,
+    computes them)."""
+    pending, jobs, slot_of = state.pending, state.jobs, state.slot_of
     n = 0
     for h in window:
         job_id = pending.get(h)
-        if job_id is None or jobs[job_id].direction == STORE:
+        if job_id is None:
+            if n or h not in slot_of:
+                break
+            continue  # (resident: a hit)
+        if jobs[job_id].direction == STORE:
             break
         n += 1
     return n

@@ -262,7 +262,7 @@ class SchedulerSide:
         self._vllm_hash.update(zip(tracked.hashes, block_hashes))
         tracked.device_hit = num_computed_tokens // self.block_tokens
         hits = self.manager.lookup(request_id, tracked.hashes, num_tokens, tracked.device_hit)
-        if self.manager.arriving(tracked.hashes, num_tokens, tracked.device_hit, hits):
+        if self.manager.arriving(tracked.hashes, num_tokens, tracked.device_hit):
             # the blocks after the hits are on their way from the disk tier: hold the request
             # back (vLLM asks again next step) so that its next lookup hits them here; the load
             # ends within the job deadline, landed, failed or timed out

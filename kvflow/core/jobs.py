@@ -10,6 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from kvflow.core.names import BlockName
+
 # store / load: device <-> host slots. remote_load: the remote tier -> host slots (a CPU-tier
 # entry filled like a store: visible when it completes); remote_store: host slots -> the remote
 # tier (the entries stay resident, pinned by the job while it reads their slots).
@@ -78,3 +80,6 @@ class TransferJob(msgspec.Struct, frozen=True, gc=False):
     hashes: Hashes = ()
     request_id: str | None = None
     disk_slots: Blocks = ()
+    # the full names of ``hashes`` (kvflow.core.names), for a disk or remote job: the shared
+    # tiers key and authenticate entries by them (the engine fills them when it hands the job over)
+    names: tuple[BlockName, ...] = ()

@@ -52,7 +52,8 @@ from kvflow.core.decide.lookup import arriving, hit_cap_blocks
 from kvflow.core.decide.remote import probe_candidates
 from kvflow.core.errors import ConcurrentCall, EngineClosed, Rejected
 from kvflow.core.events import EVENT_TYPES, Event, Reset
-from kvflow.core.jobs import LOAD, TransferJob, ranks_missing
+from kvflow.core.jobs import COPYING_DOWN, DISK_LOAD, LOAD, REMOTE_LOAD, TransferJob, ranks_missing
+from kvflow.core.names import BlockName, BlockNames, tenant_id
 from kvflow.core.state.apply import live_applier
 from kvflow.core.state.model import State
 from kvflow.core.state.tables import JobState
@@ -86,6 +87,8 @@ class OffloadManager:
         self.paranoid = paranoid
         self.logger = logger if logger is not None else structlog.get_logger("kvflow")
         self.state = State(config)
+        # the full names (and tenants) behind the keys the decisions use (kvflow.core.names)
+        self.names = BlockNames()
         self.notice_book = NoticeBook()  # the notices not taken yet
         self._told_abandoned: set[int] = set()  # abandoned loads already reported failed
         # callables receiving the applied events, by event type (see subscribe)
@@ -240,6 +243,8 @@ class OffloadManager:
             self.remote_found(found)
         timed_out = self._time_out(now_ms)
         jobs = self._hand_over(now_ms) if plan else []
+        if self.names.table:
+            self.names.prune(self._knows)
         book = self.notice_book
         # (a StepReport's first fields are the Notices', in their order: its positional ones)
         notices = msgspec.structs.astuple(book.take()) if book.notices != NO_NOTICES else ()
@@ -274,14 +279,34 @@ class OffloadManager:
 
     # -- the engine API ------------------------------------------------------------------
 
+    def keys(self, block_hashes: Sequence[int], tenant: str | None = None) -> Sequence[int]:
+        """The keys the decisions use for ``block_hashes`` of ``tenant`` (kvflow.core.names):
+        the hashes themselves when they fit 64 signed bits and no tenant is named; else
+        derived keys, their names remembered, stopping short of a block whose key another
+        name holds (a collision: that block and the rest are treated as absent). A hash is an
+        int in [-2**255, 2**256); a tenant a string (None or "" for none)."""
+        keys = self.names.keys(block_hashes, tenant_id(tenant))
+        return block_hashes if keys is None else keys
+
+    def _knows(self, key: int) -> bool:
+        """Whether a tier holds (or is filling) ``key``: its name must be kept."""
+        state = self.state
+        disk = state.disk
+        return key in state.slot_of or key in state.remote or (disk is not None and key in disk.slot_of)
+
     def lookup(
-        self, request_id: str, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0
+        self,
+        request_id: str,
+        block_hashes: Sequence[int],
+        num_tokens: int,
+        device_hit_blocks: int = 0,
+        tenant: str | None = None,
     ) -> int:
         """How many blocks after the device hit can be loaded from the CPU tier; pins them (F7)."""
         answer = self.execute(
             Lookup(
                 request_id=bd.request_id(request_id),
-                block_hashes=bd.hashes(block_hashes),
+                block_hashes=bd.hashes(self.keys(block_hashes, tenant)),
                 num_tokens=bd.count(num_tokens, "num_tokens"),
                 device_hit_blocks=bd.count(device_hit_blocks, "device_hit_blocks"),
             )
@@ -295,27 +320,46 @@ class OffloadManager:
         return job
 
     def blocks_computed(
-        self, request_id: str | None, block_hashes: Sequence[int], device_blocks: Sequence[int]
+        self,
+        request_id: str | None,
+        block_hashes: Sequence[int],
+        device_blocks: Sequence[int],
+        tenant: str | None = None,
     ) -> int | None:
         """Eager mode: store the computed blocks not yet on the tier (F3 dedupe)."""
+        keys, device_blocks = self._keys_of_blocks(block_hashes, device_blocks, tenant)
         job: int | None = self.execute(
             BlocksComputed(
                 request_id=bd.optional_request_id(request_id),
-                block_hashes=bd.hashes(block_hashes),
+                block_hashes=bd.hashes(keys),
                 device_blocks=bd.device_blocks(device_blocks),
             )
         )
         return job
 
-    def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
+    def device_blocks_evicting(
+        self, block_hashes: Sequence[int], device_blocks: Sequence[int], tenant: str | None = None
+    ) -> int | None:
         """Lazy mode: store blocks the device cache is about to drop."""
-        command = DeviceBlocksEvicting(block_hashes=bd.hashes(block_hashes), device_blocks=bd.device_blocks(device_blocks))
+        keys, device_blocks = self._keys_of_blocks(block_hashes, device_blocks, tenant)
+        command = DeviceBlocksEvicting(block_hashes=bd.hashes(keys), device_blocks=bd.device_blocks(device_blocks))
         job: int | None = self.execute(command)
         return job
 
-    def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
+    def _keys_of_blocks(
+        self, block_hashes: Sequence[int], device_blocks: Sequence[int], tenant: str | None
+    ) -> tuple[Sequence[int], Sequence[int]]:
+        """The keys of a store's blocks, and its device blocks cut to match when a collision
+        cut the keys short (a call whose lengths differ is refused as it is)."""
+        keys = self.keys(block_hashes, tenant)
+        if len(keys) < len(block_hashes) and len(device_blocks) == len(block_hashes):
+            device_blocks = device_blocks[: len(keys)]
+        return keys, device_blocks
+
+    def touch(self, block_hashes: Sequence[int], reuse: bool = True, tenant: str | None = None) -> int:
         """Recency for resident blocks in this order; ``reuse=False`` only reorders."""
-        answer = self.execute(Touch(block_hashes=bd.hashes(block_hashes), reuse=bd.flag(reuse, "reuse")))
+        keys = self.keys(block_hashes, tenant)
+        answer = self.execute(Touch(block_hashes=bd.hashes(keys), reuse=bd.flag(reuse, "reuse")))
         return int(answer)
 
     def evict(self, num_blocks: int) -> int:
@@ -335,7 +379,14 @@ class OffloadManager:
         if not self.state.queued:  # (nothing queued: nothing to decide, nothing recorded)
             return []
         jobs: list[TransferJob] = self.execute(PlanStep(now_ms=now_ms))
-        return jobs
+        return [self._named(job) if job.direction in _NAMED else job for job in jobs]
+
+    def _named(self, job: TransferJob) -> TransferJob:
+        """A disk or remote job with its blocks' full names (a name forgotten is an empty
+        one: the tier fails that job rather than guess)."""
+        name = self.names.name
+        names = tuple(name(h) or BlockName(h, b"") for h in job.hashes)
+        return msgspec.structs.replace(job, names=names)
 
     def job_result(
         self, job_id: int, rank: int = 0, ok: bool = True, error: str | None = None, corrupt: Sequence[int] = ()
@@ -377,13 +428,13 @@ class OffloadManager:
         answer = self.execute(command)
         return bool(answer)
 
-    def invalidate(self, block_hashes: Sequence[int]) -> int:
+    def invalidate(self, block_hashes: Sequence[int], tenant: str | None = None) -> int:
         """The engine learned that these blocks' bytes are bad (F17): the resident, unpinned
         ones are evicted (reason ``invalidated``) so no lookup offers them again and a
         recompute stores them anew. Returns how many were evicted; blocks pinned by a
         request's lookup or load, or still being stored, stay (a load of them that fails
         its integrity check evicts them)."""
-        answer = self.execute(Invalidate(block_hashes=bd.hashes(block_hashes)))
+        answer = self.execute(Invalidate(block_hashes=bd.hashes(self.keys(block_hashes, tenant))))
         return int(answer)
 
     def remote_found(self, block_hashes: Sequence[int]) -> int:
@@ -392,31 +443,46 @@ class OffloadManager:
         answer = self.execute(RemoteFound(block_hashes=bd.hashes(block_hashes)))
         return int(answer)
 
-    def disk_restored(self, entries: Sequence[tuple[int, int]]) -> int:
-        """A warm restart: the disk tier's journal vouches for these ``(disk slot, block hash)``
+    def disk_restored(self, entries: Sequence[tuple[int, BlockName]]) -> int:
+        """A warm restart: the disk tier's journal vouches for these ``(disk slot, block name)``
         entries; lookups that miss the CPU tier on them load them from disk. Returns how many
-        joined the disk index (an entry whose slot or block is taken already is skipped)."""
+        joined the disk index (an entry whose slot or block is taken already is skipped, and
+        so is one whose key another name holds)."""
+        if not all(isinstance(n, BlockName) for _, n in entries):
+            raise Rejected("disk entries must be (disk slot, BlockName) pairs")
+        fits = self.names.fits
+        entries = [(s, n) for s, n in entries if fits(n)]
         slots = bd.ints([s for s, _ in entries], "disk slots")
-        hashes = bd.hashes([h for _, h in entries])
+        hashes = bd.hashes([n.key for _, n in entries])
         answer = self.execute(DiskRestored(block_hashes=hashes, disk_slots=slots))
+        self.names.add([n for _, n in entries])
         return int(answer)
 
     def remote_probe_candidates(
-        self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int, hits: int
-    ) -> list[int]:
+        self,
+        block_hashes: Sequence[int],
+        num_tokens: int,
+        device_hit_blocks: int,
+        hits: int,
+        tenant: str | None = None,
+    ) -> list[BlockName]:
         """After a lookup that hit ``hits`` blocks: the blocks worth asking the remote tier
-        about (neither on the CPU tier nor known remotely), in prefix order. A query."""
+        about (neither on the CPU tier nor known remotely), in prefix order, by name. A query."""
         cap = hit_cap_blocks(int(num_tokens), self.config.block_tokens)
-        window = list(block_hashes[int(device_hit_blocks) + int(hits) : cap])
-        return probe_candidates(self.state, window)
+        keys = self.keys(block_hashes, tenant)
+        window = list(keys[int(device_hit_blocks) + int(hits) : cap])
+        name = self.names.name
+        return [n for n in map(name, probe_candidates(self.state, window)) if n is not None]
 
-    def arriving(self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0) -> int:
+    def arriving(
+        self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0, tenant: str | None = None
+    ) -> int:
         """How many of a request's blocks right after its CPU-tier hits (those after the first
         ``device_hit_blocks``) a lower tier (disk, remote) is loading into the CPU tier now. An
         engine that can hold a request back (vLLM: "ask again later") waits for them, then its
         next lookup hits them. A query."""
         cap = hit_cap_blocks(int(num_tokens), self.config.block_tokens)
-        return arriving(self.state, block_hashes[int(device_hit_blocks) : cap])
+        return arriving(self.state, self.keys(block_hashes, tenant)[int(device_hit_blocks) : cap])
 
     def reset(self) -> None:
         """Forget the tier: queued jobs are cancelled, in-flight ones abandoned (their slots
@@ -472,5 +538,8 @@ class OffloadManager:
             if job.fenced
         ]
 
+
+# the jobs whose tier keys its entries by the blocks' full names
+_NAMED = frozenset((*COPYING_DOWN, DISK_LOAD, REMOTE_LOAD))
 
 __all__ = ["OffloadManager"]

@@ -16,6 +16,7 @@ from kvflow.core.commands import JobResult
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import TransferJob
+from kvflow.core.names import BlockName
 
 
 @runtime_checkable
@@ -68,10 +69,11 @@ class KeepsTime(Protocol):
 @runtime_checkable
 class ProbesRemoteTier(Protocol):
     """An executor beside a remote tier (``kvflow.tiers``): ``probe`` asks the tier, off the
-    engine's thread, which of these blocks it holds; ``take_found`` hands over what the probes
-    found since the last call. A config with a remote tier (``remote_blocks > 0``) needs it."""
+    engine's thread, which of these blocks (by full name) it holds; ``take_found`` hands over
+    the keys of what the probes found since the last call. A config with a remote tier
+    (``remote_blocks > 0``) needs it."""
 
-    def probe(self, block_hashes: Sequence[int]) -> None: ...
+    def probe(self, names: Sequence[BlockName]) -> None: ...
 
     def take_found(self) -> list[int]: ...
 
@@ -79,7 +81,7 @@ class ProbesRemoteTier(Protocol):
 @runtime_checkable
 class ServesDiskTier(Protocol):
     """An executor that runs the disk tier's jobs (``disk_store`` / ``disk_load``):
-    ``disk_entries`` lists what the tier held when it was opened, ``(disk slot, block hash)``
+    ``disk_entries`` lists what the tier held when it was opened, ``(disk slot, block name)``
     pairs its journal vouches for (a warm restart; the engine indexes them when it is built);
     ``disk_problem`` says what is wrong with the tier now (a full or read-only file system, a
     file gone or failing), or None. A config with a disk tier (``disk_blocks > 0``) needs it,
@@ -88,7 +90,7 @@ class ServesDiskTier(Protocol):
     @property
     def disk_slots(self) -> int: ...
 
-    def disk_entries(self) -> list[tuple[int, int]]: ...
+    def disk_entries(self) -> list[tuple[int, BlockName]]: ...
 
     def disk_problem(self) -> str | None: ...
 

@@ -119,30 +119,42 @@ class SyncEngine:
     # -- scheduling-time calls (forwarded; Rejected propagates: it is the caller's bug) ---
 
     def lookup(
-        self, request_id: str, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0
+        self,
+        request_id: str,
+        block_hashes: Sequence[int],
+        num_tokens: int,
+        device_hit_blocks: int = 0,
+        tenant: str | None = None,
     ) -> int:
         """How many of the request's blocks after its first ``device_hit_blocks`` (those the
         device cache already holds) the CPU tier can load, counted in blocks. Those hits are
         pinned for the request until ``accept_hits`` takes them into a load, or releases them
         (``accept_hits(request_id, [])``), or the request finishes. ``block_hashes`` are the
-        request's full-block hashes in prefix order; at most ``num_tokens - 1`` tokens hit."""
-        hits = self.manager.lookup(request_id, block_hashes, num_tokens, device_hit_blocks)
+        request's full-block hashes in prefix order; at most ``num_tokens - 1`` tokens hit.
+
+        A block hash is an int of up to 256 bits (vLLM's SHA-256 whole): the shared tiers key
+        their entries by all of it. ``tenant`` (vLLM's ``cache_salt``) keeps a tenant's
+        blocks apart: a block stored for one tenant never hits for another, in any tier;
+        every call naming blocks takes it."""
+        hits = self.manager.lookup(request_id, block_hashes, num_tokens, device_hit_blocks, tenant)
         if self._prober is not None:
             # the remote tier is asked (in its executor's thread) about the blocks past the
             # hits that neither tier is known to hold; what it finds is recorded at the next step
-            wanted = self.manager.remote_probe_candidates(block_hashes, num_tokens, device_hit_blocks, hits)
+            wanted = self.manager.remote_probe_candidates(block_hashes, num_tokens, device_hit_blocks, hits, tenant)
             if wanted:
                 self._prober.probe(wanted)
         self.counters.lookups += 1
         self.counters.lookup_tokens += num_tokens
         return hits
 
-    def arriving(self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0) -> int:
+    def arriving(
+        self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0, tenant: str | None = None
+    ) -> int:
         """How many of a request's blocks right after its CPU-tier hits a lower tier (disk,
         remote) is loading into the CPU tier now (a lookup queued their load). An engine that
         can hold the request back waits for them (a few steps, bounded by the job deadline),
         then looks up again and hits them."""
-        return self.manager.arriving(block_hashes, num_tokens, device_hit_blocks)
+        return self.manager.arriving(block_hashes, num_tokens, device_hit_blocks, tenant)
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated ``device_blocks`` for the first ``len(device_blocks)`` hits of
@@ -153,26 +165,32 @@ class SyncEngine:
         return self.manager.accept_hits(request_id, device_blocks)
 
     def blocks_computed(
-        self, request_id: str | None, block_hashes: Sequence[int], device_blocks: Sequence[int]
+        self,
+        request_id: str | None,
+        block_hashes: Sequence[int],
+        device_blocks: Sequence[int],
+        tenant: str | None = None,
     ) -> int | None:
         """Eager mode: these full blocks were computed, ``block_hashes[i]`` in
         ``device_blocks[i]``, in prefix order. The ones not on the tier are stored (job id,
         or None); the rest are deduplicated (F3). A store never evicts the request's own
         chain (F16); what does not fit is counted in ``rejected_store_blocks``."""
-        return self.manager.blocks_computed(request_id, block_hashes, device_blocks)
+        return self.manager.blocks_computed(request_id, block_hashes, device_blocks, tenant)
 
-    def device_blocks_evicting(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> int | None:
+    def device_blocks_evicting(
+        self, block_hashes: Sequence[int], device_blocks: Sequence[int], tenant: str | None = None
+    ) -> int | None:
         """Lazy mode: the device cache is about to drop these blocks; store the missing ones
         (the job id, or None). Keep the device blocks until a report releases them."""
-        return self.manager.device_blocks_evicting(block_hashes, device_blocks)
+        return self.manager.device_blocks_evicting(block_hashes, device_blocks, tenant)
 
-    def touch(self, block_hashes: Sequence[int], reuse: bool = True) -> int:
+    def touch(self, block_hashes: Sequence[int], reuse: bool = True, tenant: str | None = None) -> int:
         """Extra recency for the blocks on the tier among ``block_hashes``, in this order (the
         last is the most recent); returns how many were on the tier. Not needed for a
         request's own chain: with ``Config.chain_recency`` (the default) ``accept_hits`` and
         ``finish_request`` apply it. ``reuse=False`` only reorders: under ARC ``reuse=True``
         counts a second use and promotes every fresh block to T2."""
-        return self.manager.touch(block_hashes, reuse)
+        return self.manager.touch(block_hashes, reuse, tenant)
 
     def finish_request(self, request_id: str, preempted: bool = False) -> bool:
         """The request finished (or was preempted): its unaccepted hits are unpinned now; its
@@ -182,10 +200,10 @@ class SyncEngine:
         forgotten)."""
         return self.manager.finish_request(request_id, preempted)
 
-    def invalidate(self, block_hashes: Sequence[int]) -> int:
+    def invalidate(self, block_hashes: Sequence[int], tenant: str | None = None) -> int:
         """The engine learned these blocks' bytes are bad: evict the resident, unpinned ones
         (F17) so they are never offered again; returns how many."""
-        return self.manager.invalidate(block_hashes)
+        return self.manager.invalidate(block_hashes, tenant)
 
     def reset(self) -> None:
         """Clear the tier (vLLM's reset_prefix_cache): queued jobs are cancelled, in-flight

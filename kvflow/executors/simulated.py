@@ -35,6 +35,7 @@ from typing import Any
 from kvflow.core.commands import JobResult
 from kvflow.core.errors import ConfigError, Rejected, UnknownJob
 from kvflow.core.jobs import DISK_LOAD, DISK_STORE, LOAD, STORE, TransferJob
+from kvflow.core.names import BlockName
 from kvflow.core.values import is_int
 
 _job_id = operator.attrgetter("job_id")
@@ -280,7 +281,7 @@ class SimulatedExecutor:
     def disk_slots(self) -> int:
         return self._disk_slots
 
-    def disk_entries(self) -> list[tuple[int, int]]:
+    def disk_entries(self) -> list[tuple[int, BlockName]]:
         """A simulated disk starts empty."""
         return []
 

@@ -29,6 +29,7 @@ from kvflow.core.commands import JobResult
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import DISK_LOAD, DISK_STORE, TransferJob
+from kvflow.core.names import BlockName, name_of
 from kvflow.tiers.disk_file import DiskEntryFile
 from kvflow.tiers.entry import Layout
 from kvflow.tiers.host_slots import OwnsPool, SlotPages
@@ -73,10 +74,10 @@ class DiskTierExecutor:
     def disk_slots(self) -> int:
         return self.disk.slots
 
-    def disk_entries(self) -> list[tuple[int, int]]:
-        """What the tier held when it was opened: ``(disk slot, block hash)`` pairs its
+    def disk_entries(self) -> list[tuple[int, BlockName]]:
+        """What the tier held when it was opened: ``(disk slot, block name)`` pairs its
         journal vouches for."""
-        return list(self.disk.recovered)
+        return [(s, name_of(h)) for s, h in self.disk.recovered]
 
     def disk_problem(self) -> str | None:
         return self.disk.degraded()

@@ -35,6 +35,7 @@ from typing import Any
 
 from kvflow.core.commands import JobResult
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
+from kvflow.core.names import BlockName
 from kvflow.tiers.entry import Miss
 from kvflow.tiers.host_slots import SlotPages
 
@@ -118,9 +119,9 @@ class RemoteTierExecutor:
             if job.direction in REMOTE_DIRECTIONS:
                 self._work.put((job, deadline))
 
-    def probe(self, block_hashes: Sequence[int]) -> None:
+    def probe(self, names: Sequence[BlockName]) -> None:
         now, absent = self._clock(), self._absent_until
-        todo = [h for h in block_hashes if h not in self._probing and absent.get(h, 0.0) <= now]
+        todo = [n.key for n in names if n.key not in self._probing and absent.get(n.key, 0.0) <= now]
         if todo:
             self._probing.update(dict.fromkeys(todo))
             self._work.put((tuple(todo), self._clock() + self._deadline_s))

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from kvflow.core.commands import JobResult
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
+from kvflow.core.names import BlockName
 
 
 class SimulatedRemoteStore:
@@ -100,8 +101,9 @@ class SimulatedRemoteExecutor:
     def _answer(self, job_id: int, ok: bool, error: str | None) -> None:
         self._ready.extend(JobResult(job_id=job_id, rank=r, ok=ok, error=error) for r in range(self._world))
 
-    def probe(self, block_hashes: Sequence[int]) -> None:
-        self._found.extend(h for h, there in zip(block_hashes, self.store.contains(block_hashes)) if there)
+    def probe(self, names: Sequence[BlockName]) -> None:
+        keys = [n.key for n in names]
+        self._found.extend(h for h, there in zip(keys, self.store.contains(keys)) if there)
 
     def take_found(self) -> list[int]:
         found, self._found = self._found, []

@@ -14,6 +14,7 @@ from core_helpers import DEADLINE_MS, consistent, manager, store, tokens
 from kvflow.core.config import Config, config_from_dict
 from kvflow.core.errors import ConfigError, Rejected
 from kvflow.core.jobs import DISK_LOAD, DISK_STORE
+from kvflow.core.names import name_of
 from kvflow.core.state.tables import BlockState
 from kvflow.engine.manager import OffloadManager
 from kvflow.log.reader import TraceReader
@@ -159,7 +160,8 @@ def test_a_reset_keeps_the_disk_index_and_fences_its_copies() -> None:
 
 def test_F22_a_warm_restart_indexes_what_the_journal_vouches_for() -> None:
     m = disk_manager()
-    assert m.disk_restored([(3, 100), (5, 101), (5, 102), (6, 100)]) == 2  # a slot or block once
+    restored = [(3, name_of(100)), (5, name_of(101)), (5, name_of(102)), (6, name_of(100))]
+    assert m.disk_restored(restored) == 2  # a slot or block once
     disk = m.state.disk
     assert disk is not None and disk.slot_of == {100: 3, 101: 5}
     assert 3 not in disk.free and 5 not in disk.free
@@ -167,9 +169,9 @@ def test_F22_a_warm_restart_indexes_what_the_journal_vouches_for() -> None:
     (load,) = m.state.jobs.values()
     assert load.disk_slots == (3, 5)
     with pytest.raises(Rejected):
-        m.disk_restored([(8, 1)])  # beyond the tier
+        m.disk_restored([(8, name_of(1))])  # beyond the tier
     with pytest.raises(Rejected):
-        disk_manager(disk_blocks=0).disk_restored([(0, 1)])
+        disk_manager(disk_blocks=0).disk_restored([(0, name_of(1))])
     consistent(m)
 
 
@@ -177,7 +179,7 @@ def test_a_refused_restore_changes_nothing() -> None:
     m = disk_manager()
     before = m.state.digest()
     with pytest.raises(Rejected):
-        m.disk_restored([(0, 1), (-1, 2)])
+        m.disk_restored([(0, name_of(1)), (-1, name_of(2))])
     assert m.state.digest() == before and m.state.next_seq == 1
 
 
@@ -198,7 +200,7 @@ def test_a_trace_with_a_disk_tier_replays_and_redecides(tmp_path: Path) -> None:
     path = tmp_path / "disk.jsonl"
     config = Config(cpu_blocks=2, block_tokens=4, disk_blocks=5, disk_store_mode="write_through", job_deadline_ms=DEADLINE_MS)
     m = OffloadManager(config, log=TraceWriter(str(path), config, checkpoint_every=5))
-    m.disk_restored([(2, 50)])
+    m.disk_restored([(2, name_of(50))])
     for i, chain in enumerate([[1, 2], [3, 4], [1, 2], [50, 3], [50, 3], [7, 8]]):
         rid = f"r{i}"
         hits = m.lookup(rid, chain, tokens(len(chain)))
@@ -234,7 +236,7 @@ def test_incidents_and_inspect_tell_what_happened_to_disk_jobs(tmp_path: Path) -
     m.plan_step(0.0)
     m.job_result(job + 1, ok=False, error="disk store failed on 1 of 1 blocks (block 1: ENOSPC: No space left on device)")
     m.finish_request("a")
-    m.disk_restored([(3, 7)])
+    m.disk_restored([(3, name_of(7))])
     m.lookup("b", [7, 8], tokens(2))
     m.accept_hits("b", [])
     m.plan_step(1.0)

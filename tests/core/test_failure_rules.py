@@ -625,16 +625,16 @@ def test_F12_unknown_request_is_refused() -> None:
     unchanged_after(m, lambda: m.accept_hits("ghost", [1]), UnknownRequest)
 
 
-@pytest.mark.parametrize("bad_hash", [2**64, -(2**63) - 1, 2**70])
-def test_F12_a_block_hash_the_digest_cannot_encode_is_refused_up_front(bad_hash: int) -> None:
+@pytest.mark.parametrize("bad_hash", [2**256, -(2**255) - 1, 2**300])
+def test_F12_a_block_hash_wider_than_256_bits_is_refused_up_front(bad_hash: int) -> None:
     m = manager()
     unchanged_after(m, lambda: m.blocks_computed("r", [A, bad_hash], [1, 2]), Rejected)
     unchanged_after(m, lambda: m.lookup("r", [bad_hash], tokens(1)), Rejected)
     unchanged_after(m, lambda: m.touch([bad_hash]), Rejected)
     unchanged_after(m, lambda: m.device_blocks_evicting([bad_hash], [3]), Rejected)
-    # the edges of 64 bits (signed and unsigned) are fine, and digest
-    store(m, "r", [2**64 - 1, -(2**63)], [1, 2])
-    assert m.lookup("q", [2**64 - 1, -(2**63), 5], tokens(3)) == 2
+    # the edges of 64 and 256 bits (signed and unsigned) are fine, and digest
+    store(m, "r", [2**64 - 1, -(2**63), 2**256 - 1, -(2**255)], [1, 2, 3, 4])
+    assert m.lookup("q", [2**64 - 1, -(2**63), 2**256 - 1, -(2**255), 5], tokens(5)) == 4
     assert len(m.state.digest()) == 32
     consistent(m)
 
@@ -856,7 +856,7 @@ def test_F17_invalidate_evicts_resident_unpinned_blocks_and_nothing_else() -> No
     assert evicted.hashes == (B,) and evicted.reason == "invalidated"
     assert m.state.is_resident(A) and m.state.is_resident(C) and pending
     assert m.invalidate([]) == 0 and m.invalidate([B]) == 0
-    unchanged_after(m, lambda: m.invalidate([2**64]), Rejected)
+    unchanged_after(m, lambda: m.invalidate([2**256]), Rejected)
     consistent(m)
 
 

@@ -39,6 +39,7 @@ from kvflow.core.events import (
     LateResultIgnored,
 )
 from kvflow.core.jobs import TransferJob, ranks_in, ranks_missing
+from kvflow.core.names import name_of
 from kvflow.core.state.apply import fold
 from kvflow.core.state.invariants import check_invariants
 from kvflow.core.state.model import State
@@ -643,7 +644,7 @@ class OffloadMachineDisk(OffloadMachine):
         for h, s in zip(hashes, slots):
             if h not in indexed and s in free and s not in accepted.values():
                 accepted[h] = s
-        assert self.m.disk_restored(list(zip(slots, hashes))) == len(accepted)
+        assert self.m.disk_restored([(s, name_of(h)) for s, h in zip(slots, hashes)]) == len(accepted)
         assert all(disk.slot_of[h] == s for h, s in accepted.items())
 
     @invariant()

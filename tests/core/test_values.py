@@ -75,12 +75,13 @@ def test_F19_a_nan_clock_cannot_make_a_job_that_never_times_out() -> None:
     assert engine.manager.state.queued  # nothing was submitted with a NaN deadline
 
 
-def test_F19_hashes_and_device_blocks_fit_in_64_bits() -> None:
+def test_F19_hashes_fit_in_256_bits_and_device_blocks_in_64() -> None:
     m = manager()
-    refused(m, lambda: m.blocks_computed("a", [2**64], [0]), "64 bits")
-    refused(m, lambda: m.blocks_computed("a", [-(2**63) - 1], [0]), "64 bits")
+    refused(m, lambda: m.blocks_computed("a", [2**256], [0]), "256 bits")
+    refused(m, lambda: m.blocks_computed("a", [-(2**255) - 1], [0]), "256 bits")
     refused(m, lambda: m.blocks_computed("a", [5], [2**64]), "does not fit in 64 bits")
-    refused(m, lambda: m.lookup("b", [2**64], 9), "64 bits")
+    refused(m, lambda: m.lookup("b", [2**256], 9), "256 bits")
+    refused(m, lambda: m.lookup("b", [2**64, 1.5], 9), "must be integers")
     refused(m, lambda: m.touch([1.5]), "must be integers")
     refused(m, lambda: m.blocks_computed("a", [5], ["x"]), "device blocks must be integers")
     assert m.blocks_computed("a", [2**64 - 1, -(2**63)], [2**64 - 1, 0]) is not None
@@ -125,7 +126,7 @@ def test_F19_every_recorded_trace_reads_back_after_refusals(tmp_path: Path) -> N
     config = Config(cpu_blocks=8, block_tokens=4)
     m = OffloadManager(config, log=TraceWriter(path, config, checkpoint_every=2))
     for call in (
-        lambda: m.lookup("a", [1, 2**64], 9),
+        lambda: m.lookup("a", [1, 2**256], 9),
         lambda: m.plan_step(math.nan),
         lambda: m.touch([1], reuse="yes"),
         lambda: m.blocks_computed(3, [1], [0]),

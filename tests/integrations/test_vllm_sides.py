@@ -15,6 +15,7 @@ from kvflow.core.commands import JobResult
 from kvflow.core.errors import ConfigError
 from kvflow.core.events import EVENT_TYPES, JobCompleted, JobFailed, LateResultIgnored
 from kvflow.core.jobs import TransferJob
+from kvflow.core.names import name_of
 from kvflow.core.state.invariants import check_invariants
 from kvflow.integrations.vllm.sides import (
     ConnectorConfig,
@@ -143,11 +144,11 @@ def test_a_warm_restart_indexes_what_every_rank_holds_then_waits_for_the_disk_lo
     side = disk_side(world_size=2)
     h1, h2 = kvflow_hash(hashes(1)[0]), kvflow_hash(hashes(2)[0])
     assert side.matched_tokens("early", hashes(1, 2), 2 * B + 1, 0) is None  # what the disks hold is not known yet
-    side.disk_entries({0: [(0, h1), (1, h2)]})
+    side.disk_entries({0: [(0, name_of(h1)), (1, name_of(h2))]})
     assert side.manager.state.disk is not None and side.manager.state.disk.slot_of == {}  # rank 1 not yet
-    side.disk_entries({1: [(0, h1), (5, h2)]})
+    side.disk_entries({1: [(0, name_of(h1)), (5, name_of(h2))]})
     assert side.disk_restored == 1 and side.manager.state.disk.slot_of == {h1: 0}
-    side.disk_entries({0: [(1, h2)], 1: [(1, h2)]})  # (sent once: later lists change nothing)
+    side.disk_entries({0: [(1, name_of(h2))], 1: [(1, name_of(h2))]})  # (sent once: later lists change nothing)
     assert side.manager.state.disk.slot_of == {h1: 0}
     assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) is None  # its disk load runs
     plan = side.step([], [])
@@ -162,7 +163,7 @@ def test_a_warm_restart_indexes_what_every_rank_holds_then_waits_for_the_disk_lo
 def test_a_disk_load_that_fails_lets_the_request_go_on_without_it() -> None:
     side = disk_side()
     h1 = kvflow_hash(hashes(1)[0])
-    side.disk_entries({0: [(2, h1)]})
+    side.disk_entries({0: [(2, name_of(h1))]})
     assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) is None
     (disk_load,) = side.step([], []).jobs
     side.results([JobResult(job_id=disk_load.job_id, ok=False, error="disk load failed (block 1: checksum mismatch)")])

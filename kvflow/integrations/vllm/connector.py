@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.core.commands import JobResult
+from kvflow.core.names import BlockName
 from kvflow.integrations.vllm.kv_events import BlockRemoved, BlockStored
 from kvflow.integrations.vllm.sides import (
     ConnectorConfig,
@@ -75,7 +76,7 @@ if HAVE_VLLM:
 
         results: list[JobResult] = field(default_factory=list)
         # rank -> what its disk tier held when it opened (sent once, a warm restart)
-        disk_entries: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+        disk_entries: dict[int, list[tuple[int, BlockName]]] = field(default_factory=dict)
 
         def aggregate(self, other: KVFlowWorkerMetadata) -> KVFlowWorkerMetadata:
             return KVFlowWorkerMetadata(

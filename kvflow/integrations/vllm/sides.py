@@ -33,6 +33,7 @@ from kvflow.core.commands import JobResult
 from kvflow.core.config import DISK_STORE_MODES, Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import LOAD, STORE, TransferJob
+from kvflow.core.names import BlockName
 from kvflow.core.policies.registry import policy_class
 from kvflow.core.values import ID_LIMIT, is_int
 from kvflow.engine.manager import OffloadManager
@@ -47,10 +48,10 @@ if TYPE_CHECKING:  # (torch is imported when a worker registers its KV caches)
 
 
 def kvflow_hash(block_hash: bytes | int) -> int:
-    """A vLLM block hash as kvflow's 64-bit int."""
+    """A vLLM block hash as kvflow's 64-bit int (signed: its own key, kvflow.core.names)."""
     if isinstance(block_hash, (bytes, bytearray)):
-        return int.from_bytes(bytes(block_hash[:8]), "big")
-    return int(block_hash) % ID_LIMIT
+        return int.from_bytes(bytes(block_hash[:8]), "big", signed=True)
+    return (int(block_hash) + 2**63) % ID_LIMIT - 2**63
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ class SchedulerSide:
         self._world_size = world_size
         # a warm restart: each rank's disk tier sends what its journal vouches for once; the
         # entries every rank holds are indexed when the last rank's list came
-        self._disk_entries: dict[int, list[tuple[int, int]]] | None = {}
+        self._disk_entries: dict[int, list[tuple[int, BlockName]]] | None = {}
         self.disk_restored = 0
         log: Log = NullLog()
         if config.trace_path:
@@ -326,7 +327,7 @@ class SchedulerSide:
                 self.manager.blocks_computed(request_id, tracked.hashes[a:b], tracked.block_ids[a:b])
         tracked.next_store = full
 
-    def disk_entries(self, by_rank: Mapping[int, Sequence[tuple[int, int]]]) -> None:
+    def disk_entries(self, by_rank: Mapping[int, Sequence[tuple[int, BlockName]]]) -> None:
         """A worker's disk tier sent what it held at start (a warm restart): once every rank's
         list came, the entries all of them hold join the disk index."""
         waiting = self._disk_entries
@@ -335,7 +336,7 @@ class SchedulerSide:
         waiting.update({rank: list(entries) for rank, entries in by_rank.items()})
         if len(waiting) < self._world_size:
             return
-        everywhere = sorted(set.intersection(*(set(entries) for entries in waiting.values())))
+        everywhere = sorted(set.intersection(*(set(entries) for entries in waiting.values())), key=lambda e: e[0])
         self._disk_entries = None
         self.disk_restored = self.manager.disk_restored(everywhere) if everywhere else 0
 
@@ -409,7 +410,7 @@ class WorkerSide:
         self.model = model
         self.block_tokens = block_tokens
         self.executor: Any = None  # a TorchExecutor, behind a disk tier when there is one
-        self._disk_entries: list[tuple[int, int]] | None = None  # to send once
+        self._disk_entries: list[tuple[int, BlockName]] | None = None  # to send once
         self._jobs: dict[int, TransferJob] = {}  # submitted, not reported
         self._pending_loads: list[TransferJob] = []
         self._pending_stores: list[TransferJob] = []
@@ -455,7 +456,7 @@ class WorkerSide:
             self.executor = executor
         return int(layout.block_bytes)
 
-    def take_disk_entries(self) -> list[tuple[int, int]] | None:
+    def take_disk_entries(self) -> list[tuple[int, BlockName]] | None:
         """What this rank's disk tier held when it opened, once (then None)."""
         out, self._disk_entries = self._disk_entries, None
         return out

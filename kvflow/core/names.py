@@ -98,13 +98,14 @@ def checked_hashes(values: Sequence[int]) -> list[int]:
 
 
 class BlockNames:
-    """The names behind the derived keys the engine has seen (see the module doc).
+    """The names behind the derived keys the tiers hold (see the module doc).
 
-    ``keys`` turns an engine call's hashes into keys, remembering each derived key's name and
-    stopping at the first collision; ``name`` gives a key's name back (for the shared tiers'
-    jobs and probes). The table forgets the names of keys no tier holds any more (``prune``,
-    called by the engine's step): it keeps every key the state still knows and every key
-    named since the previous prune, so a probe's answer or a store on its way finds its names.
+    ``keys`` turns an engine call's hashes into keys, stopping at the first collision;
+    ``add`` remembers the names of blocks a tier takes (a store, a probe, a warm restart);
+    ``name`` gives a key's name back (for the shared tiers' jobs and probes). The table
+    forgets the names of keys no tier holds any more (``prune``, called by the engine's step):
+    it keeps every key the state still knows and every key named since the previous prune, so
+    a probe's answer or a store on its way finds its names.
     """
 
     def __init__(self) -> None:
@@ -115,10 +116,11 @@ class BlockNames:
 
     def keys(
         self, block_hashes: Sequence[int], tenant: bytes = NO_TENANT
-    ) -> tuple[int, ...] | None:
+    ) -> tuple[tuple[int, ...], list[BlockName]] | None:
         """The keys of ``block_hashes`` (checked) for ``tenant``, up to the first one whose key
-        another name holds; None when they are all their own keys (the common case: nothing
-        to remember, the hashes are the keys)."""
+        another name holds (``collisions`` counts it), and the names among them the table does
+        not hold yet (for ``add`` once the call is accepted); None when every hash is its own
+        key (the common case: the hashes are the keys, no name to remember)."""
         if not len(block_hashes):
             return None
         if tenant == NO_TENANT:
@@ -128,20 +130,20 @@ class BlockNames:
             except TypeError:
                 pass  # (named by checked_hashes)
         keys: list[int] = []
-        table, recent = self.table, self._recent
+        fresh: dict[int, BlockName] = {}
+        table = self.table
         for h in checked_hashes(block_hashes):
             name = name_of(h, tenant)
             key = name.key
             if not is_own_key(key):
-                known = table.get(key)
+                known = table.get(key) or fresh.get(key)
                 if known is None:
-                    table[key] = name
+                    fresh[key] = name
                 elif known != name:
                     self.collisions += 1
                     break
-                recent[key] = None
             keys.append(key)
-        return tuple(keys)
+        return tuple(keys), list(fresh.values())
 
     def fits(self, name: BlockName) -> bool:
         """Whether ``name`` is what its key stands for (no other name holds the key, and the

@@ -53,7 +53,7 @@ from kvflow.core.decide.remote import probe_candidates
 from kvflow.core.errors import ConcurrentCall, EngineClosed, Rejected
 from kvflow.core.events import EVENT_TYPES, Event, Reset
 from kvflow.core.jobs import COPYING_DOWN, DISK_LOAD, LOAD, REMOTE_LOAD, TransferJob, ranks_missing
-from kvflow.core.names import BlockName, BlockNames, tenant_id
+from kvflow.core.names import BlockName, BlockNames, full_hash, tenant_id
 from kvflow.core.state.apply import live_applier
 from kvflow.core.state.model import State
 from kvflow.core.state.tables import JobState
@@ -77,7 +77,9 @@ class OffloadManager:
 
     _emit: Callable[[Event], None]  # the deciders' emit (see _rebuild_dispatch)
 
-    def __init__(self, config: Config, log: Log | None = None, *, paranoid: bool = False, logger: Any = None) -> None:
+    def __init__(
+        self, config: Config, log: Log | None = None, *, paranoid: bool = False, logger: Any = None
+    ) -> None:
         """``log`` records the commands and events (default: a ``MemoryLog``). ``logger``
         (structlog's ``kvflow`` logger by default) takes the warning about an executor result
         a step refused. ``paranoid=True`` re-checks every event's legality as it is applied
@@ -163,7 +165,9 @@ class OffloadManager:
         finally:
             self._emit = emit
 
-    def subscribe(self, callback: Callable[[Any], None], event_types: Sequence[type] | None = None) -> None:
+    def subscribe(
+        self, callback: Callable[[Any], None], event_types: Sequence[type] | None = None
+    ) -> None:
         """Call ``callback(event)`` for every event applied from now on whose type is in
         ``event_types`` (default: the callback's own ``event_types`` if it names them, a
         :class:`~kvflow.engine.protocols.SelectsEvents`; else every event), in log order, as
@@ -208,9 +212,18 @@ class OffloadManager:
         loads_failed = self.notice_book.notices.loads_failed
         for jid in event.abandoned_job_ids:
             job = jobs.get(jid)
-            if job is not None and job.direction == LOAD and job.request_id is not None and jid not in told:
+            if (
+                job is not None
+                and job.direction == LOAD
+                and job.request_id is not None
+                and jid not in told
+            ):
                 told.add(jid)
-                loads_failed.append(LoadFailure(job.request_id, jid, job.device_blocks, ABANDONED_BY_RESET, fenced=True))
+                loads_failed.append(
+                    LoadFailure(
+                        job.request_id, jid, job.device_blocks, ABANDONED_BY_RESET, fenced=True
+                    )
+                )
 
     def take_notices(self) -> Notices:
         """What happened since the last call (F4: kept until taken)."""
@@ -223,7 +236,12 @@ class OffloadManager:
     # -- the step ------------------------------------------------------------------------
 
     def step(
-        self, now_ms: float, results: Sequence[JobResult] = (), *, found: Sequence[int] = (), plan: bool = True
+        self,
+        now_ms: float,
+        results: Sequence[JobResult] = (),
+        *,
+        found: Sequence[int] = (),
+        plan: bool = True,
     ) -> tuple[list[TransferJob], StepReport]:
         """The scheduler half of one engine step at ``now_ms``: the executor's ``results`` are
         applied (a bad one is refused alone, logged and counted in the report, never raised:
@@ -248,7 +266,9 @@ class OffloadManager:
         book = self.notice_book
         # (a StepReport's first fields are the Notices', in their order: its positional ones)
         notices = msgspec.structs.astuple(book.take()) if book.notices != NO_NOTICES else ()
-        report = StepReport(*notices, now_ms=now_ms, submitted=jobs, timed_out=timed_out, refused_results=refused)
+        report = StepReport(
+            *notices, now_ms=now_ms, submitted=jobs, timed_out=timed_out, refused_results=refused
+        )
         return jobs, report
 
     def apply_results(self, results: Sequence[JobResult]) -> int:
@@ -274,7 +294,9 @@ class OffloadManager:
                 self.execute(outcome)
             except Rejected as exc:
                 refused += 1
-                self.logger.warning("kvflow.result_rejected", job=outcome.job_id, rank=outcome.rank, error=str(exc))
+                self.logger.warning(
+                    "kvflow.result_rejected", job=outcome.job_id, rank=outcome.rank, error=str(exc)
+                )
         return refused
 
     # -- the engine API ------------------------------------------------------------------
@@ -282,17 +304,21 @@ class OffloadManager:
     def keys(self, block_hashes: Sequence[int], tenant: str | None = None) -> Sequence[int]:
         """The keys the decisions use for ``block_hashes`` of ``tenant`` (kvflow.core.names):
         the hashes themselves when they fit 64 signed bits and no tenant is named; else
-        derived keys, their names remembered, stopping short of a block whose key another
-        name holds (a collision: that block and the rest are treated as absent). A hash is an
-        int in [-2**255, 2**256); a tenant a string (None or "" for none)."""
-        keys = self.names.keys(block_hashes, tenant_id(tenant))
-        return block_hashes if keys is None else keys
+        derived keys, stopping short of a block whose key another name holds (a collision:
+        that block and the rest are treated as absent). A hash is an int in [-2**255, 2**256);
+        a tenant a string (None or "" for none). A query: nothing is remembered."""
+        keyed = self.names.keys(block_hashes, tenant_id(tenant))
+        return block_hashes if keyed is None else keyed[0]
 
     def _knows(self, key: int) -> bool:
         """Whether a tier holds (or is filling) ``key``: its name must be kept."""
         state = self.state
         disk = state.disk
-        return key in state.slot_of or key in state.remote or (disk is not None and key in disk.slot_of)
+        return (
+            key in state.slot_of
+            or key in state.remote
+            or (disk is not None and key in disk.slot_of)
+        )
 
     def lookup(
         self,
@@ -315,7 +341,9 @@ class OffloadManager:
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated device blocks for the first hits: queue their load."""
-        command = AcceptHits(request_id=bd.request_id(request_id), device_blocks=bd.device_blocks(device_blocks))
+        command = AcceptHits(
+            request_id=bd.request_id(request_id), device_blocks=bd.device_blocks(device_blocks)
+        )
         job: int | None = self.execute(command)
         return job
 
@@ -327,7 +355,7 @@ class OffloadManager:
         tenant: str | None = None,
     ) -> int | None:
         """Eager mode: store the computed blocks not yet on the tier (F3 dedupe)."""
-        keys, device_blocks = self._keys_of_blocks(block_hashes, device_blocks, tenant)
+        keys, device_blocks, fresh = self._keys_of_blocks(block_hashes, device_blocks, tenant)
         job: int | None = self.execute(
             BlocksComputed(
                 request_id=bd.optional_request_id(request_id),
@@ -335,28 +363,38 @@ class OffloadManager:
                 device_blocks=bd.device_blocks(device_blocks),
             )
         )
+        self.names.add(fresh)
         return job
 
     def device_blocks_evicting(
         self, block_hashes: Sequence[int], device_blocks: Sequence[int], tenant: str | None = None
     ) -> int | None:
         """Lazy mode: store blocks the device cache is about to drop."""
-        keys, device_blocks = self._keys_of_blocks(block_hashes, device_blocks, tenant)
-        command = DeviceBlocksEvicting(block_hashes=bd.hashes(keys), device_blocks=bd.device_blocks(device_blocks))
+        keys, device_blocks, fresh = self._keys_of_blocks(block_hashes, device_blocks, tenant)
+        command = DeviceBlocksEvicting(
+            block_hashes=bd.hashes(keys), device_blocks=bd.device_blocks(device_blocks)
+        )
         job: int | None = self.execute(command)
+        self.names.add(fresh)
         return job
 
     def _keys_of_blocks(
         self, block_hashes: Sequence[int], device_blocks: Sequence[int], tenant: str | None
-    ) -> tuple[Sequence[int], Sequence[int]]:
-        """The keys of a store's blocks, and its device blocks cut to match when a collision
-        cut the keys short (a call whose lengths differ is refused as it is)."""
-        keys = self.keys(block_hashes, tenant)
+    ) -> tuple[Sequence[int], Sequence[int], list[BlockName]]:
+        """A store's keys, its device blocks cut to match when a collision cut the keys short
+        (a call whose lengths differ is refused as it is), and the names to remember once the
+        store is accepted (a refused call changes nothing)."""
+        keyed = self.names.keys(block_hashes, tenant_id(tenant))
+        if keyed is None:
+            return block_hashes, device_blocks, []
+        keys, fresh = keyed
         if len(keys) < len(block_hashes) and len(device_blocks) == len(block_hashes):
             device_blocks = device_blocks[: len(keys)]
-        return keys, device_blocks
+        return keys, device_blocks, fresh
 
-    def touch(self, block_hashes: Sequence[int], reuse: bool = True, tenant: str | None = None) -> int:
+    def touch(
+        self, block_hashes: Sequence[int], reuse: bool = True, tenant: str | None = None
+    ) -> int:
         """Recency for resident blocks in this order; ``reuse=False`` only reorders."""
         keys = self.keys(block_hashes, tenant)
         answer = self.execute(Touch(block_hashes=bd.hashes(keys), reuse=bd.flag(reuse, "reuse")))
@@ -389,7 +427,12 @@ class OffloadManager:
         return msgspec.structs.replace(job, names=names)
 
     def job_result(
-        self, job_id: int, rank: int = 0, ok: bool = True, error: str | None = None, corrupt: Sequence[int] = ()
+        self,
+        job_id: int,
+        rank: int = 0,
+        ok: bool = True,
+        error: str | None = None,
+        corrupt: Sequence[int] = (),
     ) -> None:
         """One executor outcome (``ok`` must be a bool: anything else is a failed result);
         ``corrupt`` names the blocks whose host copy failed its integrity check (F17)."""
@@ -418,13 +461,17 @@ class OffloadManager:
     def next_deadline_ms(self) -> float | None:
         """The earliest deadline of an in-flight job (when the next timeout can come)."""
         in_flight = JobState.IN_FLIGHT
-        return min((j.deadline_ms for j in self.state.jobs.values() if j.state is in_flight), default=None)
+        return min(
+            (j.deadline_ms for j in self.state.jobs.values() if j.state is in_flight), default=None
+        )
 
     def finish_request(self, request_id: str, preempted: bool = False) -> bool:
         """The request is done (or preempted): its offered pins are released at once; it
         leaves the state when its last live job ends. False (and nothing changes) for a
         request kvflow does not know: one it never saw or already forgot (F18)."""
-        command = FinishRequest(request_id=bd.request_id(request_id), preempted=bd.flag(preempted, "preempted"))
+        command = FinishRequest(
+            request_id=bd.request_id(request_id), preempted=bd.flag(preempted, "preempted")
+        )
         answer = self.execute(command)
         return bool(answer)
 
@@ -467,15 +514,28 @@ class OffloadManager:
         tenant: str | None = None,
     ) -> list[BlockName]:
         """After a lookup that hit ``hits`` blocks: the blocks worth asking the remote tier
-        about (neither on the CPU tier nor known remotely), in prefix order, by name. A query."""
+        about (neither on the CPU tier nor known remotely), in prefix order, by name. Their
+        names are remembered: what the probe finds joins the remote index by key."""
         cap = hit_cap_blocks(int(num_tokens), self.config.block_tokens)
-        keys = self.keys(block_hashes, tenant)
-        window = list(keys[int(device_hit_blocks) + int(hits) : cap])
+        start = int(device_hit_blocks) + int(hits)
+        tid = tenant_id(tenant)
+        keyed = self.names.keys(block_hashes[start:cap], tid)
+        if keyed is None:
+            return [
+                BlockName(h, full_hash(h))
+                for h in probe_candidates(self.state, list(block_hashes[start:cap]))
+            ]
+        keys, fresh = keyed
+        self.names.add(fresh)
         name = self.names.name
-        return [n for n in map(name, probe_candidates(self.state, window)) if n is not None]
+        return [n for n in map(name, probe_candidates(self.state, list(keys))) if n is not None]
 
     def arriving(
-        self, block_hashes: Sequence[int], num_tokens: int, device_hit_blocks: int = 0, tenant: str | None = None
+        self,
+        block_hashes: Sequence[int],
+        num_tokens: int,
+        device_hit_blocks: int = 0,
+        tenant: str | None = None,
     ) -> int:
         """How many of a request's blocks right after its CPU-tier hits (those after the first
         ``device_hit_blocks``) a lower tier (disk, remote) is loading into the CPU tier now. An

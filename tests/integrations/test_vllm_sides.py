@@ -62,10 +62,28 @@ def test_a_capacity_below_one_block_is_refused() -> None:
         ConnectorConfig.from_extra({"cpu_bytes": 100}).blocks(4096)
 
 
-def test_vllm_hashes_become_64_bit_ints() -> None:
-    digest = bytes(range(32)) + b"\0\0\0\0"
-    assert kvflow_hash(digest) == int.from_bytes(bytes(range(8)), "big")
-    assert kvflow_hash(2**70 + 5) == 5
+def test_vllm_hashes_are_taken_whole() -> None:
+    digest = bytes(range(32))
+    assert kvflow_hash(digest) == int.from_bytes(digest, "big")  # all 256 bits of SHA-256
+    assert kvflow_hash(2**70 + 5) == 2**70 + 5
+
+
+def key(vllm_hash: bytes) -> int:
+    """The key kvflow's decisions name a vLLM block by (no cache_salt)."""
+    return name_of(kvflow_hash(vllm_hash)).key
+
+
+def test_F21_a_cache_salt_keeps_a_requests_blocks_apart() -> None:
+    side = SchedulerSide(ConnectorConfig(cpu_blocks=8), B, 4096)
+    assert side.matched_tokens("a", hashes(1, 2), 2 * B + 1, 0, "salt-a") == 0
+    side.allocated("a", [1, 2, 3], 0)
+    plan = side.step([("a", 2 * B + 1, None, False)], [])
+    assert [j.direction for j in plan.jobs] == ["store"]
+    side.results([JobResult(job_id=plan.jobs[0].job_id)])
+    side.finished("a")
+    assert side.matched_tokens("b", hashes(1, 2), 2 * B + 1, 0, "salt-b") == 0
+    assert side.matched_tokens("c", hashes(1, 2), 2 * B + 1, 0) == 0
+    assert side.matched_tokens("d", hashes(1, 2), 2 * B + 1, 0, "salt-a") == 2 * B
 
 
 def hashes(*ids: int) -> list[bytes]:
@@ -143,13 +161,14 @@ def test_a_warm_restart_indexes_what_every_rank_holds_then_waits_for_the_disk_lo
     then hits on the CPU tier."""
     side = disk_side(world_size=2)
     h1, h2 = kvflow_hash(hashes(1)[0]), kvflow_hash(hashes(2)[0])
+    k1 = name_of(h1).key
     assert side.matched_tokens("early", hashes(1, 2), 2 * B + 1, 0) is None  # what the disks hold is not known yet
     side.disk_entries({0: [(0, name_of(h1)), (1, name_of(h2))]})
     assert side.manager.state.disk is not None and side.manager.state.disk.slot_of == {}  # rank 1 not yet
     side.disk_entries({1: [(0, name_of(h1)), (5, name_of(h2))]})
-    assert side.disk_restored == 1 and side.manager.state.disk.slot_of == {h1: 0}
+    assert side.disk_restored == 1 and side.manager.state.disk.slot_of == {k1: 0}
     side.disk_entries({0: [(1, name_of(h2))], 1: [(1, name_of(h2))]})  # (sent once: later lists change nothing)
-    assert side.manager.state.disk.slot_of == {h1: 0}
+    assert side.manager.state.disk.slot_of == {k1: 0}
     assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) is None  # its disk load runs
     plan = side.step([], [])
     (disk_load,) = plan.jobs
@@ -242,7 +261,7 @@ def test_F15_a_load_that_fails_on_one_rank_fails_and_is_fenced_until_every_rank_
     assert side.finished("r") is False
     state = side.manager.state
     assert state.jobs == {} and state.requests == {}
-    assert all(state.entries[h].pins == 0 for h in (kvflow_hash(x) for x in hashes(1, 2)))
+    assert all(state.entries[key(x)].pins == 0 for x in hashes(1, 2))
     assert len(state.free_slots) == 8 - 2  # the stored blocks only
     check_invariants(state)
     side.close()

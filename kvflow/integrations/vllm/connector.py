@@ -166,7 +166,11 @@ if HAVE_VLLM:
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
             assert self._scheduler is not None
             tokens = self._scheduler.matched_tokens(
-                request.request_id, request.block_hashes, request.num_tokens, num_computed_tokens
+                request.request_id,
+                request.block_hashes,
+                request.num_tokens,
+                num_computed_tokens,
+                getattr(request, "cache_salt", None),
             )
             return tokens, tokens is not None and tokens > 0
 

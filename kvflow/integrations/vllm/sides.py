@@ -35,7 +35,7 @@ from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import LOAD, STORE, TransferJob
 from kvflow.core.names import BlockName
 from kvflow.core.policies.registry import policy_class
-from kvflow.core.values import ID_LIMIT, is_int
+from kvflow.core.values import is_int
 from kvflow.engine.manager import OffloadManager
 from kvflow.engine.notices import StepReport
 from kvflow.integrations.vllm.kv_events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
@@ -48,10 +48,11 @@ if TYPE_CHECKING:  # (torch is imported when a worker registers its KV caches)
 
 
 def kvflow_hash(block_hash: bytes | int) -> int:
-    """A vLLM block hash as kvflow's 64-bit int (signed: its own key, kvflow.core.names)."""
+    """A vLLM block hash as kvflow takes it: whole (vLLM's SHA-256 digest, 256 bits, as an
+    int; the shared tiers key entries by all of it), or an int hash as it is."""
     if isinstance(block_hash, (bytes, bytearray)):
-        return int.from_bytes(bytes(block_hash[:8]), "big", signed=True)
-    return (int(block_hash) + 2**63) % ID_LIMIT - 2**63
+        return int.from_bytes(bytes(block_hash[:32]), "big")
+    return int(block_hash)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,9 @@ class StepPlan(msgspec.Struct, frozen=True):
 class _Tracked:
     """What the scheduler side remembers of a live vLLM request."""
 
-    hashes: list[int] = field(default_factory=list)  # kvflow hashes of its full blocks
+    hashes: list[int] = field(default_factory=list)  # kvflow hashes of its full blocks (whole)
+    keys: Sequence[int] = ()  # their keys (kvflow.core.names): what the decisions name them by
+    tenant: str | None = None  # vLLM's cache_salt
     block_ids: list[int] = field(default_factory=list)  # its device blocks, in order
     next_store: int = 0  # blocks before this are stored, deduplicated or being loaded
     device_hit: int = 0  # blocks vLLM's own prefix cache had at the lookup
@@ -248,22 +251,30 @@ class SchedulerSide:
     # -- lookup and allocation -------------------------------------------------------------
 
     def matched_tokens(
-        self, request_id: str, block_hashes: Sequence[bytes | int], num_tokens: int, num_computed_tokens: int
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes | int],
+        num_tokens: int,
+        num_computed_tokens: int,
+        tenant: str | None = None,
     ) -> int | None:
         """How many tokens after the ``num_computed_tokens`` vLLM has can come from the tier.
         A request whose load failed is offered nothing again: vLLM recomputes its blocks
         (a load that keeps failing must not loop lookup -> load -> fail). ``None``: ask again
-        next step (the disk tier is loading blocks past the hits)."""
+        next step (the disk tier is loading blocks past the hits). ``tenant``: the request's
+        ``cache_salt`` (F21: its blocks never hit for another salt)."""
         if request_id in self._load_failed:
             return 0
         if self._disk_entries is not None and self.manager.state.disk is not None:
             return None  # the workers' disk tiers have not said yet what they hold (first step)
         tracked = self.requests.setdefault(request_id, _Tracked())
         tracked.hashes = [kvflow_hash(h) for h in block_hashes]
-        self._vllm_hash.update(zip(tracked.hashes, block_hashes))
+        tracked.tenant = tenant or None
+        tracked.keys = self.manager.keys(tracked.hashes, tenant)
+        self._vllm_hash.update(zip(tracked.keys, block_hashes))
         tracked.device_hit = num_computed_tokens // self.block_tokens
-        hits = self.manager.lookup(request_id, tracked.hashes, num_tokens, tracked.device_hit)
-        if self.manager.arriving(tracked.hashes, num_tokens, tracked.device_hit):
+        hits = self.manager.lookup(request_id, tracked.hashes, num_tokens, tracked.device_hit, tenant)
+        if self.manager.arriving(tracked.hashes, num_tokens, tracked.device_hit, tenant):
             # the blocks after the hits are on their way from the disk tier: hold the request
             # back (vLLM asks again next step) so that its next lookup hits them here; the load
             # ends within the job deadline, landed, failed or timed out
@@ -324,7 +335,9 @@ class SchedulerSide:
         first, end = tracked.load_range
         for a, b in ((start, min(full, first)), (max(start, end), full)):
             if a < b:
-                self.manager.blocks_computed(request_id, tracked.hashes[a:b], tracked.block_ids[a:b])
+                self.manager.blocks_computed(
+                    request_id, tracked.hashes[a:b], tracked.block_ids[a:b], tracked.tenant
+                )
         tracked.next_store = full
 
     def disk_entries(self, by_rank: Mapping[int, Sequence[tuple[int, BlockName]]]) -> None:
@@ -387,7 +400,7 @@ class SchedulerSide:
         if len(original) > 4 * self.config.cpu_blocks:  # forget blocks neither stored nor asked for
             keep = set(self.manager.state.slot_of)
             for tracked in self.requests.values():
-                keep.update(tracked.hashes)
+                keep.update(tracked.keys)
             self._vllm_hash = {h: v for h, v in original.items() if h in keep}
         return out
 

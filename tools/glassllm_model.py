@@ -1,7 +1,7 @@
 """The small real pretrained model for kvflow's vLLM tests: glassllm's weights as a Hugging
 Face Llama directory (nothing is downloaded: the weights ship inside the installed package).
 
-    python tools/glassllm_model.py OUT_DIR [--check]
+    python tools/glassllm_model.py OUT_DIR [--check] [--split 2]
 
 glassllm 0.1.0 (MIT) ships NumPy weights of a 4-layer Llama-style model (vocab 1024, d 128,
 4 heads / 2 KV heads of 32, SwiGLU, RMSNorm, tied embeddings, 128 positions) and computes
@@ -10,6 +10,10 @@ RoPE differs in layout only: glassllm rotates adjacent pairs ``(2j, 2j+1)``, Lla
 ``(j, j + d/2)``; ordering each head's q and k output rows as ``[0, 2, 4, ..., 1, 3, 5, ...]``
 turns one into the other (q and k get the same permutation, so q.k is unchanged). ``--check``
 compares the logits with the package's own forward pass.
+
+``--split N`` pads the MLP (341 units) with zero units up to a multiple of N, so that tensor
+parallelism over N ranks can split it: a unit whose gate, up and down weights are all zero adds
+``silu(0) * 0 = 0`` to the output, so the model computes the same function.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ def _half_split_rows(heads: int, head_dim: int) -> np.ndarray:
     return np.concatenate([h * head_dim + per_head for h in range(heads)])
 
 
-def write_model(out_dir: str | Path, lang: str = "en") -> Path:
-    """Write ``config.json`` and ``model.safetensors`` of a LlamaForCausalLM; returns the dir."""
+def write_model(out_dir: str | Path, lang: str = "en", split: int = 1) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` of a LlamaForCausalLM; returns the dir.
+    ``split``: the MLP padded with zero units to a multiple of it (tensor parallelism)."""
     from safetensors.numpy import save_file
 
     out = Path(out_dir)
@@ -54,9 +59,11 @@ def write_model(out_dir: str | Path, lang: str = "en") -> Path:
         tensors[dst + "self_attn.k_proj.weight"] = w[src + "attn.W_K"].T[k_rows]
         tensors[dst + "self_attn.v_proj.weight"] = w[src + "attn.W_V"].T
         tensors[dst + "self_attn.o_proj.weight"] = w[src + "attn.W_O"].T
-        tensors[dst + "mlp.gate_proj.weight"] = w[src + "ffn.W1"].T
-        tensors[dst + "mlp.up_proj.weight"] = w[src + "ffn.W3"].T
-        tensors[dst + "mlp.down_proj.weight"] = w[src + "ffn.W2"].T
+        units = w[src + "ffn.W1"].shape[1]
+        pad = -units % split
+        tensors[dst + "mlp.gate_proj.weight"] = np.pad(w[src + "ffn.W1"].T, ((0, pad), (0, 0)))
+        tensors[dst + "mlp.up_proj.weight"] = np.pad(w[src + "ffn.W3"].T, ((0, pad), (0, 0)))
+        tensors[dst + "mlp.down_proj.weight"] = np.pad(w[src + "ffn.W2"].T, ((0, 0), (0, pad)))
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -111,8 +118,9 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--lang", default="en")
     parser.add_argument("--check", action="store_true", help="compare logits with glassllm's own forward")
+    parser.add_argument("--split", type=int, default=1, help="pad the MLP to split over this many ranks")
     args = parser.parse_args()
-    path = write_model(args.out_dir, args.lang)
+    path = write_model(args.out_dir, args.lang, args.split)
     print(f"wrote {path}")
     if args.check:
         print(f"max |logit difference| vs glassllm: {max_logit_difference(path, args.lang):.3e}")

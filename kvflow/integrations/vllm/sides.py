@@ -62,7 +62,8 @@ class ConnectorConfig:
     Capacity as vLLM, LMCache and SGLang users give it: ``cpu_bytes`` or ``cpu_gb`` (of KV,
     divided by the bytes of one block of this model) or ``cpu_blocks``. ``policy``: ``lru``,
     ``arc`` or a class of one's own as ``"module:Class"`` (docs/policies.md). Faults for tests:
-    ``fail_store_jobs`` / ``fail_load_jobs`` are kvflow job ids whose copy fails."""
+    ``fail_job_ids`` are kvflow job ids whose copy fails, on the ranks ``fail_ranks`` names
+    (every rank when it is empty)."""
 
     cpu_blocks: int | None = None
     cpu_bytes: int | None = None
@@ -71,6 +72,7 @@ class ConnectorConfig:
     trace_path: str | None = None
     checksums: bool = False
     fail_job_ids: tuple[int, ...] = ()
+    fail_ranks: tuple[int, ...] = ()
     disk_path: str | None = None
     disk_bytes: int | None = None
     disk_store_mode: str = "ahead_of_eviction"
@@ -88,6 +90,7 @@ class ConnectorConfig:
             "trace_path",
             "checksums",
             "fail_job_ids",
+            "fail_ranks",
             "disk_path",
             "disk_gb",
             "disk_store_mode",
@@ -127,6 +130,7 @@ class ConnectorConfig:
             trace_path=extra.get("trace_path"),
             checksums=bool(extra.get("checksums", False)),
             fail_job_ids=tuple(int(j) for j in extra.get("fail_job_ids", ())),
+            fail_ranks=tuple(int(r) for r in extra.get("fail_ranks", ())),
         )
 
     def disk_blocks(self, block_bytes: int) -> int:
@@ -449,7 +453,7 @@ class WorkerSide:
             block_dim=0,
             rank=self.rank,
             checksums=self.config.checksums,
-            fail_job_ids=self.config.fail_job_ids,
+            fail_job_ids=self.config.fail_job_ids if self.rank in self.config.fail_ranks or not self.config.fail_ranks else (),
         )
         disk_blocks = self.config.disk_blocks(layout.block_bytes)
         if disk_blocks and self.config.disk_path:

@@ -262,7 +262,7 @@ class OffloadManager:
         timed_out = self._time_out(now_ms)
         jobs = self._hand_over(now_ms) if plan else []
         if self.names.table:
-            self.names.prune(self._knows)
+            self.names.prune(self.knows)
         book = self.notice_book
         # (a StepReport's first fields are the Notices', in their order: its positional ones)
         notices = msgspec.structs.astuple(book.take()) if book.notices != NO_NOTICES else ()
@@ -310,8 +310,8 @@ class OffloadManager:
         keyed = self.names.keys(block_hashes, tenant_id(tenant))
         return block_hashes if keyed is None else keyed[0]
 
-    def _knows(self, key: int) -> bool:
-        """Whether a tier holds (or is filling) ``key``: its name must be kept."""
+    def knows(self, key: int) -> bool:
+        """Whether a tier holds (or is filling) ``key`` (so its name is kept). A query."""
         state = self.state
         disk = state.disk
         return (

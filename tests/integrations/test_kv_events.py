@@ -173,3 +173,39 @@ def test_kv_events_encode_with_vllm_field_names() -> None:
     }
     removed = msgspec.json.decode(msgspec.json.encode(BlockRemoved(block_hashes=[3], medium="CPU", seq=9)))
     assert removed == {"type": "BlockRemoved", "block_hashes": [3], "medium": "CPU", "seq": 9}
+
+
+def test_each_tier_reports_in_its_own_medium() -> None:
+    """A store lands on the CPU tier (CPU), is written through to disk (DISK) and to the remote
+    tier (REMOTE); a disk entry evicted leaves DISK; a remote load that fails leaves REMOTE."""
+    from kvflow.core.jobs import REMOTE_LOAD
+    from kvflow.integrations.vllm.kv_events import MEDIUM_DISK, MEDIUM_REMOTE
+
+    config = Config(cpu_blocks=2, block_tokens=B, disk_blocks=1, disk_store_mode="write_through", remote_blocks=8)
+    manager = OffloadManager(config, paranoid=True)
+    pub = KVEventPublisher(B)
+    manager.subscribe(pub)
+    job = manager.blocks_computed("A", (1,), (0,))
+    manager.plan_step(0.0)
+    manager.job_result(job)
+    assert [(type(e).__name__, e.medium, e.block_hashes) for e in pub.take()] == [("BlockStored", MEDIUM_CPU, [1])]
+    for copy in manager.plan_step(0.0):  # its copies to disk and to the remote tier
+        manager.job_result(copy.job_id)
+    assert sorted((e.medium, e.block_hashes[0]) for e in pub.take()) == [(MEDIUM_DISK, 1), (MEDIUM_REMOTE, 1)]
+    job = manager.blocks_computed("B", (2,), (1,))  # the disk's one slot goes to block 2
+    for copy in manager.plan_step(0.0):
+        manager.job_result(copy.job_id)
+    for copy in manager.plan_step(0.0):
+        manager.job_result(copy.job_id)
+    removed = [e for e in pub.take() if isinstance(e, BlockRemoved)]
+    assert [(e.medium, e.block_hashes) for e in removed] == [(MEDIUM_DISK, [1])]
+    manager.remote_found([9])
+    manager.lookup("C", (9,), B + 1)
+    (load,) = manager.plan_step(0.0)
+    assert load.direction == REMOTE_LOAD
+    manager.job_result(load.job_id, ok=False, error="remote miss: absent")
+    assert [(type(e).__name__, e.medium, e.block_hashes) for e in pub.take()] == [
+        ("BlockRemoved", MEDIUM_CPU, [1]),  # (the load's slot: the CPU tier holds two blocks)
+        ("BlockRemoved", MEDIUM_REMOTE, [9]),
+    ]
+    assert check_invariants(manager.state) == []

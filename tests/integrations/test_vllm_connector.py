@@ -177,7 +177,8 @@ def test_preemption_under_memory_pressure_keeps_outputs_identical(model_dir: Pat
 
 def test_kv_events_reach_vllm_as_its_own_with_vllms_block_hashes(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``take_events`` (vLLM calls it every step) hands vLLM's publisher its own KV event
-    structs, medium CPU, naming each block as vLLM's own events do (not kvflow's form)."""
+    structs, medium CPU, naming each block as vLLM's own events do (not kvflow's form), with
+    the stored blocks' token ids and the run's parent block hash."""
     from vllm.distributed import kv_events as vk
     from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
 
@@ -207,6 +208,15 @@ def test_kv_events_reach_vllm_as_its_own_with_vllms_block_hashes(model_dir: Path
         for c in conversations()
     }
     assert firsts <= set(published)
+    # and as vLLM's own events do, each run of stored blocks carries its tokens and its parent
+    by_first = {e.block_hashes[0]: e for e in stored}
+    for c in conversations():
+        first = maybe_convert_block_hash(hash_block_tokens(get_hash_fn_by_name("sha256"), NONE_HASH, c[:BLOCK]))
+        event = by_first[first]  # (each conversation's first store starts at its first block)
+        assert event.parent_block_hash is None and event.token_ids == c[: len(event.block_hashes) * BLOCK]
+    for e in stored:
+        if e.block_hashes[0] not in firsts:  # a run stored after the first block: its parent is the block before
+            assert e.parent_block_hash in published and len(e.token_ids) == len(e.block_hashes) * BLOCK
 
 
 def test_transfer_stats_reach_vllms_logging_and_prometheus(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

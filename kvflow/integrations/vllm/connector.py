@@ -171,6 +171,7 @@ if HAVE_VLLM:
                 request.num_tokens,
                 num_computed_tokens,
                 getattr(request, "cache_salt", None),
+                getattr(request, "all_token_ids", ()),
             )
             return tokens, tokens is not None and tokens > 0
 
@@ -207,8 +208,9 @@ if HAVE_VLLM:
             return self._scheduler.finished(request.request_id), None
 
         def take_events(self) -> list[Any]:
-            """The CPU tier's KV events as vLLM's own (medium ``CPU``), for vLLM's publisher,
-            naming blocks as vLLM's own events do (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+            """kvflow's tiers' KV events as vLLM's own (medium ``CPU``, ``DISK``, ``REMOTE``), for
+            vLLM's publisher, naming blocks (and a stored run's parent) as vLLM's own events do
+            (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), with the stored blocks' token ids."""
             if self._scheduler is None:
                 return []
             from vllm.distributed import kv_events as vk
@@ -221,19 +223,20 @@ if HAVE_VLLM:
             out: list[Any] = []
             for event in self._scheduler.take_kv_events():
                 if isinstance(event, BlockStored):
+                    parent = event.parent_block_hash
                     out.append(
                         vk.BlockStored(
                             block_hashes=vllm_form(event.block_hashes),
-                            parent_block_hash=None,
-                            token_ids=[],
+                            parent_block_hash=None if parent is None else vllm_form([parent])[0],
+                            token_ids=event.token_ids,
                             block_size=event.block_size,
                             lora_id=None,
-                            medium=vk.MEDIUM_CPU,
+                            medium=event.medium,
                             lora_name=None,
                         )
                     )
                 elif isinstance(event, BlockRemoved):
-                    out.append(vk.BlockRemoved(block_hashes=vllm_form(event.block_hashes), medium=vk.MEDIUM_CPU))
+                    out.append(vk.BlockRemoved(block_hashes=vllm_form(event.block_hashes), medium=event.medium))
                 else:
                     out.append(vk.AllBlocksCleared())
             return out

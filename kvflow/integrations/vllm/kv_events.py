@@ -2,10 +2,15 @@
 
 Consumers outside kvflow (a KV-aware router, a cache index) subscribe to vLLM's KV events:
 ``BlockStored`` when blocks become available in a medium, ``BlockRemoved`` when they leave it,
-``AllBlocksCleared`` on a reset. kvflow derives them from its own events, with medium ``CPU``:
+``AllBlocksCleared`` on a reset. kvflow derives them from its own events, per tier (medium
+``CPU``, ``DISK``, ``REMOTE``):
 
-* a store job completed (and was not abandoned by a reset) -> ``BlockStored``;
-* blocks evicted -> ``BlockRemoved``;
+* a job that filled a tier completed (and was not abandoned by a reset) -> ``BlockStored`` in
+  that tier: a store or a load from a lower tier (``CPU``), a disk store (``DISK``), a remote
+  store (``REMOTE``);
+* blocks evicted -> ``BlockRemoved`` (``CPU``); disk entries evicted or found unusable ->
+  ``BlockRemoved`` (``DISK``); a remote load that failed drops its blocks from kvflow's view of
+  the remote tier -> ``BlockRemoved`` (``REMOTE``);
 * a reset -> ``AllBlocksCleared``.
 
 A hash becomes visible only when its store completes (F3), so consumers never learn of a
@@ -19,10 +24,13 @@ from typing import Any, Union
 
 import msgspec
 
-from kvflow.core.events import BlocksEvicted, Event, JobCompleted, Reset
-from kvflow.core.jobs import FILLING
+from kvflow.core.events import BlocksEvicted, DiskEvicted, Event, JobCompleted, JobFailed, Reset
+from kvflow.core.jobs import DISK_LOAD, DISK_STORE, REMOTE_LOAD, REMOTE_STORE, STORE
 
-MEDIUM_CPU = "CPU"
+MEDIUM_CPU, MEDIUM_DISK, MEDIUM_REMOTE = "CPU", "DISK", "REMOTE"
+# the tier a completed job of each direction put its blocks in
+STORED_IN = {STORE: MEDIUM_CPU, REMOTE_LOAD: MEDIUM_CPU, DISK_LOAD: MEDIUM_CPU,
+             DISK_STORE: MEDIUM_DISK, REMOTE_STORE: MEDIUM_REMOTE}  # fmt: skip
 
 
 # The structs follow vLLM's KV event schema (vllm/distributed/kv_events.py): the same tags
@@ -99,7 +107,7 @@ class KVEventPublisher:
     ``pub.take()`` each step (e.g. to hand to vLLM's ``KVEventBatch``)."""
 
     # the kvflow events that can imply a KV event (``subscribe`` reads this)
-    event_types = (JobCompleted, BlocksEvicted, Reset)
+    event_types = (JobCompleted, JobFailed, BlocksEvicted, DiskEvicted, Reset)
 
     def __init__(self, block_tokens: int) -> None:
         self.block_tokens = block_tokens
@@ -110,8 +118,8 @@ class KVEventPublisher:
         one home: ``kv_event`` and ``kv_events`` go through it too)."""
         kv: KVEvent
         if isinstance(event, JobCompleted):
-            # a store, or a remote load, put these blocks on the CPU tier
-            if event.direction not in FILLING or event.abandoned:
+            medium = STORED_IN.get(event.direction)
+            if medium is None or event.abandoned:
                 return
             kv = BlockStored(
                 block_hashes=list(event.hashes),
@@ -119,12 +127,18 @@ class KVEventPublisher:
                 token_ids=[],
                 block_size=self.block_tokens,
                 lora_id=None,
-                medium=MEDIUM_CPU,
+                medium=medium,
                 lora_name=None,
                 seq=event.seq,
             )
+        elif isinstance(event, JobFailed):
+            if event.direction != REMOTE_LOAD or event.abandoned:
+                return
+            kv = BlockRemoved(block_hashes=list(event.hashes), medium=MEDIUM_REMOTE, seq=event.seq)
         elif isinstance(event, BlocksEvicted):
             kv = BlockRemoved(block_hashes=list(event.hashes), medium=MEDIUM_CPU, seq=event.seq)
+        elif isinstance(event, DiskEvicted):
+            kv = BlockRemoved(block_hashes=list(event.hashes), medium=MEDIUM_DISK, seq=event.seq)
         elif isinstance(event, Reset):
             kv = AllBlocksCleared(seq=event.seq)
         else:

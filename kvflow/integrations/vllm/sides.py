@@ -209,6 +209,7 @@ class _Tracked:
     hashes: list[int] = field(default_factory=list)  # kvflow hashes of its full blocks (whole)
     keys: Sequence[int] = ()  # their keys (kvflow.core.names): what the decisions name them by
     tenant: str | None = None  # vLLM's cache_salt
+    tokens: Sequence[int] = ()  # its token ids (vLLM's list: for the KV events of its blocks)
     block_ids: list[int] = field(default_factory=list)  # its device blocks, in order
     next_store: int = 0  # blocks before this are stored, deduplicated or being loaded
     device_hit: int = 0  # blocks vLLM's own prefix cache had at the lookup
@@ -242,8 +243,10 @@ class SchedulerSide:
         self.manager = OffloadManager(self.config, log=log)
         self._kv_events = KVEventPublisher(block_tokens)
         self.manager.subscribe(self._kv_events)
-        # kvflow hash -> vLLM's own hash of the block, so KV events name blocks as vLLM does
+        # kvflow key -> vLLM's own hash of the block, so KV events name blocks as vLLM does,
+        # and -> (its parent's key, its token ids) for a block stored, so they carry both
         self._vllm_hash: dict[int, bytes | int] = {}
+        self._block_of: dict[int, tuple[int | None, tuple[int, ...]]] = {}
         self.requests: dict[str, _Tracked] = {}
         self._load_failed: set[str] = set()  # live requests whose load failed: no more hits
         self._delayed: list[str] = []
@@ -261,12 +264,14 @@ class SchedulerSide:
         num_tokens: int,
         num_computed_tokens: int,
         tenant: str | None = None,
+        token_ids: Sequence[int] = (),
     ) -> int | None:
         """How many tokens after the ``num_computed_tokens`` vLLM has can come from the tier.
         A request whose load failed is offered nothing again: vLLM recomputes its blocks
         (a load that keeps failing must not loop lookup -> load -> fail). ``None``: ask again
         next step (the disk tier is loading blocks past the hits). ``tenant``: the request's
-        ``cache_salt`` (F21: its blocks never hit for another salt)."""
+        ``cache_salt`` (F21: its blocks never hit for another salt); ``token_ids``: its tokens
+        (for the KV events of the blocks it stores)."""
         if request_id in self._load_failed:
             return 0
         if self._disk_entries is not None and self.manager.state.disk is not None:
@@ -274,6 +279,7 @@ class SchedulerSide:
         tracked = self.requests.setdefault(request_id, _Tracked())
         tracked.hashes = [kvflow_hash(h) for h in block_hashes]
         tracked.tenant = tenant or None
+        tracked.tokens = token_ids
         tracked.keys = self.manager.keys(tracked.hashes, tenant)
         self._vllm_hash.update(zip(tracked.keys, block_hashes))
         tracked.device_hit = num_computed_tokens // self.block_tokens
@@ -342,6 +348,10 @@ class SchedulerSide:
                 self.manager.blocks_computed(
                     request_id, tracked.hashes[a:b], tracked.block_ids[a:b], tracked.tenant
                 )
+        keys, tokens, size = tracked.keys, tracked.tokens, self.block_tokens
+        if len(tokens) >= min(full, len(keys)) * size:
+            for i in range(start, min(full, len(keys))):
+                self._block_of[keys[i]] = (keys[i - 1] if i else None, tuple(tokens[i * size : (i + 1) * size]))
         tracked.next_store = full
 
     def disk_entries(self, by_rank: Mapping[int, Sequence[tuple[int, BlockName]]]) -> None:
@@ -393,19 +403,35 @@ class SchedulerSide:
         events = self._kv_events.take()
         if not events:
             return []
-        original = self._vllm_hash
+        original, block_of = self._vllm_hash, self._block_of
         out: list[KVEvent] = []
         for event in events:
-            if isinstance(event, (BlockStored, BlockRemoved)):
+            if isinstance(event, BlockStored):
+                named = [original.get(h, h) if isinstance(h, int) else h for h in event.block_hashes]
+                blocks = [block_of[h] for h in event.block_hashes if isinstance(h, int) and h in block_of]
+                if blocks and len(blocks) == len(event.block_hashes):
+                    parent = blocks[0][0]
+                    out.append(
+                        msgspec.structs.replace(
+                            event,
+                            block_hashes=named,
+                            parent_block_hash=None if parent is None else original.get(parent),
+                            token_ids=[t for _, tokens in blocks for t in tokens],
+                            seq=0,
+                        )
+                    )
+                else:
+                    out.append(msgspec.structs.replace(event, block_hashes=named, seq=0))
+            elif isinstance(event, BlockRemoved):
                 named = [original.get(h, h) if isinstance(h, int) else h for h in event.block_hashes]
                 out.append(msgspec.structs.replace(event, block_hashes=named, seq=0))
             else:
                 out.append(msgspec.structs.replace(event, seq=0))
-        if len(original) > 4 * self.config.cpu_blocks:  # forget blocks neither stored nor asked for
-            keep = set(self.manager.state.slot_of)
-            for tracked in self.requests.values():
-                keep.update(tracked.keys)
-            self._vllm_hash = {h: v for h, v in original.items() if h in keep}
+        if len(original) > 4 * self.config.cpu_blocks:  # forget blocks no tier holds nor any request asks for
+            asked = {k for tracked in self.requests.values() for k in tracked.keys}
+            knows = self.manager.knows
+            self._vllm_hash = {h: v for h, v in original.items() if h in asked or knows(h)}
+            self._block_of = {h: v for h, v in block_of.items() if h in asked or knows(h)}
         return out
 
     def close(self) -> None:

@@ -209,3 +209,14 @@ def test_each_tier_reports_in_its_own_medium() -> None:
         ("BlockRemoved", MEDIUM_REMOTE, [9]),
     ]
     assert check_invariants(manager.state) == []
+
+
+def test_a_warm_restart_announces_what_the_disk_holds() -> None:
+    from kvflow.core.names import name_of
+    from kvflow.integrations.vllm.kv_events import MEDIUM_DISK
+
+    manager = OffloadManager(Config(cpu_blocks=2, block_tokens=B, disk_blocks=4), paranoid=True)
+    pub = KVEventPublisher(B)
+    manager.subscribe(pub)
+    manager.disk_restored([(0, name_of(7)), (3, name_of(8))])
+    assert [(type(e).__name__, e.medium, e.block_hashes) for e in pub.take()] == [("BlockStored", MEDIUM_DISK, [7, 8])]

@@ -11,7 +11,11 @@ Consumers outside kvflow (a KV-aware router, a cache index) subscribe to vLLM's 
 * blocks evicted -> ``BlockRemoved`` (``CPU``); disk entries evicted or found unusable ->
   ``BlockRemoved`` (``DISK``); a remote load that failed drops its blocks from kvflow's view of
   the remote tier -> ``BlockRemoved`` (``REMOTE``);
-* a reset -> ``AllBlocksCleared``.
+* the disk tier's journal vouched for entries at start (a warm restart) -> ``BlockStored``
+  (``DISK``);
+* a reset -> ``AllBlocksCleared``: the CPU tier's blocks are gone. (vLLM's event names no
+  medium; a reset leaves the disk and remote entries in place, and a consumer learns of them
+  again as they are stored.)
 
 A hash becomes visible only when its store completes (F3), so consumers never learn of a
 block that is not readable. Pure: a function of the events.
@@ -24,7 +28,15 @@ from typing import Any, Union
 
 import msgspec
 
-from kvflow.core.events import BlocksEvicted, DiskEvicted, Event, JobCompleted, JobFailed, Reset
+from kvflow.core.events import (
+    BlocksEvicted,
+    DiskEvicted,
+    DiskIndexed,
+    Event,
+    JobCompleted,
+    JobFailed,
+    Reset,
+)
 from kvflow.core.jobs import DISK_LOAD, DISK_STORE, REMOTE_LOAD, REMOTE_STORE, STORE
 
 MEDIUM_CPU, MEDIUM_DISK, MEDIUM_REMOTE = "CPU", "DISK", "REMOTE"
@@ -107,7 +119,7 @@ class KVEventPublisher:
     ``pub.take()`` each step (e.g. to hand to vLLM's ``KVEventBatch``)."""
 
     # the kvflow events that can imply a KV event (``subscribe`` reads this)
-    event_types = (JobCompleted, JobFailed, BlocksEvicted, DiskEvicted, Reset)
+    event_types = (JobCompleted, JobFailed, BlocksEvicted, DiskEvicted, DiskIndexed, Reset)
 
     def __init__(self, block_tokens: int) -> None:
         self.block_tokens = block_tokens
@@ -117,9 +129,9 @@ class KVEventPublisher:
         """The KV event ``event`` implies, if any, is kept for ``take`` (the translation's
         one home: ``kv_event`` and ``kv_events`` go through it too)."""
         kv: KVEvent
-        if isinstance(event, JobCompleted):
-            medium = STORED_IN.get(event.direction)
-            if medium is None or event.abandoned:
+        if isinstance(event, (JobCompleted, DiskIndexed)):
+            medium = MEDIUM_DISK if isinstance(event, DiskIndexed) else STORED_IN.get(event.direction)
+            if medium is None or getattr(event, "abandoned", False):
                 return
             kv = BlockStored(
                 block_hashes=list(event.hashes),

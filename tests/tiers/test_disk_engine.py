@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from core_helpers import settle
+from tier_keys import tier_keys
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("xxhash")
@@ -29,6 +30,7 @@ from kvflow.tiers.disk_executor import disk_tier  # noqa: E402
 
 LAYERS, NUM_BLOCKS, CPU_BLOCKS, DISK_BLOCKS, B = 2, 16, 4, 32, 16
 MODEL = "disk-rig-model"
+KEYS = tier_keys()
 
 
 def random_kv(seed: int) -> list[Any]:
@@ -46,6 +48,7 @@ def instance(path: Path, seed: int, *, mode: str = "write_through", **tier: Any)
     config = Config(
         cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS, disk_store_mode=mode, job_deadline_ms=5_000.0
     )
+    tier.setdefault("keys", None if tier.get("insecure_no_key") else KEYS)
     executor = disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, path, model=MODEL, **tier)
     return SyncEngine(config, executor, keep_log=True), kv
 
@@ -115,7 +118,7 @@ def test_another_model_on_the_same_directory_starts_cold(tmp_path: Path) -> None
     first.close()
     kv = random_kv(3)
     config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS)
-    other = SyncEngine(config, disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model="another"))
+    other = SyncEngine(config, disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model="another", keys=KEYS))
     try:
         assert other.counters.disk_blocks_restored == 0
         assert load(other, "r", FIRST, (8, 9, 10, 11)) == 0
@@ -173,7 +176,8 @@ def test_F20_a_damaged_entry_is_a_miss_dropped_once_and_the_request_computes(tmp
     try:
         assert load(second, "r", FIRST, (8, 9, 10, 11)) == 0  # never a wrong byte
         failed = [e for e in second.manager.log.events() if type(e).__name__ == "JobFailed"]
-        assert len(failed) == 1 and "checksum" in failed[0].error
+        assert len(failed) == 1 and "forged" in failed[0].error
+        assert second.executor.disk_rejected()["forged"] == 4
         assert second.manager.state.disk is not None and FIRST[0] not in second.manager.state.disk.slot_of
         assert load(second, "r2", FIRST, (8, 9, 10, 11)) == 0
         assert len([e for e in second.manager.log.events() if type(e).__name__ == "JobFailed"]) == 1  # not again
@@ -206,7 +210,7 @@ def test_the_data_file_deleted_underneath_degrades_the_tier_and_the_cpu_tier_ser
 def test_a_config_and_a_tier_of_different_sizes_are_refused(tmp_path: Path) -> None:
     kv = random_kv(1)
     config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS)
-    executor = disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model=MODEL)
+    executor = disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model=MODEL, keys=KEYS)
     try:
         with pytest.raises(ConfigError, match="disk_blocks=64"):
             SyncEngine(Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=64), executor)
@@ -222,6 +226,7 @@ def test_a_load_does_not_wait_behind_a_slow_spill(tmp_path: Path) -> None:
     import threading
 
     from kvflow.core.jobs import DISK_LOAD, DISK_STORE, TransferJob
+    from kvflow.core.names import name_of
 
     engine, kv = instance(tmp_path / "disk", seed=1)
     compute(engine, "a", FIRST, (0, 1, 2, 3))  # on disk in slots 0-3
@@ -236,8 +241,8 @@ def test_a_load_does_not_wait_behind_a_slow_spill(tmp_path: Path) -> None:
     tier.disk.store = slow_store
     try:
         disk_slot = engine.manager.state.disk.slot_of[FIRST[0]]
-        tier.submit([TransferJob(job_id=9001, direction=DISK_STORE, device_blocks=(), slots=(0,), hashes=(77,), disk_slots=(20,))])
-        tier.submit([TransferJob(job_id=9002, direction=DISK_LOAD, device_blocks=(), slots=(1,), hashes=(FIRST[0],), disk_slots=(disk_slot,))])
+        tier.submit([TransferJob(job_id=9001, direction=DISK_STORE, device_blocks=(), slots=(0,), hashes=(77,), disk_slots=(20,), names=(name_of(77),))])
+        tier.submit([TransferJob(job_id=9002, direction=DISK_LOAD, device_blocks=(), slots=(1,), hashes=(FIRST[0],), disk_slots=(disk_slot,), names=(name_of(FIRST[0]),))])
         deadline = time.monotonic() + 10.0
         done: list[Any] = []
         while not done and time.monotonic() < deadline:
@@ -255,7 +260,7 @@ def test_F20_a_bfloat16_and_a_float16_deployment_of_one_model_never_read_each_ot
     def engine_of(dtype: Any, seed: int) -> tuple[SyncEngine, list[Any]]:
         kv = [t.to(dtype) for t in random_kv(seed)]
         config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS, disk_store_mode="write_through")
-        return SyncEngine(config, disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model=MODEL)), kv
+        return SyncEngine(config, disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model=MODEL, keys=KEYS)), kv
 
     bf16, _ = engine_of(torch.bfloat16, 1)
     compute(bf16, "a", FIRST, (0, 1, 2, 3))

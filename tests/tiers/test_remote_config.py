@@ -14,10 +14,14 @@ pytest.importorskip("torch")
 pytest.importorskip("xxhash")
 from redis_servers import free_port, redis_standalone  # noqa: E402, F401  (fixtures)
 from remote_rig import CPU_BLOCKS, B, random_kv  # noqa: E402
+from tier_keys import tier_keys  # noqa: E402
 
 from kvflow.core.config import Config  # noqa: E402
 from kvflow.core.errors import ConfigError  # noqa: E402
 from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
+
+
+KEYS = tier_keys()
 
 
 def build(url: str, *, deadline_ms: float = 2000.0, **tier):
@@ -26,7 +30,7 @@ def build(url: str, *, deadline_ms: float = 2000.0, **tier):
     config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, remote_blocks=64, job_deadline_ms=deadline_ms)
     inner = TorchExecutor(random_kv(1), CPU_BLOCKS, device="cpu")
     try:
-        return redis_tier(inner, config, url, **{"model": "m", **tier})
+        return redis_tier(inner, config, url, **{"model": "m", "keys": KEYS, **tier})
     except BaseException:
         inner.close()
         raise

@@ -22,9 +22,11 @@ from redis_servers import (  # noqa: E402
     redis_standalone,  # noqa: F401
 )
 from remote_rig import HASHES, blocks_of, instance, load_prefix, random_kv, settle, store_prefix  # noqa: E402
+from tier_keys import tier_keys  # noqa: E402
 
 from kvflow.core.events import JobFailed, JobTimedOut
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE  # noqa: E402
+from kvflow.core.names import name_of  # noqa: E402
 from kvflow.core.state.invariants import check_invariants  # noqa: E402
 
 RIG = Path(__file__).resolve().parents[1] / "remote_rig.py"
@@ -100,7 +102,7 @@ def test_an_evicted_key_fails_its_load_once_and_is_dropped(redis_standalone) -> 
             assert time.monotonic() < deadline
             reader.step()
             time.sleep(0.002)
-        redis_standalone.cli("DEL", reader.executor._store.key(HASHES[0]).decode())
+        redis_standalone.cli("DEL", reader.executor._store.key(name_of(HASHES[0])).decode())
         assert reader.lookup("r", HASHES, len(HASHES) * 16 + 1) == 0  # queues the remote load
         reader.accept_hits("r", [])
         settle(reader)
@@ -241,12 +243,12 @@ def test_a_bad_entry_is_loaded_at_most_once_until_rewritten(redis_standalone, da
     reader, reader_kv = instance(redis_standalone.url, False, seed=2, absent_ttl_s=0.0)
     try:
         store_prefix(writer, "w", (0, 1, 2, 3))
-        key = writer.executor._store.key(HASHES[2])
+        key = writer.executor._store.key(name_of(HASHES[2]))
         import redis
 
         raw = redis.Redis(host=redis_standalone.host, port=redis_standalone.port)
         good = raw.get(key)
-        if damage == "payload":  # the header still promises the original checksum
+        if damage == "payload":  # the head fits, the tag does not prove the bytes
             raw.set(key, good[:-1] + bytes([good[-1] ^ 1]))
         else:
             raw.set(key, b"XXXX" + good[4:])
@@ -259,14 +261,16 @@ def test_a_bad_entry_is_loaded_at_most_once_until_rewritten(redis_standalone, da
             reader.finish_request(f"r{i}")
         failed = [e for e in remote_events(reader, JobFailed) if e.direction == REMOTE_LOAD]
         assert len(failed) == (1 if damage == "payload" else 0), [e.error for e in failed]
+        assert reader.executor.remote_rejected()["forged"] == (1 if damage == "payload" else 0)
         assert HASHES[2] not in reader.manager.state.remote
         assert all(reader.manager.state.is_resident(h) for h in HASHES[:2])  # the good ones loaded
         assert check_invariants(reader.manager.state) == []
         # rewritten (another writer stores the same block again): offered and loaded
         from kvflow.tiers.redis_store import RedisBlockStore, connect
 
-        other = RedisBlockStore(connect(redis_standalone.url), writer.executor._store.layout)
-        assert other.put([(HASHES[2], [good[HEADER_BYTES:]])], time.monotonic() + 5) == [None]
+        other = RedisBlockStore(connect(redis_standalone.url), writer.executor._store.codec)
+        plain = [bytes(p) for p in writer.executor.slots.read(writer.manager.state.slot_of[HASHES[2]])]
+        assert other.put([(name_of(HASHES[2]), plain)], time.monotonic() + 5) == [None]
         other.close()
         hits = 0
         for i in range(30, 40):
@@ -300,8 +304,9 @@ def test_F20_a_bfloat16_and_a_float16_deployment_of_one_model_share_no_entries(s
         kv = [t.to(dtype) for t in random_kv(seed)]
         config = Config(cpu_blocks=8, block_tokens=16, remote_blocks=1024, job_deadline_ms=2000.0)
         executor = redis_tier(
-            TorchExecutor(kv, 8, device="cpu"), config, server.url, model="rig-model", cluster=is_cluster(server)
-        )
+            TorchExecutor(kv, 8, device="cpu"), config, server.url, model="rig-model", cluster=is_cluster(server),
+            keys=tier_keys(),
+        )  # fmt: skip
         return SyncEngine(config, executor, keep_log=True)
 
     writer, reader = engine_of(torch.bfloat16, 1), engine_of(torch.float16, 2)

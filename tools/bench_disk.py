@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvflow.tiers.disk_file import DiskEntryFile, slot_bytes_of  # noqa: E402
 from kvflow.core.names import name_of  # noqa: E402
+from kvflow.tiers.disk_file import DiskEntryFile, slot_bytes_of  # noqa: E402
 from kvflow.tiers.entry import ENCRYPT, MAC, NONE, EntryCodec, Layout  # noqa: E402
 from kvflow.tiers.keys import TierKeys  # noqa: E402
 

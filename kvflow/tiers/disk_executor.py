@@ -18,7 +18,7 @@ pages of the shared host pool at once, so it answers for every rank.
 
 A load refused by the entry's seal (forged, another tenant's, another key's ...) fails its
 job, so the engine drops the block from its disk index; it is counted by reason
-(``disk_rejected()``, the ``REASONS`` of ``kvflow.tiers.entry``).
+(``disk_rejected()``, the ``REJECTED`` reasons of ``kvflow.tiers.entry``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import DISK_LOAD, DISK_STORE, TransferJob
 from kvflow.core.names import BlockName
 from kvflow.tiers.disk_file import DiskEntryFile
-from kvflow.tiers.entry import REASONS, Layout, check_shard, codec_for
+from kvflow.tiers.entry import REJECTED, Layout, check_shard, codec_for
 from kvflow.tiers.host_slots import OwnsPool, SlotPages
 from kvflow.tiers.keys import TierKeys
 
@@ -61,7 +61,7 @@ class DiskTierExecutor:
         self.stats = dict.fromkeys(
             ("disk_stored_blocks", "disk_loaded_blocks", "disk_store_failed_jobs", "disk_load_failed_jobs"), 0
         )
-        self._rejected = dict.fromkeys(REASONS, 0)  # loads refused, by reason (the load thread's)
+        self._rejected = dict.fromkeys(REJECTED, 0)  # entries refused, by reason (the load thread's)
         self._closed = False
         self._threads = [
             threading.Thread(target=self._run, args=(self._work[d],), name=f"kvflow-{d.replace('_', '-')}", daemon=True)
@@ -89,7 +89,8 @@ class DiskTierExecutor:
         return self.disk.degraded()
 
     def disk_rejected(self) -> dict[str, int]:
-        """Disk loads refused since the tier was opened, by reason (``REASONS``)."""
+        """Entries refused by loads since the tier was opened, by reason (``REJECTED``: a
+        slot found empty is no entry)."""
         return dict(self._rejected)
 
     # -- the engine's side (never blocks on the disk) ------------------------------------

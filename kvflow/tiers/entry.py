@@ -76,6 +76,8 @@ REASONS = (
     "forged",  # the tag does not prove the bytes: altered, damaged or forged
     "corrupt",  # the checksum of an unkeyed entry does not match: damaged
 )
+# The reasons a value that was there is refused (a tier's rejections are counted by these).
+REJECTED = tuple(r for r in REASONS if r != "absent")
 
 
 @dataclass(frozen=True)

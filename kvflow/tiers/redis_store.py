@@ -174,21 +174,23 @@ class RedisBlockStore:
         replies = self._heads(names, self._entry_bytes, deadline_s)
         return [self._entry(n, length, value, pages) for n, (length, value), pages in zip(names, replies, into)]
 
-    def seen(self, names: Sequence[BlockName], deadline_s: float) -> list[bytes | None]:
-        """For each block, the identity of the value under its key (``seen_of``) if that value
-        has this block's header (for this reader: a key it holds) and an entry's exact length;
-        ``None`` for an absent key or a value that cannot be this block's entry (a hint: the
-        tag is still checked when loaded). Reads the heads only."""
-        out: list[bytes | None] = []
+    def seen(self, names: Sequence[BlockName], deadline_s: float) -> list[bytes | Miss | None]:
+        """For each block, what its key holds, by the value's head and length alone: the value's
+        identity (``seen_of``) if it can be this block's entry for this reader (a hint: the tag
+        is checked when loaded); a ``Miss`` (with ``seen``) for a value that cannot (another
+        tenant's, an unknown key's, an unkeyed one, a wrong length ...); ``None`` for an absent
+        key or the server's error. Reads the heads only."""
+        out: list[bytes | Miss | None] = []
         replies = self._heads(names, HEADER_BYTES, deadline_s)
         for name, (length, head) in zip(names, replies):
-            fits = (
-                isinstance(length, int)
-                and length == self._entry_bytes
-                and isinstance(head, bytes)
-                and self.codec.check(head, name) is None
-            )
-            out.append(seen_of(length, head) if fits else None)
+            if not isinstance(length, int) or not isinstance(head, bytes) or length == 0:
+                out.append(None)
+                continue
+            seen = seen_of(length, head)
+            miss = self.codec.check(head, name)
+            if miss is None and length != self._entry_bytes:
+                miss = Miss("length")
+            out.append(seen if miss is None else Miss(miss.reason, seen))
         return out
 
     def _heads(self, names: Sequence[BlockName], limit: int, deadline_s: float) -> list[tuple[Any, Any]]:

@@ -20,11 +20,13 @@ not offered); ``take_found()`` hands the answer (keys) to the engine, which reco
 (``RemoteFound``).
 
 A value that was loaded and refused (a forged, damaged or foreign payload under a head that
-fits) fails its load: the engine drops the block from its remote index. The refusal is counted
-by reason (``remote_rejected()``, the ``REASONS`` of ``kvflow.tiers.entry``), logged once per
-value (``kvflow.remote_entry_rejected``), and the value is remembered with its identity (length
-and head, whose nonce is new for every write): probes do not offer it again until its key is
-rewritten, so a bad entry costs one failed load, not one every other request. It is remembered
+fits) fails its load: the engine drops the block from its remote index. A value a probe can
+refuse by its head alone (another tenant's, an unknown key's, an unkeyed one) is not offered.
+Either refusal is counted by reason (``remote_rejected()``, the ``REJECTED`` reasons of
+``kvflow.tiers.entry``) and logged (``kvflow.remote_entry_rejected``) once per value, and the
+value is remembered with its identity (length and head, whose nonce is new for every write):
+probes do not offer it again until its key is rewritten, so a bad entry costs one failed load at
+most, not one every other request. It is remembered
 here rather than deleted from the server: the keyspace is shared, and a value this reader refuses
 may be one another deployment still reads (or one this reader's own next store replaces).
 """
@@ -42,7 +44,7 @@ import structlog
 from kvflow.core.commands import JobResult
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
 from kvflow.core.names import BlockName
-from kvflow.tiers.entry import REASONS
+from kvflow.tiers.entry import REJECTED, Miss
 from kvflow.tiers.host_slots import SlotPages
 
 REMOTE_DIRECTIONS = (REMOTE_STORE, REMOTE_LOAD)
@@ -96,7 +98,7 @@ class RemoteTierExecutor:
         self.stats = {
             "remote_stored_blocks": 0, "remote_loaded_blocks": 0, "remote_failed_jobs": 0, "probed_blocks": 0,
         }  # fmt: skip
-        self._rejected = dict.fromkeys(REASONS, 0)  # loads refused, by reason (worker thread only)
+        self._rejected = dict.fromkeys(REJECTED, 0)  # values refused, by reason (worker thread only)
         self._thread = threading.Thread(target=self._run, name="kvflow-remote", daemon=True)
         self._thread.start()
 
@@ -135,7 +137,8 @@ class RemoteTierExecutor:
             self._work.put((tuple(todo), self._clock() + self._deadline_s))
 
     def remote_rejected(self) -> dict[str, int]:
-        """Remote loads refused since the tier was built, by reason (``REASONS``)."""
+        """Values refused since the tier was built (each once, by a probe or a load), by reason
+        (``REJECTED``)."""
         return dict(self._rejected)
 
     def wait_results(self, timeout_s: float) -> bool:
@@ -203,27 +206,44 @@ class RemoteTierExecutor:
         return self._store
 
     def _run_probe(self, names: tuple[BlockName, ...], deadline: float) -> None:
-        hashes = [n.key for n in names]
         try:
             seen = self._store_or_none().seen(names, deadline)
-            self.stats["probed_blocks"] += len(hashes)
+            self.stats["probed_blocks"] += len(names)
             refused = self._refused
-            there = [s is not None and refused.get(h) != s for h, s in zip(hashes, seen)]
-            self._found.put([h for h, t in zip(hashes, there) if t])
+            for name, s in zip(names, seen):
+                if isinstance(s, Miss):
+                    self._refuse(name, s)
+            there = [isinstance(s, bytes) and refused.get(n.key) != s for n, s in zip(names, seen)]
+            self._found.put([n.key for n, t in zip(names, there) if t])
             absent, until = self._absent_until, self._clock() + self._absent_ttl_s
             if len(absent) > _REMEMBERED:  # bounded: forget the old answers wholesale
                 absent.clear()
-            for h, t in zip(hashes, there):
+            for name, t in zip(names, there):
                 if t:
-                    absent.pop(h, None)
-                    refused.pop(h, None)  # (rewritten since it was refused)
+                    absent.pop(name.key, None)
+                    refused.pop(name.key, None)  # (rewritten since it was refused)
                 else:
-                    absent[h] = until
+                    absent[name.key] = until
         except Exception:
             pass  # a probe that fails finds nothing; the lookup just misses
         finally:
-            for h in hashes:
-                self._probing.pop(h, None)
+            for name in names:
+                self._probing.pop(name.key, None)
+
+    def _refuse(self, name: BlockName, miss: Miss) -> None:
+        """A value under ``name``'s key refused (by a probe or a load): counted by reason, logged
+        and remembered once per value (a rewrite of the key is another value)."""
+        if not miss.seen or self._refused.get(name.key) == miss.seen:
+            return
+        if len(self._refused) > _REMEMBERED:
+            self._refused.clear()
+        self._refused[name.key] = miss.seen
+        if miss.reason in self._rejected:
+            self._rejected[miss.reason] += 1
+        self._log.warning(
+            "kvflow.remote_entry_rejected", reason=miss.reason, block=name.key,
+            full_hash=name.full.hex(), tenant=name.tenant.hex(),
+        )  # fmt: skip
 
     def _run_job(self, job: TransferJob, deadline: float) -> tuple[bool, str | None]:
         try:
@@ -243,17 +263,8 @@ class RemoteTierExecutor:
             got = store.get(names, [self.slots.read(s) for s in job.slots], deadline)
             misses = [(n, g) for n, g in zip(names, got) if g is not None]
             if misses:
-                if len(self._refused) > _REMEMBERED:
-                    self._refused.clear()
                 for name, miss in misses:
-                    if miss.reason in self._rejected:
-                        self._rejected[miss.reason] += 1
-                    if miss.seen and self._refused.get(name.key) != miss.seen:
-                        self._refused[name.key] = miss.seen
-                        self._log.warning(
-                            "kvflow.remote_entry_rejected", reason=miss.reason, block=name.key,
-                            full_hash=name.full.hex(), tenant=name.tenant.hex(),
-                        )  # fmt: skip
+                    self._refuse(name, miss)
                 name, miss = misses[0]
                 return False, f"remote miss on {len(misses)} of {len(got)} blocks (block {name.key}: {miss.reason})"
             self.stats["remote_loaded_blocks"] += len(got)

@@ -20,7 +20,6 @@ from kvflow.core.config import Config  # noqa: E402
 from kvflow.core.errors import ConfigError  # noqa: E402
 from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
 
-
 KEYS = tier_keys()
 
 

@@ -272,3 +272,54 @@ def test_F20_a_bfloat16_and_a_float16_deployment_of_one_model_never_read_each_ot
         assert load(fp16, "r", FIRST, (8, 9, 10, 11)) == 0
     finally:
         fp16.close()
+
+
+def test_a_disk_tier_needs_a_key_or_the_opt_out_by_name(tmp_path: Path) -> None:
+    kv = random_kv(1)
+    config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS)
+    inner = TorchExecutor(kv, CPU_BLOCKS, device="cpu")
+    try:
+        with pytest.raises(ConfigError) as err:
+            disk_tier(inner, config, tmp_path / "disk", model=MODEL)
+        assert str(err.value) == (
+            "the disk tier needs a key: keys=TierKeys.from_file(PATH) or TierKeys.from_env(NAME); "
+            "insecure_no_key=True for a private single-tenant deployment"
+        )
+        assert not (tmp_path / "disk").exists()  # refused before anything was made
+        with pytest.raises(ConfigError, match="^disk tier: shard must be"):
+            disk_tier(inner, config, tmp_path / "disk", model=MODEL, keys=KEYS, shard=(1, 1))
+    finally:
+        inner.close()
+    engine, _ = instance(tmp_path / "disk", seed=1, insecure_no_key=True)
+    try:
+        compute(engine, "a", FIRST, (0, 1, 2, 3))
+        assert engine.counters.disk_blocks_stored == 4
+    finally:
+        engine.close()
+
+
+def test_F20_after_rotation_a_retired_keys_disk_entries_are_refused_counted_and_dropped(tmp_path: Path) -> None:
+    from tier_keys import KEY, NEW_KEY
+
+    first, first_kv = instance(tmp_path / "disk", seed=1, keys=tier_keys(KEY))
+    compute(first, "a", FIRST, (0, 1, 2, 3))
+    first.close()
+    rotated, rotated_kv = instance(tmp_path / "disk", seed=2, keys=tier_keys(NEW_KEY, KEY))
+    try:
+        assert load(rotated, "r", FIRST, (8, 9, 10, 11)) == 4
+        for got, want in zip(blocks_of(rotated_kv, (8, 9, 10, 11)), blocks_of(first_kv, (0, 1, 2, 3))):
+            assert got.equal(want)
+        compute(rotated, "b", SECOND, (4, 5, 6, 7))  # written under the new key
+    finally:
+        rotated.close()
+    retired, _ = instance(tmp_path / "disk", seed=3, keys=tier_keys(NEW_KEY))
+    try:
+        assert retired.counters.disk_blocks_restored == 8  # the journal vouches for both eras
+        assert load(retired, "r", FIRST, (8, 9, 10, 11)) == 0  # the old key's: refused
+        assert retired.executor.disk_rejected()["unknown key"] == 4
+        assert retired.manager.state.disk is not None and FIRST[0] not in retired.manager.state.disk.slot_of
+        assert load(retired, "r2", FIRST, (8, 9, 10, 11)) == 0
+        assert retired.executor.disk_rejected()["unknown key"] == 4  # dropped: not tried again
+        assert load(retired, "s", SECOND, (8, 9, 10, 11)) == 4  # the new key's: served
+    finally:
+        retired.close()

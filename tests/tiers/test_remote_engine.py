@@ -323,3 +323,67 @@ def test_F20_a_bfloat16_and_a_float16_deployment_of_one_model_share_no_entries(s
     finally:
         writer.close()
         reader.close()
+
+
+def test_F20_after_rotation_a_retired_keys_entries_are_refused_counted_and_logged_once(
+    redis_standalone, restore_structlog: None  # noqa: F811
+) -> None:
+    """Written under the old key; a reader with the new key first and the old one still there
+    is served; once the old key is retired the entries are refused ("unknown key"), each counted
+    and logged once however often it is looked up, and the key material is in no log line."""
+    from structlog.testing import capture_logs
+    from tier_keys import KEY, NEW_KEY
+
+    writer, _ = instance(redis_standalone.url, False, seed=1, keys=tier_keys(KEY))
+    rotated, rotated_kv = instance(redis_standalone.url, False, seed=2, keys=tier_keys(NEW_KEY, KEY))
+    retired, _ = instance(redis_standalone.url, False, seed=3, keys=tier_keys(NEW_KEY), absent_ttl_s=0.0)
+    try:
+        store_prefix(writer, "w", (0, 1, 2, 3))
+        assert load_prefix(rotated, "r", (8, 9, 10, 11)) == len(HASHES)
+        for a, b in zip(blocks_of(rotated_kv, (8, 9, 10, 11)), blocks_of(random_kv(1), (0, 1, 2, 3))):
+            assert a.equal(b)
+        with capture_logs() as logs:
+            for i in range(3):
+                assert load_prefix(retired, f"x{i}", (8, 9, 10, 11), timeout_s=0.3) == 0
+        assert retired.executor.remote_rejected()["unknown key"] == len(HASHES)
+        assert retired.executor.stats["remote_loaded_blocks"] == 0
+        rejected = [e for e in logs if e["event"] == "kvflow.remote_entry_rejected"]
+        assert len(rejected) == len(HASHES) and {e["reason"] for e in rejected} == {"unknown key"}
+        assert all(k.hex() not in str(logs) for k in (KEY, NEW_KEY))
+        assert not remote_events(retired, JobFailed)  # refused by its head: no load was tried
+    finally:
+        writer.close()
+        rotated.close()
+        retired.close()
+
+
+def test_F20_an_attackers_rewritten_entries_serve_no_byte(redis_standalone) -> None:  # noqa: F811
+    """An attacker with plain redis-py rewrites every stored entry: keeps its head, puts its own
+    payload and (for an unkeyed entry) recomputes the checksum, or plants unkeyed entries for
+    blocks not stored yet. The reader loads none of it; each refusal is counted."""
+    import redis
+    import xxhash
+
+    from kvflow.tiers.entry import HEADER_BYTES
+
+    writer, _ = instance(redis_standalone.url, False, seed=1)
+    reader, reader_kv = instance(redis_standalone.url, False, seed=2, absent_ttl_s=0.0)
+    raw = redis.Redis(host=redis_standalone.host, port=redis_standalone.port)
+    try:
+        store_prefix(writer, "w", (0, 1, 2, 3))
+        for key in raw.keys("kvflow:*"):
+            value = bytearray(raw.get(key))
+            value[HEADER_BYTES:] = os.urandom(len(value) - HEADER_BYTES)
+            head = bytes(value[: HEADER_BYTES - 16])
+            value[HEADER_BYTES - 16 : HEADER_BYTES] = xxhash.xxh3_128_digest(head + bytes(value[HEADER_BYTES:]))
+            raw.set(key, bytes(value))
+        before = [t.clone() for t in blocks_of(reader_kv, (8, 9, 10, 11))]
+        assert load_prefix(reader, "r", (8, 9, 10, 11), timeout_s=1.0) == 0
+        assert reader.executor.remote_rejected()["forged"] == len(HASHES)
+        for a, b in zip(blocks_of(reader_kv, (8, 9, 10, 11)), before):
+            assert a.equal(b)  # no device block took a byte of it
+        assert not any(reader.manager.state.is_resident(h) for h in HASHES)
+    finally:
+        raw.close()
+        writer.close()
+        reader.close()

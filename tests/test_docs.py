@@ -23,7 +23,7 @@ DOCS = ROOT / "docs"
 # The documents a user reads: the README, docs/, and the notes beside the golden traces
 # (CHANGELOG.md, a history by nature, is not one of them).
 USER_DOCS = sorted([ROOT / "README.md", *DOCS.glob("**/*.md"), ROOT / "traces" / "README.md"])
-RUN_PYTHON = [ROOT / "README.md", DOCS / "embedding.md", DOCS / "simulate.md", DOCS / "disk-tier.md"]
+RUN_PYTHON = [ROOT / "README.md", DOCS / "embedding.md", DOCS / "simulate.md", DOCS / "disk-tier.md", DOCS / "tier-keys.md"]
 RUN_COMMANDS = [ROOT / "README.md", DOCS / "simulate.md"]
 
 FENCE = re.compile(r"^[ \t]*```(\w*)[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)

@@ -64,7 +64,7 @@ PY_BLOCKS = [
 
 
 def test_the_documents_have_python_to_run() -> None:
-    assert {str(p.id).split(":")[0] for p in PY_BLOCKS} == {"README.md", "docs/embedding.md", "docs/simulate.md", "docs/disk-tier.md"}
+    assert {str(p.id).split(":")[0] for p in PY_BLOCKS} == {"README.md", "docs/embedding.md", "docs/simulate.md", "docs/disk-tier.md", "docs/tier-keys.md"}
 
 
 @pytest.mark.parametrize("code", PY_BLOCKS)

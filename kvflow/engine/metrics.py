@@ -113,14 +113,13 @@ class PrometheusMetrics:
                 "kvflow_disk_tier_degraded", "1 while the disk tier reports a problem (full, read-only, failing)",
                 value=int(self._engine.watch.disk_problem is not None),
             )  # fmt: skip
-
         executor = self._engine.executor
-        for tier in ("remote", "disk"):
+        for shared in ("remote", "disk"):
             # (tiers stack: each wrapper answers for the executors it wraps)
-            rejected = getattr(executor, f"{tier}_rejected", None)
+            rejected = getattr(executor, f"{shared}_rejected", None)
             if rejected is not None:
                 family = CounterMetricFamily(
-                    f"kvflow_{tier}_rejected", f"Values the {tier} tier refused to serve, by reason", labels=["reason"]
+                    f"kvflow_{shared}_rejected", f"Values the {shared} tier refused to serve, by reason", labels=["reason"]
                 )
                 for reason, count in rejected().items():
                     family.add_metric([reason], count)

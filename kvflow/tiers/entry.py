@@ -171,6 +171,7 @@ class EntryCodec:
         self._digest = layout.digest
         self._payload_bytes = layout.payload_bytes
         self._writer = keys.writer if keys is not None else _NO_KEY
+        self._kids = frozenset(keys.ids) if keys is not None else frozenset()
         self._ciphers: dict[tuple[bytes, bytes], algorithms.AES] = {}
 
     def seal(
@@ -224,7 +225,7 @@ class EntryCodec:
         if code == _MODE_CODE[NONE]:
             if self.keys is not None:
                 return Miss("unkeyed")
-        elif self.keys is None or self.keys.derived(kid, tenant) is None:
+        elif kid not in self._kids:
             return Miss("unknown key")
         if layout != self._digest:
             return Miss("another layout")

@@ -306,17 +306,17 @@ def _copy(pages: Sequence[bytes | memoryview], out: memoryview) -> None:
 
 
 def _pairs(src: Sequence[memoryview], dst: Sequence[memoryview]) -> list[tuple[memoryview, memoryview]]:
-    """``src`` cut to ``dst``'s page sizes: (source, destination) per page."""
+    """(source, destination) per page of ``dst``: ``src`` is either pages of the same sizes
+    or one buffer holding them back to back."""
     flat_dst = [memoryview(d).cast("B") for d in dst]
     flat_src = [memoryview(s).cast("B") for s in src]
     if [len(s) for s in flat_src] == [len(d) for d in flat_dst]:
         return list(zip(flat_src, flat_dst))
-    whole = flat_src[0] if len(flat_src) == 1 else memoryview(b"".join(flat_src))
-    if len(whole) != sum(len(d) for d in flat_dst):
-        raise ValueError("payload and pages of different lengths")
+    if len(flat_src) != 1 or len(flat_src[0]) != sum(len(d) for d in flat_dst):
+        raise ValueError("a payload and pages of different lengths")
     out, at = [], 0
     for d in flat_dst:
-        out.append((whole[at : at + len(d)], d))
+        out.append((flat_src[0][at : at + len(d)], d))
         at += len(d)
     return out
 

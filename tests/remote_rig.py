@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from core_helpers import settle
+from tier_keys import tier_keys
 
 from kvflow.core.config import Config
 from kvflow.engine.sync import SyncEngine
@@ -34,6 +35,8 @@ def blocks_of(kv: list[torch.Tensor], blocks: tuple[int, ...]) -> list[torch.Ten
 
 def instance(url: str, cluster: bool, seed: int, *, deadline_ms: float = 2000.0, **tier: Any) -> tuple[SyncEngine, list[torch.Tensor]]:
     kv = random_kv(seed)
+    if "keys" not in tier and not tier.get("insecure_no_key"):
+        tier["keys"] = tier_keys()
     config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, remote_blocks=1024, job_deadline_ms=deadline_ms)
     executor = redis_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, url, model=MODEL, cluster=cluster, **tier)
     return SyncEngine(config, executor, keep_log=True), kv

@@ -23,7 +23,7 @@ DOCS = ROOT / "docs"
 # The documents a user reads: the README, docs/, and the notes beside the golden traces
 # (CHANGELOG.md, a history by nature, is not one of them).
 USER_DOCS = sorted([ROOT / "README.md", *DOCS.glob("**/*.md"), ROOT / "traces" / "README.md"])
-RUN_PYTHON = [ROOT / "README.md", DOCS / "embedding.md", DOCS / "simulate.md", DOCS / "disk-tier.md"]
+RUN_PYTHON = [ROOT / "README.md", DOCS / "embedding.md", DOCS / "simulate.md", DOCS / "disk-tier.md", DOCS / "tier-keys.md"]
 RUN_COMMANDS = [ROOT / "README.md", DOCS / "simulate.md"]
 
 FENCE = re.compile(r"^[ \t]*```(\w*)[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
@@ -64,7 +64,7 @@ PY_BLOCKS = [
 
 
 def test_the_documents_have_python_to_run() -> None:
-    assert {str(p.id).split(":")[0] for p in PY_BLOCKS} == {"README.md", "docs/embedding.md", "docs/simulate.md", "docs/disk-tier.md"}
+    assert {str(p.id).split(":")[0] for p in PY_BLOCKS} == {"README.md", "docs/embedding.md", "docs/simulate.md", "docs/disk-tier.md", "docs/tier-keys.md"}
 
 
 @pytest.mark.parametrize("code", PY_BLOCKS)

@@ -2,13 +2,13 @@
 loads of the same bytes, on the same file system, in one run (rounds interleave the two).
 
     python tools/bench_disk.py [--dir D] [--block-mib 2] [--total-mib 1024] [--io-threads 4]
-                               [--batch 16] [--pages 2] [--repeat 5]
+                               [--batch 16] [--pages 2] [--repeat 5] [--mode encrypt]
 
 ``fio`` writes then reads a file of ``--total-mib`` in blocks of the tier's slot size (the
 entry's header block and its payload), O_DIRECT, libaio at a queue depth of ``--io-threads``.
 Then a ``DiskEntryFile`` with that many I/O threads stores the same amount in batches of
 ``--batch`` entries (each batch made durable, then journaled) from page-aligned host memory,
-and loads it all back (every entry checked: header, block hash, checksum). ``--repeat`` rounds
+and loads it all back (every entry proven: header, full hash, tag; ``--mode`` encrypt, mac or none). ``--repeat`` rounds
 of fio write, tier store, fio read, tier load; the table shows each side's best and the median
 of the rounds' ratios (the last line's); MB/s count the bytes that reach the disk (whole slots)
 on both sides.
@@ -36,8 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvflow.core.names import name_of  # noqa: E402
 from kvflow.tiers.disk_file import DiskEntryFile, slot_bytes_of  # noqa: E402
-from kvflow.tiers.entry import Layout  # noqa: E402
+from kvflow.tiers.entry import ENCRYPT, MAC, NONE, EntryCodec, Layout  # noqa: E402
+from kvflow.tiers.keys import TierKeys  # noqa: E402
 
 
 def fio(directory: Path, rw: str, block: int, total: int, depth: int) -> float:
@@ -58,7 +60,7 @@ def tier_pass(tier: DiskEntryFile, host: list[list[memoryview]], entries: int, b
     started = time.perf_counter()
     for first in range(0, entries, batch):
         slots = range(first, min(first + batch, entries))
-        reasons = call([(s, 1_000_003 * s + 7, host[s - first]) for s in slots])
+        reasons = call([(s, name_of(1_000_003 * s + 7), host[s - first]) for s in slots])
         if any(reasons):
             raise SystemExit(f"bench_disk: the tier refused: {next(r for r in reasons if r)}")
     return entries * tier.slot_bytes / (time.perf_counter() - started)
@@ -73,6 +75,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16, help="entries per store/load call")
     parser.add_argument("--pages", type=int, default=2, help="pages (host pool regions) per entry")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--mode", choices=(ENCRYPT, MAC, NONE), default=ENCRYPT,
+                        help="how entries are sealed (a random key of this run's own)")  # fmt: skip
     args = parser.parse_args()
     if shutil.which("fio") is None:
         print("bench_disk: fio is not installed (Debian/Ubuntu: apt-get install fio)", file=sys.stderr)
@@ -103,7 +107,8 @@ def run(args: argparse.Namespace, base: Path, payload: int) -> int:
     page = payload // args.pages
     host = [[view[b * payload + p * page : b * payload + (p + 1) * page] for p in range(args.pages)]
             for b in range(args.batch)]  # fmt: skip
-    tier = DiskEntryFile(base / "tier", layout=layout, slots=entries, io_threads=args.io_threads)
+    keys = None if args.mode == NONE else TierKeys([os.urandom(32)], "bench_disk's random key")
+    tier = DiskEntryFile(base / "tier", codec=EntryCodec(layout, keys, args.mode), slots=entries, io_threads=args.io_threads)
     rounds: list[tuple[float, float, float, float]] = []
     try:
         note = "O_DIRECT" if tier.direct else tier.direct_note
@@ -127,7 +132,7 @@ def run(args: argparse.Namespace, base: Path, payload: int) -> int:
     mb = 1e6
     rows = [
         (f"fio (O_DIRECT, libaio, queue depth {args.io_threads})", fio_w / mb, fio_r / mb),
-        (f"kvflow disk tier ({args.io_threads} I/O threads, batches of {args.batch}, {note})", store / mb, load / mb),
+        (f"kvflow disk tier ({args.io_threads} I/O threads, batches of {args.batch}, {note}, {args.mode})", store / mb, load / mb),
         ("  its first fill of the preallocated file", first_fill / mb, float("nan")),
         ("tier / fio (best against best)", store / fio_w, load / fio_r),
         ("tier / fio (median of the rounds' ratios)", store_ratio, load_ratio),

@@ -20,6 +20,7 @@ over all 64 pages). Needs CUDA and the ``disk`` extra.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -34,6 +35,7 @@ from kvflow.core.config import Config  # noqa: E402
 from kvflow.engine.sync import SyncEngine  # noqa: E402
 from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
 from kvflow.tiers.disk_executor import disk_tier  # noqa: E402
+from kvflow.tiers.keys import TierKeys  # noqa: E402
 
 B = 16
 
@@ -63,7 +65,8 @@ def main() -> int:
         disk_store_mode="write_through",
     )
     executor = TorchExecutor(kv.tensors(), config.cpu_blocks, block_dim=0, load_groups=model.dims.layers)
-    tier = disk_tier(executor, config, args.dir, model="bench-llama3-8b-random-bf16", io_threads=args.io_threads)
+    keys = TierKeys([os.urandom(32)], "bench_disk_gpu's random key")  # (encrypted entries, as by default)
+    tier = disk_tier(executor, config, args.dir, model="bench-llama3-8b-random-bf16", io_threads=args.io_threads, keys=keys)
     kvflow = SyncEngine(config, tier)
     engine = ref.RefEngine(model, kv, kvflow)
     say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; disk tier in {args.dir}: "

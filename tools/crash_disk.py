@@ -34,12 +34,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvflow.core.names import name_of  # noqa: E402
 from kvflow.tiers.disk_file import DiskEntryFile  # noqa: E402
-from kvflow.tiers.entry import Layout  # noqa: E402
+from kvflow.tiers.entry import NONE, EntryCodec, Layout  # noqa: E402
 
 
 def layout_of(page_kib: int) -> Layout:
     return Layout(model="crash-disk", page_bytes=(page_kib * 1024, page_kib * 1024), block_tokens=16)
+
+
+def codec_of(layout: Layout) -> EntryCodec:
+    """Unkeyed entries: what a crash can do to a slot, the checksum finds as well as a tag."""
+    return EntryCodec(layout, None, NONE)
 
 
 def payload_of(block_hash: int, size: int) -> bytes:
@@ -67,7 +73,7 @@ class HostPages:
 
 def writer(directory: str, slots: int, page_kib: int, seed: int) -> None:
     layout = layout_of(page_kib)
-    tier = DiskEntryFile(directory, layout=layout, slots=slots, io_threads=4)
+    tier = DiskEntryFile(directory, codec=codec_of(layout), slots=slots, io_threads=4)
     rng = random.Random(seed)
     hosts = [HostPages(layout) for _ in range(8)]
     print("ready", flush=True)
@@ -80,7 +86,7 @@ def writer(directory: str, slots: int, page_kib: int, seed: int) -> None:
         for slot, host in zip(rng.sample(range(slots), rng.randint(1, len(hosts))), hosts):
             counter += 1
             block_hash = (seed << 40) ^ counter ^ (rng.getrandbits(30) << 8)
-            batch.append((slot, block_hash, host.put(payload_of(block_hash, layout.payload_bytes))))
+            batch.append((slot, name_of(block_hash), host.put(payload_of(block_hash, layout.payload_bytes))))
         reasons = tier.store(batch)
         if any(reasons):
             print(f"store failed: {reasons}", file=sys.stderr, flush=True)
@@ -92,13 +98,13 @@ def check(directory: Path, slots: int, page_kib: int) -> tuple[str, int, int, Co
     layout = layout_of(page_kib)
     host = HostPages(layout)
     wrong, misses = 0, Counter[str]()
-    with DiskEntryFile(directory, layout=layout, slots=slots, io_threads=4) as tier:
-        for slot, block_hash in tier.recovered:
+    with DiskEntryFile(directory, codec=codec_of(layout), slots=slots, io_threads=4) as tier:
+        for slot, name in tier.recovered:
             host.buf[:] = b"\xa5" * layout.payload_bytes
-            [reason] = tier.load([(slot, block_hash, host.pages)])
+            [reason] = tier.load([(slot, name, host.pages)])
             if reason is not None:
                 misses[reason] += 1
-            elif bytes(host.buf) != payload_of(block_hash, layout.payload_bytes):
+            elif bytes(host.buf) != payload_of(name.key, layout.payload_bytes):
                 wrong += 1
         return tier.restart_note, len(tier.recovered), wrong, misses
 

@@ -77,6 +77,12 @@ def name_of(block_hash: int, tenant: bytes = NO_TENANT) -> BlockName:
     return BlockName(derived_key(full, tenant), full, tenant)
 
 
+def name_from(full: bytes, tenant: bytes = NO_TENANT) -> BlockName:
+    """The name (and key) of the block whose full hash is ``full`` (32 bytes, as a tier stores
+    it) for the tenant with id ``tenant``."""
+    return name_of(int.from_bytes(full, "little", signed=True), tenant)
+
+
 def is_own_key(key: int) -> bool:
     """Whether ``key`` is its own hash (no tenant): its name needs no table."""
     return _KEY_MIN <= key < _KEY_MAX

@@ -1,7 +1,8 @@
 """Prometheus metrics of an engine, for an operator to scrape.
 
-``PrometheusMetrics(engine)`` exposes the engine's running totals as counters, the CPU tier's
-use as gauges and every job's submit-to-terminal time as a histogram, named by Prometheus'
+``PrometheusMetrics(engine)`` exposes the engine's running totals as counters (with the shared
+tiers' refusals by reason: ``kvflow_remote_rejected_total{reason}``,
+``kvflow_disk_rejected_total{reason}``), the CPU tier's use as gauges and every job's submit-to-terminal time as a histogram, named by Prometheus'
 conventions (``kvflow_`` prefix, ``_total`` on counters, units in names). The totals are read
 from ``engine.counters`` when scraped (a custom collector: nothing is counted twice); the
 histogram is fed as jobs end. Register it in a registry the host application owns
@@ -112,6 +113,17 @@ class PrometheusMetrics:
                 "kvflow_disk_tier_degraded", "1 while the disk tier reports a problem (full, read-only, failing)",
                 value=int(self._engine.watch.disk_problem is not None),
             )  # fmt: skip
+        executor = self._engine.executor
+        for shared in ("remote", "disk"):
+            # (tiers stack: each wrapper answers for the executors it wraps)
+            rejected = getattr(executor, f"{shared}_rejected", None)
+            if rejected is not None:
+                family = CounterMetricFamily(
+                    f"kvflow_{shared}_rejected", f"Values the {shared} tier refused to serve, by reason", labels=["reason"]
+                )
+                for reason, count in rejected().items():
+                    family.add_metric([reason], count)
+                yield family
 
     def describe(self) -> list[Any]:
         return []  # (the families are known only at scrape time; no up-front registration check)

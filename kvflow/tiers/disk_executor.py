@@ -13,8 +13,12 @@ thread's finished results. A job's outcome is reported only once the thread is d
 host slots and disk slots, so a timed-out job stays fenced (F15) until then. Whatever the file
 system does — a full disk, a read-only mount, a file truncated or deleted underneath, an I/O
 error, an entry that does not validate — becomes that job's failure, never an exception in the
-engine, and never data: a load copies into its host slots only what validated. A disk job
-moves every rank's pages of the shared host pool at once, so it answers for every rank.
+engine, and never data: a load reports only what validated. A disk job moves every rank's
+pages of the shared host pool at once, so it answers for every rank.
+
+A load refused by the entry's seal (forged, another tenant's, another key's ...) fails its
+job, so the engine drops the block from its disk index; it is counted by reason
+(``disk_rejected()``, the ``REJECTED`` reasons of ``kvflow.tiers.entry``).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from kvflow.core.commands import JobResult
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import DISK_LOAD, DISK_STORE, TransferJob
-from kvflow.core.names import BlockName, name_of
+from kvflow.core.names import BlockName
 from kvflow.tiers.disk_file import DiskEntryFile
-from kvflow.tiers.entry import Layout
+from kvflow.tiers.entry import REJECTED, Layout, check_shard, codec_for
 from kvflow.tiers.host_slots import OwnsPool, SlotPages
+from kvflow.tiers.keys import TierKeys
 
 DISK_DIRECTIONS = (DISK_STORE, DISK_LOAD)
 _STOP = object()
@@ -56,6 +61,7 @@ class DiskTierExecutor:
         self.stats = dict.fromkeys(
             ("disk_stored_blocks", "disk_loaded_blocks", "disk_store_failed_jobs", "disk_load_failed_jobs"), 0
         )
+        self._rejected = dict.fromkeys(REJECTED, 0)  # entries refused, by reason (the load thread's)
         self._closed = False
         self._threads = [
             threading.Thread(target=self._run, args=(self._work[d],), name=f"kvflow-{d.replace('_', '-')}", daemon=True)
@@ -77,10 +83,15 @@ class DiskTierExecutor:
     def disk_entries(self) -> list[tuple[int, BlockName]]:
         """What the tier held when it was opened: ``(disk slot, block name)`` pairs its
         journal vouches for."""
-        return [(s, name_of(h)) for s, h in self.disk.recovered]
+        return list(self.disk.recovered)
 
     def disk_problem(self) -> str | None:
         return self.disk.degraded()
+
+    def disk_rejected(self) -> dict[str, int]:
+        """Entries refused by loads since the tier was opened, by reason (``REJECTED``: a
+        slot found empty is no entry)."""
+        return dict(self._rejected)
 
     # -- the engine's side (never blocks on the disk) ------------------------------------
 
@@ -127,7 +138,10 @@ class DiskTierExecutor:
 
     def _run_job(self, job: TransferJob) -> tuple[bool, str | None]:
         try:
-            items = [(d, h, self.slots.read(s)) for d, h, s in zip(job.disk_slots, job.hashes, job.slots)]
+            names = job.names
+            if len(names) != len(job.hashes) or not all(n.full for n in names):
+                return False, "a block of the job has no name (forgotten by the engine)"
+            items = [(d, n, self.slots.read(s)) for d, n, s in zip(job.disk_slots, names, job.slots)]
             if job.direction == DISK_STORE:
                 errors = self.disk.store(items)
                 verb, counter = "disk store", "disk_stored_blocks"
@@ -135,6 +149,10 @@ class DiskTierExecutor:
                 errors = self.disk.load(items)
                 verb, counter = "disk load", "disk_loaded_blocks"
             bad = [(h, e) for h, e in zip(job.hashes, errors) if e is not None]
+            if job.direction == DISK_LOAD:
+                for _, reason in bad:
+                    if reason in self._rejected:
+                        self._rejected[reason] += 1
             if bad:
                 h, reason = bad[0]
                 return False, f"{verb} failed on {len(bad)} of {len(errors)} blocks (block {h}: {reason})"
@@ -153,6 +171,10 @@ def disk_tier(
     io_threads: int = 4,
     direct: bool = True,
     ranks: Sequence[int] | None = None,
+    keys: TierKeys | None = None,
+    encrypt: bool | None = None,
+    insecure_no_key: bool = False,
+    shard: tuple[int, int] = (0, 1),
 ) -> DiskTierExecutor:
     """``executor`` (with its host pool) behind a disk tier in the directory ``path``: the
     executor to hand to ``SyncEngine`` with ``config`` (whose ``disk_blocks`` is the tier's
@@ -161,14 +183,22 @@ def disk_tier(
     a directory written under another layout starts empty. ``io_threads`` blocks are read or
     written at once; ``direct`` uses ``O_DIRECT`` where the file system allows it. ``ranks``:
     whose results a disk job reports (default: every rank of ``config.world_size``, one host
-    pool serving them all)."""
+    pool serving them all); ``shard``: (rank, ranks), this pool's part of every block when each
+    rank has a pool (and a directory) of its own, part of the layout identity.
+
+    Entries are sealed with ``keys`` (``kvflow.tiers.keys.TierKeys``): encrypted, or with
+    ``encrypt=False`` authenticated in the clear. Without keys the tier refuses to start unless
+    ``insecure_no_key=True`` (a private, single-tenant deployment: entries then carry a
+    checksum anyone who can write the files can recompute)."""
     if not config.disk:
         raise ConfigError("the disk tier needs config.disk_blocks > 0")
     if not isinstance(executor, OwnsPool) or not executor.pool.enabled:
         raise ConfigError("the disk tier needs an executor with a host pool (cpu_blocks > 0)")
     slots = SlotPages.of_pool(executor.pool)
     layout = Layout(
-        model=model, page_bytes=slots.page_bytes, block_tokens=config.block_tokens, kv_dtype=executor.kv_dtype
-    )
-    disk = DiskEntryFile(path, layout=layout, slots=config.disk_blocks, io_threads=io_threads, direct=direct)
+        model=model, page_bytes=slots.page_bytes, block_tokens=config.block_tokens, kv_dtype=executor.kv_dtype,
+        shard=check_shard(shard, "disk tier"),
+    )  # fmt: skip
+    codec = codec_for(layout, keys=keys, encrypt=encrypt, insecure_no_key=insecure_no_key, tier="disk tier")
+    disk = DiskEntryFile(path, codec=codec, slots=config.disk_blocks, io_threads=io_threads, direct=direct)
     return DiskTierExecutor(executor, disk, slots, ranks=range(config.world_size) if ranks is None else ranks)

@@ -4,21 +4,24 @@ that says which slot holds which block, so that the tier outlives its process.
 A directory holds three files and a lock:
 
 * ``data``: ``slots`` slots of ``slot_bytes`` each, preallocated. A slot is an aligned header
-  block (the entry header of ``kvflow.tiers.entry``: magic, format version, layout digest, the
-  block hash in 16 bytes, payload length, xxh3 checksum of the payload) then the payload, padded
-  to the alignment. Written and read with ``O_DIRECT`` (no page cache: the host pool is the
-  cache) by a pool of I/O threads, one entry per ``pwritev``/``preadv``; straight from and into
-  the host pool's pages when they are aligned, else through an aligned bounce buffer per thread.
-* ``journal``: batches of records ``(slot, block hash)`` or ``(slot, nothing)``, each batch framed
+  block (the head of a sealed entry, ``kvflow.tiers.entry``: its header, with the block's full
+  hash and tenant, then its tag) then the payload (encrypted, or in the clear under a tag),
+  padded to the alignment. Written and read with ``O_DIRECT`` (no page cache: the host pool is
+  the cache) by a pool of I/O threads, one entry per ``pwritev``/``preadv``; straight from and
+  into the host pool's pages when they are aligned (decrypted in place), else (and to encrypt)
+  through an aligned bounce buffer per thread.
+* ``journal``: batches of records ``(slot, full hash, tenant)`` or ``(slot, nothing)``, each batch framed
   and checksummed. A store writes its batch's entries, makes them durable (one ``fdatasync``),
   and only then appends their records: a record never names data that a crash could lose. At
   open the journal is replayed (the last record of a slot wins); a torn tail is cut off.
 * ``meta.json``: the layout, the slot size and count, and the journal's generation. A directory
   whose meta names anything else starts cold (re-initialised), and says so in ``restart_note``.
 
-Whatever the journal vouches for, a load believes only the frame: a slot whose bytes are not the
-asked block under this layout, whole, is a miss with a reason, never data. So a crash at any
-point (mid-write, mid-record, mid-compaction) can cost entries but never serve a wrong one.
+Whatever the journal vouches for, a load believes only the sealed entry: a slot whose bytes are
+not the asked block, for its tenant, under this layout, sealed by a key this reader holds, whole,
+is a miss with a reason (``REASONS``), never data. So a crash at any point (mid-write,
+mid-record, mid-compaction), or anyone who can write the files, can cost entries but never serve
+a wrong one.
 
 File-system failures are answers, not exceptions: each item of a batch gets ``None`` or a one-line
 reason (``"ENOSPC: No space left on device"``), and ``degraded()`` names the last failure of the
@@ -43,16 +46,15 @@ import numpy as np
 import xxhash
 
 from kvflow.core.errors import ConfigError
+from kvflow.core.names import BlockName, name_from
 from kvflow.tiers.entry import (
+    ENCRYPT,
     FORMAT_VERSION,
     HEADER_BYTES,
+    NONCE_BYTES,
+    EntryCodec,
     Layout,
     Miss,
-    checksum_pages,
-    hash_bytes,
-    hash_from,
-    header,
-    header_miss,
 )
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers (a page: every device's block fits)
@@ -60,15 +62,15 @@ DATA, JOURNAL, META, LOCK = "data", "journal", "meta.json", "lock"
 # a journal batch: magic, record count, xxh3-64 of its records (seeded with the generation)
 _BATCH = struct.Struct("<4sIQ")
 _BATCH_MAGIC = b"KVJB"
-# a record: slot, block hash (16 bytes, signed), 1 = holds the block / 0 = holds nothing
-_RECORD = np.dtype([("slot", "<u8"), ("hash", "V16"), ("holds", "u1"), ("pad", "V7")])
+# a record: slot, full hash (32 bytes), tenant id (16), 1 = holds the block / 0 = holds nothing
+_RECORD = np.dtype([("slot", "<u8"), ("full", "V32"), ("tenant", "V16"), ("holds", "u1"), ("pad", "V7")])
 _RECORD_BYTES = _RECORD.itemsize
 _MAX_BATCH = 1 << 20  # records per journal batch (a longer list goes as several)
 # file-system failures (the tier's own state), as opposed to one entry being wrong
 _FS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.ENOENT,
                         errno.ESTALE, errno.ENXIO, errno.ENODEV})  # fmt: skip
 
-Item = tuple[int, int, Sequence[memoryview]]
+Item = tuple[int, BlockName, Sequence[memoryview]]
 _Buffer = memoryview | mmap.mmap | bytes
 
 
@@ -93,6 +95,7 @@ class Meta(msgspec.Struct, frozen=True):
     slots: int
     generation: int  # seeds the journal's checksums: records of another initialisation never count
     kv_dtype: str = ""
+    shard: list[int] = msgspec.field(default_factory=lambda: [0, 1])
 
 
 class _Failed(Exception):
@@ -107,7 +110,7 @@ class DiskEntryFile:
     """See the module doc. ``store``/``load`` are called by one thread at a time; their items run
     concurrently on ``io_threads`` threads (the queue depth)."""
 
-    recovered: list[tuple[int, int]]
+    recovered: list[tuple[int, BlockName]]
     restart_note: str
     direct: bool
     direct_note: str | None
@@ -116,18 +119,20 @@ class DiskEntryFile:
         self,
         directory: str | os.PathLike[str],
         *,
-        layout: Layout,
+        codec: EntryCodec,
         slots: int,
         io_threads: int = 4,
         direct: bool = True,
         preallocate: bool = True,
     ) -> None:
-        """``preallocate``: reserve the data file's blocks now (``posix_fallocate``), so that a
-        full file system later fails only journal appends, never an entry's write."""
+        """``codec`` seals and opens the entries (their layout, keys and mode). ``preallocate``:
+        reserve the data file's blocks now (``posix_fallocate``), so that a full file system
+        later fails only journal appends, never an entry's write."""
         if slots < 1 or io_threads < 1:
             raise ConfigError(f"{directory}: slots and io_threads must be at least 1 (got {slots}, {io_threads})")
         self.path = Path(directory)
-        self.layout = layout
+        self.codec = codec
+        self.layout = layout = codec.layout
         self.slots = slots
         self.slot_bytes = slot_bytes_of(layout)
         self.io_threads = io_threads
@@ -140,9 +145,10 @@ class DiskEntryFile:
         self._local = threading.local()
         self._buffers: list[mmap.mmap] = []
         self._buffers_lock = threading.Lock()
-        # the journal's view of every slot (compaction rewrites it): holds?, block hash bytes
+        # the journal's view of every slot (compaction rewrites it): holds?, full hash, tenant
         self._holds = np.zeros(slots, dtype=np.uint8)
-        self._hashes = np.zeros(slots, dtype="V16")
+        self._fulls = np.zeros(slots, dtype="V32")
+        self._tenants = np.zeros(slots, dtype="V16")
         self._journal_records = 0
         self._lock_fd = self._data_fd = self._journal_fd = -1
         self.writable = True
@@ -179,7 +185,7 @@ class DiskEntryFile:
             self._open_data(direct)
             self._replay_journal()
         held = np.flatnonzero(self._holds)
-        self.recovered = [(int(s), hash_from(self._hashes[s].tobytes())) for s in held]
+        self.recovered = [(int(s), name_from(self._fulls[s].tobytes(), self._tenants[s].tobytes())) for s in held]
 
     def _read_meta(self) -> Meta | None | str:
         try:
@@ -198,9 +204,10 @@ class DiskEntryFile:
         if meta.format != FORMAT_VERSION:
             was.append(f"entry format {meta.format} (now {FORMAT_VERSION})")
         if meta.layout_digest != self._digest.hex():
+            now = self.layout
             was.append(f"layout {meta.model} {meta.kv_dtype or '-'} {meta.page_bytes} x{meta.block_tokens} tokens "
-                       f"(now {self.layout.model} {self.layout.kv_dtype or '-'} {list(self.layout.page_bytes)} "
-                       f"x{self.layout.block_tokens} tokens)")  # fmt: skip
+                       f"rank {meta.shard[0]} of {meta.shard[1]} (now {now.model} {now.kv_dtype or '-'} "
+                       f"{list(now.page_bytes)} x{now.block_tokens} tokens rank {now.shard[0]} of {now.shard[1]})")  # fmt: skip
         if meta.slot_bytes != self.slot_bytes:
             was.append(f"slot size {meta.slot_bytes} (now {self.slot_bytes})")
         if meta.slots != self.slots:
@@ -240,7 +247,7 @@ class DiskEntryFile:
             format=FORMAT_VERSION, model=self.layout.model, page_bytes=list(self.layout.page_bytes),
             block_tokens=self.layout.block_tokens, layout_digest=self._digest.hex(),
             slot_bytes=self.slot_bytes, slots=self.slots, generation=self._generation,
-            kv_dtype=self.layout.kv_dtype,
+            kv_dtype=self.layout.kv_dtype, shard=list(self.layout.shard),
         )  # fmt: skip
         _replace(self.path / META, msgspec.json.encode(meta))
 
@@ -265,7 +272,7 @@ class DiskEntryFile:
         self._data_ino = os.fstat(self._data_fd).st_ino
 
     def _replay_journal(self) -> int:
-        """Replay the journal into ``_holds``/``_hashes``; cut a torn tail; compact a long one.
+        """Replay the journal into ``_holds``/``_fulls``/``_tenants``; cut a torn tail; compact a long one.
         Returns the slots it vouches for."""
         path = self.path / JOURNAL
         self._journal_fd = _open_file(path, os.O_RDWR | os.O_CREAT, readonly_ok=True)
@@ -284,7 +291,8 @@ class DiskEntryFile:
                 if count and int(records["slot"].max()) >= self.slots:
                     break
                 self._holds[records["slot"]] = records["holds"]  # (a batch names a slot once)
-                self._hashes[records["slot"]] = records["hash"]
+                self._fulls[records["slot"]] = records["full"]
+                self._tenants[records["slot"]] = records["tenant"]
                 at += _BATCH.size + len(body)
                 good += count
             end = f.seek(0, os.SEEK_END)
@@ -301,7 +309,8 @@ class DiskEntryFile:
     # -- the calls ------------------------------------------------------------------------
 
     def store(self, items: Sequence[Item]) -> list[str | None]:
-        """Write each ``(slot, block hash, pages)``; make the batch durable; then journal it."""
+        """Write each ``(slot, block name, pages)``, sealed; make the batch durable; then
+        journal it."""
         reasons: list[str | None] = [None] * len(items)
         try:
             self._check_file(writing=True)
@@ -341,9 +350,9 @@ class DiskEntryFile:
         return reasons
 
     def load(self, items: Sequence[Item]) -> list[str | None]:
-        """Read each ``(slot, block hash, destination pages)``; fill the pages only with an entry
-        that proves to be that block, whole; else a miss reason (the pages' bytes then mean
-        nothing: they may hold part of what was read)."""
+        """Read each ``(slot, block name, destination pages)``; fill the pages only with an entry
+        that proves to be that block, whole; else a miss reason (``REASONS``, or the file
+        system's; the pages' bytes then mean nothing: they may hold part of what was read)."""
         reasons: list[str | None] = [None] * len(items)
         try:
             self._check_file(writing=False)
@@ -404,7 +413,7 @@ class DiskEntryFile:
         seen: set[int] = set()
         todo: list[tuple[int, Item]] = []
         want = self.layout.payload_bytes
-        for i, (slot, block_hash, pages) in enumerate(items):
+        for i, (slot, name, pages) in enumerate(items):
             views = [memoryview(p) for p in pages]
             size = sum(v.nbytes for v in views)
             if not 0 <= slot < self.slots:
@@ -417,26 +426,22 @@ class DiskEntryFile:
                 reasons[i] = "a page that is not contiguous"
             else:
                 seen.add(slot)
-                todo.append((i, (slot, block_hash, [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views])))
+                todo.append((i, (slot, name, [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views])))
         return todo
 
     def _write_one(self, item: Item) -> str | None:
-        slot, block_hash, pages = item
-        length, digest = checksum_pages(pages)
-        head = header(self._digest, block_hash, length, digest)
+        slot, name, pages = item
         offset = slot * self.slot_bytes
+        nonce = os.urandom(NONCE_BYTES)
         try:
-            if self._aligned(pages):
+            if self._aligned(pages) and self.codec.mode != ENCRYPT:  # (ciphertext needs a buffer)
                 block = self._buffer("head", ALIGN)
-                block[:HEADER_BYTES] = head
+                block[:HEADER_BYTES] = self.codec.seal(name, pages, nonce)
                 _full(os.pwritev, self._data_fd, [block, *pages], offset)
             else:
                 bounce = self._buffer("bounce", self.slot_bytes)
-                bounce[:HEADER_BYTES] = head
-                at = ALIGN
-                for page in pages:
-                    bounce[at : at + len(page)] = page
-                    at += len(page)
+                payload = memoryview(bounce)[ALIGN : ALIGN + self.layout.payload_bytes]
+                bounce[:HEADER_BYTES] = self.codec.seal(name, pages, nonce, payload)
                 _full(os.pwritev, self._data_fd, [bounce], offset)
         except OSError as exc:
             return self._os_failure(exc)
@@ -445,32 +450,27 @@ class DiskEntryFile:
         return None
 
     def _read_one(self, item: Item) -> str | None:
-        slot, block_hash, pages = item
+        slot, name, pages = item
         offset = slot * self.slot_bytes
-        want = self.layout.payload_bytes
         try:
             if self._aligned(pages, writable=True):
                 block = self._buffer("head", ALIGN)
                 _full(os.preadv, self._data_fd, [block, *pages], offset)
-                digest = header_miss(memoryview(block), self._digest, block_hash, want)
-                if isinstance(digest, Miss):
-                    return _miss_reason(block, digest)
-                if checksum_pages(pages)[1] != digest:
-                    return "checksum mismatch"
-                return None
-            bounce = self._buffer("bounce", self.slot_bytes)
-            _full(os.preadv, self._data_fd, [bounce], offset)
-            digest = header_miss(memoryview(bounce), self._digest, block_hash, want)
-            if isinstance(digest, Miss):
-                return _miss_reason(bounce, digest)
-            payload = memoryview(bounce)[ALIGN : ALIGN + want]
-            if checksum_pages([payload])[1] != digest:
-                return "checksum mismatch"
-            at = ALIGN
-            for page in pages:
-                page[:] = bounce[at : at + len(page)]
-                at += len(page)
-            return None
+                head = memoryview(block)[:HEADER_BYTES]
+                miss = self.codec.open(head, name, pages, pages)  # (decrypted in place)
+            else:
+                bounce = self._buffer("bounce", self.slot_bytes)
+                _full(os.preadv, self._data_fd, [bounce], offset)
+                view = memoryview(bounce)
+                head = view[:HEADER_BYTES]
+                payload = [view[ALIGN : ALIGN + self.layout.payload_bytes]]
+                miss = self.codec.open(head, name, payload, payload)  # (in place: the pages only get what is proven)
+                if miss is None:
+                    at = ALIGN
+                    for page in pages:
+                        page[:] = view[at : at + len(page)]
+                        at += len(page)
+            return None if miss is None else _miss_reason(head, miss)
         except OSError as exc:
             return self._os_failure(exc)
         except _Short as short:
@@ -499,16 +499,17 @@ class DiskEntryFile:
 
     # -- the journal ----------------------------------------------------------------------
 
-    def _append(self, entries: Sequence[tuple[int, int | None]]) -> str | None:
-        """Append records ``(slot, block hash or None)``, one batch per ``_MAX_BATCH``; on a
+    def _append(self, entries: Sequence[tuple[int, BlockName | None]]) -> str | None:
+        """Append records ``(slot, block name or None)``, one batch per ``_MAX_BATCH``; on a
         failure the journal is cut back to where it was (no torn batch ahead of later ones)."""
         with self._journal_lock:
             for start in range(0, len(entries), _MAX_BATCH):
                 part = entries[start : start + _MAX_BATCH]
                 records = np.zeros(len(part), dtype=_RECORD)
                 records["slot"] = [s for s, _ in part]
-                records["hash"] = [hash_bytes(h) if h is not None else bytes(16) for _, h in part]
-                records["holds"] = [h is not None for _, h in part]
+                records["full"] = [n.full if n is not None else b"" for _, n in part]
+                records["tenant"] = [n.tenant if n is not None else b"" for _, n in part]
+                records["holds"] = [n is not None for _, n in part]
                 body = records.tobytes()
                 head = _BATCH.pack(_BATCH_MAGIC, len(part), xxhash.xxh3_64_intdigest(body, seed=self._generation))
                 try:
@@ -524,7 +525,8 @@ class DiskEntryFile:
                 self._journal_end += len(head) + len(body)
                 self._journal_records += len(part)
                 self._holds[records["slot"]] = records["holds"]
-                self._hashes[records["slot"]] = records["hash"]
+                self._fulls[records["slot"]] = records["full"]
+                self._tenants[records["slot"]] = records["tenant"]
             if self._journal_records > 2 * self.slots + 1024:
                 try:
                     self._compact()
@@ -537,7 +539,8 @@ class DiskEntryFile:
         the old: a crash leaves one or the other, whole)."""
         held = np.flatnonzero(self._holds)
         records = np.zeros(len(held), dtype=_RECORD)
-        records["slot"], records["hash"], records["holds"] = held, self._hashes[held], 1
+        records["slot"], records["holds"] = held, 1
+        records["full"], records["tenant"] = self._fulls[held], self._tenants[held]
         data = b"".join(
             _BATCH.pack(_BATCH_MAGIC, len(chunk), xxhash.xxh3_64_intdigest(chunk.tobytes(), seed=self._generation))
             + chunk.tobytes()
@@ -626,10 +629,11 @@ def _full(
             views[0] = views[0][moved:]
 
 
-def _miss_reason(block: _Buffer, miss: Miss) -> str:
-    """A header that is all zeros is a slot never written (or cut short), not a foreign entry."""
-    if miss.reason == "not a kvflow entry" and not any(memoryview(block)[:HEADER_BYTES]):
-        return "empty slot"
+def _miss_reason(head: memoryview, miss: Miss) -> str:
+    """A head that is all zeros is a slot never written (or cut short): nothing there, not a
+    foreign entry."""
+    if miss.reason == "format" and not any(head):
+        return "absent"
     return miss.reason
 
 

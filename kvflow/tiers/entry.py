@@ -1,16 +1,39 @@
-"""The remote entry format: one block's host-tier bytes, framed so that a read can prove them.
+"""The shared tiers' entry format: one block's host-tier bytes, sealed so that a reader can
+prove them, for the remote tier (a Redis value) and the disk tier (a slot) alike.
 
-A remote store holds whatever was last written under a key, or nothing: the server may have
-evicted it (Redis under ``maxmemory`` drops keys silently), another deployment with another model
-or layout may share the keyspace, an older kvflow may have written another format. So an entry
-carries, ahead of the payload, everything a reader needs to refuse it: a magic and a format
-version, the layout identity (model + page sizes: which KV this is), the block hash it claims to
-hold, the payload length, and a checksum of the payload. ``decode`` returns the payload only if
-every field matches what the reader expects; anything else is a *miss* with a reason, never data.
+A shared tier holds whatever was last written in a place, or nothing: the server may have
+evicted it, another deployment (another model, layout, dtype, rank shard, tenant or key) may
+share the keyspace, an older kvflow may have written another format, and anyone who can reach
+the server can write there. So an entry carries everything a reader needs to refuse it, and a
+tag that only a holder of the key can make:
 
-The key is content-addressed: the block hash plus the layout identity, so two deployments with the
-same layout share entries and different layouts never meet. No cluster hash tag: each entry is one
-``SET`` of one key, atomic on its own, so keys may spread over every slot of a Redis Cluster.
+``head`` = ``header`` then ``tag`` (``HEADER_BYTES`` in all), then the payload:
+
+* ``header``: magic ``KVFL``, format version, protection mode (encrypt / mac / none), the id of
+  the key that sealed it (``kvflow.tiers.keys``; zeros without one), a 12-byte random nonce
+  (a new one every write: it also tells a rewrite of a place from the value before), the
+  layout digest (model, page sizes, block tokens, KV dtype, rank shard), the block's full
+  32-byte hash, its tenant's 16-byte id, the payload's length;
+* ``tag``: 16 bytes over the header and the payload, under the tenant's key (HKDF of the
+  master key and the tenant's id):
+
+  - ``encrypt``: AES-256-GCM (``cryptography``); the payload is the ciphertext and the header
+    the associated data: confidential and authenticated;
+  - ``mac``: authenticated, stored in the clear: the tag is AES-256-GCM's over an empty
+    plaintext with the header and the payload as associated data (GMAC). GMAC rather than a
+    keyed BLAKE2 because it runs on the CPU's AES and carry-less multiply instructions, an
+    order of magnitude faster (docs/performance.md);
+  - ``none``: an unkeyed xxh3-128 checksum of the header and payload: it detects damage, not
+    forgery (only for a tier built with ``insecure_no_key=True``).
+
+The tag comes right after the header (not after the payload) so that a disk slot's aligned
+header block holds the whole head: one format for both tiers. The nonce is random per entry
+(96 bits: no repeat worth counting before far more entries than a key should seal).
+
+A reader checks the header against what it asked for (``EntryCodec.check``: a cheap answer
+to a probe), then the tag over the whole entry (``EntryCodec.open``); anything else is a
+``Miss`` with a stable reason (``REASONS``), never data. A keyed reader accepts entries sealed
+in either keyed mode under any of its keys, and never an unkeyed one (anyone can make those).
 """
 
 from __future__ import annotations
@@ -22,34 +45,59 @@ from dataclasses import dataclass
 
 import msgspec
 import xxhash
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from kvflow.core.errors import ConfigError
+from kvflow.core.names import BlockName
+from kvflow.tiers.keys import KEY_ID_BYTES, TierKeys
 
 MAGIC = b"KVFL"
-FORMAT_VERSION = 1
-# magic, version, 3 bytes of write stamp, layout digest, block hash (signed 128-bit), payload
-# length, payload checksum (xxh3-64). The stamp is no part of what a reader checks (readers of
-# this format have always skipped those bytes): it makes each write of a key tell from the last,
-# so a reader that refused a value sees when the key is rewritten, even with the same bytes.
-_HEADER = struct.Struct("<4sB3s16s16sQQ")
-NO_STAMP = bytes(3)
-HEADER_BYTES = _HEADER.size
+FORMAT_VERSION = 2
+ENCRYPT, MAC, NONE = "encrypt", "mac", "none"
+_MODE_CODE = {ENCRYPT: 1, MAC: 2, NONE: 3}
+NONCE_BYTES = 12
+TAG_BYTES = 16
+# magic, version, mode, key id, nonce, layout digest, full hash, tenant id, payload length
+_HEADER = struct.Struct(f"<4sBB{KEY_ID_BYTES}s{NONCE_BYTES}s16s32s16sQ")
+HEADER_BYTES = _HEADER.size + TAG_BYTES  # the head: the header, then its tag
+_NO_KEY = bytes(KEY_ID_BYTES)
+
+# Why a reader refused a place (a ``Miss``'s reason), stable: tiers count rejections by it.
+REASONS = (
+    "absent",  # nothing there (a key not set, a slot never written)
+    "format",  # not a kvflow entry, another format version or an unknown mode
+    "unkeyed",  # an entry without a key's tag, refused by a reader with keys
+    "unknown key",  # sealed by a key this reader does not hold (retired, or another deployment's)
+    "another layout",  # another model, page sizes, block tokens, KV dtype or rank shard
+    "another tenant",  # stored for another tenant
+    "another block",  # another block's entry (another full hash)
+    "length",  # a value or payload of another length than this layout's entry
+    "forged",  # the tag does not prove the bytes: altered, damaged or forged
+    "corrupt",  # the checksum of an unkeyed entry does not match: damaged
+)
+# The reasons a value that was there is refused (a tier's rejections are counted by these).
+REJECTED = tuple(r for r in REASONS if r != "absent")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Which KV a block's bytes are: entries written under one layout are read only under it."""
+    """Which KV a block's bytes are: entries written under one layout are read only under it.
+    ``shard``: (rank, ranks), the part of every block this process's pool holds."""
 
     model: str
     page_bytes: tuple[int, ...]
     block_tokens: int
     kv_dtype: str = ""  # the KV's element type(s), e.g. "bfloat16" (the executor's)
+    shard: tuple[int, int] = (0, 1)
 
     @property
     def digest(self) -> bytes:
         """16 bytes naming this layout (a hash of its canonical encoding)."""
         canonical = msgspec.json.encode(
             {"model": self.model, "page_bytes": list(self.page_bytes),
-             "block_tokens": self.block_tokens, "format": FORMAT_VERSION}
-            | ({"kv_dtype": self.kv_dtype} if self.kv_dtype else {})
+             "block_tokens": self.block_tokens, "format": FORMAT_VERSION,
+             "kv_dtype": self.kv_dtype, "shard": list(self.shard)}
         )  # fmt: skip
         return hashlib.blake2b(canonical, digest_size=16).digest()
 
@@ -58,92 +106,221 @@ class Layout:
         """A block's payload: its page of every region, back to back."""
         return sum(self.page_bytes)
 
+    @property
+    def entry_bytes(self) -> int:
+        """A whole entry: its head, then the payload."""
+        return HEADER_BYTES + self.payload_bytes
+
 
 class Miss(msgspec.Struct, frozen=True):
-    """A key that holds no usable block, and why (absent, evicted, foreign, stale, corrupt).
-    ``seen`` identifies a value that was there and was refused (empty when none was)."""
+    """A place that holds no usable block, and why (one of ``REASONS``, or the server's or file
+    system's error). ``seen`` identifies a value that was there and was refused (empty when
+    none was)."""
 
     reason: str
     seen: bytes = b""
 
 
-def key_of(prefix: bytes, layout_digest: bytes, block_hash: int) -> bytes:
-    """``<prefix>:<layout 8-byte hex>:<block hash>``: one key per block and layout."""
-    return b"%s:%s:%d" % (prefix, layout_digest[:8].hex().encode(), block_hash)
+def codec_for(
+    layout: Layout, *, keys: object, encrypt: object, insecure_no_key: object, tier: str
+) -> EntryCodec:
+    """The codec a tier's settings ask for, checked (one line each): with ``keys``, encryption
+    unless ``encrypt=False`` (then mac); without, only by name (``insecure_no_key=True``)."""
+    if keys is not None and not isinstance(keys, TierKeys):
+        raise ConfigError(f"{tier}: keys must be TierKeys (TierKeys.from_file or from_env), got {type(keys).__name__}")
+    if not isinstance(encrypt, (bool, type(None))):
+        raise ConfigError(f"{tier}: encrypt must be True, False or None, got {encrypt!r}")
+    if not isinstance(insecure_no_key, bool):
+        raise ConfigError(f"{tier}: insecure_no_key must be True or False, got {insecure_no_key!r}")
+    if keys is None:
+        if not insecure_no_key:
+            raise ConfigError(
+                f"the {tier} needs a key: keys=TierKeys.from_file(PATH) or TierKeys.from_env(NAME); "
+                "insecure_no_key=True for a private single-tenant deployment"
+            )
+        if encrypt:
+            raise ConfigError(f"{tier}: encrypt=True needs keys")
+        return EntryCodec(layout, None, NONE)
+    if insecure_no_key:
+        raise ConfigError(f"{tier}: keys and insecure_no_key=True together: give one")
+    return EntryCodec(layout, keys, MAC if encrypt is False else ENCRYPT)
 
 
-def checksum(payload: bytes | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
+def check_shard(shard: object, tier: str) -> tuple[int, int]:
+    """``(rank, ranks)`` with ``0 <= rank < ranks``, or a one-line ``ConfigError``."""
+    if (
+        not isinstance(shard, tuple) or len(shard) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
+        or not 0 <= shard[0] < shard[1]
+    ):  # fmt: skip
+        raise ConfigError(f"{tier}: shard must be (rank, ranks) with 0 <= rank < ranks, got {shard!r}")
+    return shard[0], shard[1]
 
 
-def checksum_pages(pages: Sequence[bytes | memoryview]) -> tuple[int, int]:
-    """(length, checksum) of a payload given as its pages, back to back."""
-    hasher = xxhash.xxh3_64()
-    length = 0
+class EntryCodec:
+    """Seals and opens the entries of one layout, with ``keys`` (modes encrypt, mac) or
+    without (mode none). Safe to share between threads."""
+
+    def __init__(self, layout: Layout, keys: TierKeys | None, mode: str) -> None:
+        if mode not in _MODE_CODE or (keys is None) != (mode == NONE):
+            raise ConfigError(f"entry mode {mode!r} with{'out' if keys is None else ''} keys")
+        self.layout = layout
+        self.keys = keys
+        self.mode = mode
+        self._code = _MODE_CODE[mode]
+        self._digest = layout.digest
+        self._payload_bytes = layout.payload_bytes
+        self._writer = keys.writer if keys is not None else _NO_KEY
+        self._kids = frozenset(keys.ids) if keys is not None else frozenset()
+        self._ciphers: dict[tuple[bytes, bytes], algorithms.AES] = {}
+
+    def seal(
+        self,
+        name: BlockName,
+        pages: Sequence[bytes | memoryview],
+        nonce: bytes,
+        out: memoryview | None = None,
+    ) -> bytes:
+        """The head of ``name``'s entry holding ``pages`` (a payload of the layout's length),
+        sealed with ``nonce`` (``NONCE_BYTES`` random bytes, new for every write). The payload
+        that follows the head is written into ``out`` when given (the ciphertext, or the pages
+        as they are); encrypt mode needs ``out`` (its payload is not the pages)."""
+        header = _HEADER.pack(
+            MAGIC, FORMAT_VERSION, self._code, self._writer, nonce, self._digest, name.full, name.tenant,
+            self._payload_bytes,
+        )  # fmt: skip
+        if self.mode == NONE:
+            hasher = xxhash.xxh3_128(header)
+            for page in pages:
+                hasher.update(page)
+            if out is not None:
+                _copy(pages, out)
+            return header + hasher.digest()
+        enc = Cipher(self._cipher(self._writer, name.tenant), modes.GCM(nonce)).encryptor()
+        enc.authenticate_additional_data(header)
+        if self.mode == MAC:
+            for page in pages:
+                enc.authenticate_additional_data(page)
+            if out is not None:
+                _copy(pages, out)
+        else:
+            if out is None:
+                raise ValueError("encrypt mode seals into out")
+            at = 0
+            for page in pages:
+                size = len(memoryview(page).cast("B"))
+                enc.update_into(page, out[at : at + size])
+                at += size
+        enc.finalize()
+        return header + enc.tag
+
+    def check(self, head: bytes | memoryview, name: BlockName) -> Miss | None:
+        """Whether ``head`` (at least ``HEADER_BYTES``) can be ``name``'s entry under this
+        layout for this reader, by its header alone (the tag is checked by ``open``)."""
+        if len(head) < HEADER_BYTES:
+            return Miss("length")
+        magic, version, code, kid, _nonce, layout, full, tenant, length = _HEADER.unpack_from(head)
+        if magic != MAGIC or version != FORMAT_VERSION or code not in _CODES:
+            return Miss("format")
+        if code == _MODE_CODE[NONE]:
+            if self.keys is not None:
+                return Miss("unkeyed")
+        elif kid not in self._kids:
+            return Miss("unknown key")
+        if layout != self._digest:
+            return Miss("another layout")
+        if tenant != name.tenant:
+            return Miss("another tenant")
+        if full != name.full:
+            return Miss("another block")
+        if length != self._payload_bytes:
+            return Miss("length")
+        return None
+
+    def open(
+        self,
+        head: bytes | memoryview,
+        name: BlockName,
+        src: Sequence[memoryview],
+        dst: Sequence[memoryview],
+    ) -> Miss | None:
+        """Prove the entry whose head is ``head`` and whose payload is ``src`` (buffers back to
+        back) to be ``name``'s, and put its plaintext in the pages ``dst`` (``dst`` may be
+        ``src`` itself: decrypted in place). None when proven; else the ``Miss`` (``dst`` then
+        holds nothing meaningful)."""
+        miss = self.check(head, name)
+        if miss is not None:
+            return miss
+        header = bytes(head[: _HEADER.size])
+        tag = bytes(head[_HEADER.size : HEADER_BYTES])
+        _magic, _version, code, kid, nonce, _layout, _full, tenant, _length = _HEADER.unpack(header)
+        pairs = _pairs(src, dst)
+        in_place = src is dst
+        if code == _MODE_CODE[NONE]:
+            hasher = xxhash.xxh3_128(header)
+            for s, _ in pairs:
+                hasher.update(s)
+            if hasher.digest() != tag:
+                return Miss("corrupt")
+            if not in_place:
+                _copy_pairs(pairs)
+            return None
+        dec = Cipher(self._cipher(kid, tenant), modes.GCM(nonce, tag)).decryptor()
+        dec.authenticate_additional_data(header)
+        if code == _MODE_CODE[MAC]:
+            for s, _ in pairs:
+                dec.authenticate_additional_data(s)
+        else:
+            for s, d in pairs:
+                dec.update_into(s, d)
+        try:
+            dec.finalize()
+        except InvalidTag:
+            return Miss("forged")
+        if code == _MODE_CODE[MAC] and not in_place:
+            _copy_pairs(pairs)
+        return None
+
+    def _cipher(self, kid: bytes, tenant: bytes) -> algorithms.AES:
+        cipher = self._ciphers.get((kid, tenant))
+        if cipher is None:
+            assert self.keys is not None
+            key = self.keys.derived(kid, tenant)
+            if key is None:
+                raise ValueError("no key of this id")  # (check refused it first)
+            if len(self._ciphers) >= 4096:
+                self._ciphers.clear()
+            cipher = self._ciphers[(kid, tenant)] = algorithms.AES(key)
+        return cipher
+
+
+_CODES = frozenset(_MODE_CODE.values())
+
+
+def _copy(pages: Sequence[bytes | memoryview], out: memoryview) -> None:
+    at = 0
     for page in pages:
-        hasher.update(page)
-        length += len(page)
-    return length, hasher.intdigest()
+        view = memoryview(page).cast("B")
+        out[at : at + len(view)] = view
+        at += len(view)
 
 
-def hash_bytes(block_hash: int) -> bytes:
-    """A block hash as entries (and the disk tier's journal) carry it: 16 bytes, signed (a
-    hash may be negative; a wider hash than today's 64 bits still fits)."""
-    return block_hash.to_bytes(16, "little", signed=True)
+def _pairs(src: Sequence[memoryview], dst: Sequence[memoryview]) -> list[tuple[memoryview, memoryview]]:
+    """(source, destination) per page of ``dst``: ``src`` is either pages of the same sizes
+    or one buffer holding them back to back."""
+    flat_dst = [memoryview(d).cast("B") for d in dst]
+    flat_src = [memoryview(s).cast("B") for s in src]
+    if [len(s) for s in flat_src] == [len(d) for d in flat_dst]:
+        return list(zip(flat_src, flat_dst))
+    if len(flat_src) != 1 or len(flat_src[0]) != sum(len(d) for d in flat_dst):
+        raise ValueError("a payload and pages of different lengths")
+    out, at = [], 0
+    for d in flat_dst:
+        out.append((flat_src[0][at : at + len(d)], d))
+        at += len(d)
+    return out
 
 
-def hash_from(raw: bytes | memoryview) -> int:
-    return int.from_bytes(raw, "little", signed=True)
-
-
-def header(
-    layout_digest: bytes, block_hash: int, length: int, digest: int, stamp: bytes = NO_STAMP
-) -> bytes:
-    """The ``HEADER_BYTES`` that go ahead of a payload of ``length`` bytes with checksum ``digest``."""
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, stamp, layout_digest, hash_bytes(block_hash), length, digest)
-
-
-def header_miss(
-    value: bytes | memoryview, layout_digest: bytes, block_hash: int, payload_bytes: int
-) -> int | Miss:
-    """The payload checksum that the header at the start of ``value`` promises, if it names
-    this block under this layout at this length; else a ``Miss`` saying which field is wrong."""
-    if len(value) < HEADER_BYTES:
-        return Miss("short entry")
-    magic, version, _stamp, layout, raw_hash, length, digest = _HEADER.unpack_from(value)
-    if magic != MAGIC:
-        return Miss("not a kvflow entry")
-    if version != FORMAT_VERSION:
-        return Miss(f"entry format {version}, expected {FORMAT_VERSION}")
-    if layout != layout_digest:
-        return Miss("another layout")
-    if hash_from(raw_hash) != block_hash:
-        return Miss("another block")
-    if length != payload_bytes:
-        return Miss(f"length {length}, expected {payload_bytes}")
-    return int(digest)
-
-
-def encode(
-    layout_digest: bytes, block_hash: int, pages: Sequence[bytes | memoryview], stamp: bytes = NO_STAMP
-) -> bytes:
-    """One entry: header then the block's pages, as one value (written by one ``SET``)."""
-    length, digest = checksum_pages(pages)
-    return b"".join([header(layout_digest, block_hash, length, digest, stamp), *pages])
-
-
-def decode(
-    value: bytes | None, layout_digest: bytes, block_hash: int, payload_bytes: int
-) -> memoryview | Miss:
-    """The payload of ``value`` if it is this block under this layout, intact; else a ``Miss``."""
-    if value is None:
-        return Miss("absent")
-    digest = header_miss(value, layout_digest, block_hash, payload_bytes)
-    if isinstance(digest, Miss):
-        return digest
-    if len(value) != HEADER_BYTES + payload_bytes:
-        return Miss(f"length {len(value) - HEADER_BYTES}, expected {payload_bytes}")
-    payload = memoryview(value)[HEADER_BYTES:]
-    if checksum(payload) != digest:
-        return Miss("checksum mismatch")
-    return payload
+def _copy_pairs(pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
+    for s, d in pairs:
+        d[:] = s

@@ -2,9 +2,12 @@
 
 What a real server does, and what this client does about it:
 
-- **Evicted, foreign or stale entries.** Every value is framed and checked on read
-  (``kvflow.tiers.entry``): anything that is not this block under this layout, intact, is a
-  ``Miss`` — never data.
+- **Evicted, foreign, stale or forged entries.** Every value is sealed (encrypted or
+  authenticated under the tenant's key) and proven on read (``kvflow.tiers.entry``): anything
+  that is not this block, for this tenant, under this layout, sealed by a key this reader holds,
+  is a ``Miss`` — never data. A key is ``<prefix>:<layout>:<tenant>:<full hash>``, so blocks of
+  different tenants or layouts never share one (no cluster hash tag: each entry is one ``SET``
+  of one key, atomic on its own, so keys may spread over every slot of a Redis Cluster).
 - **No half-written entry.** One block is one ``SET`` of one key: Redis applies it whole or not at
   all, so a reader sees the old value, the new one, or none.
 - **OOM under ``noeviction``.** The server refuses the ``SET``; that block's store failed (its
@@ -31,7 +34,7 @@ them, when the tier is built: a bad one is refused there, in one line.
 from __future__ import annotations
 
 import math
-import random
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -44,8 +47,18 @@ from redis.retry import Retry
 
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError, KvflowError
+from kvflow.core.names import BlockName
 from kvflow.core.values import is_int
-from kvflow.tiers.entry import HEADER_BYTES, Layout, Miss, decode, encode, header_miss, key_of
+from kvflow.tiers.entry import (
+    HEADER_BYTES,
+    NONCE_BYTES,
+    EntryCodec,
+    Layout,
+    Miss,
+    check_shard,
+    codec_for,
+)
+from kvflow.tiers.keys import TierKeys
 
 if TYPE_CHECKING:
     from kvflow.tiers.remote_executor import RemoteTierExecutor
@@ -100,36 +113,46 @@ class RedisBlockStore:
     def __init__(
         self,
         client: redis.Redis | RedisCluster,
-        layout: Layout,
+        codec: EntryCodec,
         *,
         prefix: bytes = DEFAULT_PREFIX,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         ttl_s: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``codec`` seals and opens the entries (their layout, keys and mode)."""
         check_ttl(ttl_s)
         self.client = client
-        self.layout = layout
+        self.codec = codec
+        self.layout = codec.layout
         self.prefix = prefix
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s
         self._clock = clock
-        self._digest = layout.digest
-        self._payload_bytes = layout.payload_bytes
-        self._stamps = random.Random()  # write stamps need to differ, not to be secret
+        self._layout_hex = codec.layout.digest.hex().encode()
+        self._entry_bytes = codec.layout.entry_bytes
 
-    def key(self, block_hash: int) -> bytes:
-        return key_of(self.prefix, self._digest, block_hash)
+    def key(self, name: BlockName) -> bytes:
+        """``<prefix>:<layout digest>:<tenant id>:<full hash>`` (hex): one key per block, tenant
+        and layout."""
+        return b"%s:%s:%s:%s" % (self.prefix, self._layout_hex, name.tenant.hex().encode(), name.full.hex().encode())
 
     def put(
-        self, blocks: Sequence[tuple[int, Sequence[bytes | memoryview]]], deadline_s: float
+        self, blocks: Sequence[tuple[BlockName, Sequence[bytes | memoryview]]], deadline_s: float
     ) -> list[str | None]:
-        """Write each ``(block_hash, pages)``; per block ``None`` (stored) or the server's error.
+        """Write each ``(name, pages)``, sealed; per block ``None`` (stored) or the server's error.
 
         Raises ``RemoteUnavailable`` when no attempt reached the server before ``deadline_s``
         (a monotonic time): then no block is known to be stored."""
-        stamp = self._stamps.getrandbits(24).to_bytes(3, "little")  # (one per batch: see seen_of)
-        values = [(self.key(h), encode(self._digest, h, pages, stamp)) for h, pages in blocks]
+        nonces = os.urandom(NONCE_BYTES * len(blocks))
+        values = []
+        for i, (name, pages) in enumerate(blocks):
+            value = bytearray(self._entry_bytes)
+            view = memoryview(value)
+            view[:HEADER_BYTES] = self.codec.seal(
+                name, pages, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES], view[HEADER_BYTES:]
+            )
+            values.append((self.key(name), value))
 
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
@@ -139,39 +162,45 @@ class RedisBlockStore:
 
         return [None if reply is True else _error_text(reply) for reply in self._attempt(run, deadline_s)]
 
-    def get(self, block_hashes: Sequence[int], deadline_s: float) -> list[memoryview | Miss]:
-        """Each block's payload, or a ``Miss`` saying why not (absent, evicted, foreign, corrupt,
-        or the server's error for that key); a refused value's ``Miss`` carries its ``seen``.
-        Reads at most one entry's bytes per key, whatever the server holds there. Raises
-        ``RemoteUnavailable`` as ``put`` does."""
-        replies = self._heads(block_hashes, HEADER_BYTES + self._payload_bytes, deadline_s)
-        return [self._entry(h, length, value) for h, (length, value) in zip(block_hashes, replies)]
+    def get(
+        self, names: Sequence[BlockName], into: Sequence[Sequence[memoryview]], deadline_s: float
+    ) -> list[Miss | None]:
+        """Load each block into its pages (``into``, one list of pages per block): ``None``
+        for a block proven and loaded, or a ``Miss`` saying why not (absent, evicted, foreign,
+        forged: ``REASONS``, or the server's error for that key; the pages then hold nothing
+        meaningful); a refused value's ``Miss`` carries its ``seen``. Reads at most one
+        entry's bytes per key, whatever the server holds there. Raises ``RemoteUnavailable``
+        as ``put`` does."""
+        replies = self._heads(names, self._entry_bytes, deadline_s)
+        return [self._entry(n, length, value, pages) for n, (length, value), pages in zip(names, replies, into)]
 
-    def seen(self, block_hashes: Sequence[int], deadline_s: float) -> list[bytes | None]:
-        """For each block, the identity of the value under its key (``seen_of``) if that value
-        has this block's header and an entry's exact length; ``None`` for an absent key or
-        a value that cannot be this block's entry (a hint: the payload is still checked when
-        loaded). Reads the headers only."""
-        out: list[bytes | None] = []
-        replies = self._heads(block_hashes, HEADER_BYTES, deadline_s)
-        for h, (length, head) in zip(block_hashes, replies):
-            fits = (
-                isinstance(length, int)
-                and length == HEADER_BYTES + self._payload_bytes
-                and isinstance(head, bytes)
-                and not isinstance(header_miss(head, self._digest, h, self._payload_bytes), Miss)
-            )
-            out.append(seen_of(length, head) if fits else None)
+    def seen(self, names: Sequence[BlockName], deadline_s: float) -> list[bytes | Miss | None]:
+        """For each block, what its key holds, by the value's head and length alone: the value's
+        identity (``seen_of``) if it can be this block's entry for this reader (a hint: the tag
+        is checked when loaded); a ``Miss`` (with ``seen``) for a value that cannot (another
+        tenant's, an unknown key's, an unkeyed one, a wrong length ...); ``None`` for an absent
+        key or the server's error. Reads the heads only."""
+        out: list[bytes | Miss | None] = []
+        replies = self._heads(names, HEADER_BYTES, deadline_s)
+        for name, (length, head) in zip(names, replies):
+            if not isinstance(length, int) or not isinstance(head, bytes) or length == 0:
+                out.append(None)
+                continue
+            seen = seen_of(length, head)
+            miss = self.codec.check(head, name)
+            if miss is None and length != self._entry_bytes:
+                miss = Miss("length")
+            out.append(seen if miss is None else Miss(miss.reason, seen))
         return out
 
-    def _heads(self, block_hashes: Sequence[int], limit: int, deadline_s: float) -> list[tuple[Any, Any]]:
+    def _heads(self, names: Sequence[BlockName], limit: int, deadline_s: float) -> list[tuple[Any, Any]]:
         """Per key, the value's length (``STRLEN``: 0 when absent) and at most its first
         ``limit`` bytes (``GETRANGE``), or the server's error for either."""
 
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
-            for h in block_hashes:
-                key = self.key(h)
+            for name in names:
+                key = self.key(name)
                 pipe.strlen(key)
                 pipe.getrange(key, 0, limit - 1)
             return pipe.execute(raise_on_error=False)
@@ -179,19 +208,18 @@ class RedisBlockStore:
         replies = self._attempt(run, deadline_s)
         return list(zip(replies[0::2], replies[1::2]))
 
-    def _entry(self, block_hash: int, length: Any, value: Any) -> memoryview | Miss:
+    def _entry(self, name: BlockName, length: Any, value: Any, pages: Sequence[memoryview]) -> Miss | None:
         for reply in (length, value):
             if isinstance(reply, Exception):
                 return Miss(_error_text(reply))
         if length == 0:  # (an empty value is no entry either)
             return Miss("absent")
         seen = seen_of(length, value)
-        if length > len(value):  # longer than an entry: refused, the rest never read
-            found = header_miss(value, self._digest, block_hash, self._payload_bytes)
-            reason = found.reason if isinstance(found, Miss) else f"length {length - HEADER_BYTES}, expected {self._payload_bytes}"
-            return Miss(reason, seen)
-        got = decode(value, self._digest, block_hash, self._payload_bytes)
-        return Miss(got.reason, seen) if isinstance(got, Miss) else got
+        if length != self._entry_bytes:  # (a longer one: refused, the rest never read)
+            return Miss(getattr(self.codec.check(value, name), "reason", "length"), seen)
+        view = memoryview(value)
+        got = self.codec.open(view[:HEADER_BYTES], name, [view[HEADER_BYTES:]], pages)
+        return None if got is None else Miss(got.reason, seen)
 
     def _attempt(self, run: Callable[[], list[Any]], deadline_s: float) -> list[Any]:
         """``run``, and once more after a transport error (a dropped connection gets one fresh
@@ -212,10 +240,9 @@ class RedisBlockStore:
 
 
 def seen_of(length: int, head: bytes) -> bytes:
-    """What identifies a value a reader refused: its length and its header, whose write stamp
-    (random, one per ``put``) changes whenever a writer rewrites the key: a refused value is not
-    offered again until then (a rewrite with the same stamp, one chance in 2**24, stays
-    unoffered until this reader stores the block itself or forgets)."""
+    """What identifies a value a reader refused: its length and its head, whose nonce (random,
+    new for every write) changes whenever a writer rewrites the key: a refused value is not
+    offered again until then."""
     return length.to_bytes(8, "little") + bytes(head[:HEADER_BYTES])
 
 
@@ -279,14 +306,24 @@ def redis_tier(
     prefix: bytes = DEFAULT_PREFIX,
     ttl_s: int | None = None,
     absent_ttl_s: float = 1.0,
+    keys: TierKeys | None = None,
+    encrypt: bool | None = None,
+    insecure_no_key: bool = False,
+    shard: tuple[int, int] = (0, 1),
     **redis_kwargs: Any,
 ) -> RemoteTierExecutor:
     """``executor`` (with its host pool) behind a Redis remote tier: the executor to hand to
     ``SyncEngine`` with ``config`` (whose ``remote_blocks`` must be > 0). ``model`` names the
-    KV's model: with the pool's page sizes and ``config.block_tokens`` it is the layout identity
-    entries are keyed and checked by. ``timeout_s`` (socket timeout, one attempt) defaults to a
-    quarter of the job deadline, at most 1 s. A block a probe found absent is not asked about
-    again for ``absent_ttl_s``.
+    KV's model: with the pool's page sizes and dtype, ``config.block_tokens`` and ``shard``
+    (this pool's rank of ``ranks`` when each rank has a pool of its own) it is the layout
+    identity entries are keyed and checked by. ``timeout_s`` (socket timeout, one attempt)
+    defaults to a quarter of the job deadline, at most 1 s. A block a probe found absent is not
+    asked about again for ``absent_ttl_s``.
+
+    Entries are sealed with ``keys`` (``kvflow.tiers.keys.TierKeys``): encrypted, or with
+    ``encrypt=False`` authenticated in the clear. Without keys the tier refuses to start unless
+    ``insecure_no_key=True`` (a private, single-tenant deployment: entries then carry a
+    checksum anyone can recompute).
 
     Every argument is checked here, and the server must answer a ``PING`` with them (within
     ``timeout_s``): a bad setting, an unreachable server, a refused password or user, an
@@ -314,13 +351,15 @@ def redis_tier(
     if not 0 < timeout <= min(deadline_s, MAX_TIMEOUT_S - 1):
         raise ConfigError(f"remote timeout_s must be within (0, job deadline {deadline_s:g} s], got {timeout_s!r}")
     layout = Layout(
-        model=model, page_bytes=tuple(pool.page_bytes), block_tokens=config.block_tokens, kv_dtype=executor.kv_dtype
-    )
+        model=model, page_bytes=tuple(pool.page_bytes), block_tokens=config.block_tokens,
+        kv_dtype=executor.kv_dtype, shard=check_shard(shard, "remote tier"),
+    )  # fmt: skip
+    codec = codec_for(layout, keys=keys, encrypt=encrypt, insecure_no_key=insecure_no_key, tier="remote tier")
     _ping(url, cluster, timeout, redis_kwargs)
 
     def open_store() -> RedisBlockStore:
         client = connect(url, cluster=cluster, timeout_s=timeout, **redis_kwargs)
-        return RedisBlockStore(client, layout, prefix=prefix, timeout_s=timeout, ttl_s=ttl_s)
+        return RedisBlockStore(client, codec, prefix=prefix, timeout_s=timeout, ttl_s=ttl_s)
 
     return RemoteTierExecutor(
         executor,

@@ -14,13 +14,19 @@ lost connection, a bug — becomes that job's failure (F2), never an exception i
 remote job moves every rank's pages of the shared host pool at once, so it answers for every
 rank of the world.
 
-Probes: ``probe(hashes)`` asks the remote tier which of a lookup's missing blocks it holds (the
-headers and lengths of their values: a value that cannot be the block's entry is not offered);
-``take_found()`` hands the answer to the engine, which records it (``RemoteFound``).
+Probes: ``probe(names)`` asks the remote tier which of a lookup's missing blocks it holds (the
+heads and lengths of their values: a value that cannot be the block's entry for this reader is
+not offered); ``take_found()`` hands the answer (keys) to the engine, which records it
+(``RemoteFound``).
 
-A value that was loaded and refused (a damaged or foreign payload under a well-formed header) is
-remembered with its identity (length and header): probes do not offer it again until its key is
-rewritten, so a bad entry costs one failed load, not one every other request. It is remembered
+A value that was loaded and refused (a forged, damaged or foreign payload under a head that
+fits) fails its load: the engine drops the block from its remote index. A value a probe can
+refuse by its head alone (another tenant's, an unknown key's, an unkeyed one) is not offered.
+Either refusal is counted by reason (``remote_rejected()``, the ``REJECTED`` reasons of
+``kvflow.tiers.entry``) and logged (``kvflow.remote_entry_rejected``) once per value, and the
+value is remembered with its identity (length and head, whose nonce is new for every write):
+probes do not offer it again until its key is rewritten, so a bad entry costs one failed load at
+most, not one every other request. It is remembered
 here rather than deleted from the server: the keyspace is shared, and a value this reader refuses
 may be one another deployment still reads (or one this reader's own next store replaces).
 """
@@ -33,10 +39,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import structlog
+
 from kvflow.core.commands import JobResult
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
 from kvflow.core.names import BlockName
-from kvflow.tiers.entry import Miss
+from kvflow.tiers.entry import REJECTED, Miss
 from kvflow.tiers.host_slots import SlotPages
 
 REMOTE_DIRECTIONS = (REMOTE_STORE, REMOTE_LOAD)
@@ -76,6 +84,7 @@ class RemoteTierExecutor:
         self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._found: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        self._log = structlog.get_logger("kvflow")
         self._results_ready = threading.Event()
         self._probing: dict[int, None] = {}  # hashes with a probe in flight (asked once)
         # hash -> until when a probe's "absent" stands (written by the worker thread only)
@@ -89,6 +98,7 @@ class RemoteTierExecutor:
         self.stats = {
             "remote_stored_blocks": 0, "remote_loaded_blocks": 0, "remote_failed_jobs": 0, "probed_blocks": 0,
         }  # fmt: skip
+        self._rejected = dict.fromkeys(REJECTED, 0)  # values refused, by reason (worker thread only)
         self._thread = threading.Thread(target=self._run, name="kvflow-remote", daemon=True)
         self._thread.start()
 
@@ -121,10 +131,15 @@ class RemoteTierExecutor:
 
     def probe(self, names: Sequence[BlockName]) -> None:
         now, absent = self._clock(), self._absent_until
-        todo = [n.key for n in names if n.key not in self._probing and absent.get(n.key, 0.0) <= now]
+        todo = [n for n in names if n.key not in self._probing and absent.get(n.key, 0.0) <= now and n.full]
         if todo:
-            self._probing.update(dict.fromkeys(todo))
+            self._probing.update(dict.fromkeys(n.key for n in todo))
             self._work.put((tuple(todo), self._clock() + self._deadline_s))
+
+    def remote_rejected(self) -> dict[str, int]:
+        """Values refused since the tier was built (each once, by a probe or a load), by reason
+        (``REJECTED``)."""
+        return dict(self._rejected)
 
     def wait_results(self, timeout_s: float) -> bool:
         """Block (up to ``timeout_s``) until ``poll`` has remote results to hand over: an
@@ -190,33 +205,54 @@ class RemoteTierExecutor:
             self._store = self._open_store()
         return self._store
 
-    def _run_probe(self, hashes: tuple[int, ...], deadline: float) -> None:
+    def _run_probe(self, names: tuple[BlockName, ...], deadline: float) -> None:
         try:
-            seen = self._store_or_none().seen(hashes, deadline)
-            self.stats["probed_blocks"] += len(hashes)
+            seen = self._store_or_none().seen(names, deadline)
+            self.stats["probed_blocks"] += len(names)
             refused = self._refused
-            there = [s is not None and refused.get(h) != s for h, s in zip(hashes, seen)]
-            self._found.put([h for h, t in zip(hashes, there) if t])
+            for name, s in zip(names, seen):
+                if isinstance(s, Miss):
+                    self._refuse(name, s)
+            there = [isinstance(s, bytes) and refused.get(n.key) != s for n, s in zip(names, seen)]
+            self._found.put([n.key for n, t in zip(names, there) if t])
             absent, until = self._absent_until, self._clock() + self._absent_ttl_s
             if len(absent) > _REMEMBERED:  # bounded: forget the old answers wholesale
                 absent.clear()
-            for h, t in zip(hashes, there):
+            for name, t in zip(names, there):
                 if t:
-                    absent.pop(h, None)
-                    refused.pop(h, None)  # (rewritten since it was refused)
+                    absent.pop(name.key, None)
+                    refused.pop(name.key, None)  # (rewritten since it was refused)
                 else:
-                    absent[h] = until
+                    absent[name.key] = until
         except Exception:
             pass  # a probe that fails finds nothing; the lookup just misses
         finally:
-            for h in hashes:
-                self._probing.pop(h, None)
+            for name in names:
+                self._probing.pop(name.key, None)
+
+    def _refuse(self, name: BlockName, miss: Miss) -> None:
+        """A value under ``name``'s key refused (by a probe or a load): counted by reason, logged
+        and remembered once per value (a rewrite of the key is another value)."""
+        if not miss.seen or self._refused.get(name.key) == miss.seen:
+            return
+        if len(self._refused) > _REMEMBERED:
+            self._refused.clear()
+        self._refused[name.key] = miss.seen
+        if miss.reason in self._rejected:
+            self._rejected[miss.reason] += 1
+        self._log.warning(
+            "kvflow.remote_entry_rejected", reason=miss.reason, block=name.key,
+            full_hash=name.full.hex(), tenant=name.tenant.hex(),
+        )  # fmt: skip
 
     def _run_job(self, job: TransferJob, deadline: float) -> tuple[bool, str | None]:
         try:
+            names = job.names
+            if len(names) != len(job.hashes) or not all(n.full for n in names):
+                return False, "a block of the job has no name (forgotten by the engine)"
             store = self._store_or_none()
             if job.direction == REMOTE_STORE:
-                errors = store.put([(h, self.slots.read(s)) for h, s in zip(job.hashes, job.slots)], deadline)
+                errors = store.put([(n, self.slots.read(s)) for n, s in zip(names, job.slots)], deadline)
                 bad = [(h, e) for h, e in zip(job.hashes, errors) if e is not None]
                 if bad:
                     return False, f"remote store refused {len(bad)} of {len(errors)} blocks: {bad[0][1]}"
@@ -224,18 +260,13 @@ class RemoteTierExecutor:
                 for h in job.hashes:  # rewritten by this very store
                     self._refused.pop(h, None)
                 return True, None
-            got = store.get(job.hashes, deadline)
-            misses = [(h, g.reason) for h, g in zip(job.hashes, got) if isinstance(g, Miss)]
+            got = store.get(names, [self.slots.read(s) for s in job.slots], deadline)
+            misses = [(n, g) for n, g in zip(names, got) if g is not None]
             if misses:
-                if len(self._refused) > _REMEMBERED:
-                    self._refused.clear()
-                for h, g in zip(job.hashes, got):
-                    if isinstance(g, Miss) and g.seen:
-                        self._refused[h] = g.seen
-                h, reason = misses[0]
-                return False, f"remote miss on {len(misses)} of {len(got)} blocks (block {h}: {reason})"
-            for slot, payload in zip(job.slots, got):
-                self.slots.write(slot, payload)
+                for name, miss in misses:
+                    self._refuse(name, miss)
+                name, miss = misses[0]
+                return False, f"remote miss on {len(misses)} of {len(got)} blocks (block {name.key}: {miss.reason})"
             self.stats["remote_loaded_blocks"] += len(got)
             return True, None
         except Exception as exc:  # F2: whatever happens is this job's failure

@@ -85,3 +85,41 @@ def test_the_metrics_go_into_the_host_applications_registry_and_over_http() -> N
     for family in text_string_to_metric_families(text):
         if family.type == "counter":
             assert family.name.startswith("kvflow_")
+
+
+def test_the_shared_tiers_refusals_are_counted_by_reason(tmp_path) -> None:
+    """A disk tier (real files) whose entries were written under a key since retired: the
+    scrape counts its refusals under ``kvflow_disk_rejected_total{reason}``."""
+    pytest.importorskip("torch")
+    pytest.importorskip("cryptography")
+    import torch
+    from core_helpers import settle
+    from tier_keys import KEY, NEW_KEY, tier_keys
+
+    from kvflow.core.config import Config
+    from kvflow.engine.sync import SyncEngine
+    from kvflow.executors.torch.executor import TorchExecutor
+    from kvflow.tiers.disk_executor import disk_tier
+
+    def engine_of(keys):  # type: ignore[no-untyped-def]
+        kv = [torch.randn((8, 2, 4, 8)) for _ in range(2)]
+        config = Config(cpu_blocks=2, block_tokens=B, disk_blocks=8, disk_store_mode="write_through")
+        return SyncEngine(config, disk_tier(TorchExecutor(kv, 2, device="cpu"), config, tmp_path, model="m", keys=keys))
+
+    first = engine_of(tier_keys(KEY))
+    first.lookup("a", [1, 2], 2 * B + 1)
+    first.blocks_computed("a", [1, 2], [0, 1])
+    settle(first)
+    first.close()
+    second = engine_of(tier_keys(NEW_KEY))
+    try:
+        metrics = PrometheusMetrics(second)
+        second.lookup("b", [1, 2], 2 * B + 1)
+        second.accept_hits("b", [])
+        settle(second)
+        got = scrape(prom.generate_latest(metrics.registry).decode())
+        assert got[("kvflow_disk_rejected_total", (("reason", "unknown key"),))] == 2
+        assert got[("kvflow_disk_rejected_total", (("reason", "forged"),))] == 0
+        assert ("kvflow_remote_rejected_total", (("reason", "forged"),)) not in got  # no remote tier
+    finally:
+        second.close()

@@ -311,14 +311,15 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 def main():
-    model, disk, trace, convs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    model, disk, trace, convs, keys = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5]
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=128, block_size=32,
               enable_prefix_caching=True, num_gpu_blocks_override=8, max_num_seqs=2, max_num_batched_tokens=128,
               seed=0, enforce_eager=True, kv_transfer_config={
                   "kv_connector": "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm.connector",
                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                   "kv_connector_extra_config": {"cpu_blocks": 64, "disk_path": disk, "disk_gb": 0.01,
-                                                "disk_store_mode": "write_through", "trace_path": trace}})
+                                                "disk_key_file": keys, "disk_store_mode": "write_through",
+                                                "trace_path": trace}})
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     out = []
     for c in convs:
@@ -347,7 +348,9 @@ def test_F22_a_second_vllm_process_loads_the_first_ones_prefixes_from_the_disk_t
     import json
     import subprocess
 
-    script, disk = tmp_path / "serve.py", tmp_path / "disk"
+    from tier_keys import keys_file
+
+    script, disk, keys = tmp_path / "serve.py", tmp_path / "disk", keys_file(tmp_path)
     script.write_text(RESTART_SCRIPT)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
@@ -355,7 +358,7 @@ def test_F22_a_second_vllm_process_loads_the_first_ones_prefixes_from_the_disk_t
     for name in ("first", "second"):
         trace = tmp_path / f"{name}.jsonl"
         done = subprocess.run(
-            [sys.executable, str(script), str(model_dir), str(disk), str(trace), json.dumps(conversations())],
+            [sys.executable, str(script), str(model_dir), str(disk), str(trace), json.dumps(conversations()), str(keys)],
             capture_output=True, text=True, timeout=300, env=env,
         )
         assert done.returncode == 0, done.stderr[-3000:]

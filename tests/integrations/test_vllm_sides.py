@@ -49,7 +49,12 @@ def test_capacity_in_blocks_bytes_or_gb() -> None:
         ({"cpu_blocks": 4, "disk_path": 3, "disk_gb": 1}, "disk_path must be a directory's path"),
         ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": "1"}, "disk_gb must be a number > 0"),
         ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 0}, "disk_gb must be a number > 0"),
-        ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_store_mode": "now"}, "disk_store_mode must be one of"),
+        ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_store_mode": "now", "disk_insecure_no_key": True},
+         "disk_store_mode must be one of"),
+        ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1}, "the disk tier needs a key: disk_key_file"),
+        ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_key_file": 3}, "disk_key_file must be a file's path"),
+        ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_insecure_no_key": "yes"},
+         "disk_insecure_no_key must be true or false"),
     ],
 )
 def test_bad_extra_config_is_one_clear_error(extra: dict, message: str) -> None:
@@ -141,7 +146,7 @@ def test_a_request_whose_load_failed_is_offered_nothing_again() -> None:
 
 
 def test_a_disk_tier_from_the_connector_config() -> None:
-    config = ConnectorConfig.from_extra({"cpu_blocks": 8, "disk_path": "/tmp/kv", "disk_gb": 1})
+    config = ConnectorConfig.from_extra({"cpu_blocks": 8, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_insecure_no_key": True})
     assert config.disk_blocks(1 << 20) == 1024 and config.disk_store_mode == "ahead_of_eviction"
     side = SchedulerSide(config, B, 1 << 20)
     assert side.config.disk_blocks == 1024
@@ -150,7 +155,8 @@ def test_a_disk_tier_from_the_connector_config() -> None:
 
 def disk_side(world_size: int = 1) -> SchedulerSide:
     config = ConnectorConfig.from_extra(
-        {"cpu_blocks": 4, "disk_path": "/tmp/unused", "disk_gb": 8 * 4096 / (1 << 30), "disk_store_mode": "write_through"}
+        {"cpu_blocks": 4, "disk_path": "/tmp/unused", "disk_gb": 8 * 4096 / (1 << 30), "disk_store_mode": "write_through",
+         "disk_insecure_no_key": True}
     )
     return SchedulerSide(config, B, 4096, world_size=world_size)
 

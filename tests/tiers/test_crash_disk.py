@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import crash_disk  # noqa: E402
 
+from kvflow.core.names import name_of  # noqa: E402
 from kvflow.tiers.disk_file import DiskEntryFile  # noqa: E402
 
 
@@ -37,9 +38,9 @@ def test_F22_a_killed_writer_never_leaves_a_wrong_entry(tmp_path: Path) -> None:
 def test_the_check_finds_an_entry_that_breaks_the_rule(tmp_path: Path) -> None:
     layout = crash_disk.layout_of(4)
     host = crash_disk.HostPages(layout)
-    with DiskEntryFile(tmp_path / "tier", layout=layout, slots=4) as tier:
+    with DiskEntryFile(tmp_path / "tier", codec=crash_disk.codec_of(layout), slots=4) as tier:
         good = crash_disk.payload_of(11, layout.payload_bytes)
-        assert tier.store([(0, 11, host.put(good))]) == [None]
-        assert tier.store([(1, 12, host.put(good))]) == [None]  # block 12 holding block 11's bytes
+        assert tier.store([(0, name_of(11), host.put(good))]) == [None]
+        assert tier.store([(1, name_of(12), host.put(good))]) == [None]  # block 12 holding block 11's bytes
     note, recovered, wrong, misses = crash_disk.check(tmp_path / "tier", 4, 4)
     assert (note, recovered, wrong, misses) == ("warm: 2 entries recovered from the journal", 2, 1, {})

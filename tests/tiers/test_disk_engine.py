@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from core_helpers import settle
+from tier_keys import tier_keys
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("xxhash")
@@ -29,6 +30,7 @@ from kvflow.tiers.disk_executor import disk_tier  # noqa: E402
 
 LAYERS, NUM_BLOCKS, CPU_BLOCKS, DISK_BLOCKS, B = 2, 16, 4, 32, 16
 MODEL = "disk-rig-model"
+KEYS = tier_keys()
 
 
 def random_kv(seed: int) -> list[Any]:
@@ -46,6 +48,7 @@ def instance(path: Path, seed: int, *, mode: str = "write_through", **tier: Any)
     config = Config(
         cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS, disk_store_mode=mode, job_deadline_ms=5_000.0
     )
+    tier.setdefault("keys", None if tier.get("insecure_no_key") else KEYS)
     executor = disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, path, model=MODEL, **tier)
     return SyncEngine(config, executor, keep_log=True), kv
 
@@ -115,7 +118,7 @@ def test_another_model_on_the_same_directory_starts_cold(tmp_path: Path) -> None
     first.close()
     kv = random_kv(3)
     config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS)
-    other = SyncEngine(config, disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model="another"))
+    other = SyncEngine(config, disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model="another", keys=KEYS))
     try:
         assert other.counters.disk_blocks_restored == 0
         assert load(other, "r", FIRST, (8, 9, 10, 11)) == 0
@@ -173,7 +176,8 @@ def test_F20_a_damaged_entry_is_a_miss_dropped_once_and_the_request_computes(tmp
     try:
         assert load(second, "r", FIRST, (8, 9, 10, 11)) == 0  # never a wrong byte
         failed = [e for e in second.manager.log.events() if type(e).__name__ == "JobFailed"]
-        assert len(failed) == 1 and "checksum" in failed[0].error
+        assert len(failed) == 1 and "forged" in failed[0].error
+        assert second.executor.disk_rejected()["forged"] == 4
         assert second.manager.state.disk is not None and FIRST[0] not in second.manager.state.disk.slot_of
         assert load(second, "r2", FIRST, (8, 9, 10, 11)) == 0
         assert len([e for e in second.manager.log.events() if type(e).__name__ == "JobFailed"]) == 1  # not again
@@ -206,7 +210,7 @@ def test_the_data_file_deleted_underneath_degrades_the_tier_and_the_cpu_tier_ser
 def test_a_config_and_a_tier_of_different_sizes_are_refused(tmp_path: Path) -> None:
     kv = random_kv(1)
     config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS)
-    executor = disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model=MODEL)
+    executor = disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model=MODEL, keys=KEYS)
     try:
         with pytest.raises(ConfigError, match="disk_blocks=64"):
             SyncEngine(Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=64), executor)
@@ -222,6 +226,7 @@ def test_a_load_does_not_wait_behind_a_slow_spill(tmp_path: Path) -> None:
     import threading
 
     from kvflow.core.jobs import DISK_LOAD, DISK_STORE, TransferJob
+    from kvflow.core.names import name_of
 
     engine, kv = instance(tmp_path / "disk", seed=1)
     compute(engine, "a", FIRST, (0, 1, 2, 3))  # on disk in slots 0-3
@@ -236,8 +241,8 @@ def test_a_load_does_not_wait_behind_a_slow_spill(tmp_path: Path) -> None:
     tier.disk.store = slow_store
     try:
         disk_slot = engine.manager.state.disk.slot_of[FIRST[0]]
-        tier.submit([TransferJob(job_id=9001, direction=DISK_STORE, device_blocks=(), slots=(0,), hashes=(77,), disk_slots=(20,))])
-        tier.submit([TransferJob(job_id=9002, direction=DISK_LOAD, device_blocks=(), slots=(1,), hashes=(FIRST[0],), disk_slots=(disk_slot,))])
+        tier.submit([TransferJob(job_id=9001, direction=DISK_STORE, device_blocks=(), slots=(0,), hashes=(77,), disk_slots=(20,), names=(name_of(77),))])
+        tier.submit([TransferJob(job_id=9002, direction=DISK_LOAD, device_blocks=(), slots=(1,), hashes=(FIRST[0],), disk_slots=(disk_slot,), names=(name_of(FIRST[0]),))])
         deadline = time.monotonic() + 10.0
         done: list[Any] = []
         while not done and time.monotonic() < deadline:
@@ -255,7 +260,7 @@ def test_F20_a_bfloat16_and_a_float16_deployment_of_one_model_never_read_each_ot
     def engine_of(dtype: Any, seed: int) -> tuple[SyncEngine, list[Any]]:
         kv = [t.to(dtype) for t in random_kv(seed)]
         config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS, disk_store_mode="write_through")
-        return SyncEngine(config, disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model=MODEL)), kv
+        return SyncEngine(config, disk_tier(TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, tmp_path / "disk", model=MODEL, keys=KEYS)), kv
 
     bf16, _ = engine_of(torch.bfloat16, 1)
     compute(bf16, "a", FIRST, (0, 1, 2, 3))
@@ -267,3 +272,54 @@ def test_F20_a_bfloat16_and_a_float16_deployment_of_one_model_never_read_each_ot
         assert load(fp16, "r", FIRST, (8, 9, 10, 11)) == 0
     finally:
         fp16.close()
+
+
+def test_a_disk_tier_needs_a_key_or_the_opt_out_by_name(tmp_path: Path) -> None:
+    kv = random_kv(1)
+    config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, disk_blocks=DISK_BLOCKS)
+    inner = TorchExecutor(kv, CPU_BLOCKS, device="cpu")
+    try:
+        with pytest.raises(ConfigError) as err:
+            disk_tier(inner, config, tmp_path / "disk", model=MODEL)
+        assert str(err.value) == (
+            "the disk tier needs a key: keys=TierKeys.from_file(PATH) or TierKeys.from_env(NAME); "
+            "insecure_no_key=True for a private single-tenant deployment"
+        )
+        assert not (tmp_path / "disk").exists()  # refused before anything was made
+        with pytest.raises(ConfigError, match="^disk tier: shard must be"):
+            disk_tier(inner, config, tmp_path / "disk", model=MODEL, keys=KEYS, shard=(1, 1))
+    finally:
+        inner.close()
+    engine, _ = instance(tmp_path / "disk", seed=1, insecure_no_key=True)
+    try:
+        compute(engine, "a", FIRST, (0, 1, 2, 3))
+        assert engine.counters.disk_blocks_stored == 4
+    finally:
+        engine.close()
+
+
+def test_F20_after_rotation_a_retired_keys_disk_entries_are_refused_counted_and_dropped(tmp_path: Path) -> None:
+    from tier_keys import KEY, NEW_KEY
+
+    first, first_kv = instance(tmp_path / "disk", seed=1, keys=tier_keys(KEY))
+    compute(first, "a", FIRST, (0, 1, 2, 3))
+    first.close()
+    rotated, rotated_kv = instance(tmp_path / "disk", seed=2, keys=tier_keys(NEW_KEY, KEY))
+    try:
+        assert load(rotated, "r", FIRST, (8, 9, 10, 11)) == 4
+        for got, want in zip(blocks_of(rotated_kv, (8, 9, 10, 11)), blocks_of(first_kv, (0, 1, 2, 3))):
+            assert got.equal(want)
+        compute(rotated, "b", SECOND, (4, 5, 6, 7))  # written under the new key
+    finally:
+        rotated.close()
+    retired, _ = instance(tmp_path / "disk", seed=3, keys=tier_keys(NEW_KEY))
+    try:
+        assert retired.counters.disk_blocks_restored == 8  # the journal vouches for both eras
+        assert load(retired, "r", FIRST, (8, 9, 10, 11)) == 0  # the old key's: refused
+        assert retired.executor.disk_rejected()["unknown key"] == 4
+        assert retired.manager.state.disk is not None and FIRST[0] not in retired.manager.state.disk.slot_of
+        assert load(retired, "r2", FIRST, (8, 9, 10, 11)) == 0
+        assert retired.executor.disk_rejected()["unknown key"] == 4  # dropped: not tried again
+        assert load(retired, "s", SECOND, (8, 9, 10, 11)) == 4  # the new key's: served
+    finally:
+        retired.close()

@@ -14,10 +14,13 @@ pytest.importorskip("torch")
 pytest.importorskip("xxhash")
 from redis_servers import free_port, redis_standalone  # noqa: E402, F401  (fixtures)
 from remote_rig import CPU_BLOCKS, B, random_kv  # noqa: E402
+from tier_keys import tier_keys  # noqa: E402
 
 from kvflow.core.config import Config  # noqa: E402
 from kvflow.core.errors import ConfigError  # noqa: E402
 from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
+
+KEYS = tier_keys()
 
 
 def build(url: str, *, deadline_ms: float = 2000.0, **tier):
@@ -26,7 +29,7 @@ def build(url: str, *, deadline_ms: float = 2000.0, **tier):
     config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, remote_blocks=64, job_deadline_ms=deadline_ms)
     inner = TorchExecutor(random_kv(1), CPU_BLOCKS, device="cpu")
     try:
-        return redis_tier(inner, config, url, **{"model": "m", **tier})
+        return redis_tier(inner, config, url, **{"model": "m", "keys": KEYS, **tier})
     except BaseException:
         inner.close()
         raise
@@ -62,6 +65,16 @@ BAD = [
     ({"timeout_s": 0}, "timeout_s must be within"),
     ({"timeout_s": 5.0}, "timeout_s must be within (0, job deadline 2 s]"),
     ({"model": ""}, "remote model must be a non-empty string"),
+    # secure by default: a key, or the opt-out by name
+    ({"keys": None}, "the remote tier needs a key: keys=TierKeys.from_file(PATH) or TierKeys.from_env(NAME); "
+                     "insecure_no_key=True for a private single-tenant deployment"),
+    ({"keys": "0" * 64}, "remote tier: keys must be TierKeys"),
+    ({"encrypt": "yes"}, "remote tier: encrypt must be True, False or None"),
+    ({"insecure_no_key": 1}, "remote tier: insecure_no_key must be True or False"),
+    ({"insecure_no_key": True}, "remote tier: keys and insecure_no_key=True together"),
+    ({"keys": None, "insecure_no_key": True, "encrypt": True}, "remote tier: encrypt=True needs keys"),
+    ({"shard": (2, 2)}, "remote tier: shard must be (rank, ranks) with 0 <= rank < ranks"),
+    ({"shard": 0}, "remote tier: shard must be (rank, ranks)"),
 ]
 
 
@@ -69,6 +82,13 @@ BAD = [
 def test_each_bad_setting_is_refused_at_build_in_one_line(redis_standalone, bad, words) -> None:  # noqa: F811
     tier = {"url": redis_standalone.url, **bad}
     assert words in refused(tier.pop("url"), **tier)
+
+
+@pytest.mark.parametrize("tier", [{"keys": KEYS, "encrypt": False}, {"keys": None, "insecure_no_key": True}])
+def test_a_tier_with_a_key_or_without_one_by_name_builds(redis_standalone, tier) -> None:  # noqa: F811
+    executor = build(redis_standalone.url, **tier)
+    assert executor.remote_rejected() == dict.fromkeys(executor.remote_rejected(), 0)
+    executor.close()
 
 
 def test_a_server_nobody_listens_on_is_refused_at_build(redis_standalone) -> None:  # noqa: F811

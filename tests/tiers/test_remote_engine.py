@@ -22,9 +22,11 @@ from redis_servers import (  # noqa: E402
     redis_standalone,  # noqa: F401
 )
 from remote_rig import HASHES, blocks_of, instance, load_prefix, random_kv, settle, store_prefix  # noqa: E402
+from tier_keys import tier_keys  # noqa: E402
 
 from kvflow.core.events import JobFailed, JobTimedOut
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE  # noqa: E402
+from kvflow.core.names import name_of  # noqa: E402
 from kvflow.core.state.invariants import check_invariants  # noqa: E402
 
 RIG = Path(__file__).resolve().parents[1] / "remote_rig.py"
@@ -100,7 +102,7 @@ def test_an_evicted_key_fails_its_load_once_and_is_dropped(redis_standalone) -> 
             assert time.monotonic() < deadline
             reader.step()
             time.sleep(0.002)
-        redis_standalone.cli("DEL", reader.executor._store.key(HASHES[0]).decode())
+        redis_standalone.cli("DEL", reader.executor._store.key(name_of(HASHES[0])).decode())
         assert reader.lookup("r", HASHES, len(HASHES) * 16 + 1) == 0  # queues the remote load
         reader.accept_hits("r", [])
         settle(reader)
@@ -241,12 +243,12 @@ def test_a_bad_entry_is_loaded_at_most_once_until_rewritten(redis_standalone, da
     reader, reader_kv = instance(redis_standalone.url, False, seed=2, absent_ttl_s=0.0)
     try:
         store_prefix(writer, "w", (0, 1, 2, 3))
-        key = writer.executor._store.key(HASHES[2])
+        key = writer.executor._store.key(name_of(HASHES[2]))
         import redis
 
         raw = redis.Redis(host=redis_standalone.host, port=redis_standalone.port)
         good = raw.get(key)
-        if damage == "payload":  # the header still promises the original checksum
+        if damage == "payload":  # the head fits, the tag does not prove the bytes
             raw.set(key, good[:-1] + bytes([good[-1] ^ 1]))
         else:
             raw.set(key, b"XXXX" + good[4:])
@@ -259,14 +261,16 @@ def test_a_bad_entry_is_loaded_at_most_once_until_rewritten(redis_standalone, da
             reader.finish_request(f"r{i}")
         failed = [e for e in remote_events(reader, JobFailed) if e.direction == REMOTE_LOAD]
         assert len(failed) == (1 if damage == "payload" else 0), [e.error for e in failed]
+        assert reader.executor.remote_rejected()["forged"] == (1 if damage == "payload" else 0)
         assert HASHES[2] not in reader.manager.state.remote
         assert all(reader.manager.state.is_resident(h) for h in HASHES[:2])  # the good ones loaded
         assert check_invariants(reader.manager.state) == []
         # rewritten (another writer stores the same block again): offered and loaded
         from kvflow.tiers.redis_store import RedisBlockStore, connect
 
-        other = RedisBlockStore(connect(redis_standalone.url), writer.executor._store.layout)
-        assert other.put([(HASHES[2], [good[HEADER_BYTES:]])], time.monotonic() + 5) == [None]
+        other = RedisBlockStore(connect(redis_standalone.url), writer.executor._store.codec)
+        plain = [bytes(p) for p in writer.executor.slots.read(writer.manager.state.slot_of[HASHES[2]])]
+        assert other.put([(name_of(HASHES[2]), plain)], time.monotonic() + 5) == [None]
         other.close()
         hits = 0
         for i in range(30, 40):
@@ -300,8 +304,9 @@ def test_F20_a_bfloat16_and_a_float16_deployment_of_one_model_share_no_entries(s
         kv = [t.to(dtype) for t in random_kv(seed)]
         config = Config(cpu_blocks=8, block_tokens=16, remote_blocks=1024, job_deadline_ms=2000.0)
         executor = redis_tier(
-            TorchExecutor(kv, 8, device="cpu"), config, server.url, model="rig-model", cluster=is_cluster(server)
-        )
+            TorchExecutor(kv, 8, device="cpu"), config, server.url, model="rig-model", cluster=is_cluster(server),
+            keys=tier_keys(),
+        )  # fmt: skip
         return SyncEngine(config, executor, keep_log=True)
 
     writer, reader = engine_of(torch.bfloat16, 1), engine_of(torch.float16, 2)
@@ -316,5 +321,69 @@ def test_F20_a_bfloat16_and_a_float16_deployment_of_one_model_share_no_entries(s
         finally:
             same.close()
     finally:
+        writer.close()
+        reader.close()
+
+
+def test_F20_after_rotation_a_retired_keys_entries_are_refused_counted_and_logged_once(
+    redis_standalone, restore_structlog: None  # noqa: F811
+) -> None:
+    """Written under the old key; a reader with the new key first and the old one still there
+    is served; once the old key is retired the entries are refused ("unknown key"), each counted
+    and logged once however often it is looked up, and the key material is in no log line."""
+    from structlog.testing import capture_logs
+    from tier_keys import KEY, NEW_KEY
+
+    writer, _ = instance(redis_standalone.url, False, seed=1, keys=tier_keys(KEY))
+    rotated, rotated_kv = instance(redis_standalone.url, False, seed=2, keys=tier_keys(NEW_KEY, KEY))
+    retired, _ = instance(redis_standalone.url, False, seed=3, keys=tier_keys(NEW_KEY), absent_ttl_s=0.0)
+    try:
+        store_prefix(writer, "w", (0, 1, 2, 3))
+        assert load_prefix(rotated, "r", (8, 9, 10, 11)) == len(HASHES)
+        for a, b in zip(blocks_of(rotated_kv, (8, 9, 10, 11)), blocks_of(random_kv(1), (0, 1, 2, 3))):
+            assert a.equal(b)
+        with capture_logs() as logs:
+            for i in range(3):
+                assert load_prefix(retired, f"x{i}", (8, 9, 10, 11), timeout_s=0.3) == 0
+        assert retired.executor.remote_rejected()["unknown key"] == len(HASHES)
+        assert retired.executor.stats["remote_loaded_blocks"] == 0
+        rejected = [e for e in logs if e["event"] == "kvflow.remote_entry_rejected"]
+        assert len(rejected) == len(HASHES) and {e["reason"] for e in rejected} == {"unknown key"}
+        assert all(k.hex() not in str(logs) for k in (KEY, NEW_KEY))
+        assert not remote_events(retired, JobFailed)  # refused by its head: no load was tried
+    finally:
+        writer.close()
+        rotated.close()
+        retired.close()
+
+
+def test_F20_an_attackers_rewritten_entries_serve_no_byte(redis_standalone) -> None:  # noqa: F811
+    """An attacker with plain redis-py rewrites every stored entry: keeps its head, puts its own
+    payload and (for an unkeyed entry) recomputes the checksum, or plants unkeyed entries for
+    blocks not stored yet. The reader loads none of it; each refusal is counted."""
+    import redis
+    import xxhash
+
+    from kvflow.tiers.entry import HEADER_BYTES
+
+    writer, _ = instance(redis_standalone.url, False, seed=1)
+    reader, reader_kv = instance(redis_standalone.url, False, seed=2, absent_ttl_s=0.0)
+    raw = redis.Redis(host=redis_standalone.host, port=redis_standalone.port)
+    try:
+        store_prefix(writer, "w", (0, 1, 2, 3))
+        for key in raw.keys("kvflow:*"):
+            value = bytearray(raw.get(key))
+            value[HEADER_BYTES:] = os.urandom(len(value) - HEADER_BYTES)
+            head = bytes(value[: HEADER_BYTES - 16])
+            value[HEADER_BYTES - 16 : HEADER_BYTES] = xxhash.xxh3_128_digest(head + bytes(value[HEADER_BYTES:]))
+            raw.set(key, bytes(value))
+        before = [t.clone() for t in blocks_of(reader_kv, (8, 9, 10, 11))]
+        assert load_prefix(reader, "r", (8, 9, 10, 11), timeout_s=1.0) == 0
+        assert reader.executor.remote_rejected()["forged"] == len(HASHES)
+        for a, b in zip(blocks_of(reader_kv, (8, 9, 10, 11)), before):
+            assert a.equal(b)  # no device block took a byte of it
+        assert not any(reader.manager.state.is_resident(h) for h in HASHES)
+    finally:
+        raw.close()
         writer.close()
         reader.close()

@@ -157,6 +157,7 @@ if HAVE_VLLM:
                 self._worker = WorkerSide(
                     self._config,
                     rank=parallel.rank,
+                    world_size=parallel.world_size,
                     model=f"{model.model}:{model.dtype}",
                     block_tokens=self._block_tokens,
                 )

@@ -76,6 +76,8 @@ class ConnectorConfig:
     disk_path: str | None = None
     disk_bytes: int | None = None
     disk_store_mode: str = "ahead_of_eviction"
+    disk_key_file: str | None = None  # the disk tier's keys file (kvflow.tiers.keys)
+    disk_insecure_no_key: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -94,6 +96,8 @@ class ConnectorConfig:
             "disk_path",
             "disk_gb",
             "disk_store_mode",
+            "disk_key_file",
+            "disk_insecure_no_key",
         }
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -119,9 +123,21 @@ class ConnectorConfig:
                 raise ConfigError(f"kv_connector_extra_config: cpu_gb must be a number > 0, got {gb!r}")
             cpu_bytes = int(gb * (1 << 30))
         disk_path, disk_bytes = _disk(extra)
+        key_file, no_key = extra.get("disk_key_file"), extra.get("disk_insecure_no_key", False)
+        if key_file is not None and (not isinstance(key_file, str) or not key_file):
+            raise ConfigError(f"kv_connector_extra_config: disk_key_file must be a file's path, got {key_file!r}")
+        if not isinstance(no_key, bool):
+            raise ConfigError(f"kv_connector_extra_config: disk_insecure_no_key must be true or false, got {no_key!r}")
+        if disk_path is not None and key_file is None and not no_key:
+            raise ConfigError(
+                "kv_connector_extra_config: the disk tier needs a key: disk_key_file (a keys file, see "
+                "docs/disk-tier.md), or disk_insecure_no_key: true for a private single-tenant deployment"
+            )
         return cls(
             disk_path=disk_path,
             disk_bytes=disk_bytes,
+            disk_key_file=key_file,
+            disk_insecure_no_key=no_key,
             disk_store_mode=_choice(extra.get("disk_store_mode", "ahead_of_eviction"), "disk_store_mode", DISK_STORE_MODES),
             cpu_blocks=cpu_blocks,
             cpu_bytes=cpu_bytes,
@@ -445,11 +461,15 @@ class WorkerSide:
     """kvflow's copies behind vLLM's worker hooks: a ``TorchExecutor`` over this worker's KV
     tensors (its shard), reporting under vLLM's ``rank`` of this worker."""
 
-    def __init__(self, config: ConnectorConfig, rank: int = 0, model: str = "", block_tokens: int = 16) -> None:
-        """``model`` names the KV's model and dtype: with the page sizes it is the layout
-        identity of the disk tier's entries (a directory written under another starts empty)."""
+    def __init__(
+        self, config: ConnectorConfig, rank: int = 0, model: str = "", block_tokens: int = 16, world_size: int = 1
+    ) -> None:
+        """``model`` names the KV's model and dtype: with the page sizes and this worker's rank
+        of ``world_size`` it is the layout identity of the disk tier's entries (a directory
+        written under another starts empty)."""
         self.config = config
         self.rank = rank
+        self.world_size = world_size
         self.model = model
         self.block_tokens = block_tokens
         self.executor: Any = None  # a TorchExecutor, behind a disk tier when there is one
@@ -484,7 +504,9 @@ class WorkerSide:
         disk_blocks = self.config.disk_blocks(layout.block_bytes)
         if disk_blocks and self.config.disk_path:
             from kvflow.tiers.disk_executor import disk_tier
+            from kvflow.tiers.keys import TierKeys
 
+            key_file = self.config.disk_key_file
             # each rank keeps its own shard of every block, in a directory of its own
             tier = disk_tier(
                 executor,
@@ -492,6 +514,9 @@ class WorkerSide:
                 os.path.join(self.config.disk_path, f"rank-{self.rank}"),
                 model=self.model,
                 ranks=(self.rank,),
+                keys=TierKeys.from_file(key_file) if key_file is not None else None,
+                insecure_no_key=self.config.disk_insecure_no_key,
+                shard=(self.rank, self.world_size),
             )
             self._disk_entries = tier.disk_entries()
             self.executor = tier

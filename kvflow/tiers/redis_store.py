@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from kvflow.core.config import Config
@@ -340,8 +341,11 @@ def _ping(url: str, cluster: bool, timeout_s: float, redis_kwargs: dict[str, Any
     try:
         client = connect(url, cluster=cluster, timeout_s=timeout_s, **redis_kwargs)
         client.ping()
-    except (redis.RedisError, OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"remote tier {shown_url(url)}: {_error_text(e)}") from None
+    except (redis.RedisError, RedisClusterException, OSError, ValueError, TypeError) as e:
+        # (a cluster client wraps why no node answered, e.g. a refused password, in an
+        # exception of its own: the cause is the one line worth showing)
+        why = e.__cause__ if isinstance(e, RedisClusterException) and e.__cause__ is not None else e
+        raise ConfigError(f"remote tier {shown_url(url)}: {_error_text(why)}") from None
     finally:
         if client is not None:
             try:

@@ -38,8 +38,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import redis
+from redis._parsers import Encoder
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import PythonRespSerializer
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
@@ -55,6 +57,8 @@ DEFAULT_TIMEOUT_S = 1.0
 MAX_TIMEOUT_S = 3600.0
 URL_SCHEMES = ("redis", "rediss", "unix")
 DEFAULT_PREFIX = b"kvflow"
+# connections (worker threads) per tier: a job's blocks move over all of them at once
+DEFAULT_CONNECTIONS, MAX_CONNECTIONS = 1, 64
 # Tries per request: a dropped connection gets one fresh try; a server that is down answers no
 # faster for being asked again (and the job's deadline bounds both)
 ATTEMPTS = 2
@@ -68,6 +72,20 @@ class RemoteUnavailable(KvflowError):
 
 def _no_retry() -> Retry:
     return Retry(NoBackoff(), 0)
+
+
+# Commands packed by redis-py's Python packer, which sends a large value as it is: with hiredis
+# installed redis-py packs every command with hiredis, which copies each value into one new
+# buffer first (most of the client's work for values of megabytes). Replies are still parsed by
+# hiredis. (6000: redis-py's own cutoff between copying small pieces together and sending.)
+_PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+
+
+class _PackingPool(redis.ConnectionPool):
+    """redis-py's connection pool whose connections pack commands with ``_PACKER``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"command_packer": _PACKER, **kwargs})
 
 
 def connect(
@@ -87,8 +105,8 @@ def connect(
     )
     kwargs.update(redis_kwargs)
     if cluster:
-        return RedisCluster.from_url(url, **kwargs)
-    return redis.Redis.from_url(url, **kwargs)
+        return RedisCluster.from_url(url, connection_pool_class=_PackingPool, **kwargs)
+    return redis.Redis(connection_pool=_PackingPool.from_url(url, **kwargs))
 
 
 def cluster_nodes(addresses: Sequence[tuple[str, int]]) -> list[ClusterNode]:
@@ -280,6 +298,7 @@ def redis_tier(
     prefix: bytes = DEFAULT_PREFIX,
     ttl_s: int | None = None,
     absent_ttl_s: float = 1.0,
+    connections: int = DEFAULT_CONNECTIONS,
     **redis_kwargs: Any,
 ) -> RemoteTierExecutor:
     """``executor`` (with its host pool) behind a Redis remote tier: the executor to hand to
@@ -287,7 +306,8 @@ def redis_tier(
     KV's model: with the pool's page sizes and ``config.block_tokens`` it is the layout identity
     entries are keyed and checked by. ``timeout_s`` (socket timeout, one attempt) defaults to a
     quarter of the job deadline, at most 1 s. A block a probe found absent is not asked about
-    again for ``absent_ttl_s``.
+    again for ``absent_ttl_s``. ``connections``: connections to the server (each in a thread
+    of its own; a job's blocks are spread over them).
 
     Every argument is checked here, and the server must answer a ``PING`` with them (within
     ``timeout_s``): a bad setting, an unreachable server, a refused password or user, an
@@ -307,6 +327,8 @@ def redis_tier(
     check_ttl(ttl_s)
     if not _seconds(absent_ttl_s) or absent_ttl_s < 0:
         raise ConfigError(f"remote absent_ttl_s must be a finite number of seconds >= 0, got {absent_ttl_s!r}")
+    if not is_int(connections) or not 1 <= connections <= MAX_CONNECTIONS:
+        raise ConfigError(f"remote connections must be a whole number in [1, {MAX_CONNECTIONS}], got {connections!r}")
     pool = executor.pool
     deadline_s = config.job_deadline_ms / 1000.0
     if timeout_s is not None and not _seconds(timeout_s):
@@ -331,6 +353,7 @@ def redis_tier(
         world_size=config.world_size,
         absent_ttl_s=absent_ttl_s,
         call_timeout_s=ATTEMPTS * timeout,
+        connections=connections,
     )
 
 

@@ -147,11 +147,11 @@ class RemoteTierExecutor:
                     self._work.put((part, deadline, whole))
 
     def probe(self, names: Sequence[BlockName]) -> None:
-        now, absent = self._clock(), self._absent_until
-        todo = [n.key for n in names if n.key not in self._probing and absent.get(n.key, 0.0) <= now]
+        now, absent, probing = self._clock(), self._absent_until, self._probing
+        todo = [n.key for n in names if n.key not in probing and absent.get(n.key, 0.0) <= now]
         if todo:
-            self._probing.update(dict.fromkeys(todo))
-            self._work.put((tuple(todo), self._clock() + self._deadline_s, None))
+            probing.update(dict.fromkeys(todo))
+            self._work.put((tuple(todo), now + self._deadline_s, None))
 
     def wait_results(self, timeout_s: float) -> bool:
         """Block (up to ``timeout_s``) until ``poll`` has remote results to hand over: an
@@ -164,20 +164,21 @@ class RemoteTierExecutor:
 
     def take_found(self) -> list[int]:
         found: list[int] = []
-        while True:
-            try:
-                found.extend(self._found.get_nowait())
-            except queue.Empty:
-                return found
+        answers = self._found
+        while not answers.empty():  # (the engine's thread is the only one that takes)
+            found.extend(answers.get_nowait())
+        return found
 
     def poll(self) -> list[JobResult]:
+        results = self.inner.poll()
+        if not self._results_ready.is_set():  # (set after the results a thread puts: none yet)
+            return results
         self._results_ready.clear()  # (before draining: a result put meanwhile sets it again)
-        results = list(self.inner.poll())
-        while True:
-            try:
-                results.append(self._done.get_nowait())
-            except queue.Empty:
-                return results
+        results = list(results)
+        done = self._done
+        while not done.empty():
+            results.append(done.get_nowait())
+        return results
 
     def close(self) -> None:
         """Stop the threads (each finishes the call at hand, bounded by its deadline and socket

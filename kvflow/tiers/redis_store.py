@@ -78,7 +78,7 @@ def _no_retry() -> Retry:
 # installed redis-py packs every command with hiredis, which copies each value into one new
 # buffer first (most of the client's work for values of megabytes). Replies are still parsed by
 # hiredis. (6000: redis-py's own cutoff between copying small pieces together and sending.)
-_PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+_PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)  # type: ignore[no-untyped-call]  # redis-py: untyped
 
 
 class _PackingPool(redis.ConnectionPool):

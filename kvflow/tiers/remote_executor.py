@@ -170,7 +170,7 @@ class RemoteTierExecutor:
         return found
 
     def poll(self) -> list[JobResult]:
-        results = self.inner.poll()
+        results: list[JobResult] = self.inner.poll()
         if not self._results_ready.is_set():  # (set after the results a thread puts: none yet)
             return results
         self._results_ready.clear()  # (before draining: a result put meanwhile sets it again)

@@ -82,7 +82,8 @@ _PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)  
 
 
 class _PackingPool(redis.ConnectionPool):
-    """redis-py's connection pool whose connections pack commands with ``_PACKER``."""
+    """redis-py's connection pool whose connections pack commands with ``_PACKER`` (a cluster
+    client takes a pool class, not connection arguments of its own)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{"command_packer": _PACKER, **kwargs})
@@ -106,7 +107,7 @@ def connect(
     kwargs.update(redis_kwargs)
     if cluster:
         return RedisCluster.from_url(url, connection_pool_class=_PackingPool, **kwargs)
-    return redis.Redis(connection_pool=_PackingPool.from_url(url, **kwargs))
+    return redis.Redis.from_url(url, command_packer=_PACKER, **kwargs)
 
 
 def cluster_nodes(addresses: Sequence[tuple[str, int]]) -> list[ClusterNode]:

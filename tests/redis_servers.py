@@ -6,9 +6,10 @@ session ends. No mocks and no in-process fake: the remote tier's failure handlin
 something against the real server's behaviour (silent eviction under ``maxmemory``, OOM errors
 under ``noeviction``, a pipeline that applies the rest after a failed command).
 
-Servers as they are deployed too: with ACL users and passwords (``acl_server``), and with TLS
-only (``tls_server``: certificates made here by the ``openssl`` command, a CA of the test's own
-signing the server's and a client's).
+Servers as they are deployed too: with ACL users and passwords (``acl_server``, and a 3-node
+cluster of them, ``acl_cluster``), and with TLS only (``tls_server``, ``tls_cluster``:
+certificates made here by the ``openssl`` command, a CA of the test's own signing the server's and
+a client's).
 
 Without ``redis-server`` (or redis-py, or ``openssl`` for TLS) the tests skip, unless
 ``KVFLOW_REQUIRE_REDIS=1`` (CI), where a missing one is a failure.
@@ -156,14 +157,20 @@ class RedisServer:
 
 
 class RedisCluster:
-    """Three primaries, no replicas, every slot covered; ``nodes[i]`` can be killed."""
+    """Three primaries, no replicas, every slot covered; ``nodes[i]`` can be killed.
+    ``extra``, ``cli_args`` and ``tls`` go to every node (as for ``RedisServer``): a cluster of
+    ACL users, or one that speaks TLS only (its cluster bus too)."""
 
-    def __init__(self, size: int = 3) -> None:
-        self.nodes = [RedisServer(cluster=True) for _ in range(size)]
+    def __init__(
+        self, size: int = 3, *extra: str, cli_args: tuple[str, ...] = (), tls: bool = False
+    ) -> None:
+        self.nodes: list[RedisServer] = []
         try:
+            for _ in range(size):
+                self.nodes.append(RedisServer(*extra, cluster=True, cli_args=cli_args, tls=tls))
             addrs = [f"{n.host}:{n.port}" for n in self.nodes]
             subprocess.run(
-                ["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0",
+                ["redis-cli", *cli_args, "--cluster", "create", *addrs, "--cluster-replicas", "0",
                  "--cluster-yes"],
                 capture_output=True, text=True, timeout=60, check=True,
             )  # fmt: skip
@@ -194,6 +201,20 @@ class RedisCluster:
 
 
 ACL_USER, ACL_PASSWORD, DEFAULT_PASSWORD = "kvflow-user", "kvflow-pw", "default-pw"
+# what redis-cli (the tests' own checks, and ``--cluster create``) logs in with
+_ACL_CLI = ("--user", "default", "--pass", DEFAULT_PASSWORD, "--no-auth-warning")
+
+
+def _acl_file(where: Path) -> str:
+    """An ACL file whose default user needs a password, and with a user allowed only kvflow's
+    keys and no dangerous command (a cluster's client also needs CLUSTER SLOTS/NODES, which
+    are not dangerous)."""
+    acl = where / "users.acl"
+    acl.write_text(
+        f"user default on >{DEFAULT_PASSWORD} ~* &* +@all\n"
+        f"user {ACL_USER} on >{ACL_PASSWORD} ~kvflow:* +@all -@dangerous\n"
+    )
+    return str(acl)
 
 
 @pytest.fixture(scope="session")
@@ -201,17 +222,19 @@ def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer
     """A server (its ACL file) whose default user needs a password, and with a user allowed
     only kvflow's keys and no dangerous command."""
     require_redis()
-    acl = tmp_path_factory.mktemp("acl") / "users.acl"
-    acl.write_text(
-        f"user default on >{DEFAULT_PASSWORD} ~* &* +@all\n"
-        f"user {ACL_USER} on >{ACL_PASSWORD} ~kvflow:* +@all -@dangerous\n"
-    )
-    server = RedisServer(
-        "--aclfile", str(acl),
-        cli_args=("--user", "default", "--pass", DEFAULT_PASSWORD, "--no-auth-warning"),
-    )  # fmt: skip
+    server = RedisServer("--aclfile", _acl_file(tmp_path_factory.mktemp("acl")), cli_args=_ACL_CLI)
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def acl_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A 3-node cluster whose nodes share ``acl_server``'s users (every node checks them: a
+    cluster client logs in to each node it reaches)."""
+    require_redis()
+    cluster = RedisCluster(3, "--aclfile", _acl_file(tmp_path_factory.mktemp("acl-cluster")), cli_args=_ACL_CLI)
+    yield cluster
+    cluster.close()
 
 
 def make_certs(where: Path) -> dict[str, str]:
@@ -235,19 +258,36 @@ def make_certs(where: Path) -> dict[str, str]:
     return {name: str(where / name) for name in names}
 
 
+def _tls_args(certs: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A TLS-only server's options (clients must show a certificate the CA signed), and
+    redis-cli's."""
+    server = ("--tls-cert-file", certs["server.crt"], "--tls-key-file", certs["server.key"],
+              "--tls-ca-cert-file", certs["ca.crt"], "--tls-auth-clients", "yes")  # fmt: skip
+    cli = ("--tls", "--cacert", certs["ca.crt"], "--cert", certs["client.crt"], "--key", certs["client.key"])
+    return server, cli
+
+
 @pytest.fixture(scope="session")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, dict[str, str]]]:
     """A server that speaks TLS only and wants a client certificate its CA signed; the files."""
     require_redis("openssl")
     certs = make_certs(tmp_path_factory.mktemp("certs"))
-    server = RedisServer(
-        "--tls-cert-file", certs["server.crt"], "--tls-key-file", certs["server.key"],
-        "--tls-ca-cert-file", certs["ca.crt"], "--tls-auth-clients", "yes",
-        tls=True,
-        cli_args=("--tls", "--cacert", certs["ca.crt"], "--cert", certs["client.crt"], "--key", certs["client.key"]),
-    )  # fmt: skip
+    options, cli = _tls_args(certs)
+    server = RedisServer(*options, tls=True, cli_args=cli)
     yield server, certs
     server.close()
+
+
+@pytest.fixture(scope="session")
+def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisCluster, dict[str, str]]]:
+    """A 3-node cluster that speaks TLS only, to its clients and on its cluster bus (the nodes
+    show each other the server certificate); the files."""
+    require_redis("openssl")
+    certs = make_certs(tmp_path_factory.mktemp("cluster-certs"))
+    options, cli = _tls_args(certs)
+    cluster = RedisCluster(3, *options, "--tls-cluster", "yes", tls=True, cli_args=cli)
+    yield cluster, certs
+    cluster.close()
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the ignores left, each forced by a library: torch's untyped cudart (2), redis-py's untyped
-# ClusterNode, Triton's constexpr annotation, msgspec's Union of a runtime tuple, a JSON walk
-# over decoded values, a union narrowed by a job's state that mypy cannot follow
-MAX_IGNORES = 7
+# ClusterNode and Encoder, Triton's constexpr annotation, msgspec's Union of a runtime tuple, a
+# JSON walk over decoded values, a union narrowed by a job's state that mypy cannot follow
+MAX_IGNORES = 8
 
 
 def test_mypy_finds_nothing() -> None:

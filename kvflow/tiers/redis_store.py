@@ -41,8 +41,11 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import redis
+from redis._parsers import Encoder
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import PythonRespSerializer
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from kvflow.core.config import Config
@@ -67,6 +70,8 @@ DEFAULT_TIMEOUT_S = 1.0
 MAX_TIMEOUT_S = 3600.0
 URL_SCHEMES = ("redis", "rediss", "unix")
 DEFAULT_PREFIX = b"kvflow"
+# connections (worker threads) per tier: a job's blocks move over all of them at once
+DEFAULT_CONNECTIONS, MAX_CONNECTIONS = 1, 64
 # Tries per request: a dropped connection gets one fresh try; a server that is down answers no
 # faster for being asked again (and the job's deadline bounds both)
 ATTEMPTS = 2
@@ -80,6 +85,21 @@ class RemoteUnavailable(KvflowError):
 
 def _no_retry() -> Retry:
     return Retry(NoBackoff(), 0)
+
+
+# Commands packed by redis-py's Python packer, which sends a large value as it is: with hiredis
+# installed redis-py packs every command with hiredis, which copies each value into one new
+# buffer first (most of the client's work for values of megabytes). Replies are still parsed by
+# hiredis. (6000: redis-py's own cutoff between copying small pieces together and sending.)
+_PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)  # type: ignore[no-untyped-call]  # redis-py: untyped
+
+
+class _PackingPool(redis.ConnectionPool):
+    """redis-py's connection pool whose connections pack commands with ``_PACKER`` (a cluster
+    client takes a pool class, not connection arguments of its own)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"command_packer": _PACKER, **kwargs})
 
 
 def connect(
@@ -99,8 +119,8 @@ def connect(
     )
     kwargs.update(redis_kwargs)
     if cluster:
-        return RedisCluster.from_url(url, **kwargs)
-    return redis.Redis.from_url(url, **kwargs)
+        return RedisCluster.from_url(url, connection_pool_class=_PackingPool, **kwargs)
+    return redis.Redis.from_url(url, command_packer=_PACKER, **kwargs)
 
 
 def cluster_nodes(addresses: Sequence[tuple[str, int]]) -> list[ClusterNode]:
@@ -310,6 +330,7 @@ def redis_tier(
     encrypt: bool | None = None,
     insecure_no_key: bool = False,
     shard: tuple[int, int] = (0, 1),
+    connections: int = DEFAULT_CONNECTIONS,
     **redis_kwargs: Any,
 ) -> RemoteTierExecutor:
     """``executor`` (with its host pool) behind a Redis remote tier: the executor to hand to
@@ -318,7 +339,8 @@ def redis_tier(
     (this pool's rank of ``ranks`` when each rank has a pool of its own) it is the layout
     identity entries are keyed and checked by. ``timeout_s`` (socket timeout, one attempt)
     defaults to a quarter of the job deadline, at most 1 s. A block a probe found absent is not
-    asked about again for ``absent_ttl_s``.
+    asked about again for ``absent_ttl_s``. ``connections``: connections to the server (each
+    in a thread of its own; a job's blocks are spread over them).
 
     Entries are sealed with ``keys`` (``kvflow.tiers.keys.TierKeys``): encrypted, or with
     ``encrypt=False`` authenticated in the clear. Without keys the tier refuses to start unless
@@ -343,6 +365,8 @@ def redis_tier(
     check_ttl(ttl_s)
     if not _seconds(absent_ttl_s) or absent_ttl_s < 0:
         raise ConfigError(f"remote absent_ttl_s must be a finite number of seconds >= 0, got {absent_ttl_s!r}")
+    if not is_int(connections) or not 1 <= connections <= MAX_CONNECTIONS:
+        raise ConfigError(f"remote connections must be a whole number in [1, {MAX_CONNECTIONS}], got {connections!r}")
     pool = executor.pool
     deadline_s = config.job_deadline_ms / 1000.0
     if timeout_s is not None and not _seconds(timeout_s):
@@ -369,6 +393,7 @@ def redis_tier(
         world_size=config.world_size,
         absent_ttl_s=absent_ttl_s,
         call_timeout_s=ATTEMPTS * timeout,
+        connections=connections,
     )
 
 
@@ -379,8 +404,11 @@ def _ping(url: str, cluster: bool, timeout_s: float, redis_kwargs: dict[str, Any
     try:
         client = connect(url, cluster=cluster, timeout_s=timeout_s, **redis_kwargs)
         client.ping()
-    except (redis.RedisError, OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"remote tier {shown_url(url)}: {_error_text(e)}") from None
+    except (redis.RedisError, RedisClusterException, OSError, ValueError, TypeError) as e:
+        # (a cluster client wraps why no node answered, e.g. a refused password, in an
+        # exception of its own: the cause is the one line worth showing)
+        why = e.__cause__ if isinstance(e, RedisClusterException) and e.__cause__ is not None else e
+        raise ConfigError(f"remote tier {shown_url(url)}: {_error_text(why)}") from None
     finally:
         if client is not None:
             try:

@@ -2,13 +2,17 @@
 device executor, and report through the same ``poll()``.
 
 ``RemoteTierExecutor`` wraps the engine's executor (a torch executor with its host pool): jobs
-whose direction is ``remote_store`` / ``remote_load`` go to one worker thread that talks to the
-remote store (``RedisBlockStore``); every other job goes to the wrapped executor unchanged. The
-engine's step never waits on the network: ``submit`` only enqueues, ``poll`` only drains the
-thread's finished results (a thread-safe queue: F6).
+whose direction is ``remote_store`` / ``remote_load`` go to worker threads that talk to the
+remote store (``RedisBlockStore``), each with a connection of its own (``connections``);
+every other job goes to the wrapped executor unchanged. The engine's step never waits on the
+network: ``submit`` only enqueues, ``poll`` only drains the threads' finished results (a
+thread-safe queue: F6).
 
-A job's outcome is reported only once the thread is done with its host slots, so a timed-out
-job's slots stay fenced (F15) until then; the store's own deadline (the job's) bounds that wait.
+A remote job is split into one part per worker (consecutive blocks), so that one request's blocks
+move over every connection at once; the job's outcome is reported once every part is done (it
+succeeds only if every part did), so only once the threads are done with its host slots: a
+timed-out job's slots stay fenced (F15) until then; the store's own deadline (the job's) bounds
+that wait.
 Anything the thread hits — a refused write (OOM), a miss (evicted, foreign, damaged entry), a
 lost connection, a bug — becomes that job's failure (F2), never an exception in the engine. A
 remote job moves every rank's pages of the shared host pool at once, so it answers for every
@@ -39,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import structlog
 
 from kvflow.core.commands import JobResult
@@ -55,8 +60,19 @@ _REMEMBERED = 1_000_000
 _CLOSE_MARGIN_S = 5.0
 
 
+class _Parts:
+    """A remote job split over the workers: its outcome once every part is done."""
+
+    __slots__ = ("job", "left", "error")
+
+    def __init__(self, job: TransferJob, parts: int) -> None:
+        self.job = job
+        self.left = parts
+        self.error: str | None = None
+
+
 class RemoteTierExecutor:
-    """See the module doc. ``open_store()`` builds the store in the worker thread (redis-py
+    """See the module doc. ``open_store()`` builds a store in each worker thread (redis-py
     clients stay in one thread); it is called again after a failure to build one."""
 
     def __init__(
@@ -70,11 +86,13 @@ class RemoteTierExecutor:
         clock: Callable[[], float] = time.monotonic,
         absent_ttl_s: float = 1.0,
         call_timeout_s: float = 60.0,
+        connections: int = 1,
     ) -> None:
         """``absent_ttl_s``: a block a probe found absent is not asked about again for this
         long (a request waiting for its turn looks its prefix up every step).
         ``call_timeout_s``: the longest one call to the store can take (its attempts' socket
-        timeouts): with the job deadline, it bounds how long ``close`` waits."""
+        timeouts): with the job deadline, it bounds how long ``close`` waits.
+        ``connections``: worker threads, each with a store (a connection) of its own."""
         self.inner = inner
         self.slots = slots
         self._open_store = open_store
@@ -94,13 +112,18 @@ class RemoteTierExecutor:
         self._refused: dict[int, bytes] = {}
         self._close_wait_s = min(self._deadline_s, call_timeout_s) + _CLOSE_MARGIN_S
         self._stopping = threading.Event()
-        self._store: Any = None
+        self._local = threading.local()  # each worker's store
+        self._lock = threading.Lock()  # the stats and the jobs' parts, shared by the workers
+        self.connections = connections
         self.stats = {
             "remote_stored_blocks": 0, "remote_loaded_blocks": 0, "remote_failed_jobs": 0, "probed_blocks": 0,
         }  # fmt: skip
-        self._rejected = dict.fromkeys(REJECTED, 0)  # values refused, by reason (worker thread only)
-        self._thread = threading.Thread(target=self._run, name="kvflow-remote", daemon=True)
-        self._thread.start()
+        self._rejected = dict.fromkeys(REJECTED, 0)  # values refused, by reason (under the lock)
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kvflow-remote-{i}", daemon=True) for i in range(connections)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def __getattr__(self, name: str) -> Any:
         # (only for names this class does not define: the wrapped executor's own abilities,
@@ -127,19 +150,23 @@ class RemoteTierExecutor:
         deadline = self._clock() + self._deadline_s
         for job in jobs:
             if job.direction in REMOTE_DIRECTIONS:
-                self._work.put((job, deadline))
+                parts = _split(job, self.connections)
+                whole = _Parts(job, len(parts))
+                for part in parts:
+                    self._work.put((part, deadline, whole))
 
     def probe(self, names: Sequence[BlockName]) -> None:
-        now, absent = self._clock(), self._absent_until
-        todo = [n for n in names if n.key not in self._probing and absent.get(n.key, 0.0) <= now and n.full]
+        now, absent, probing = self._clock(), self._absent_until, self._probing
+        todo = [n for n in names if n.key not in probing and absent.get(n.key, 0.0) <= now and n.full]
         if todo:
-            self._probing.update(dict.fromkeys(n.key for n in todo))
-            self._work.put((tuple(todo), self._clock() + self._deadline_s))
+            probing.update(dict.fromkeys(n.key for n in todo))
+            self._work.put((tuple(todo), now + self._deadline_s, None))
 
     def remote_rejected(self) -> dict[str, int]:
         """Values refused since the tier was built (each once, by a probe or a load), by reason
         (``REJECTED``)."""
-        return dict(self._rejected)
+        with self._lock:
+            return dict(self._rejected)
 
     def wait_results(self, timeout_s: float) -> bool:
         """Block (up to ``timeout_s``) until ``poll`` has remote results to hand over: an
@@ -152,63 +179,79 @@ class RemoteTierExecutor:
 
     def take_found(self) -> list[int]:
         found: list[int] = []
-        while True:
-            try:
-                found.extend(self._found.get_nowait())
-            except queue.Empty:
-                return found
+        answers = self._found
+        while not answers.empty():  # (the engine's thread is the only one that takes)
+            found.extend(answers.get_nowait())
+        return found
 
     def poll(self) -> list[JobResult]:
+        results: list[JobResult] = self.inner.poll()
+        if not self._results_ready.is_set():  # (set after the results a thread puts: none yet)
+            return results
         self._results_ready.clear()  # (before draining: a result put meanwhile sets it again)
-        results = list(self.inner.poll())
-        while True:
-            try:
-                results.append(self._done.get_nowait())
-            except queue.Empty:
-                return results
+        results = list(results)
+        done = self._done
+        while not done.empty():
+            results.append(done.get_nowait())
+        return results
 
     def close(self) -> None:
-        """Stop the thread (it finishes the call at hand, bounded by its deadline and socket
+        """Stop the threads (each finishes the call at hand, bounded by its deadline and socket
         timeouts, and leaves the queued work), then close the wrapped executor."""
         self._stopping.set()
-        self._work.put(_STOP)
-        self._thread.join(timeout=self._close_wait_s)
-        if self._thread.is_alive():
+        for _ in self._threads:
+            self._work.put(_STOP)
+        until = time.monotonic() + self._close_wait_s  # (they stop side by side)
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, until - time.monotonic()))
+        if any(thread.is_alive() for thread in self._threads):
             raise RuntimeError("the remote tier's thread did not stop: its copies may still run")
         self.inner.close()
 
     # -- the worker thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        self._local.store = None
         while True:
             item = self._work.get()
             if item is _STOP or self._stopping.is_set():
                 break
-            work, deadline = item
-            if isinstance(work, tuple):
+            work, deadline, whole = item
+            if whole is None:
                 self._run_probe(work, deadline)
                 continue
             ok, error = self._run_job(work, deadline)
-            if not ok:
-                self.stats["remote_failed_jobs"] += 1
+            with self._lock:
+                whole.left -= 1
+                if not ok and whole.error is None:
+                    whole.error = error or "failed"
+                if whole.left:
+                    continue
+                if whole.error is not None:
+                    self.stats["remote_failed_jobs"] += 1
+            ok, error, job_id = whole.error is None, whole.error, whole.job.job_id
             for rank in range(self._world):
-                self._done.put(JobResult(job_id=work.job_id, rank=rank, ok=ok, error=error))
+                self._done.put(JobResult(job_id=job_id, rank=rank, ok=ok, error=error))
             self._results_ready.set()
-        if self._store is not None:
+        if self._local.store is not None:
             try:
-                self._store.close()
+                self._local.store.close()
             except Exception:
                 pass
 
     def _store_or_none(self) -> Any:
-        if self._store is None:
-            self._store = self._open_store()
-        return self._store
+        if self._local.store is None:
+            self._local.store = self._open_store()
+        return self._local.store
+
+    def _count(self, stat: str, n: int) -> None:
+        with self._lock:
+            self.stats[stat] += n
 
     def _run_probe(self, names: tuple[BlockName, ...], deadline: float) -> None:
         try:
             seen = self._store_or_none().seen(names, deadline)
-            self.stats["probed_blocks"] += len(names)
+            self._count("probed_blocks", len(names))
             refused = self._refused
             for name, s in zip(names, seen):
                 if isinstance(s, Miss):
@@ -233,13 +276,14 @@ class RemoteTierExecutor:
     def _refuse(self, name: BlockName, miss: Miss) -> None:
         """A value under ``name``'s key refused (by a probe or a load): counted by reason, logged
         and remembered once per value (a rewrite of the key is another value)."""
-        if not miss.seen or self._refused.get(name.key) == miss.seen:
-            return
-        if len(self._refused) > _REMEMBERED:
-            self._refused.clear()
-        self._refused[name.key] = miss.seen
-        if miss.reason in self._rejected:
-            self._rejected[miss.reason] += 1
+        with self._lock:  # (several workers may refuse values at once)
+            if not miss.seen or self._refused.get(name.key) == miss.seen:
+                return
+            if len(self._refused) > _REMEMBERED:
+                self._refused.clear()
+            self._refused[name.key] = miss.seen
+            if miss.reason in self._rejected:
+                self._rejected[miss.reason] += 1
         self._log.warning(
             "kvflow.remote_entry_rejected", reason=miss.reason, block=name.key,
             full_hash=name.full.hex(), tenant=name.tenant.hex(),
@@ -256,7 +300,7 @@ class RemoteTierExecutor:
                 bad = [(h, e) for h, e in zip(job.hashes, errors) if e is not None]
                 if bad:
                     return False, f"remote store refused {len(bad)} of {len(errors)} blocks: {bad[0][1]}"
-                self.stats["remote_stored_blocks"] += len(errors)
+                self._count("remote_stored_blocks", len(errors))
                 for h in job.hashes:  # rewritten by this very store
                     self._refused.pop(h, None)
                 return True, None
@@ -267,12 +311,31 @@ class RemoteTierExecutor:
                     self._refuse(name, miss)
                 name, miss = misses[0]
                 return False, f"remote miss on {len(misses)} of {len(got)} blocks (block {name.key}: {miss.reason})"
-            self.stats["remote_loaded_blocks"] += len(got)
+            self._count("remote_loaded_blocks", len(got))
             return True, None
         except Exception as exc:  # F2: whatever happens is this job's failure
             if not isinstance(exc, _expected_errors()):
-                self._store = None  # rebuild the client for the next job
+                self._local.store = None  # rebuild the client for the next job
             return False, f"{type(exc).__name__}: {exc}"
+
+
+def _split(job: TransferJob, workers: int) -> list[TransferJob]:
+    """``job`` in at most ``workers`` parts of consecutive blocks, as even as can be."""
+    n = len(job.hashes)
+    parts = min(workers, n)
+    if parts <= 1:
+        return [job]
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [
+        msgspec.structs.replace(
+            job,
+            slots=job.slots[a:b],
+            hashes=job.hashes[a:b],
+            names=job.names[a:b],
+            device_blocks=job.device_blocks[a:b],
+        )
+        for a, b in zip(bounds, bounds[1:])
+    ]
 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:

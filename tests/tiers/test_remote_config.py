@@ -75,6 +75,10 @@ BAD = [
     ({"keys": None, "insecure_no_key": True, "encrypt": True}, "remote tier: encrypt=True needs keys"),
     ({"shard": (2, 2)}, "remote tier: shard must be (rank, ranks) with 0 <= rank < ranks"),
     ({"shard": 0}, "remote tier: shard must be (rank, ranks)"),
+    ({"connections": 0}, "remote connections must be a whole number in [1, 64]"),
+    ({"connections": 65}, "remote connections must be a whole number in [1, 64]"),
+    ({"connections": 2.0}, "remote connections must be a whole number"),
+    ({"connections": True}, "remote connections must be a whole number"),
 ]
 
 
@@ -118,15 +122,16 @@ def test_a_password_never_shows_in_a_message() -> None:
     assert "s3cret" not in message and f"alice:***@127.0.0.1:{port}" in message, message
 
 
-@pytest.mark.parametrize("deadline_ms", [1e300, 2000.0])
-def test_close_ends_the_thread_whatever_the_deadline(redis_standalone, deadline_ms) -> None:  # noqa: F811
+@pytest.mark.parametrize("deadline_ms, connections", [(1e300, 1), (2000.0, 1), (1e300, 4)])
+def test_close_ends_the_thread_whatever_the_deadline(redis_standalone, deadline_ms, connections) -> None:  # noqa: F811
     before = set(threading.enumerate())
-    tier = build(redis_standalone.url, deadline_ms=deadline_ms)
-    assert tier._thread.is_alive()
+    tier = build(redis_standalone.url, deadline_ms=deadline_ms, connections=connections)
+    assert len(tier._threads) == connections
+    assert all(t.is_alive() for t in tier._threads)
     started = time.monotonic()
     tier.close()
     assert time.monotonic() - started < 5.0
-    assert not tier._thread.is_alive()
+    assert not any(t.is_alive() for t in tier._threads)
     deadline = time.monotonic() + 5.0
     while set(threading.enumerate()) - before:  # the wrapped executor's threads end too
         assert time.monotonic() < deadline, set(threading.enumerate()) - before

@@ -1,6 +1,7 @@
 """Redis as it is deployed: ACL users and passwords, and TLS with a CA, a server and a client
-certificate (made by the test with ``openssl``). Real servers; the right credentials store and
-load real bytes; wrong ones are refused when the tier is built, in one line, at once."""
+certificate (made by the test with ``openssl``), standalone and as a 3-node Redis Cluster. Real
+servers; the right credentials store and load real bytes; wrong ones are refused when the tier is
+built, in one line, at once."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from redis_servers import (  # noqa: E402
     ACL_PASSWORD,
     ACL_USER,
     DEFAULT_PASSWORD,
-    acl_server,  # noqa: F401  (fixtures)
+    acl_cluster,  # noqa: F401  (fixtures)
+    acl_server,  # noqa: F401
+    tls_cluster,  # noqa: F401
     tls_server,  # noqa: F401
 )
 from remote_rig import HASHES, blocks_of, instance, load_prefix, store_prefix  # noqa: E402
@@ -28,10 +31,10 @@ def with_user(url: str, user: str, password: str) -> str:
     return f"{scheme}://{user}:{password}@{rest}"
 
 
-def shares(url: str, **tier) -> None:
+def shares(url: str, cluster: bool = False, **tier) -> None:
     """One instance stores, another loads the same bytes, through ``url``."""
-    writer, writer_kv = instance(url, False, seed=1, **tier)
-    reader, reader_kv = instance(url, False, seed=2, **tier)
+    writer, writer_kv = instance(url, cluster, seed=1, **tier)
+    reader, reader_kv = instance(url, cluster, seed=2, **tier)
     try:
         store_prefix(writer, "w", (0, 1, 2, 3))
         assert writer.executor.stats["remote_stored_blocks"] == len(HASHES)
@@ -45,10 +48,10 @@ def shares(url: str, **tier) -> None:
         reader.close()
 
 
-def refused(url: str, **tier) -> str:
+def refused(url: str, cluster: bool = False, **tier) -> str:
     started = time.monotonic()
     with pytest.raises(ConfigError) as err:
-        instance(url, False, seed=1, **tier)
+        instance(url, cluster, seed=1, **tier)
     assert time.monotonic() - started < 3.0  # at build, at once: never a hang
     message = str(err.value)
     assert message and "\n" not in message, message
@@ -111,3 +114,54 @@ def test_an_untrusted_certificate_is_refused_at_build_in_one_line(tls_server, fi
 def test_plain_redis_to_a_tls_port_is_refused_at_build(tls_server) -> None:  # noqa: F811
     server, _ = tls_server
     assert "ConnectionError" in refused(server.url.replace("rediss://", "redis://"), timeout_s=0.3)
+
+
+def cluster_keys(cluster) -> int:
+    return sum(int(node.cli("DBSIZE")) for node in cluster.nodes)
+
+
+def test_an_acl_user_stores_and_loads_on_a_cluster(acl_cluster) -> None:  # noqa: F811
+    shares(with_user(acl_cluster.url, ACL_USER, ACL_PASSWORD), cluster=True)
+    assert cluster_keys(acl_cluster) == len(HASHES)  # spread over the nodes, each logged in to
+    for node in acl_cluster.nodes:
+        node.cli("FLUSHALL")
+
+
+@pytest.mark.parametrize("user, password", [(ACL_USER, "wrong"), ("", "wrong"), (None, None)])
+def test_wrong_credentials_on_a_cluster_are_refused_at_build_in_one_line(acl_cluster, user, password) -> None:  # noqa: F811
+    url = acl_cluster.url if user is None else with_user(acl_cluster.url, user, password)
+    message = refused(url, cluster=True)
+    assert "AuthenticationError" in message or "NOAUTH" in message, message
+    if password:
+        assert "wrong" not in message, message
+
+
+def test_a_tls_cluster_with_client_certificates_stores_and_loads(tls_cluster) -> None:  # noqa: F811
+    cluster, certs = tls_cluster
+    shares(
+        cluster.url, cluster=True,
+        ssl_ca_certs=certs["ca.crt"], ssl_certfile=certs["client.crt"], ssl_keyfile=certs["client.key"],
+    )  # fmt: skip
+    assert cluster_keys(cluster) == len(HASHES)
+    for node in cluster.nodes:
+        node.cli("FLUSHALL")
+
+
+@pytest.mark.parametrize(
+    "files, words",
+    [
+        ({"ssl_ca_certs": "other-ca.crt", "ssl_certfile": "client.crt", "ssl_keyfile": "client.key"},
+         "certificate verify failed"),
+        ({"ssl_ca_certs": "ca.crt"}, "ConnectionError"),  # no client certificate
+        ({}, "certificate verify failed"),
+    ],
+)  # fmt: skip
+def test_an_untrusted_certificate_on_a_cluster_is_refused_at_build_in_one_line(tls_cluster, files, words) -> None:  # noqa: F811
+    cluster, certs = tls_cluster
+    message = refused(cluster.url, cluster=True, **{k: certs[v] for k, v in files.items()})
+    assert words in message, message
+
+
+def test_plain_redis_to_a_tls_cluster_is_refused_at_build(tls_cluster) -> None:  # noqa: F811
+    cluster, _ = tls_cluster
+    assert "ConnectionError" in refused(cluster.url.replace("rediss://", "redis://"), cluster=True, timeout_s=0.3)

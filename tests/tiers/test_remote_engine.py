@@ -48,9 +48,11 @@ def remote_events(engine, kind):
     return [e for e in engine.manager.log.events() if type(e) is kind and e.direction in (REMOTE_LOAD, REMOTE_STORE)]
 
 
-def test_one_instance_stores_another_loads_the_same_bytes(server) -> None:
-    writer, writer_kv = instance(server.url, is_cluster(server), seed=1)
-    reader, reader_kv = instance(server.url, is_cluster(server), seed=2)
+@pytest.mark.parametrize("connections", [1, 3])
+def test_one_instance_stores_another_loads_the_same_bytes(server, connections) -> None:
+    """With several connections, each job's blocks are split over them (3 parts of 4 blocks)."""
+    writer, writer_kv = instance(server.url, is_cluster(server), seed=1, connections=connections)
+    reader, reader_kv = instance(server.url, is_cluster(server), seed=2, connections=connections)
     try:
         store_prefix(writer, "w", (0, 1, 2, 3))
         assert writer.executor.stats["remote_stored_blocks"] == len(HASHES)
@@ -89,9 +91,12 @@ def test_separate_instance_processes_share_a_3_node_cluster(redis_cluster) -> No
             node.cli("FLUSHALL")
 
 
-def test_an_evicted_key_fails_its_load_once_and_is_dropped(redis_standalone) -> None:  # noqa: F811
-    writer, _ = instance(redis_standalone.url, False, seed=1)
-    reader, _ = instance(redis_standalone.url, False, seed=2)
+@pytest.mark.parametrize("connections", [1, 4])
+def test_an_evicted_key_fails_its_load_once_and_is_dropped(redis_standalone, connections) -> None:  # noqa: F811
+    """With 4 connections the load's 4 blocks go one per connection: the one part that misses
+    fails the whole job (once, reported for the job, not per part)."""
+    writer, _ = instance(redis_standalone.url, False, seed=1, connections=connections)
+    reader, _ = instance(redis_standalone.url, False, seed=2, connections=connections)
     try:
         store_prefix(writer, "w", (0, 1, 2, 3))
         # the reader learns of the blocks, then the server loses one (eviction, flush, restart)
@@ -102,7 +107,7 @@ def test_an_evicted_key_fails_its_load_once_and_is_dropped(redis_standalone) -> 
             assert time.monotonic() < deadline
             reader.step()
             time.sleep(0.002)
-        redis_standalone.cli("DEL", reader.executor._store.key(name_of(HASHES[0])).decode())
+        redis_standalone.cli("DEL", reader.executor._open_store().key(name_of(HASHES[0])).decode())
         assert reader.lookup("r", HASHES, len(HASHES) * 16 + 1) == 0  # queues the remote load
         reader.accept_hits("r", [])
         settle(reader)
@@ -243,7 +248,7 @@ def test_a_bad_entry_is_loaded_at_most_once_until_rewritten(redis_standalone, da
     reader, reader_kv = instance(redis_standalone.url, False, seed=2, absent_ttl_s=0.0)
     try:
         store_prefix(writer, "w", (0, 1, 2, 3))
-        key = writer.executor._store.key(name_of(HASHES[2]))
+        key = writer.executor._open_store().key(name_of(HASHES[2]))
         import redis
 
         raw = redis.Redis(host=redis_standalone.host, port=redis_standalone.port)
@@ -268,7 +273,7 @@ def test_a_bad_entry_is_loaded_at_most_once_until_rewritten(redis_standalone, da
         # rewritten (another writer stores the same block again): offered and loaded
         from kvflow.tiers.redis_store import RedisBlockStore, connect
 
-        other = RedisBlockStore(connect(redis_standalone.url), writer.executor._store.codec)
+        other = RedisBlockStore(connect(redis_standalone.url), writer.executor._open_store().codec)
         plain = [bytes(p) for p in writer.executor.slots.read(writer.manager.state.slot_of[HASHES[2]])]
         assert other.put([(name_of(HASHES[2]), plain)], time.monotonic() + 5) == [None]
         other.close()

@@ -4,6 +4,7 @@ inside the real engine)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -55,11 +56,47 @@ def test_capacity_in_blocks_bytes_or_gb() -> None:
         ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_key_file": 3}, "disk_key_file must be a file's path"),
         ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_insecure_no_key": "yes"},
          "disk_insecure_no_key must be true or false"),
+        # every value checked, none coerced: a string where a flag or a number belongs is an error
+        ({"cpu_blocks": "8"}, "cpu_blocks must be a whole number > 0"),
+        ({"cpu_blocks": True}, "cpu_blocks must be a whole number > 0"),
+        ({"cpu_blocks": 4.5}, "cpu_blocks must be a whole number > 0"),
+        ({"cpu_bytes": -1}, "cpu_bytes must be a whole number > 0"),
+        ({"cpu_gb": "1"}, "cpu_gb must be a number > 0"),
+        ({"cpu_gb": True}, "cpu_gb must be a number > 0"),
+        ({"cpu_blocks": 4, "checksums": "false"}, "checksums must be true or false, got 'false'"),
+        ({"cpu_blocks": 4, "checksums": 1}, "checksums must be true or false"),
+        ({"cpu_blocks": 4, "job_deadline_ms": "30000"}, "job_deadline_ms must be a number of milliseconds > 0"),
+        ({"cpu_blocks": 4, "job_deadline_ms": float("inf")}, "job_deadline_ms must be a number of milliseconds > 0"),
+        ({"cpu_blocks": 4, "job_deadline_ms": 0}, "job_deadline_ms must be a number of milliseconds > 0"),
+        ({"cpu_blocks": 4, "job_deadline_ms": False}, "job_deadline_ms must be a number of milliseconds > 0"),
+        ({"cpu_blocks": 4, "trace_path": 5}, "trace_path must be a file's path"),
+        ({"cpu_blocks": 4, "trace_path": ""}, "trace_path must be a file's path"),
+        ({"cpu_blocks": 4, "policy": 5}, "policy"),
+        ({"cpu_blocks": 4, "policy": "fifo"}, "policy"),
+        ({"cpu_blocks": 4, "fail_job_ids": "3"}, "fail_job_ids must be a list of whole numbers >= 0"),
+        ({"cpu_blocks": 4, "fail_job_ids": [1.5]}, "fail_job_ids must be a list of whole numbers >= 0"),
+        ({"cpu_blocks": 4, "fail_job_ids": [True]}, "fail_job_ids must be a list of whole numbers >= 0"),
+        ({"cpu_blocks": 4, "fail_ranks": [-1]}, "fail_ranks must be a list of whole numbers >= 0"),
+        ({"cpu_blocks": 4, "fail_ranks": 1}, "fail_ranks must be a list of whole numbers >= 0"),
+        ({"cpu_blocks": 4, "disk_path": "", "disk_gb": 1}, "disk_path must be a directory's path"),
+        ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_key_file": ""}, "disk_key_file must be a file's path"),
+        ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_store_mode": 1, "disk_insecure_no_key": True},
+         "disk_store_mode must be one of"),
     ],
 )
 def test_bad_extra_config_is_one_clear_error(extra: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
         ConnectorConfig.from_extra(extra)
+    assert "\n" not in str(refused.value) and str(refused.value).startswith("kv_connector_extra_config: ")
+
+
+def test_good_values_are_taken_as_given() -> None:
+    config = ConnectorConfig.from_extra(
+        {"cpu_blocks": 4, "checksums": True, "job_deadline_ms": 500, "fail_job_ids": [3], "fail_ranks": [1],
+         "trace_path": "t.jsonl", "policy": "arc"}
+    )  # fmt: skip
+    assert (config.checksums, config.job_deadline_ms, config.fail_job_ids, config.fail_ranks) == (True, 500.0, (3,), (1,))
+    assert (config.trace_path, config.policy) == ("t.jsonl", "arc")
 
 
 def test_a_capacity_below_one_block_is_refused() -> None:

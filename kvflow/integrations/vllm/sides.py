@@ -133,6 +133,9 @@ class ConnectorConfig:
                 "kv_connector_extra_config: the disk tier needs a key: disk_key_file (a keys file, see "
                 "docs/disk-tier.md), or disk_insecure_no_key: true for a private single-tenant deployment"
             )
+        trace_path = extra.get("trace_path")
+        if trace_path is not None and (not isinstance(trace_path, str) or not trace_path):
+            raise ConfigError(f"kv_connector_extra_config: trace_path must be a file's path, got {trace_path!r}")
         return cls(
             disk_path=disk_path,
             disk_bytes=disk_bytes,
@@ -142,11 +145,11 @@ class ConnectorConfig:
             cpu_blocks=cpu_blocks,
             cpu_bytes=cpu_bytes,
             policy=_policy(extra.get("policy", "lru")),
-            job_deadline_ms=float(extra.get("job_deadline_ms", 30_000.0)),
-            trace_path=extra.get("trace_path"),
-            checksums=bool(extra.get("checksums", False)),
-            fail_job_ids=tuple(int(j) for j in extra.get("fail_job_ids", ())),
-            fail_ranks=tuple(int(r) for r in extra.get("fail_ranks", ())),
+            job_deadline_ms=_milliseconds(extra.get("job_deadline_ms", 30_000.0), "job_deadline_ms"),
+            trace_path=trace_path,
+            checksums=_flag(extra.get("checksums", False), "checksums"),
+            fail_job_ids=_ids(extra.get("fail_job_ids", []), "fail_job_ids"),
+            fail_ranks=_ids(extra.get("fail_ranks", []), "fail_ranks"),
         )
 
     def disk_blocks(self, block_bytes: int) -> int:
@@ -196,6 +199,26 @@ def _policy(value: Any) -> str:
     except ConfigError as exc:
         raise ConfigError(f"kv_connector_extra_config: {exc}") from None
     return str(value)
+
+
+def _flag(value: Any, name: str) -> bool:
+    """JSON's true or false: a string (even "false") is an error, never read as a truth value."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config: {name} must be true or false, got {value!r}")
+    return value
+
+
+def _milliseconds(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"kv_connector_extra_config: {name} must be a number of milliseconds > 0, got {value!r}")
+    return float(value)
+
+
+def _ids(value: Any, name: str) -> tuple[int, ...]:
+    """A list of whole numbers >= 0 (job ids, ranks)."""
+    if not isinstance(value, (list, tuple)) or not all(is_int(v) and v >= 0 for v in value):
+        raise ConfigError(f"kv_connector_extra_config: {name} must be a list of whole numbers >= 0, got {value!r}")
+    return tuple(value)
 
 
 def _whole(value: Any, name: str) -> int:

@@ -42,21 +42,30 @@ def instance(url: str, cluster: bool, seed: int, *, deadline_ms: float = 2000.0,
     return SyncEngine(config, executor, keep_log=True), kv
 
 
-def store_prefix(engine: SyncEngine, request_id: str, device_blocks: tuple[int, ...]) -> None:
+def store_prefix(
+    engine: SyncEngine, request_id: str, device_blocks: tuple[int, ...], tenant: str | None = None
+) -> None:
     """Compute-and-store ``HASHES`` from ``device_blocks``; the write-through lands remotely."""
-    engine.lookup(request_id, HASHES, len(HASHES) * B + 1)
-    engine.blocks_computed(request_id, HASHES, device_blocks)
+    engine.lookup(request_id, HASHES, len(HASHES) * B + 1, tenant=tenant)
+    engine.blocks_computed(request_id, HASHES, device_blocks, tenant=tenant)
     settle(engine)  # the CPU-tier store, then its write-through remote store
     engine.finish_request(request_id)
 
 
-def load_prefix(engine: SyncEngine, request_id: str, device_blocks: tuple[int, ...], timeout_s: float = 20.0) -> int:
+def load_prefix(
+    engine: SyncEngine,
+    request_id: str,
+    device_blocks: tuple[int, ...],
+    timeout_s: float = 20.0,
+    tenant: str | None = None,
+) -> int:
     """Look the prefix up until the CPU tier offers all of it (a probe finds it remotely, a
-    remote load brings it to the CPU tier), then load it into ``device_blocks``; the hits."""
+    remote load brings it to the CPU tier) or ``timeout_s`` passed, then load what hit into
+    ``device_blocks``; the hits."""
     n_tokens = len(HASHES) * B + 1
     deadline = time.monotonic() + timeout_s
     while True:
-        hits = engine.lookup(request_id, HASHES, n_tokens)
+        hits = engine.lookup(request_id, HASHES, n_tokens, tenant=tenant)
         if hits == len(HASHES) or time.monotonic() > deadline:
             break
         engine.accept_hits(request_id, [])
@@ -65,6 +74,8 @@ def load_prefix(engine: SyncEngine, request_id: str, device_blocks: tuple[int, .
     if hits:
         engine.accept_hits(request_id, device_blocks[:hits])
         settle(engine)
+    else:
+        engine.accept_hits(request_id, [])
     return hits
 
 

@@ -12,15 +12,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from core_helpers import settle
 from redis_servers import redis_fresh, require_redis  # noqa: F401
-from remote_rig import HASHES, MODEL, B, blocks_of, instance, random_kv
+from remote_rig import HASHES, MODEL, B, blocks_of, instance, load_prefix, random_kv, store_prefix
 from tier_keys import KEY, NEW_KEY, tier_keys
 
 from kvflow.core.names import name_of, tenant_id
@@ -28,7 +26,6 @@ from kvflow.engine.sync import SyncEngine
 
 ATTACKER = Path(__file__).resolve().parents[1] / "attacker.py"
 ROOT = Path(__file__).resolve().parents[2]
-TOKENS = len(HASHES) * B + 1
 WRITER_BLOCKS, READER_BLOCKS = (0, 1, 2, 3), (8, 9, 10, 11)
 
 
@@ -47,29 +44,11 @@ def attack(url: str, *args: str) -> dict[str, Any]:
 
 
 def store(engine: SyncEngine, request_id: str, tenant: str | None = None) -> None:
-    engine.lookup(request_id, HASHES, TOKENS, tenant=tenant)
-    engine.blocks_computed(request_id, HASHES, WRITER_BLOCKS, tenant=tenant)
-    settle(engine)  # the CPU-tier store, then its write-through to the remote tier
-    engine.finish_request(request_id)
+    store_prefix(engine, request_id, WRITER_BLOCKS, tenant)
 
 
 def load(engine: SyncEngine, request_id: str, tenant: str | None = None, timeout_s: float = 1.0) -> int:
-    """Look the prefix up until all of it hits or ``timeout_s`` passed (probes, remote loads),
-    then load what hit into the reader's device blocks; the hits."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        hits = engine.lookup(request_id, HASHES, TOKENS, tenant=tenant)
-        if hits == len(HASHES) or time.monotonic() > deadline:
-            break
-        engine.accept_hits(request_id, [])
-        engine.step()
-        time.sleep(0.002)
-    if hits:
-        engine.accept_hits(request_id, READER_BLOCKS[:hits])
-        settle(engine)
-    else:
-        engine.accept_hits(request_id, [])
-    return hits
+    return load_prefix(engine, request_id, READER_BLOCKS, timeout_s, tenant)
 
 
 def served_nothing(reader: SyncEngine, kv: list[torch.Tensor], hits: int, tenant: str | None = None) -> None:

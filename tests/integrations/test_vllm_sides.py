@@ -347,3 +347,15 @@ def test_F2_a_bad_result_among_the_workers_costs_only_itself(restore_structlog: 
     assert [(e["event"], e["rank"]) for e in logs if e["log_level"] == "warning"] == [("kvflow.result_rejected", 2)]
     assert side.manager.state.jobs == {}  # ranks 0 and 1 completed the store
     assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) == 2 * B
+
+
+def test_a_disk_tier_with_hashes_seeded_per_process_is_refused_saying_what_to_set() -> None:
+    from kvflow.integrations.vllm.sides import check_shared_hashes
+
+    disk = ConnectorConfig.from_extra({"cpu_blocks": 8, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_insecure_no_key": True})
+    with pytest.raises(ConfigError, match="set PYTHONHASHSEED") as refused:
+        check_shared_hashes(disk, "xxhash", {})
+    assert "\n" not in str(refused.value)
+    check_shared_hashes(disk, "xxhash", {"PYTHONHASHSEED": "0"})  # a fixed seed: every process agrees
+    check_shared_hashes(disk, "sha256", {})  # vLLM seeds SHA-256 hashes alike in every process
+    check_shared_hashes(ConnectorConfig(cpu_blocks=8), "xxhash", {})  # no tier outlives the process

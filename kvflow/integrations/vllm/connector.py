@@ -27,6 +27,7 @@ This module imports without vLLM; the connector class needs it (``pip install vl
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from kvflow.integrations.vllm.sides import (
     SchedulerSide,
     StepPlan,
     WorkerSide,
+    check_shared_hashes,
 )
 
 try:
@@ -142,6 +144,7 @@ if HAVE_VLLM:
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
             transfer = vllm_config.kv_transfer_config
             self._config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+            check_shared_hashes(self._config, str(vllm_config.cache_config.prefix_caching_hash_algo), os.environ)
             self._block_tokens = int(vllm_config.cache_config.block_size)
             self._scheduler: SchedulerSide | None = None
             self._worker: WorkerSide | None = None

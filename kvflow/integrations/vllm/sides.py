@@ -171,6 +171,21 @@ class ConnectorConfig:
         return blocks
 
 
+def check_shared_hashes(config: ConnectorConfig, hash_algo: str, environ: Mapping[str, str]) -> None:
+    """A tier that outlives the process (the disk) is worth something only if every vLLM
+    process names a block the same way: refuse (one line, saying what to set) a hash function
+    vLLM seeds at random per process (its non-cryptographic ones, unless ``PYTHONHASHSEED``
+    fixes the seed)."""
+    if config.disk_path is None:
+        return
+    if hash_algo.startswith("xxhash") and environ.get("PYTHONHASHSEED") is None:
+        raise ConfigError(
+            f"kv_connector_extra_config: the disk tier needs block hashes every vLLM process agrees on, but "
+            f"prefix_caching_hash_algo {hash_algo!r} is seeded at random per process: set PYTHONHASHSEED "
+            "(the same value for every process) or use sha256"
+        )
+
+
 def _disk(extra: Mapping[str, Any]) -> tuple[str | None, int | None]:
     """``disk_path`` and ``disk_gb``: both or neither."""
     if ("disk_path" in extra) != ("disk_gb" in extra):

@@ -115,6 +115,12 @@ if HAVE_VLLM:
             ("load_bytes", "kvflow_loaded_bytes", "Bytes kvflow loaded from its CPU tier"),
             ("store_failed_jobs", "kvflow_failed_store_jobs", "kvflow store jobs that failed"),
             ("load_failed_jobs", "kvflow_failed_load_jobs", "kvflow load jobs that failed"),
+            ("disk_store_ok_blocks", "kvflow_disk_stored_blocks", "Blocks kvflow stored to its disk tier"),
+            ("disk_load_ok_blocks", "kvflow_disk_loaded_blocks", "Blocks kvflow loaded from its disk tier"),
+            ("disk_store_bytes", "kvflow_disk_stored_bytes", "Bytes kvflow stored to its disk tier"),
+            ("disk_load_bytes", "kvflow_disk_loaded_bytes", "Bytes kvflow loaded from its disk tier"),
+            ("disk_store_failed_jobs", "kvflow_failed_disk_store_jobs", "kvflow disk store jobs that failed"),
+            ("disk_load_failed_jobs", "kvflow_failed_disk_load_jobs", "kvflow disk load jobs that failed"),
         )
 
         def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any) -> None:

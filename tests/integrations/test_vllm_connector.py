@@ -219,9 +219,12 @@ def test_kv_events_reach_vllm_as_its_own_with_vllms_block_hashes(model_dir: Path
             assert e.parent_block_hash in published and len(e.token_ids) == len(e.block_hashes) * BLOCK
 
 
-def test_transfer_stats_reach_vllms_logging_and_prometheus(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_transfer_stats_reach_vllms_logging_and_prometheus(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """The workers' transfers go to vLLM as connector stats each step (it aggregates them for
-    its log line and its Prometheus metrics, ``kvflow_*_total`` in vLLM's registry)."""
+    its log line and its Prometheus metrics, ``kvflow_*_total`` in vLLM's registry), the disk
+    tier's beside the CPU tier's."""
     from prometheus_client import REGISTRY
 
     from kvflow.integrations.vllm.connector import KVFlowConnector
@@ -236,7 +239,9 @@ def test_transfer_stats_reach_vllms_logging_and_prometheus(model_dir: Path, monk
         return stats
 
     monkeypatch.setattr(KVFlowConnector, "get_kv_connector_stats", recording)
-    run(model_dir, {"cpu_blocks": 64})
+    disk = {"disk_path": str(tmp_path / "disk"), "disk_gb": 0.01, "disk_store_mode": "write_through",
+            "disk_insecure_no_key": True}  # fmt: skip
+    run(model_dir, {"cpu_blocks": 64, **disk})
     total = KVFlowConnector.build_kv_connector_stats({})
     for data in seen:
         total = total.aggregate(KVFlowConnector.build_kv_connector_stats(data))
@@ -251,6 +256,9 @@ def test_transfer_stats_reach_vllms_logging_and_prometheus(model_dir: Path, monk
     metrics = KVFlowConnector.build_prom_metrics(no_transfer, kinds, ["engine"], {0: ["0"]})
     metrics.observe(reduced, 0)
     assert REGISTRY.get_sample_value("kvflow_loaded_blocks_total", {"engine": "0"}) == 2 * CONVERSATIONS
+    # every stored block was written through to the disk tier (the CPU tier served the loads)
+    assert reduced["disk_store_ok_blocks"] == 2 * CONVERSATIONS and reduced["disk_store_bytes"] > 0
+    assert REGISTRY.get_sample_value("kvflow_disk_stored_blocks_total", {"engine": "0"}) == 2 * CONVERSATIONS
 
 
 MULTIPROCESS_SCRIPT = """

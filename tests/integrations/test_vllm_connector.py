@@ -61,8 +61,10 @@ def run(
     batch: bool = False,
     user_tokens: int = 20,
     max_tokens: int = 8,
+    salts: list[str | None] | None = None,
 ) -> tuple[list[list[int]], list[int], Any]:
-    """Greedy outputs and vLLM's cached-token counts, turn by turn, and the connector."""
+    """Greedy outputs and vLLM's cached-token counts, turn by turn, and the connector.
+    ``salts``: each round's ``cache_salt`` (vLLM's tenant), None for none."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -90,8 +92,12 @@ def run(
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs, cached = [], []
-    for _ in range(rounds):
-        prompts = [TokensPrompt(prompt_token_ids=c) for c in conversations(user_tokens)]
+    for turn in range(rounds):
+        salt = salts[turn] if salts else None
+        prompts = [
+            TokensPrompt(prompt_token_ids=c, **({"cache_salt": salt} if salt else {}))  # type: ignore[typeddict-item]
+            for c in conversations(user_tokens)
+        ]
         if batch:
             results = llm.generate(prompts, params, use_tqdm=False)
         else:
@@ -131,6 +137,17 @@ def test_prefixes_come_back_from_kvflows_tier_with_identical_outputs(
     result = CliRunner().invoke(kvflow_cli, ["replay", str(trace), "--redecide"])
     assert result.exit_code == 0, result.output
     assert "consistent" in result.output
+
+
+def test_F21_a_request_with_another_cache_salt_never_hits_a_salted_prefix(
+    model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]]
+) -> None:
+    """Three rounds of the same conversations: tenant a, then tenant b, then tenant a again.
+    Tenant b's requests find nothing of tenant a's in kvflow's tier; tenant a's come back."""
+    outputs, cached, _ = run(model_dir, {"cpu_blocks": 64}, rounds=3, salts=["tenant-a", "tenant-b", "tenant-a"])
+    first_turns = without_kvflow[0][:CONVERSATIONS]
+    assert outputs == first_turns * 3
+    assert cached == [0] * CONVERSATIONS + [0] * CONVERSATIONS + [PREFIX] * CONVERSATIONS
 
 
 def test_injected_store_and_load_failures_change_no_output(

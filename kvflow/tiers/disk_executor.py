@@ -29,6 +29,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import structlog
+
 from kvflow.core.commands import JobResult
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
@@ -38,6 +40,8 @@ from kvflow.tiers.disk_file import DiskEntryFile
 from kvflow.tiers.entry import REJECTED, Layout, check_shard, codec_for
 from kvflow.tiers.host_slots import OwnsPool, SlotPages
 from kvflow.tiers.keys import TierKeys
+
+_log = structlog.get_logger("kvflow")
 
 DISK_DIRECTIONS = (DISK_STORE, DISK_LOAD)
 _STOP = object()
@@ -150,9 +154,14 @@ class DiskTierExecutor:
                 verb, counter = "disk load", "disk_loaded_blocks"
             bad = [(h, e) for h, e in zip(job.hashes, errors) if e is not None]
             if job.direction == DISK_LOAD:
-                for _, reason in bad:
+                # (a refused entry leaves the disk's index with its failed load: once per entry)
+                for (h, reason), name in zip(bad, (n for n, e in zip(names, errors) if e is not None)):
                     if reason in self._rejected:
                         self._rejected[reason] += 1
+                        _log.warning(
+                            "kvflow.disk_entry_rejected", reason=reason, block=h, full_hash=name.full.hex(),
+                            tenant=name.tenant.hex(), slot=job.disk_slots[job.hashes.index(h)],
+                        )  # fmt: skip
             if bad:
                 h, reason = bad[0]
                 return False, f"{verb} failed on {len(bad)} of {len(errors)} blocks (block {h}: {reason})"

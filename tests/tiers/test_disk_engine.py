@@ -315,10 +315,16 @@ def test_F20_after_rotation_a_retired_keys_disk_entries_are_refused_counted_and_
     retired, _ = instance(tmp_path / "disk", seed=3, keys=tier_keys(NEW_KEY))
     try:
         assert retired.counters.disk_blocks_restored == 8  # the journal vouches for both eras
-        assert load(retired, "r", FIRST, (8, 9, 10, 11)) == 0  # the old key's: refused
+        from structlog.testing import capture_logs
+
+        with capture_logs() as logged:
+            assert load(retired, "r", FIRST, (8, 9, 10, 11)) == 0  # the old key's: refused
+            assert load(retired, "r2", FIRST, (8, 9, 10, 11)) == 0
         assert retired.executor.disk_rejected()["unknown key"] == 4
         assert retired.manager.state.disk is not None and FIRST[0] not in retired.manager.state.disk.slot_of
-        assert load(retired, "r2", FIRST, (8, 9, 10, 11)) == 0
+        rejected = [e for e in logged if e["event"] == "kvflow.disk_entry_rejected"]
+        assert len(rejected) == 4 and {e["reason"] for e in rejected} == {"unknown key"}  # logged once each
+        assert not any(k.hex() in repr(logged) for k in (KEY, NEW_KEY))
         assert retired.executor.disk_rejected()["unknown key"] == 4  # dropped: not tried again
         assert load(retired, "s", SECOND, (8, 9, 10, 11)) == 4  # the new key's: served
     finally:

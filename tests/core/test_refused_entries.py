@@ -33,7 +33,7 @@ def last_event(m: OffloadManager) -> object:
     return list(m.log.events())[-1]
 
 
-def test_a_remote_refusal_drops_what_the_remote_index_holds_and_nothing_else() -> None:
+def test_F20_a_remote_refusal_drops_what_the_remote_index_holds_and_nothing_else() -> None:
     m = manager(remote_blocks=16)
     store(m, "a", [1], [10])  # resident, and remotely stored by its write-through
     m.plan_step(0.0)

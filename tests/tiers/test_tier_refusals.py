@@ -89,7 +89,7 @@ def redecides(trace: Path) -> None:
         assert result.divergence is None, result.divergence
 
 
-def test_another_tenants_entry_copied_under_a_tenants_key_is_refused_by_its_probe_and_shown(
+def test_F20_another_tenants_entry_copied_under_a_tenants_key_is_refused_by_its_probe_and_shown(
     redis_standalone, tmp_path: Path  # noqa: F811
 ) -> None:
     """The attacker copies tenant alice's entries under tenant bob's keys: bob's probes refuse
@@ -135,7 +135,7 @@ def test_another_tenants_entry_copied_under_a_tenants_key_is_refused_by_its_prob
     redecides(trace)
 
 
-def test_a_forged_remote_entry_is_refused_at_its_load_and_the_failed_load_is_named(
+def test_F20_a_forged_remote_entry_is_refused_at_its_load_and_the_failed_load_is_named(
     redis_standalone, tmp_path: Path  # noqa: F811
 ) -> None:
     """The attacker alters one stored payload, keeping its head: the probe offers it, the load
@@ -173,7 +173,7 @@ def test_a_forged_remote_entry_is_refused_at_its_load_and_the_failed_load_is_nam
     redecides(trace)
 
 
-def test_a_disk_entry_under_a_retired_key_is_refused_at_its_load_and_shown(tmp_path: Path) -> None:
+def test_F20_a_disk_entry_under_a_retired_key_is_refused_at_its_load_and_shown(tmp_path: Path) -> None:
     """Written under a key since retired: the load refuses every entry ("unknown key"), the
     disk load fails, the blocks leave the disk index; the trace names each refusal and its
     load, and they are not refused again (nothing loads them again)."""

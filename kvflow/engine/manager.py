@@ -247,9 +247,9 @@ class OffloadManager:
     ) -> tuple[list[TransferJob], StepReport]:
         """The scheduler half of one engine step at ``now_ms``: the executor's ``results`` are
         applied (a bad one is refused alone, logged and counted in the report, never raised:
-        F2), what the remote tier's probes ``found`` and what the shared tiers refused (``refusals``) are
-        recorded (``tier_refused``), jobs past their deadline
-        time out (F2), and the queued jobs are handed over (each once, F5). Returns those
+        F2), what the remote tier's probes ``found`` and what the shared tiers refused
+        (``refusals``, see ``tier_refused``) are recorded, jobs past their deadline time out
+        (F2), and the queued jobs are handed over (each once, F5). Returns those
         jobs and the step's report: its notices taken, whatever the steps before left in
         them included (F4).
 

@@ -38,8 +38,10 @@ class Refusals:
     def take(self, inner: Any) -> list[TierRefused]:
         """The wrapped executor ``inner``'s refusals (when it is a tier that refuses), then
         this tier's, as one ``TierRefused`` each; forgotten here."""
-        with self._lock:
-            mine, self._kept = self._kept, []
+        mine: list[tuple[int, str, int]] = []
+        if self._kept:  # (the engine asks every step: the lock only when there is something)
+            with self._lock:
+                mine, self._kept = self._kept, []
         take_inner = getattr(inner, "take_refused", None)
         out: list[TierRefused] = take_inner() if take_inner is not None else []
         if mine:

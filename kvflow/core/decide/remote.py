@@ -182,7 +182,7 @@ def decide_tier_refused(state: State, cmd: TierRefused, emit: Emit) -> int:
     if not all(type(j) is int and j >= 0 for j in cmd.job_ids):
         raise Rejected("a refusal's job ids must be ints >= 0 (0: refused by a probe)")
     disk = state.disk
-    if cmd.tier == "remote" and not state.config.remote or cmd.tier == "disk" and disk is None:
+    if (cmd.tier == "remote" and not state.config.remote) or (cmd.tier == "disk" and disk is None):
         raise Rejected(f"a refusal by the {cmd.tier} tier, which this configuration has not")
     if not n:
         return 0

@@ -25,7 +25,8 @@ from kvflow.cli.common import (
 @click.argument("trace")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per incident.")
 def incidents(trace: str, as_json: bool) -> None:
-    """Every failed, timed-out or cancelled job in TRACE and what recovery did."""
+    """Every failed, timed-out or cancelled job in TRACE and what recovery did, and every entry
+    a shared tier refused."""
     from kvflow.inspect.incidents import find_incidents
 
     with user_errors():
@@ -44,22 +45,53 @@ TABLE_MIN_WIDTH = 130
 
 
 def _print_incidents(report: Any) -> None:
-    found = report.incidents
+    found = report.found()
     if not found:
         click.echo(
             f"{report.path}: no failed or timed-out jobs ({report.jobs} jobs, last seq {report.last_seq})"
         )
         return
     counts: dict[str, int] = {}
-    for incident in found:
+    for incident in report.incidents:
         counts[incident.outcome] = counts.get(incident.outcome, 0) + 1
     tally = ", ".join(f"{n} {outcome.replace('_', ' ')}" for outcome, n in sorted(counts.items()))
+    if report.refused:
+        n = len(report.refused)
+        tally = ", ".join(part for part in (tally, f"{n} refused entr{'y' if n == 1 else 'ies'}") if part)
     title = f"{report.path}: {len(found)} incidents of {report.jobs} jobs ({tally})"
+    from kvflow.inspect.incidents import RefusedEntry
+
+    rows = [_refused_cells(i) if isinstance(i, RefusedEntry) else _incident_cells(i) for i in found]
     width = output_width()
     if width < TABLE_MIN_WIDTH:
-        _print_incident_blocks(title, [_incident_cells(i) for i in found], width)
+        _print_incident_blocks(title, rows, width)
     else:
-        _print_incident_table(title, [_incident_cells(i) for i in found])
+        _print_incident_table(title, rows)
+
+
+def _refused_cells(entry: Any) -> dict[str, str]:
+    """One refused entry's texts, in the columns of a job incident."""
+    from kvflow.inspect.render import exact_ms
+
+    if entry.job_id is None:
+        recovery = "refused by a probe: never loaded, never offered"
+    else:
+        failed = "" if entry.job_seq is None else f" (seq {entry.job_seq})"
+        recovery = f"never served: its load job {entry.job_id} failed{failed}"
+    recovery += f"; dropped from the {entry.tier} index" if entry.dropped else ""
+    return {
+        "heading": f"{entry.tier} entry refused: block {entry.block}",
+        "seq": str(entry.seq),
+        "step": str(entry.step),
+        "ms": "-" if entry.time_ms is None else exact_ms(entry.time_ms),
+        "job": "-" if entry.job_id is None else str(entry.job_id),
+        "what": f"{entry.tier} entry refused",
+        "request": "-",
+        "blocks": f"1: {entry.block}",
+        "error": entry.reason,
+        "recovery": recovery,
+        "late results": "-",
+    }
 
 
 def _incident_cells(incident: Any) -> dict[str, str]:
@@ -73,13 +105,15 @@ def _incident_cells(incident: Any) -> dict[str, str]:
         f"seq {r.seq}: rank {r.rank} {'ok' if r.ok else 'error'}" for r in incident.late_results
     )
     ms = "-" if incident.time_ms is None else exact_ms(incident.time_ms)
+    request = ", ".join(incident.requests) or "-"
     return {
+        "heading": f"job {incident.job_id}: {what}, {'no request' if request == '-' else f'request {request}'}",
         "seq": str(incident.seq),
         "step": str(incident.step),
         "ms": ms,
         "job": str(incident.job_id),
         "what": what,
-        "request": ", ".join(incident.requests) or "-",
+        "request": request,
         "blocks": f"{len(incident.hashes)}: {few(incident.hashes, 2)[1:-1]}".replace(", +", " +"),
         "error": incident.error,
         "recovery": recovery_summary(incident),
@@ -129,9 +163,7 @@ def _print_incident_blocks(title: str, rows: list[dict[str, str]], width: int) -
         click.echo(text)
     for row in rows:
         click.echo("")
-        request = "no request" if row["request"] == "-" else f"request {row['request']}"
-        heading = f"job {row['job']}: {row['what']}, {request}"
-        for text in wrap(heading, width):
+        for text in wrap(row["heading"], width):
             click.echo(text)
         when = f"seq {row['seq']}, step {row['step']}, {row['ms']} ms"
         for label, value in (("when", when), *((label, row[label]) for label in labels)):

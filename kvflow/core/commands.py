@@ -13,7 +13,7 @@ from typing import Union, get_args
 
 import msgspec
 
-from kvflow.core.jobs import Blocks, Hashes
+from kvflow.core.jobs import Blocks, Hashes, SharedTier
 
 
 # gc=False: commands hold only scalars and tuples of them (see events.py)
@@ -136,6 +136,19 @@ class DiskRestored(_Command, frozen=True, tag="disk_restored"):
     disk_slots: Blocks
 
 
+class TierRefused(_Command, frozen=True, tag="tier_refused"):
+    """A shared tier refused the values it found under these keys, each value once:
+    ``reasons[i]`` says why ``block_hashes[i]``'s was refused (another tenant's, forged, under
+    a retired key ...: ``kvflow.tiers.entry.REJECTED``). ``job_ids[i]``: the load that read
+    it and failed with it, or 0 when a probe refused it by its head alone (nothing was
+    loaded). Whatever the tier's index still holds of them leaves it."""
+
+    tier: SharedTier
+    block_hashes: Hashes
+    reasons: tuple[str, ...]
+    job_ids: Blocks
+
+
 Command = Union[
     Lookup,
     AcceptHits,
@@ -153,6 +166,7 @@ Command = Union[
     EndFences,
     RemoteFound,
     DiskRestored,
+    TierRefused,
 ]
 
 COMMAND_TYPES: tuple[type, ...] = get_args(Command)

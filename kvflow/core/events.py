@@ -19,7 +19,7 @@ from typing import Literal, Union, get_args
 
 import msgspec
 
-from kvflow.core.jobs import Blocks, Direction, Hashes
+from kvflow.core.jobs import Blocks, Direction, Hashes, SharedTier
 
 EVENT_VERSION = 1
 
@@ -121,6 +121,21 @@ class DiskIndexed(_Event, frozen=True, tag="disk_indexed"):
 
     hashes: Hashes
     disk_slots: Blocks
+
+
+class EntriesRefused(_Event, frozen=True, tag="entries_refused"):
+    """A shared tier (``tier``) refused the values under these hashes, each value once and
+    for ``reasons[i]`` (``kvflow.tiers.entry.REJECTED``): never served. ``job_ids[i]``: the
+    load that read the value and failed (0: a probe refused it by its head, nothing was
+    loaded). Those of the hashes its index holds leave it (``dropped``): the remote index
+    forgets them; the disk index drops those whose disk slot no job is using (a load still
+    reading one drops it when it fails). The rest are recorded only."""
+
+    tier: SharedTier
+    hashes: Hashes
+    reasons: tuple[str, ...]
+    job_ids: Blocks
+    dropped: Hashes = ()
 
 
 class JobsSubmitted(_Event, frozen=True, tag="jobs_submitted"):
@@ -356,6 +371,7 @@ Event = Union[
     DiskStoreQueued,
     DiskEvicted,
     DiskIndexed,
+    EntriesRefused,
 ]
 
 EVENT_TYPES: tuple[type, ...] = get_args(Event)

@@ -31,6 +31,10 @@ COPYING_DOWN: tuple[str, ...] = (REMOTE_STORE, DISK_STORE)
 Hashes = tuple[int, ...]
 Blocks = tuple[int, ...]
 
+# the tiers shared with other deployments, whose entries a reader proves before it uses them
+SharedTier = Literal["remote", "disk"]
+SHARED_TIERS: tuple[SharedTier, ...] = ("remote", "disk")
+
 
 # --- ranks ----------------------------------------------------------------------------------
 # A job's copy runs on every rank of the world (tensor parallelism); which ranks have reported

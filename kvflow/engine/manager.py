@@ -43,6 +43,7 @@ from kvflow.core.commands import (
     RemoteFound,
     ResetAll,
     Tick,
+    TierRefused,
     Touch,
 )
 from kvflow.core.config import Config
@@ -241,12 +242,14 @@ class OffloadManager:
         results: Sequence[JobResult] = (),
         *,
         found: Sequence[int] = (),
+        refusals: Sequence[TierRefused] = (),
         plan: bool = True,
     ) -> tuple[list[TransferJob], StepReport]:
         """The scheduler half of one engine step at ``now_ms``: the executor's ``results`` are
         applied (a bad one is refused alone, logged and counted in the report, never raised:
-        F2), what the remote tier's probes ``found`` is recorded, jobs past their deadline
-        time out (F2), and the queued jobs are handed over (each once, F5). Returns those
+        F2), what the remote tier's probes ``found`` and what the shared tiers refused
+        (``refusals``, see ``tier_refused``) are recorded, jobs past their deadline time out
+        (F2), and the queued jobs are handed over (each once, F5). Returns those
         jobs and the step's report: its notices taken, whatever the steps before left in
         them included (F4).
 
@@ -259,6 +262,8 @@ class OffloadManager:
         refused = self.apply_results(results) if results else 0
         if found:
             self.remote_found(found)
+        for refusal in refusals:
+            self._record_refusal(refusal)
         timed_out = self._time_out(now_ms)
         jobs = self._hand_over(now_ms) if plan else []
         if self.names.table:
@@ -298,6 +303,16 @@ class OffloadManager:
                     "kvflow.result_rejected", job=outcome.job_id, rank=outcome.rank, error=str(exc)
                 )
         return refused
+
+    def _record_refusal(self, refusal: TierRefused) -> None:
+        """``tier_refused``, never raising for a malformed refusal (F2: logged as
+        ``kvflow.refusal_rejected``; the tier counted and logged the refusal itself)."""
+        try:
+            self.tier_refused(refusal)
+        except (EngineClosed, ConcurrentCall):
+            raise
+        except (Rejected, TypeError, AttributeError) as exc:
+            self.logger.warning("kvflow.refusal_rejected", error=str(exc))
 
     # -- the engine API ------------------------------------------------------------------
 
@@ -489,6 +504,19 @@ class OffloadManager:
         them load them from there. Returns how many were new to the remote index."""
         answer = self.execute(RemoteFound(block_hashes=bd.hashes(block_hashes)))
         return int(answer)
+
+    def tier_refused(self, refusal: TierRefused) -> int:
+        """A shared tier refused values it found (each value once, handed over by its
+        executor's ``take_refused``): the refusal is recorded (``EntriesRefused``, which
+        ``kvflow incidents`` lists) and the blocks leave the tier's index where it holds them.
+        Returns how many left an index."""
+        command = TierRefused(
+            tier=refusal.tier,
+            block_hashes=bd.hashes(refusal.block_hashes),
+            reasons=tuple(refusal.reasons),
+            job_ids=bd.ints(refusal.job_ids, "job ids"),
+        )
+        return int(self.execute(command))
 
     def disk_restored(self, entries: Sequence[tuple[int, BlockName]]) -> int:
         """A warm restart: the disk tier's journal vouches for these ``(disk slot, block name)``

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from kvflow.core.commands import JobResult
+from kvflow.core.commands import JobResult, TierRefused
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import TransferJob
@@ -93,6 +93,17 @@ class ServesDiskTier(Protocol):
     def disk_entries(self) -> list[tuple[int, BlockName]]: ...
 
     def disk_problem(self) -> str | None: ...
+
+
+@runtime_checkable
+class RefusesEntries(Protocol):
+    """An executor beside a shared tier (remote, disk) that proves the entries it reads:
+    ``take_refused`` hands over the values it refused since the last call, each value once
+    (one ``TierRefused`` per tier; a tier stacked on another hands over both tiers'). The
+    engine records them when its executor has the ability: the trace then shows every
+    refusal, a probe's included (nothing was loaded, so no job failed)."""
+
+    def take_refused(self) -> list[TierRefused]: ...
 
 
 def check_executor(config: Config, executor: object) -> None:

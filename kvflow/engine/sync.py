@@ -20,6 +20,7 @@ from kvflow.engine.protocols import (
     KeepsTime,
     KnowsBlockBytes,
     ProbesRemoteTier,
+    RefusesEntries,
     ServesDiskTier,
     check_executor,
 )
@@ -72,6 +73,8 @@ class SyncEngine:
         self._executor = executor
         # the remote tier's prober (None without a remote tier)
         self._prober = executor if config.remote and isinstance(executor, ProbesRemoteTier) else None
+        # the shared tiers' refusals, recorded at every step (None: no tier that refuses)
+        self._refuser = executor if isinstance(executor, RefusesEntries) else None
         if clock is None:  # (a simulated executor's copies run on its own clock: so do deadlines)
             clock = executor.clock if isinstance(executor, KeepsTime) else monotonic_ms
         self.clock = clock
@@ -235,7 +238,8 @@ class SyncEngine:
         if results is None:
             results = self.poll_executor()
         found = self._prober.take_found() if self._prober is not None else ()
-        jobs, report = self.manager.step(now, results, found=found)
+        refusals = self._refuser.take_refused() if self._refuser is not None else ()
+        jobs, report = self.manager.step(now, results, found=found, refusals=refusals)
         if jobs:
             try:
                 self._executor.submit(jobs, compute_done)

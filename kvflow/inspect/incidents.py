@@ -1,5 +1,7 @@
 """The incident finder behind ``kvflow incidents``: every failed, timed-out or cancelled
-job of a trace, and what recovery did about it (derived from the folded state).
+job of a trace, and what recovery did about it (derived from the folded state); and every
+entry a shared tier refused (``EntriesRefused``: forged, another tenant's, under a retired
+key ...), with the failed load it belongs to when a load refused it.
 
 If the trace stops folding, recovery is derived from the events alone and marked not
 verified.
@@ -13,7 +15,14 @@ from typing import Any
 
 from kvflow.core.commands import COMMAND_TYPES
 from kvflow.core.decide.jobs import CANCELLED_BY_RESET
-from kvflow.core.events import BlocksEvicted, FenceLifted, JobFailed, JobTimedOut, LateResultIgnored
+from kvflow.core.events import (
+    BlocksEvicted,
+    EntriesRefused,
+    FenceLifted,
+    JobFailed,
+    JobTimedOut,
+    LateResultIgnored,
+)
 from kvflow.core.jobs import DISK_LOAD, FILLING, LOAD, REMOTE_LOAD
 from kvflow.core.state.model import State
 from kvflow.inspect.render import exact_ms
@@ -78,6 +87,7 @@ class Incident:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "kind": "job",
             "seq": self.seq,
             "line": self.line,
             "step": self.step,
@@ -109,15 +119,55 @@ class Incident:
 
 
 @dataclass
+class RefusedEntry:
+    """One value a shared tier refused (one block of an ``EntriesRefused`` event): never
+    served. ``job_id``: the load that read it and failed (None: a probe refused it by its head,
+    nothing was loaded); ``job_seq`` / ``job_line``: that load's failure in the trace."""
+
+    seq: int
+    line: int
+    step: int
+    time_ms: float | None
+    tier: str
+    reason: str
+    block: int
+    job_id: int | None
+    dropped: bool  # this event took it out of the tier's index (else it was not there)
+    job_seq: int | None = None
+    job_line: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "refused_entry",
+            "seq": self.seq,
+            "line": self.line,
+            "step": self.step,
+            "time_ms": self.time_ms,
+            "tier": self.tier,
+            "reason": self.reason,
+            "block": self.block,
+            "job_id": self.job_id,
+            "job_seq": self.job_seq,
+            "job_line": self.job_line,
+            "dropped_from_index": self.dropped,
+        }
+
+
+@dataclass
 class IncidentReport:
     path: str
     incidents: list[Incident]
     jobs: int
     last_seq: int
     warnings: list[str]
+    refused: list[RefusedEntry] = field(default_factory=list)
+
+    def found(self) -> list[Incident | RefusedEntry]:
+        """The job incidents and the refused entries together, in seq order."""
+        return sorted([*self.incidents, *self.refused], key=lambda found: found.seq)
 
     def to_list(self) -> list[dict[str, Any]]:
-        return [incident.to_dict() for incident in self.incidents]
+        return [found.to_dict() for found in self.found()]
 
 
 def _recovery_from_state(
@@ -190,12 +240,14 @@ def _recovery_from_event(event: JobFailed | JobTimedOut, info: JobInfo | None) -
 
 
 def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
-    """Every failed, timed-out or cancelled job of the trace, in seq order.
+    """Every failed, timed-out or cancelled job of the trace, in seq order, and every entry a
+    shared tier refused.
 
     Raises :class:`~kvflow.core.errors.TraceError` for an unreadable trace.
     """
     walk = _Walk(path)
     incidents: list[Incident] = []
+    refused: list[RefusedEntry] = []
     by_job: dict[int, Incident] = {}
     state = walk.state
     for line, rec in walk.records():
@@ -276,6 +328,16 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
                 }
             continue
         walk.apply(line, rec)
+        if kind is EntriesRefused:
+            dropped = set(rec.dropped)
+            refused.extend(
+                RefusedEntry(
+                    seq=rec.seq, line=line, step=walk.step, time_ms=walk.time_ms, tier=rec.tier, reason=reason,
+                    block=h, job_id=job_id or None, dropped=h in dropped,
+                )
+                for h, reason, job_id in zip(rec.hashes, rec.reasons, rec.job_ids)
+            )  # fmt: skip
+            continue
         if kind is BlocksEvicted and rec.reason == "corrupt" and incidents and incidents[-1].seq == rec.seq - 1:
             # F17: the failed load found these host copies bad; they left the tier with it
             recovery = incidents[-1].recovery
@@ -287,10 +349,14 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
             ended = by_job.get(rec.job_id)
             if ended is not None:
                 ended.late_results.append(LateResult(rec.seq, line, rec.rank, rec.ok, rec.error))
+    for entry in refused:  # (a load's failure may be recorded before or after its refusals)
+        failed = by_job.get(entry.job_id) if entry.job_id is not None else None
+        if failed is not None:
+            entry.job_seq, entry.job_line = failed.seq, failed.line
     held = [i.job_id for i in incidents if i.fenced and i.fence_lifted is None]
     if held:
         walk.warnings.append(
             f"{len(held)} fenced job{'s' if len(held) > 1 else ''} never reported the copy over "
             f"by the end of the trace (their slots and device blocks still fenced): jobs {held[:8]}"
         )
-    return IncidentReport(walk.path, incidents, len(walk.jobs), walk.last_seq, walk.warnings)
+    return IncidentReport(walk.path, incidents, len(walk.jobs), walk.last_seq, walk.warnings, refused)

@@ -22,6 +22,7 @@ from kvflow.core.commands import (
     RemoteFound,
     ResetAll,
     Tick,
+    TierRefused,
     Touch,
 )
 from kvflow.core.events import (
@@ -32,6 +33,7 @@ from kvflow.core.events import (
     DiskIndexed,
     DiskLoadQueued,
     DiskStoreQueued,
+    EntriesRefused,
     FenceLifted,
     JobCompleted,
     JobFailed,
@@ -84,6 +86,16 @@ def _blocks(n: int) -> str:
     return f"{n} block" if n == 1 else f"{n} blocks"
 
 
+def _refusals(hashes: Any, reasons: Any, job_ids: Any, limit: int = 4) -> str:
+    """``block (reason, by job N or a probe)`` for the first ``limit`` refusals."""
+    shown = [
+        f"{h} ({reason}, {f'load job {j}' if j else 'probe'})" for h, reason, j in list(zip(hashes, reasons, job_ids))[:limit]
+    ]
+    if len(hashes) > limit:
+        shown.append(f"+{len(hashes) - limit} more")
+    return "[" + ", ".join(shown) + "]"
+
+
 def describe(record: Any) -> str:
     """One human-readable line for a command, event or checkpoint."""
     r = record
@@ -127,6 +139,14 @@ def describe(record: Any) -> str:
         return f"disk tier holds {_blocks(len(r.hashes))} {few(r.hashes)} in disk slots {few(r.disk_slots)} (restored)"
     if kind is DiskRestored:
         return f"warm restart: the disk tier's journal vouches for {_blocks(len(r.block_hashes))} {few(r.block_hashes)}"
+    if kind is EntriesRefused:
+        dropped = f"; dropped from its index: {few(r.dropped)}" if r.dropped else ""
+        return f"{r.tier} tier REFUSED {_blocks(len(r.hashes))} {_refusals(r.hashes, r.reasons, r.job_ids)}{dropped}"
+    if kind is TierRefused:
+        return (
+            f"the {r.tier} tier refused {_blocks(len(r.block_hashes))} "
+            f"{_refusals(r.block_hashes, r.reasons, r.job_ids)}"
+        )
     if kind is RemoteIndexed:
         return f"remote tier holds {_blocks(len(r.hashes))} {few(r.hashes)} (a probe found them)"
     if kind is RemoteFound:

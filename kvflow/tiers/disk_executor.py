@@ -18,7 +18,8 @@ pages of the shared host pool at once, so it answers for every rank.
 
 A load refused by the entry's seal (forged, another tenant's, another key's ...) fails its
 job, so the engine drops the block from its disk index; it is counted by reason
-(``disk_rejected()``, the ``REJECTED`` reasons of ``kvflow.tiers.entry``).
+(``disk_rejected()``, the ``REJECTED`` reasons of ``kvflow.tiers.entry``) and handed to the
+engine (``take_refused()``, which it records in its trace).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 import structlog
 
-from kvflow.core.commands import JobResult
+from kvflow.core.commands import JobResult, TierRefused
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import DISK_LOAD, DISK_STORE, TransferJob
@@ -40,6 +41,7 @@ from kvflow.tiers.disk_file import DiskEntryFile
 from kvflow.tiers.entry import REJECTED, Layout, check_shard, codec_for
 from kvflow.tiers.host_slots import OwnsPool, SlotPages
 from kvflow.tiers.keys import TierKeys
+from kvflow.tiers.refusals import Refusals
 
 _log = structlog.get_logger("kvflow")
 
@@ -66,6 +68,7 @@ class DiskTierExecutor:
             ("disk_stored_blocks", "disk_loaded_blocks", "disk_store_failed_jobs", "disk_load_failed_jobs"), 0
         )
         self._rejected = dict.fromkeys(REJECTED, 0)  # entries refused, by reason (the load thread's)
+        self._refusals = Refusals("disk")  # what the engine has not taken yet
         self._closed = False
         self._threads = [
             threading.Thread(target=self._run, args=(self._work[d],), name=f"kvflow-{d.replace('_', '-')}", daemon=True)
@@ -96,6 +99,11 @@ class DiskTierExecutor:
         """Entries refused by loads since the tier was opened, by reason (``REJECTED``: a
         slot found empty is no entry)."""
         return dict(self._rejected)
+
+    def take_refused(self) -> list[TierRefused]:
+        """The entries loads refused since the last call (``kvflow.engine.protocols.
+        RefusesEntries``), and those of the tier this one wraps, if it refuses any."""
+        return self._refusals.take(self.inner)
 
     # -- the engine's side (never blocks on the disk) ------------------------------------
 
@@ -155,13 +163,16 @@ class DiskTierExecutor:
             bad = [(h, e) for h, e in zip(job.hashes, errors) if e is not None]
             if job.direction == DISK_LOAD:
                 # (a refused entry leaves the disk's index with its failed load: once per entry)
-                for (h, reason), name in zip(bad, (n for n, e in zip(names, errors) if e is not None)):
-                    if reason in self._rejected:
-                        self._rejected[reason] += 1
-                        _log.warning(
-                            "kvflow.disk_entry_rejected", reason=reason, block=h, full_hash=name.full.hex(),
-                            tenant=name.tenant.hex(), slot=job.disk_slots[job.hashes.index(h)],
-                        )  # fmt: skip
+                refused = [(h, reason, job.job_id) for h, reason in bad if reason in self._rejected]
+                for h, reason, _ in refused:
+                    self._rejected[reason] += 1
+                    name = names[job.hashes.index(h)]
+                    _log.warning(
+                        "kvflow.disk_entry_rejected", reason=reason, block=h, full_hash=name.full.hex(),
+                        tenant=name.tenant.hex(), slot=job.disk_slots[job.hashes.index(h)],
+                    )  # fmt: skip
+                if refused:
+                    self._refusals.add(refused)
             if bad:
                 h, reason = bad[0]
                 return False, f"{verb} failed on {len(bad)} of {len(errors)} blocks (block {h}: {reason})"

@@ -27,7 +27,8 @@ A value that was loaded and refused (a forged, damaged or foreign payload under 
 fits) fails its load: the engine drops the block from its remote index. A value a probe can
 refuse by its head alone (another tenant's, an unknown key's, an unkeyed one) is not offered.
 Either refusal is counted by reason (``remote_rejected()``, the ``REJECTED`` reasons of
-``kvflow.tiers.entry``) and logged (``kvflow.remote_entry_rejected``) once per value, and the
+``kvflow.tiers.entry``), logged (``kvflow.remote_entry_rejected``) and handed to the engine
+(``take_refused()``, which it records in its trace) once per value, and the
 value is remembered with its identity (length and head, whose nonce is new for every write):
 probes do not offer it again until its key is rewritten, so a bad entry costs one failed load at
 most, not one every other request. It is remembered
@@ -46,11 +47,12 @@ from typing import Any
 import msgspec
 import structlog
 
-from kvflow.core.commands import JobResult
+from kvflow.core.commands import JobResult, TierRefused
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
 from kvflow.core.names import BlockName
 from kvflow.tiers.entry import REJECTED, Miss
 from kvflow.tiers.host_slots import SlotPages
+from kvflow.tiers.refusals import Refusals
 
 REMOTE_DIRECTIONS = (REMOTE_STORE, REMOTE_LOAD)
 _STOP = object()
@@ -119,6 +121,7 @@ class RemoteTierExecutor:
             "remote_stored_blocks": 0, "remote_loaded_blocks": 0, "remote_failed_jobs": 0, "probed_blocks": 0,
         }  # fmt: skip
         self._rejected = dict.fromkeys(REJECTED, 0)  # values refused, by reason (under the lock)
+        self._refusals = Refusals("remote")  # what the engine has not taken yet
         self._threads = [
             threading.Thread(target=self._run, name=f"kvflow-remote-{i}", daemon=True) for i in range(connections)
         ]
@@ -167,6 +170,11 @@ class RemoteTierExecutor:
         (``REJECTED``)."""
         with self._lock:
             return dict(self._rejected)
+
+    def take_refused(self) -> list[TierRefused]:
+        """The values refused since the last call, each once (``kvflow.engine.protocols.
+        RefusesEntries``), and those of the tier this one wraps, if it refuses any."""
+        return self._refusals.take(self.inner)
 
     def wait_results(self, timeout_s: float) -> bool:
         """Block (up to ``timeout_s``) until ``poll`` has remote results to hand over: an
@@ -273,9 +281,10 @@ class RemoteTierExecutor:
             for name in names:
                 self._probing.pop(name.key, None)
 
-    def _refuse(self, name: BlockName, miss: Miss) -> None:
-        """A value under ``name``'s key refused (by a probe or a load): counted by reason, logged
-        and remembered once per value (a rewrite of the key is another value)."""
+    def _refuse(self, name: BlockName, miss: Miss, job_id: int = 0) -> None:
+        """A value under ``name``'s key refused (by a probe, or the load ``job_id``): counted by
+        reason, logged, kept for ``take_refused`` and remembered once per value (a rewrite of
+        the key is another value)."""
         with self._lock:  # (several workers may refuse values at once)
             if not miss.seen or self._refused.get(name.key) == miss.seen:
                 return
@@ -284,6 +293,7 @@ class RemoteTierExecutor:
             self._refused[name.key] = miss.seen
             if miss.reason in self._rejected:
                 self._rejected[miss.reason] += 1
+            self._refusals.add([(name.key, miss.reason, job_id)])
         self._log.warning(
             "kvflow.remote_entry_rejected", reason=miss.reason, block=name.key,
             full_hash=name.full.hex(), tenant=name.tenant.hex(),
@@ -308,7 +318,7 @@ class RemoteTierExecutor:
             misses = [(n, g) for n, g in zip(names, got) if g is not None]
             if misses:
                 for name, miss in misses:
-                    self._refuse(name, miss)
+                    self._refuse(name, miss, job.job_id)
                 name, miss = misses[0]
                 return False, f"remote miss on {len(misses)} of {len(got)} blocks (block {name.key}: {miss.reason})"
             self._count("remote_loaded_blocks", len(got))

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvflow.core.commands import JobResult
+from kvflow.core.commands import JobResult, TierRefused
 from kvflow.core.config import Config
 from kvflow.core.errors import BlockHeld, Rejected
 from kvflow.core.events import (
@@ -614,6 +614,17 @@ class OffloadMachineRemote(OffloadMachine):
         assert self.m.remote_found(hashes) == len(set(hashes) - known)
         assert set(hashes) <= set(self.m.state.remote) or len(self.m.state.remote) == self.REMOTE_BLOCKS
 
+    @rule(hashes=st.lists(HASH_POOL, min_size=1, max_size=3), by_probe=st.booleans())
+    def remote_tier_refused(self, hashes: list[int], by_probe: bool) -> None:
+        """The remote tier refused the values under these blocks: they leave the remote index."""
+        indexed = set(self.m.state.remote)
+        job = 0 if by_probe else self.m.state.last_job_id
+        refusal = TierRefused(
+            tier="remote", block_hashes=tuple(hashes), reasons=("forged",) * len(hashes), job_ids=(job,) * len(hashes)
+        )
+        assert self.m.tier_refused(refusal) == len(set(hashes) & indexed)
+        assert not set(hashes) & set(self.m.state.remote)
+
     @invariant()
     def remote_loads_fill_absent_entries_and_remote_stores_read_resident_ones(self) -> None:
         state = self.m.state
@@ -649,6 +660,19 @@ class OffloadMachineDisk(OffloadMachine):
                 accepted[h] = s
         assert self.m.disk_restored([(s, name_of(h)) for s, h in zip(slots, hashes)]) == len(accepted)
         assert all(disk.slot_of[h] == s for h, s in accepted.items())
+
+    @rule(hashes=st.lists(HASH_POOL, min_size=1, max_size=3))
+    def disk_tier_refused(self, hashes: list[int]) -> None:
+        """The disk tier refused these blocks' entries: those no copy is reading leave the disk
+        index (their slots free again); one a load is reading stays until that load ends."""
+        disk = self.m.state.disk
+        assert disk is not None
+        reading = {h for h in hashes if h in disk.slot_of and disk.slot_of[h] in disk.busy}
+        refusal = TierRefused(
+            tier="disk", block_hashes=tuple(hashes), reasons=("unknown key",) * len(hashes), job_ids=(0,) * len(hashes)
+        )
+        self.m.tier_refused(refusal)
+        assert not (set(hashes) - reading) & disk.slot_of.keys() and reading <= disk.slot_of.keys()
 
     @invariant()
     def disk_jobs_use_their_disk_slots_alone(self) -> None:

@@ -28,6 +28,7 @@ from kvflow.core.events import (
     DiskIndexed,
     DiskLoadQueued,
     DiskStoreQueued,
+    EntriesRefused,
     Event,
     FenceLifted,
     JobCompleted,
@@ -91,6 +92,7 @@ NON_BLOCK_TAGS = {
     "remote_indexed",  # the remote tier's index, not a CPU-tier entry
     "disk_indexed",  # the disk tier's index
     "disk_evicted",
+    "entries_refused",  # a shared tier's refusal: its index, not a CPU-tier entry
     "chain_extended",  # a request's chain: which hashes it names, not what the tier holds
 }
 BLOCK_TAGS = sorted(set(ALL_TAGS) - NON_BLOCK_TAGS)
@@ -110,6 +112,7 @@ NON_JOB_TAGS = {
     "chain_extended",
     "disk_indexed",
     "disk_evicted",
+    "entries_refused",
 }
 # An outcome event with ``fenced`` set is its own row key in the job table (F15).
 FENCED_TAGS = {"job_failed:fenced", "job_timed_out:fenced"}
@@ -344,6 +347,12 @@ def neutral_event(tag: str, m: OffloadManager, target_job: int | None = None) ->
     if tag == "disk_evicted":
         disk_slot = on_disk(m, ON_DISK)
         return DiskEvicted(seq=seq(m), hashes=(ON_DISK,), disk_slots=(disk_slot,))
+    if tag == "entries_refused":
+        on_disk(m, ON_DISK)  # a refused disk entry whose slot no job uses leaves the index
+        return EntriesRefused(
+            seq=seq(m), tier="disk", hashes=(ON_DISK, H), reasons=("forged", "another tenant"), job_ids=(0, 0),
+            dropped=(ON_DISK,),
+        )
     if tag == "fence_lifted":
         job_id = fenced_other_job(m)
         job = m.state.jobs[job_id]

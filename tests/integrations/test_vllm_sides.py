@@ -359,3 +359,72 @@ def test_a_disk_tier_with_hashes_seeded_per_process_is_refused_saying_what_to_se
     check_shared_hashes(disk, "xxhash", {"PYTHONHASHSEED": "0"})  # a fixed seed: every process agrees
     check_shared_hashes(disk, "sha256", {})  # vLLM seeds SHA-256 hashes alike in every process
     check_shared_hashes(ConnectorConfig(cpu_blocks=8), "xxhash", {})  # no tier outlives the process
+
+
+# --- the disk tier's refusals ---------------------------------------------------------------
+
+
+def run_until_reported(worker: WorkerSide, plan: StepPlan, timeout_s: float = 30.0) -> list[JobResult]:
+    """The worker runs the step's jobs (a disk tier's in its threads); its results once every
+    job reported."""
+    import time
+
+    worker.bind(plan)
+    worker.start_loads()
+    worker.start_stores()
+    results: list[JobResult] = []
+    deadline = time.monotonic() + timeout_s
+    while len(results) < len(plan.jobs):
+        assert time.monotonic() < deadline, "jobs never reported"
+        worker.poll()
+        results += worker.take_results()
+        time.sleep(0.002)
+    return results
+
+
+def test_a_workers_disk_tier_refusals_reach_the_scheduler_sides_trace(tmp_path: Path) -> None:
+    """A worker's disk tier refuses entries written under a key since retired: its disk load
+    fails, and the refusals cross to the scheduler side with the results (the worker's
+    metadata), which records them in its trace naming that load."""
+    from tier_keys import KEY, NEW_KEY, keys_file
+
+    from kvflow.core.events import EntriesRefused
+
+    def era(keys: bytes, trace: Path) -> tuple[WorkerSide, SchedulerSide]:
+        config = ConnectorConfig.from_extra(
+            {"cpu_blocks": 8, "disk_path": str(tmp_path / "disk"), "disk_gb": 16 * 512 / (1 << 30),
+             "disk_store_mode": "write_through", "disk_key_file": str(keys_file(tmp_path, keys, name=f"{keys.hex()}.keys")),
+             "trace_path": str(trace)}
+        )  # fmt: skip
+        worker = WorkerSide(config, rank=0, model="m", block_tokens=B)
+        side = SchedulerSide(config, B, worker.register(kv_shard(1)))
+        side.disk_entries({0: worker.take_disk_entries() or []})
+        return worker, side
+
+    worker, side = era(KEY, tmp_path / "first.jsonl")
+    side.matched_tokens("w", hashes(1, 2), 2 * B + 1, 0)
+    side.allocated("w", [1, 2, 3], 0)
+    side.results(run_until_reported(worker, side.step([("w", 2 * B + 1, None, False)], [])))  # the CPU tier
+    side.results(run_until_reported(worker, side.step([], [])))  # the write-through to disk
+    assert side.manager.state.disk is not None and len(side.manager.state.disk.slot_of) == 2
+    side.close()
+    worker.close()
+
+    worker, side = era(NEW_KEY, tmp_path / "retired.jsonl")
+    assert side.disk_restored == 2  # the journal vouches for them; their seals are checked on load
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0) is None  # their disk load runs
+    plan = side.step([], [])
+    (load,) = plan.jobs
+    results = run_until_reported(worker, plan)
+    assert [r.ok for r in results] == [False]
+    refused = worker.take_refused()
+    side.results(results, refusals=refused)
+    assert worker.take_refused() == []  # each refusal handed over once
+    assert side.manager.state.disk.slot_of == {}
+    side.close()
+    worker.close()
+    _, records = read_trace(tmp_path / "retired.jsonl")
+    (event,) = [r for _, r in records if isinstance(r, EntriesRefused)]
+    assert (event.tier, set(event.hashes), event.reasons, event.job_ids) == (
+        "disk", set(load.hashes), ("unknown key",) * 2, (load.job_id,) * 2
+    )

@@ -36,6 +36,7 @@ from kvflow.core.commands import (
     RemoteFound,
     ResetAll,
     Tick,
+    TierRefused,
     Touch,
 )
 from kvflow.core.decide.checks import Emit
@@ -50,7 +51,7 @@ from kvflow.core.decide.jobs import (
     decide_tick,
 )
 from kvflow.core.decide.lookup import decide_accept_hits, decide_lookup
-from kvflow.core.decide.remote import decide_remote_found
+from kvflow.core.decide.remote import decide_remote_found, decide_tier_refused
 from kvflow.core.decide.store import (
     Decider,
     decide_blocks_computed,
@@ -79,6 +80,7 @@ DECIDERS: dict[type, Decider] = {
     EndFences: decide_end_fences,
     RemoteFound: decide_remote_found,
     DiskRestored: decide_disk_restored,
+    TierRefused: decide_tier_refused,
 }
 
 

@@ -10,18 +10,23 @@ events of every other job, so replay, ``incidents`` and ``inspect`` need nothing
 The remote index (``state.remote``) is what this instance knows to be there: its own remote
 stores once they complete, and what probes found (``RemoteFound``). A remote load that fails
 drops its hashes from the index at once, so a dead key is tried once, not in a loop.
+
+A shared tier (remote or disk) that refuses a value it found (``TierRefused``: forged, another
+tenant's, under a retired key ...) has it recorded (``EntriesRefused``), and whatever its index
+still holds of it dropped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from kvflow.core.commands import RemoteFound
+from kvflow.core.commands import RemoteFound, TierRefused
 from kvflow.core.decide.checks import Emit
 from kvflow.core.decide.store import _admission, eviction
 from kvflow.core.decide.victims import checked_victims
-from kvflow.core.events import RemoteIndexed, RemoteLoadQueued, RemoteStoreQueued
-from kvflow.core.jobs import REMOTE_STORE
+from kvflow.core.errors import Rejected
+from kvflow.core.events import EntriesRefused, RemoteIndexed, RemoteLoadQueued, RemoteStoreQueued
+from kvflow.core.jobs import REMOTE_STORE, SHARED_TIERS
 from kvflow.core.state.model import State
 
 
@@ -161,3 +166,37 @@ def decide_remote_found(state: State, cmd: RemoteFound, emit: Emit) -> int:
     if new:
         emit(RemoteIndexed(seq=state.next_seq, hashes=new))
     return len(new)
+
+
+def decide_tier_refused(state: State, cmd: TierRefused, emit: Emit) -> int:
+    """Record what a shared tier refused (``EntriesRefused``); those of its hashes the tier's
+    index holds leave it, except a disk entry whose slot a job is using (that load's failure
+    drops it). Returns how many left an index."""
+    n = len(cmd.block_hashes)
+    if cmd.tier not in SHARED_TIERS:
+        raise Rejected(f"a refusal names no shared tier: {cmd.tier!r} (one of {', '.join(SHARED_TIERS)})")
+    if len(cmd.reasons) != n or len(cmd.job_ids) != n:
+        raise Rejected(f"a refusal of {n} blocks with {len(cmd.reasons)} reasons and {len(cmd.job_ids)} job ids")
+    if not all(type(r) is str for r in cmd.reasons):
+        raise Rejected("a refusal's reasons must be strings")
+    if not all(type(j) is int and j >= 0 for j in cmd.job_ids):
+        raise Rejected("a refusal's job ids must be ints >= 0 (0: refused by a probe)")
+    disk = state.disk
+    if (cmd.tier == "remote" and not state.config.remote) or (cmd.tier == "disk" and disk is None):
+        raise Rejected(f"a refusal by the {cmd.tier} tier, which this configuration has not")
+    if not n:
+        return 0
+    unique = dict.fromkeys(cmd.block_hashes)
+    if cmd.tier == "remote":
+        dropped = tuple(h for h in unique if h in state.remote)
+    else:
+        assert disk is not None
+        slot_of, busy = disk.slot_of, disk.busy
+        dropped = tuple(h for h in unique if h in slot_of and slot_of[h] not in busy)
+    emit(
+        EntriesRefused(
+            seq=state.next_seq, tier=cmd.tier, hashes=cmd.block_hashes, reasons=cmd.reasons,
+            job_ids=cmd.job_ids, dropped=dropped,
+        )
+    )  # fmt: skip
+    return len(dropped)

@@ -14,6 +14,7 @@ from kvflow.core.events import (
     DiskIndexed,
     DiskLoadQueued,
     DiskStoreQueued,
+    EntriesRefused,
     FenceLifted,
     JobCompleted,
     JobFailed,
@@ -34,6 +35,7 @@ from kvflow.core.jobs import (
     LOAD,
     REMOTE_LOAD,
     REMOTE_STORE,
+    SHARED_TIERS,
     STORE,
     Direction,
     every_rank,
@@ -316,6 +318,38 @@ def _disk_indexed(state: State, event: DiskIndexed, check: bool) -> None:
     disk_tier.index(state, event.hashes, event.disk_slots)
 
 
+def _entries_refused(state: State, event: EntriesRefused, check: bool) -> None:
+    dropped, disk = event.dropped, state.disk
+    if check:
+        n = len(event.hashes)
+        if not n or len(event.reasons) != n or len(event.job_ids) != n:
+            raise lg.illegal(state, event, "ABSENT", "hashes, reasons and job ids must match, non-empty")
+        if event.tier not in SHARED_TIERS:
+            raise lg.illegal(state, event, "ABSENT", f"no shared tier {event.tier!r}")
+        if event.tier == "disk" and disk is None:
+            raise lg.illegal(state, event, "ABSENT", "no disk tier in this configuration")
+        if len(set(dropped)) != len(dropped) or not set(event.hashes).issuperset(dropped):
+            raise lg.illegal(state, event, "ABSENT", "the dropped hashes are refused ones, each named once")
+        for h in dropped:
+            if event.tier == "remote" and h not in state.remote:
+                raise lg.illegal(state, event, "ABSENT", f"block {h} is not in the remote index")
+            if event.tier == "disk":
+                assert disk is not None
+                if h not in disk.slot_of:
+                    raise lg.illegal(state, event, "ABSENT", f"block {h} is not in the disk index")
+                if disk.slot_of[h] in disk.busy:
+                    raise lg.illegal(state, event, "ABSENT", f"block {h}'s disk slot is in use by a job")
+    if not dropped:
+        return
+    if event.tier == "remote":
+        state.tally.indexed(FORGET, dropped)
+        for h in dropped:
+            del state.remote[h]
+    else:
+        assert disk is not None
+        disk_tier.evict(state, dropped, tuple(disk.slot_of[h] for h in dropped))
+
+
 def _check_submission(state: State, event: JobsSubmitted) -> None:
     """Each job is live, queued, the table lets it be submitted, and it is named once."""
     job_ids = event.job_ids
@@ -481,6 +515,7 @@ JOB_EVOLVERS: dict[type, Callable[[State, Any, bool], None]] = {
     DiskStoreQueued: _disk_store_queued,
     DiskEvicted: _disk_evicted,
     DiskIndexed: _disk_indexed,
+    EntriesRefused: _entries_refused,
     LoadQueued: _load_queued,
     JobsSubmitted: _jobs_submitted,
     RankSucceeded: _rank_succeeded,

@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.core.commands import JobResult
+from kvflow.core.commands import JobResult, TierRefused
 from kvflow.core.names import BlockName
 from kvflow.integrations.vllm.kv_events import BlockRemoved, BlockStored
 from kvflow.integrations.vllm.sides import (
@@ -79,10 +79,14 @@ if HAVE_VLLM:
         results: list[JobResult] = field(default_factory=list)
         # rank -> what its disk tier held when it opened (sent once, a warm restart)
         disk_entries: dict[int, list[tuple[int, BlockName]]] = field(default_factory=dict)
+        # the entries the workers' disk tiers refused (recorded by the scheduler side)
+        refused: list[TierRefused] = field(default_factory=list)
 
         def aggregate(self, other: KVFlowWorkerMetadata) -> KVFlowWorkerMetadata:
             return KVFlowWorkerMetadata(
-                results=[*self.results, *other.results], disk_entries={**self.disk_entries, **other.disk_entries}
+                results=[*self.results, *other.results],
+                disk_entries={**self.disk_entries, **other.disk_entries},
+                refused=[*self.refused, *other.refused],
             )
 
     @dataclass
@@ -211,7 +215,10 @@ if HAVE_VLLM:
             meta = connector_output.kv_connector_worker_meta  # (None: no worker reported anything)
             if meta is not None and meta.disk_entries:
                 self._scheduler.disk_entries(meta.disk_entries)
-            self._scheduler.results(meta.results if meta is not None else [])
+            if meta is None:
+                self._scheduler.results([])
+            else:
+                self._scheduler.results(meta.results, refusals=meta.refused)
 
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
             assert self._scheduler is not None
@@ -313,9 +320,12 @@ if HAVE_VLLM:
                 return None
             results = self._worker.take_results()
             disk = self._worker.take_disk_entries()
-            if not results and disk is None:
+            refused = self._worker.take_refused()
+            if not results and disk is None and not refused:
                 return None
-            return KVFlowWorkerMetadata(results=results, disk_entries={} if disk is None else {self._worker.rank: disk})
+            return KVFlowWorkerMetadata(
+                results=results, disk_entries={} if disk is None else {self._worker.rank: disk}, refused=refused
+            )
 
         def shutdown(self) -> None:
             if self._worker is not None:

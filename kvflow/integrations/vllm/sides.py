@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvflow.core.commands import JobResult
+from kvflow.core.commands import JobResult, TierRefused
 from kvflow.core.config import DISK_STORE_MODES, Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import LOAD, STORE, TransferJob
@@ -421,11 +421,14 @@ class SchedulerSide:
         self._disk_entries = None
         self.disk_restored = self.manager.disk_restored(everywhere) if everywhere else 0
 
-    def results(self, results: Sequence[JobResult], now_ms: float | None = None) -> None:
+    def results(
+        self, results: Sequence[JobResult], now_ms: float | None = None, refusals: Sequence[TierRefused] = ()
+    ) -> None:
         """The workers' outcomes for this step (every rank's), applied by the manager's step
-        (each is recorded in the trace; one it refuses is logged and the rest applied, F2).
+        (each is recorded in the trace; one it refuses is logged and the rest applied, F2),
+        and the entries their disk tiers refused (recorded; dropped from the disk index).
         Jobs are not planned here: they go to the workers with the next step's metadata."""
-        _, report = self.manager.step(_now(now_ms), results, plan=False)
+        _, report = self.manager.step(_now(now_ms), results, refusals=refusals, plan=False)
         self._told(report)
         if not self._closed:
             self.manager.log.flush()  # each step on disk: vLLM may end its engine process without shutdown()
@@ -561,6 +564,12 @@ class WorkerSide:
         else:
             self.executor = executor
         return int(layout.block_bytes)
+
+    def take_refused(self) -> list[TierRefused]:
+        """The entries this rank's disk tier refused since the last call (for the scheduler
+        side, which records them)."""
+        take = getattr(self.executor, "take_refused", None)
+        return take() if take is not None else []
 
     def take_disk_entries(self) -> list[tuple[int, BlockName]] | None:
         """What this rank's disk tier held when it opened, once (then None)."""

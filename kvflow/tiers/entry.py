@@ -214,7 +214,7 @@ class EntryCodec:
         enc.finalize()
         return header + enc.tag
 
-    def check(self, head: bytes | memoryview, name: BlockName) -> Miss | None:
+    def check(self, head: bytes | bytearray | memoryview, name: BlockName) -> Miss | None:
         """Whether ``head`` (at least ``HEADER_BYTES``) can be ``name``'s entry under this
         layout for this reader, by its header alone (the tag is checked by ``open``)."""
         if len(head) < HEADER_BYTES:
@@ -239,7 +239,7 @@ class EntryCodec:
 
     def open(
         self,
-        head: bytes | memoryview,
+        head: bytes | bytearray | memoryview,
         name: BlockName,
         src: Sequence[memoryview],
         dst: Sequence[memoryview],

@@ -73,6 +73,8 @@ URL_SCHEMES = ("redis", "rediss", "unix")
 DEFAULT_PREFIX = b"kvflow"
 # connections (worker threads) per tier: a job's blocks move over all of them at once
 DEFAULT_CONNECTIONS, MAX_CONNECTIONS = 1, 64
+# the most bytes of values one store pipeline sends (and each connection keeps buffers for)
+PIPELINE_BYTES = 32 << 20
 # Tries per request: a dropped connection gets one fresh try; a server that is down answers no
 # faster for being asked again (and the job's deadline bounds both)
 ATTEMPTS = 2
@@ -152,6 +154,10 @@ class RedisBlockStore:
         self._clock = clock
         self._layout_hex = codec.layout.digest.hex().encode()
         self._entry_bytes = codec.layout.entry_bytes
+        # a store's values are sealed into buffers it keeps (``_value``), at most
+        # ``PIPELINE_BYTES`` of them: a longer batch is sent in several pipelines
+        self._per_pipeline = max(1, PIPELINE_BYTES // self._entry_bytes)
+        self._values: list[bytearray] = []
 
     def key(self, name: BlockName) -> bytes:
         """``<prefix>:<layout digest>:<tenant id>:<full hash>`` (hex): one key per block, tenant
@@ -165,23 +171,32 @@ class RedisBlockStore:
 
         Raises ``RemoteUnavailable`` when no attempt reached the server before ``deadline_s``
         (a monotonic time): then no block is known to be stored."""
-        nonces = os.urandom(NONCE_BYTES * len(blocks))
-        values = []
-        for i, (name, pages) in enumerate(blocks):
-            value = bytearray(self._entry_bytes)
-            view = memoryview(value)
-            view[:HEADER_BYTES] = self.codec.seal(
-                name, pages, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES], view[HEADER_BYTES:]
-            )
-            values.append((self.key(name), value))
+        per_pipeline = self._per_pipeline
 
         def run() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            for key, value in values:
-                pipe.set(key, value, ex=self.ttl_s)
-            return pipe.execute(raise_on_error=False)
+            replies: list[Any] = []
+            for start in range(0, len(blocks), per_pipeline):
+                part = blocks[start : start + per_pipeline]
+                nonces = os.urandom(NONCE_BYTES * len(part))
+                pipe = self.client.pipeline(transaction=False)
+                for i, (name, pages) in enumerate(part):
+                    value = self._value(i)
+                    view = memoryview(value)
+                    view[:HEADER_BYTES] = self.codec.seal(
+                        name, pages, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES], view[HEADER_BYTES:]
+                    )
+                    pipe.set(self.key(name), value, ex=self.ttl_s)
+                replies += pipe.execute(raise_on_error=False)
+            return replies
 
         return [None if reply is True else _error_text(reply) for reply in self._attempt(run, deadline_s)]
+
+    def _value(self, i: int) -> bytearray:
+        """The ``i``-th buffer a pipeline's values are sealed into, kept for the next one (a
+        new buffer of megabytes costs more to allocate and fault in than to fill)."""
+        while len(self._values) <= i:
+            self._values.append(bytearray(self._entry_bytes))
+        return self._values[i]
 
     def get(
         self, names: Sequence[BlockName], into: Sequence[Sequence[memoryview]], deadline_s: float

@@ -48,7 +48,7 @@ import structlog
 
 from kvflow.core.commands import JobResult
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
-from kvflow.core.names import BlockName
+from kvflow.core.names import BlockName, job_names
 from kvflow.tiers.entry import REJECTED, Miss
 from kvflow.tiers.host_slots import SlotPages
 
@@ -291,7 +291,7 @@ class RemoteTierExecutor:
 
     def _run_job(self, job: TransferJob, deadline: float) -> tuple[bool, str | None]:
         try:
-            names = job.names
+            names = job_names(job.hashes, job.names)
             if len(names) != len(job.hashes) or not all(n.full for n in names):
                 return False, "a block of the job has no name (forgotten by the engine)"
             store = self._store_or_none()

@@ -98,11 +98,11 @@ def own_name(key: int) -> BlockName:
     return BlockName(key, full_hash(key), NO_TENANT)
 
 
-def job_names(keys: Sequence[int], names: Sequence[BlockName]) -> tuple[BlockName, ...]:
-    """The full names of a shared-tier job's blocks, whose keys are ``keys``: ``names`` as the
-    engine handed them over, or, when it handed none (it leaves them out when every key is its
-    own hash: ``all_own_keys``), each key's own name. A derived key the engine did not name
-    gets an empty name: the tier fails that job rather than guess."""
+def tier_names(keys: Sequence[int], names: Sequence[BlockName]) -> tuple[BlockName, ...]:
+    """The full names of the blocks a shared tier is asked about (a job's, a probe's), whose
+    keys are ``keys``: ``names`` as the engine gave them, or, when it gave none (it leaves them
+    out when every key is its own hash: ``all_own_keys``), each key's own name. A derived key
+    the engine did not name gets an empty name: the tier fails that job rather than guess."""
     if names:
         return tuple(names)
     return tuple(own_name(k) if is_own_key(k) else BlockName(k, b"") for k in keys)

@@ -53,7 +53,7 @@ from kvflow.core.decide.remote import probe_candidates
 from kvflow.core.errors import ConcurrentCall, EngineClosed, Rejected
 from kvflow.core.events import EVENT_TYPES, Event, Reset
 from kvflow.core.jobs import COPYING_DOWN, DISK_LOAD, LOAD, REMOTE_LOAD, TransferJob, ranks_missing
-from kvflow.core.names import BlockName, BlockNames, all_own_keys, own_name, tenant_id
+from kvflow.core.names import BlockName, BlockNames, all_own_keys, tenant_id
 from kvflow.core.state.apply import live_applier
 from kvflow.core.state.model import State
 from kvflow.core.state.tables import JobState
@@ -349,10 +349,11 @@ class OffloadManager:
         num_tokens: int,
         device_hit_blocks: int = 0,
         tenant: str | None = None,
-    ) -> tuple[int, list[BlockName]]:
+    ) -> tuple[int, list[int], list[BlockName]]:
         """``lookup``, and the blocks after its hits worth asking the remote tier about
-        (neither on the CPU tier nor known remotely), in prefix order, by name (their keys
-        computed once for both). The names are remembered: what the probe finds joins the
+        (neither on the CPU tier nor known remotely), in prefix order: their keys, and their
+        names unless every key is its own hash (``kvflow.core.names.tier_names``); the keys
+        are computed once for both. The names are remembered: what the probe finds joins the
         remote index by key."""
         keyed = self.names.keys(block_hashes, tenant_id(tenant))
         keys = block_hashes if keyed is None else keyed[0]
@@ -360,11 +361,11 @@ class OffloadManager:
         cap = hit_cap_blocks(int(num_tokens), self.config.block_tokens)
         wanted = probe_candidates(self.state, list(keys[int(device_hit_blocks) + hits : cap]))
         if keyed is None:
-            return hits, [own_name(k) for k in wanted]
+            return hits, wanted, []
         fresh = {n.key: n for n in keyed[1]}
         self.names.add([fresh[k] for k in wanted if k in fresh])
-        name = self.names.name
-        return hits, [n for n in map(name, wanted) if n is not None]
+        names = [n for n in map(self.names.name, wanted) if n is not None]
+        return hits, [n.key for n in names], names
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated device blocks for the first hits: queue their load."""
@@ -449,7 +450,7 @@ class OffloadManager:
     def _named(self, job: TransferJob) -> TransferJob:
         """A disk or remote job with its blocks' full names (a name forgotten is an empty
         one: the tier fails that job rather than guess); none when every key is its own hash
-        (the tier names those: ``job_names``)."""
+        (the tier names those: ``tier_names``)."""
         if all_own_keys(job.hashes):
             return job
         name = self.names.name

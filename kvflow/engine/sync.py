@@ -141,9 +141,11 @@ class SyncEngine:
         else:
             # the remote tier is asked (in its executor's thread) about the blocks past the
             # hits that neither tier is known to hold; what it finds is recorded at the next step
-            hits, wanted = self.manager.lookup_and_probe(request_id, block_hashes, num_tokens, device_hit_blocks, tenant)
+            hits, wanted, names = self.manager.lookup_and_probe(
+                request_id, block_hashes, num_tokens, device_hit_blocks, tenant
+            )
             if wanted:
-                self._prober.probe(wanted)
+                self._prober.probe(wanted, names)
         self.counters.lookups += 1
         self.counters.lookup_tokens += num_tokens
         return hits

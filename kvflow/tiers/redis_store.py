@@ -237,6 +237,8 @@ class RedisBlockStore:
         for either; and a buffer holding the head. The rest of a value goes into its pages only
         when its length and head can be the block's entry (a value refused by its head never
         reaches them); else it is read and dropped."""
+        if not names:
+            return []
         heads = [bytearray(HEADER_BYTES) for _ in names]
         keys = [self.key(name) for name in names]
 

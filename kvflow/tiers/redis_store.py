@@ -38,6 +38,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -59,6 +60,7 @@ from kvflow.tiers.entry import (
     EntryCodec,
     Layout,
     Miss,
+    Opening,
     check_shard,
     codec_for,
 )
@@ -218,7 +220,7 @@ class RedisBlockStore:
         tenant's, an unknown key's, an unkeyed one, a wrong length ...); ``None`` for an absent
         key or the server's error. Reads the heads only."""
         out: list[bytes | Miss | None] = []
-        for name, (length, got, head) in zip(names, self._reads(names, [()] * len(names), deadline_s)):
+        for name, (length, got, head, _) in zip(names, self._reads(names, [()] * len(names), deadline_s)):
             if not isinstance(length, int) or not isinstance(got, int) or length == 0:
                 out.append(None)
                 continue
@@ -231,18 +233,19 @@ class RedisBlockStore:
 
     def _reads(
         self, names: Sequence[BlockName], into: Sequence[Sequence[memoryview]], deadline_s: float
-    ) -> list[tuple[Any, Any, bytearray]]:
+    ) -> list[tuple[Any, Any, bytearray, Opening | None]]:
         """Per key: the value's length (``STRLEN``: 0 when absent), how many of its first bytes
         were read (``GETRANGE`` of at most the head and ``into``'s pages), or the server's error
-        for either; and a buffer holding the head. The rest of a value goes into its pages only
-        when its length and head can be the block's entry (a value refused by its head never
-        reaches them); else it is read and dropped."""
+        for either; a buffer holding the head; and the proof of a value read into its pages.
+        The rest of a value goes into its pages only when its length and head can be the
+        block's entry (a value refused by its head never reaches them), each part proven (and
+        decrypted, in place) as it arrives; else it is read and dropped."""
         if not names:
             return []
         heads = [bytearray(HEADER_BYTES) for _ in names]
         keys = [self.key(name) for name in names]
 
-        def run() -> list[tuple[Any, Any, bytearray]]:
+        def run() -> list[tuple[Any, Any, bytearray, Opening | None]]:
             out: list[Any] = [None] * len(names)
             for client, which in self._by_server(keys):
                 commands: list[tuple[Any, ...]] = []
@@ -252,11 +255,19 @@ class RedisBlockStore:
                 with _sent(client, commands) as replies:
                     for i in which:
                         length = replies.read()
-                        fits = length == self._entry_bytes
-                        got = replies.read(
-                            heads[i], lambda: into[i] if fits and self.codec.check(heads[i], names[i]) is None else None
-                        )
-                        out[i] = (length, got, heads[i])
+                        opening: Opening | Miss | None = None
+
+                        def payload() -> tuple[Sequence[memoryview], Callable[[memoryview], None]] | None:
+                            nonlocal opening
+                            if length != self._entry_bytes:
+                                return None
+                            opening = self.codec.opening(heads[i], names[i])  # noqa: B023  (called at once)
+                            if isinstance(opening, Miss):
+                                return None
+                            return into[i], partial(_in_place, opening.update)  # noqa: B023
+
+                        got = replies.read(heads[i], payload)
+                        out[i] = (length, got, heads[i], opening if isinstance(opening, Opening) else None)
             return out
 
         return self._attempt(run, deadline_s)
@@ -271,18 +282,20 @@ class RedisBlockStore:
             groups.setdefault(node.name, (self.client.get_redis_connection(node), []))[1].append(i)
         return list(groups.values())
 
-    def _entry(self, name: BlockName, read: tuple[Any, Any, bytearray], pages: Sequence[memoryview]) -> Miss | None:
-        length, got, head = read
+    def _entry(
+        self, name: BlockName, read: tuple[Any, Any, bytearray, Opening | None], pages: Sequence[memoryview]
+    ) -> Miss | None:
+        length, got, head, opening = read
         for reply in (length, got):
             if isinstance(reply, Exception):
                 return Miss(_error_text(reply))
         if length == 0:  # (an empty value is no entry either)
             return Miss("absent")
         seen = seen_of(length, head[: min(got, HEADER_BYTES)])
-        if length != self._entry_bytes or got != length:  # (a longer one: refused, the rest never read)
+        if opening is None or got != length:  # (a longer one: refused, the rest never read)
             return Miss(getattr(self.codec.check(head[:got], name), "reason", "length"), seen)
-        got_miss = self.codec.open(head, name, pages, pages)  # (in place: the pages hold what was read)
-        return None if got_miss is None else Miss(got_miss.reason, seen)
+        miss = opening.finish()  # (the pages hold the plaintext: served only if proven)
+        return None if miss is None else Miss(miss.reason, seen)
 
     def _attempt(self, run: Callable[[], list[Any]], deadline_s: float) -> list[Any]:
         """``run``, and once more after a transport error (a dropped connection gets one fresh
@@ -331,6 +344,7 @@ class _Replies:
     redis-py's parsers cannot do: they return every string as a new ``bytes``."""
 
     _CHUNK = 16384  # what one read asks for between strings (a string's bytes are read into place)
+    _PART = 256 << 10  # the most of a string one read puts in place
 
     def __init__(self, sock: Any) -> None:
         self._sock = sock
@@ -343,11 +357,14 @@ class _Replies:
         return len(self._buf)
 
     def read(
-        self, head: bytearray | None = None, rest: Callable[[], Sequence[memoryview] | None] = lambda: None
+        self,
+        head: bytearray | None = None,
+        rest: Callable[[], tuple[Sequence[memoryview], Callable[[memoryview], None]] | None] = lambda: None,
     ) -> int | redis.ResponseError:
         """The next reply: an integer, the server's error, or a string's length, its first
-        bytes read into ``head`` and the others into the buffers ``rest()`` gives then, in turn
-        (``None``: read and dropped). A string longer than those buffers breaks the exchange."""
+        bytes read into ``head`` and the others into the buffers ``rest()`` gives then, in turn,
+        each part handed to its callback as soon as it is read (``None``: read and dropped). A
+        string longer than those buffers breaks the exchange."""
         self.read_count += 1
         line = self._line()
         kind, rest_of_line = line[:1], line[1:]
@@ -364,14 +381,16 @@ class _Replies:
         if head is not None and first:
             self._into(memoryview(head)[:first])
         left = size - first
-        buffers = rest() if left else ()
-        if buffers is None:
+        where = rest() if left else None
+        if where is None:
             self._drop(left)
             left = 0
-        for buffer in buffers or ():
-            view = memoryview(buffer).cast("B")
-            self._into(view[: min(left, len(view))])
-            left -= min(left, len(view))
+        else:
+            buffers, each = where
+            for buffer in buffers:
+                view = memoryview(buffer).cast("B")
+                self._into(view[: min(left, len(view))], each)
+                left -= min(left, len(view))
         if left:
             raise redis.ConnectionError(f"a reply of {size} bytes, more than was asked for")
         if self._line():
@@ -397,15 +416,25 @@ class _Replies:
         del self._buf[: end + 2]
         return line
 
-    def _into(self, view: memoryview) -> None:
+    def _into(self, view: memoryview, each: Callable[[memoryview], None] | None = None) -> None:
+        """Fill ``view``, handing each part read to ``each`` (parts of at most ``_PART``: what
+        ``each`` reads back is still in the CPU's cache)."""
         at = min(len(self._buf), len(view))
         view[:at] = self._buf[:at]
         del self._buf[:at]
+        if each is not None and at:
+            each(view[:at])
         while at < len(view):
-            n = self._sock.recv_into(view[at:])
+            n = self._sock.recv_into(view[at : at + self._PART])
             if not n:
                 raise redis.ConnectionError("the server closed the connection")
+            if each is not None:
+                each(view[at : at + n])
             at += n
+
+
+def _in_place(update: Callable[[memoryview, memoryview], None], part: memoryview) -> None:
+    update(part, part)
 
 
 def seen_of(length: int, head: bytes | bytearray) -> bytes:

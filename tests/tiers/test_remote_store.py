@@ -152,11 +152,13 @@ def test_the_reply_reader_puts_strings_into_their_buffers_and_refuses_a_broken_s
     error = reader.read()
     assert isinstance(error, redis.ResponseError) and str(error) == "ERR wrong"
     head, pages = bytearray(100), [memoryview(bytearray(51000)), memoryview(bytearray(200))]
-    assert reader.read(head, lambda: pages) == 51200
+    parts: list[bytes] = []
+    assert reader.read(head, lambda: (pages, lambda part: parts.append(bytes(part)))) == 51200
     assert bytes(head) + bytes(pages[0]) + bytes(pages[1][:100]) == body  # (the buffers may hold more)
+    assert b"".join(parts) == body[100:] and len(parts) > 1  # each part handed over as it was read
     assert bytes(pages[1][100:]) == bytes(100)
     assert reader.read(bytearray(100), lambda: None) == 51200  # read and dropped
-    assert reader.read(bytearray(100), lambda: pages) == 0  # no such value
+    assert reader.read(bytearray(100), lambda: (pages, parts.append)) == 0  # no such value
     assert reader.read() == 0 and reader.read_count == 6 and not reader.pending
 
     for stream, why in [
@@ -166,7 +168,7 @@ def test_the_reply_reader_puts_strings_into_their_buffers_and_refuses_a_broken_s
         (b"$10\r\n01234", "closed the connection"),
     ]:
         with pytest.raises(redis.ConnectionError, match=why):
-            replies_of(stream).read(bytearray(2), lambda: [memoryview(bytearray(4))])
+            replies_of(stream).read(bytearray(2), lambda: ([memoryview(bytearray(4))], lambda _: None))
 
 
 def test_layouts_never_meet(redis_standalone) -> None:  # noqa: F811

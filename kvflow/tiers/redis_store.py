@@ -24,6 +24,12 @@ What a real server does, and what this client does about it:
 - **Values of any size under kvflow's keys.** A read asks for the value's length and at most one
   entry's bytes (``STRLEN`` and a bounded ``GETRANGE`` in one pipeline): a value longer than an
   entry of this layout is refused without being read.
+- **No copy of a value on its way in.** The replies to a read are parsed by a small reader of
+  kvflow's own (``_Replies``: integers, errors and strings, the only replies those commands
+  have) that receives a value's payload straight into its host slot's pages, proving (and
+  decrypting) each part as it arrives; redis-py's parsers would hand every value over as a new
+  ``bytes`` first. Connections (auth, TLS), the cluster's slot map and the packing of commands
+  stay redis-py's.
 
 Auth and TLS are redis-py's: put them in the URL (``rediss://user:password@host:6380/0``) or pass
 redis-py keyword arguments (``password=``, ``ssl_ca_certs=``, ``ssl_certfile=`` ...) through

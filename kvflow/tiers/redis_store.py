@@ -48,6 +48,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import hiredis
 import redis
 from redis._parsers import Encoder
 from redis.backoff import NoBackoff
@@ -282,10 +283,11 @@ class RedisBlockStore:
         """The keys' indices by the server that holds them (a cluster's: by its slot map)."""
         if not isinstance(self.client, RedisCluster):
             return [(self.client, list(range(len(keys))))]
+        cluster: Any = self.client  # (redis-py: untyped)
         groups: dict[str, tuple[redis.Redis, list[int]]] = {}
         for i, key in enumerate(keys):
-            node = self.client.get_node_from_key(key)  # type: ignore[no-untyped-call]  # redis-py: untyped
-            groups.setdefault(node.name, (self.client.get_redis_connection(node), []))[1].append(i)
+            node = cluster.get_node_from_key(key)
+            groups.setdefault(node.name, (cluster.get_redis_connection(node), []))[1].append(i)
         return list(groups.values())
 
     def _entry(
@@ -329,7 +331,8 @@ def _sent(client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> Iterator[
     pool: Any = client.connection_pool  # (redis-py: untyped)
     conn = pool.get_connection()
     try:
-        conn.send_packed_command(conn.pack_commands(commands))
+        # (small commands: hiredis packs them in C, several times faster than the Python packer)
+        conn.send_packed_command([b"".join(map(hiredis.pack_command, commands))])
         replies = _Replies(conn._sock)  # (redis-py's parser holds nothing between requests)
         yield replies
         if replies.read_count != len(commands) or replies.pending:

@@ -6,7 +6,8 @@
                                  [--quick] [--profile]
 
 For each value size and protection mode: ``redis-benchmark`` SET and GET of values of the
-entry's size (``-c`` the tier's connections, ``-P`` the job's blocks, distinct keys), then kvflow's
+entry's size (``-c`` the tier's connections, ``-P`` the job's blocks, distinct keys, every key
+set before the GETs), then kvflow's
 remote tier, built by ``redis_tier`` over a ``TorchExecutor`` on the CPU with host slots of that
 size, storing and loading the same number of blocks in remote jobs of ``--batch`` blocks (every
 job submitted at once, as a busy engine would; framing, protection, every reply checked, each
@@ -259,10 +260,9 @@ def main() -> int:
                 try:
                     for _ in range(args.repeat):
                         _flush(url)
-                        got = {
-                            "set_gbs": redis_benchmark(host, port, "set", size, blocks, args.batch, connections) * payload / 1e9,
-                            "get_gbs": redis_benchmark(host, port, "get", size, blocks, args.batch, connections) * payload / 1e9,
-                        }  # fmt: skip
+                        got = {"set_gbs": redis_benchmark(host, port, "set", size, blocks, args.batch, connections) * payload / 1e9}
+                        _fill(url, blocks, size)  # (so that every GET finds its value)
+                        got["get_gbs"] = redis_benchmark(host, port, "get", size, blocks, args.batch, connections) * payload / 1e9
                         _flush(url)
                         got |= measure(executor, payload, blocks, args.batch, job_ids)
                         job_ids += 2 * blocks
@@ -299,6 +299,25 @@ def main() -> int:
         if server is not None:
             server.close()
     return 0
+
+
+def _fill(url: str, blocks: int, size: int) -> None:
+    """A value of ``size`` bytes under each key ``redis-benchmark -r blocks`` draws from
+    (``key:`` and 12 digits): its random keys repeat, so its SET leaves about a third of them
+    unset, and a GET of those would move no value at all."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        value = b"x" * size
+        for start in range(0, blocks, 16):
+            pipe = client.pipeline(transaction=False)
+            for i in range(start, min(blocks, start + 16)):
+                pipe.set(b"key:%012d" % i, value)
+            pipe.execute()
+        assert client.dbsize() >= blocks
+    finally:
+        client.close()
 
 
 def _flush(url: str) -> None:

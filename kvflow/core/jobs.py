@@ -85,5 +85,6 @@ class TransferJob(msgspec.Struct, frozen=True, gc=False):
     request_id: str | None = None
     disk_slots: Blocks = ()
     # the full names of ``hashes`` (kvflow.core.names), for a disk or remote job: the shared
-    # tiers key and authenticate entries by them (the engine fills them when it hands the job over)
+    # tiers key and authenticate entries by them (the engine fills them when it hands the job
+    # over, unless every key is its own hash; a tier reads them with names.tier_names)
     names: tuple[BlockName, ...] = ()

@@ -88,6 +88,26 @@ def is_own_key(key: int) -> bool:
     return _KEY_MIN <= key < _KEY_MAX
 
 
+def all_own_keys(keys: Sequence[int]) -> bool:
+    """Whether every one of ``keys`` (ints) is its own hash (``is_own_key``)."""
+    return len(keys) == 0 or (min(keys) >= _KEY_MIN and max(keys) < _KEY_MAX)
+
+
+def own_name(key: int) -> BlockName:
+    """The name of a key that is its own hash (``is_own_key``): no tenant."""
+    return BlockName(key, full_hash(key), NO_TENANT)
+
+
+def tier_names(keys: Sequence[int], names: Sequence[BlockName]) -> tuple[BlockName, ...]:
+    """The full names of the blocks a shared tier is asked about (a job's, a probe's), whose
+    keys are ``keys``: ``names`` as the engine gave them, or, when it gave none (it leaves them
+    out when every key is its own hash: ``all_own_keys``), each key's own name. A derived key
+    the engine did not name gets an empty name: the tier fails that job rather than guess."""
+    if names:
+        return tuple(names)
+    return tuple(own_name(k) if is_own_key(k) else BlockName(k, b"") for k in keys)
+
+
 def checked_hashes(values: Sequence[int]) -> list[int]:
     """Block hashes as plain ints (numpy integers converted), each in [-2**255, 2**256);
     anything else is refused in one line."""
@@ -131,7 +151,7 @@ class BlockNames:
             return None
         if tenant == NO_TENANT:
             try:
-                if min(block_hashes) >= _KEY_MIN and max(block_hashes) < _KEY_MAX:
+                if all_own_keys(block_hashes):
                     return None
             except TypeError:
                 pass  # (named by checked_hashes)
@@ -171,7 +191,7 @@ class BlockNames:
     def name(self, key: int) -> BlockName | None:
         """The name behind ``key`` (None for a derived key forgotten)."""
         if is_own_key(key):
-            return BlockName(key, full_hash(key), NO_TENANT)
+            return own_name(key)
         return self.table.get(key)
 
     def prune(self, knows: Callable[[int], bool]) -> int:

@@ -54,7 +54,7 @@ from kvflow.core.decide.remote import probe_candidates
 from kvflow.core.errors import ConcurrentCall, EngineClosed, Rejected
 from kvflow.core.events import EVENT_TYPES, Event, Reset
 from kvflow.core.jobs import COPYING_DOWN, DISK_LOAD, LOAD, REMOTE_LOAD, TransferJob, ranks_missing
-from kvflow.core.names import BlockName, BlockNames, full_hash, tenant_id
+from kvflow.core.names import BlockName, BlockNames, all_own_keys, tenant_id
 from kvflow.core.state.apply import live_applier
 from kvflow.core.state.model import State
 from kvflow.core.state.tables import JobState
@@ -344,15 +344,43 @@ class OffloadManager:
         tenant: str | None = None,
     ) -> int:
         """How many blocks after the device hit can be loaded from the CPU tier; pins them (F7)."""
+        return self._lookup(request_id, self.keys(block_hashes, tenant), num_tokens, device_hit_blocks)
+
+    def _lookup(self, request_id: str, keys: Sequence[int], num_tokens: int, device_hit_blocks: int) -> int:
         answer = self.execute(
             Lookup(
                 request_id=bd.request_id(request_id),
-                block_hashes=bd.hashes(self.keys(block_hashes, tenant)),
+                block_hashes=bd.hashes(keys),
                 num_tokens=bd.count(num_tokens, "num_tokens"),
                 device_hit_blocks=bd.count(device_hit_blocks, "device_hit_blocks"),
             )
         )
         return int(answer)
+
+    def lookup_and_probe(
+        self,
+        request_id: str,
+        block_hashes: Sequence[int],
+        num_tokens: int,
+        device_hit_blocks: int = 0,
+        tenant: str | None = None,
+    ) -> tuple[int, list[int], list[BlockName]]:
+        """``lookup``, and the blocks after its hits worth asking the remote tier about
+        (neither on the CPU tier nor known remotely), in prefix order: their keys, and their
+        names unless every key is its own hash (``kvflow.core.names.tier_names``); the keys
+        are computed once for both. The names are remembered: what the probe finds joins the
+        remote index by key."""
+        keyed = self.names.keys(block_hashes, tenant_id(tenant))
+        keys = block_hashes if keyed is None else keyed[0]
+        hits = self._lookup(request_id, keys, num_tokens, device_hit_blocks)
+        cap = hit_cap_blocks(int(num_tokens), self.config.block_tokens)
+        wanted = probe_candidates(self.state, list(keys[int(device_hit_blocks) + hits : cap]))
+        if keyed is None:
+            return hits, wanted, []
+        fresh = {n.key: n for n in keyed[1]}
+        self.names.add([fresh[k] for k in wanted if k in fresh])
+        names = [n for n in map(self.names.name, wanted) if n is not None]
+        return hits, [n.key for n in names], names
 
     def accept_hits(self, request_id: str, device_blocks: Sequence[int]) -> int | None:
         """The engine allocated device blocks for the first hits: queue their load."""
@@ -436,7 +464,10 @@ class OffloadManager:
 
     def _named(self, job: TransferJob) -> TransferJob:
         """A disk or remote job with its blocks' full names (a name forgotten is an empty
-        one: the tier fails that job rather than guess)."""
+        one: the tier fails that job rather than guess); none when every key is its own hash
+        (the tier names those: ``tier_names``)."""
+        if all_own_keys(job.hashes):
+            return job
         name = self.names.name
         names = tuple(name(h) or BlockName(h, b"") for h in job.hashes)
         return msgspec.structs.replace(job, names=names)
@@ -532,31 +563,6 @@ class OffloadManager:
         answer = self.execute(DiskRestored(block_hashes=hashes, disk_slots=slots))
         self.names.add([n for _, n in entries])
         return int(answer)
-
-    def remote_probe_candidates(
-        self,
-        block_hashes: Sequence[int],
-        num_tokens: int,
-        device_hit_blocks: int,
-        hits: int,
-        tenant: str | None = None,
-    ) -> list[BlockName]:
-        """After a lookup that hit ``hits`` blocks: the blocks worth asking the remote tier
-        about (neither on the CPU tier nor known remotely), in prefix order, by name. Their
-        names are remembered: what the probe finds joins the remote index by key."""
-        cap = hit_cap_blocks(int(num_tokens), self.config.block_tokens)
-        start = int(device_hit_blocks) + int(hits)
-        tid = tenant_id(tenant)
-        keyed = self.names.keys(block_hashes[start:cap], tid)
-        if keyed is None:
-            return [
-                BlockName(h, full_hash(h))
-                for h in probe_candidates(self.state, list(block_hashes[start:cap]))
-            ]
-        keys, fresh = keyed
-        self.names.add(fresh)
-        name = self.names.name
-        return [n for n in map(name, probe_candidates(self.state, list(keys))) if n is not None]
 
     def arriving(
         self,

@@ -69,11 +69,12 @@ class KeepsTime(Protocol):
 @runtime_checkable
 class ProbesRemoteTier(Protocol):
     """An executor beside a remote tier (``kvflow.tiers``): ``probe`` asks the tier, off the
-    engine's thread, which of these blocks (by full name) it holds; ``take_found`` hands over
-    the keys of what the probes found since the last call. A config with a remote tier
-    (``remote_blocks > 0``) needs it."""
+    engine's thread, which of the blocks of these keys it holds (by full name: ``names``, or
+    none when every key is its own hash, ``kvflow.core.names.tier_names``); ``take_found``
+    hands over the keys of what the probes found since the last call. A config with a remote
+    tier (``remote_blocks > 0``) needs it."""
 
-    def probe(self, names: Sequence[BlockName]) -> None: ...
+    def probe(self, keys: Sequence[int], names: Sequence[BlockName] = ()) -> None: ...
 
     def take_found(self) -> list[int]: ...
 

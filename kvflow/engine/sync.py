@@ -139,13 +139,16 @@ class SyncEngine:
         their entries by all of it. ``tenant`` (vLLM's ``cache_salt``) keeps a tenant's
         blocks apart: a block stored for one tenant never hits for another, in any tier;
         every call naming blocks takes it."""
-        hits = self.manager.lookup(request_id, block_hashes, num_tokens, device_hit_blocks, tenant)
-        if self._prober is not None:
+        if self._prober is None:
+            hits = self.manager.lookup(request_id, block_hashes, num_tokens, device_hit_blocks, tenant)
+        else:
             # the remote tier is asked (in its executor's thread) about the blocks past the
             # hits that neither tier is known to hold; what it finds is recorded at the next step
-            wanted = self.manager.remote_probe_candidates(block_hashes, num_tokens, device_hit_blocks, hits, tenant)
+            hits, wanted, names = self.manager.lookup_and_probe(
+                request_id, block_hashes, num_tokens, device_hit_blocks, tenant
+            )
             if wanted:
-                self._prober.probe(wanted)
+                self._prober.probe(wanted, names)
         self.counters.lookups += 1
         self.counters.lookup_tokens += num_tokens
         return hits

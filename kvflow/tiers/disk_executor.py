@@ -36,7 +36,7 @@ from kvflow.core.commands import JobResult, TierRefused
 from kvflow.core.config import Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import DISK_LOAD, DISK_STORE, TransferJob
-from kvflow.core.names import BlockName
+from kvflow.core.names import BlockName, tier_names
 from kvflow.tiers.disk_file import DiskEntryFile
 from kvflow.tiers.entry import REJECTED, Layout, check_shard, codec_for
 from kvflow.tiers.host_slots import OwnsPool, SlotPages
@@ -150,7 +150,7 @@ class DiskTierExecutor:
 
     def _run_job(self, job: TransferJob) -> tuple[bool, str | None]:
         try:
-            names = job.names
+            names = tier_names(job.hashes, job.names)
             if len(names) != len(job.hashes) or not all(n.full for n in names):
                 return False, "a block of the job has no name (forgotten by the engine)"
             items = [(d, n, self.slots.read(s)) for d, n, s in zip(job.disk_slots, names, job.slots)]

@@ -42,6 +42,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import xxhash
@@ -214,7 +215,7 @@ class EntryCodec:
         enc.finalize()
         return header + enc.tag
 
-    def check(self, head: bytes | memoryview, name: BlockName) -> Miss | None:
+    def check(self, head: bytes | bytearray | memoryview, name: BlockName) -> Miss | None:
         """Whether ``head`` (at least ``HEADER_BYTES``) can be ``name``'s entry under this
         layout for this reader, by its header alone (the tag is checked by ``open``)."""
         if len(head) < HEADER_BYTES:
@@ -239,7 +240,7 @@ class EntryCodec:
 
     def open(
         self,
-        head: bytes | memoryview,
+        head: bytes | bytearray | memoryview,
         name: BlockName,
         src: Sequence[memoryview],
         dst: Sequence[memoryview],
@@ -248,38 +249,31 @@ class EntryCodec:
         back) to be ``name``'s, and put its plaintext in the pages ``dst`` (``dst`` may be
         ``src`` itself: decrypted in place). None when proven; else the ``Miss`` (``dst`` then
         holds nothing meaningful)."""
+        opening = self.opening(head, name)
+        if isinstance(opening, Miss):
+            return opening
+        pairs = _pairs(src, dst)
+        for s, d in pairs:
+            opening.update(s, d)
+        miss = opening.finish()
+        if miss is None and opening.code != _MODE_CODE[ENCRYPT] and src is not dst:
+            _copy_pairs(pairs)  # (in the clear: copied once proven)
+        return miss
+
+    def opening(self, head: bytes | bytearray | memoryview, name: BlockName) -> Opening | Miss:
+        """The proof of the entry whose head is ``head`` as ``name``'s, to be fed its payload
+        in order as it arrives (``Opening``), or the ``Miss`` its head alone shows."""
         miss = self.check(head, name)
         if miss is not None:
             return miss
         header = bytes(head[: _HEADER.size])
         tag = bytes(head[_HEADER.size : HEADER_BYTES])
         _magic, _version, code, kid, nonce, _layout, _full, tenant, _length = _HEADER.unpack(header)
-        pairs = _pairs(src, dst)
-        in_place = src is dst
         if code == _MODE_CODE[NONE]:
-            hasher = xxhash.xxh3_128(header)
-            for s, _ in pairs:
-                hasher.update(s)
-            if hasher.digest() != tag:
-                return Miss("corrupt")
-            if not in_place:
-                _copy_pairs(pairs)
-            return None
+            return Opening(code, tag, xxhash.xxh3_128(header))
         dec = Cipher(self._cipher(kid, tenant), modes.GCM(nonce, tag)).decryptor()
         dec.authenticate_additional_data(header)
-        if code == _MODE_CODE[MAC]:
-            for s, _ in pairs:
-                dec.authenticate_additional_data(s)
-        else:
-            for s, d in pairs:
-                dec.update_into(s, d)
-        try:
-            dec.finalize()
-        except InvalidTag:
-            return Miss("forged")
-        if code == _MODE_CODE[MAC] and not in_place:
-            _copy_pairs(pairs)
-        return None
+        return Opening(code, tag, dec)
 
     def _cipher(self, kid: bytes, tenant: bytes) -> algorithms.AES:
         cipher = self._ciphers.get((kid, tenant))
@@ -295,6 +289,40 @@ class EntryCodec:
 
 
 _CODES = frozenset(_MODE_CODE.values())
+
+
+class Opening:
+    """An entry's payload being proven (``EntryCodec.opening``): ``update`` with each part of
+    it in order, then ``finish``: None when the tag proves every byte, else the ``Miss``.
+    Until then the plaintext a part was decrypted into is unproven: nothing of it may be
+    served unless ``finish`` says so."""
+
+    __slots__ = ("code", "_tag", "_ctx")
+
+    def __init__(self, code: int, tag: bytes, ctx: Any) -> None:
+        self.code = code
+        self._tag = tag
+        self._ctx = ctx
+
+    def update(self, src: memoryview, dst: memoryview) -> None:
+        """The next part of the payload, ``src``: decrypted into ``dst`` (which may be ``src``
+        itself: in place); in the clear (mac, none) it is only authenticated (``dst`` is not
+        written: the caller copies the parts once proven)."""
+        if self.code == _MODE_CODE[ENCRYPT]:
+            self._ctx.update_into(src, dst)
+        elif self.code == _MODE_CODE[MAC]:
+            self._ctx.authenticate_additional_data(src)
+        else:
+            self._ctx.update(src)
+
+    def finish(self) -> Miss | None:
+        if self.code == _MODE_CODE[NONE]:
+            return None if self._ctx.digest() == self._tag else Miss("corrupt")
+        try:
+            self._ctx.finalize()
+        except InvalidTag:
+            return Miss("forged")
+        return None
 
 
 def _copy(pages: Sequence[bytes | memoryview], out: memoryview) -> None:

@@ -24,6 +24,12 @@ What a real server does, and what this client does about it:
 - **Values of any size under kvflow's keys.** A read asks for the value's length and at most one
   entry's bytes (``STRLEN`` and a bounded ``GETRANGE`` in one pipeline): a value longer than an
   entry of this layout is refused without being read.
+- **No copy of a value on its way in.** The replies to a read are parsed by a small reader of
+  kvflow's own (``_Replies``: integers, errors and strings, the only replies those commands
+  have) that receives a value's payload straight into its host slot's pages, proving (and
+  decrypting) each part as it arrives; redis-py's parsers would hand every value over as a new
+  ``bytes`` first. Connections (auth, TLS), the cluster's slot map and the packing of commands
+  stay redis-py's.
 
 Auth and TLS are redis-py's: put them in the URL (``rediss://user:password@host:6380/0``) or pass
 redis-py keyword arguments (``password=``, ``ssl_ca_certs=``, ``ssl_certfile=`` ...) through
@@ -33,13 +39,16 @@ them, when the tier is built: a bad one is refused there, in one line.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import hiredis
 import redis
 from redis._parsers import Encoder
 from redis.backoff import NoBackoff
@@ -58,6 +67,7 @@ from kvflow.tiers.entry import (
     EntryCodec,
     Layout,
     Miss,
+    Opening,
     check_shard,
     codec_for,
 )
@@ -72,6 +82,8 @@ URL_SCHEMES = ("redis", "rediss", "unix")
 DEFAULT_PREFIX = b"kvflow"
 # connections (worker threads) per tier: a job's blocks move over all of them at once
 DEFAULT_CONNECTIONS, MAX_CONNECTIONS = 1, 64
+# the most bytes of values one store pipeline sends (and each connection keeps buffers for)
+PIPELINE_BYTES = 32 << 20
 # Tries per request: a dropped connection gets one fresh try; a server that is down answers no
 # faster for being asked again (and the job's deadline bounds both)
 ATTEMPTS = 2
@@ -151,6 +163,10 @@ class RedisBlockStore:
         self._clock = clock
         self._layout_hex = codec.layout.digest.hex().encode()
         self._entry_bytes = codec.layout.entry_bytes
+        # a store's values are sealed into buffers it keeps (``_value``), at most
+        # ``PIPELINE_BYTES`` of them: a longer batch is sent in several pipelines
+        self._per_pipeline = max(1, PIPELINE_BYTES // self._entry_bytes)
+        self._values: list[bytearray] = []
 
     def key(self, name: BlockName) -> bytes:
         """``<prefix>:<layout digest>:<tenant id>:<full hash>`` (hex): one key per block, tenant
@@ -164,23 +180,32 @@ class RedisBlockStore:
 
         Raises ``RemoteUnavailable`` when no attempt reached the server before ``deadline_s``
         (a monotonic time): then no block is known to be stored."""
-        nonces = os.urandom(NONCE_BYTES * len(blocks))
-        values = []
-        for i, (name, pages) in enumerate(blocks):
-            value = bytearray(self._entry_bytes)
-            view = memoryview(value)
-            view[:HEADER_BYTES] = self.codec.seal(
-                name, pages, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES], view[HEADER_BYTES:]
-            )
-            values.append((self.key(name), value))
+        per_pipeline = self._per_pipeline
 
         def run() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            for key, value in values:
-                pipe.set(key, value, ex=self.ttl_s)
-            return pipe.execute(raise_on_error=False)
+            replies: list[Any] = []
+            for start in range(0, len(blocks), per_pipeline):
+                part = blocks[start : start + per_pipeline]
+                nonces = os.urandom(NONCE_BYTES * len(part))
+                pipe = self.client.pipeline(transaction=False)
+                for i, (name, pages) in enumerate(part):
+                    value = self._value(i)
+                    view = memoryview(value)
+                    view[:HEADER_BYTES] = self.codec.seal(
+                        name, pages, nonces[i * NONCE_BYTES : (i + 1) * NONCE_BYTES], view[HEADER_BYTES:]
+                    )
+                    pipe.set(self.key(name), value, ex=self.ttl_s)
+                replies += pipe.execute(raise_on_error=False)
+            return replies
 
         return [None if reply is True else _error_text(reply) for reply in self._attempt(run, deadline_s)]
+
+    def _value(self, i: int) -> bytearray:
+        """The ``i``-th buffer a pipeline's values are sealed into, kept for the next one (a
+        new buffer of megabytes costs more to allocate and fault in than to fill)."""
+        while len(self._values) <= i:
+            self._values.append(bytearray(self._entry_bytes))
+        return self._values[i]
 
     def get(
         self, names: Sequence[BlockName], into: Sequence[Sequence[memoryview]], deadline_s: float
@@ -189,10 +214,11 @@ class RedisBlockStore:
         for a block proven and loaded, or a ``Miss`` saying why not (absent, evicted, foreign,
         forged: ``REASONS``, or the server's error for that key; the pages then hold nothing
         meaningful); a refused value's ``Miss`` carries its ``seen``. Reads at most one
-        entry's bytes per key, whatever the server holds there. Raises ``RemoteUnavailable``
-        as ``put`` does."""
-        replies = self._heads(names, self._entry_bytes, deadline_s)
-        return [self._entry(n, length, value, pages) for n, (length, value), pages in zip(names, replies, into)]
+        entry's bytes per key, whatever the server holds there, its payload straight into the
+        pages (then proven, and decrypted, in place). Raises ``RemoteUnavailable`` as ``put``
+        does."""
+        reads = self._reads(names, into, deadline_s)
+        return [self._entry(n, read, pages) for n, read, pages in zip(names, reads, into)]
 
     def seen(self, names: Sequence[BlockName], deadline_s: float) -> list[bytes | Miss | None]:
         """For each block, what its key holds, by the value's head and length alone: the value's
@@ -201,45 +227,83 @@ class RedisBlockStore:
         tenant's, an unknown key's, an unkeyed one, a wrong length ...); ``None`` for an absent
         key or the server's error. Reads the heads only."""
         out: list[bytes | Miss | None] = []
-        replies = self._heads(names, HEADER_BYTES, deadline_s)
-        for name, (length, head) in zip(names, replies):
-            if not isinstance(length, int) or not isinstance(head, bytes) or length == 0:
+        for name, (length, got, head, _) in zip(names, self._reads(names, [()] * len(names), deadline_s)):
+            if not isinstance(length, int) or not isinstance(got, int) or length == 0:
                 out.append(None)
                 continue
-            seen = seen_of(length, head)
-            miss = self.codec.check(head, name)
+            seen = seen_of(length, head[:got])
+            miss = self.codec.check(head[:got], name)
             if miss is None and length != self._entry_bytes:
                 miss = Miss("length")
             out.append(seen if miss is None else Miss(miss.reason, seen))
         return out
 
-    def _heads(self, names: Sequence[BlockName], limit: int, deadline_s: float) -> list[tuple[Any, Any]]:
-        """Per key, the value's length (``STRLEN``: 0 when absent) and at most its first
-        ``limit`` bytes (``GETRANGE``), or the server's error for either."""
+    def _reads(
+        self, names: Sequence[BlockName], into: Sequence[Sequence[memoryview]], deadline_s: float
+    ) -> list[tuple[Any, Any, bytearray, Opening | None]]:
+        """Per key: the value's length (``STRLEN``: 0 when absent), how many of its first bytes
+        were read (``GETRANGE`` of at most the head and ``into``'s pages), or the server's error
+        for either; a buffer holding the head; and the proof of a value read into its pages.
+        The rest of a value goes into its pages only when its length and head can be the
+        block's entry (a value refused by its head never reaches them), each part proven (and
+        decrypted, in place) as it arrives; else it is read and dropped."""
+        if not names:
+            return []
+        heads = [bytearray(HEADER_BYTES) for _ in names]
+        keys = [self.key(name) for name in names]
 
-        def run() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            for name in names:
-                key = self.key(name)
-                pipe.strlen(key)
-                pipe.getrange(key, 0, limit - 1)
-            return pipe.execute(raise_on_error=False)
+        def run() -> list[tuple[Any, Any, bytearray, Opening | None]]:
+            out: list[Any] = [None] * len(names)
+            for client, which in self._by_server(keys):
+                commands: list[tuple[Any, ...]] = []
+                for i in which:
+                    limit = HEADER_BYTES + sum(memoryview(page).nbytes for page in into[i])
+                    commands += [("STRLEN", keys[i]), ("GETRANGE", keys[i], 0, limit - 1)]
+                with _sent(client, commands) as replies:
+                    for i in which:
+                        length = replies.read()
+                        opening: Opening | Miss | None = None
 
-        replies = self._attempt(run, deadline_s)
-        return list(zip(replies[0::2], replies[1::2]))
+                        def payload() -> tuple[Sequence[memoryview], Callable[[memoryview], None]] | None:
+                            nonlocal opening
+                            if length != self._entry_bytes:
+                                return None
+                            opening = self.codec.opening(heads[i], names[i])  # noqa: B023  (called at once)
+                            if isinstance(opening, Miss):
+                                return None
+                            return into[i], partial(_in_place, opening.update)  # noqa: B023
 
-    def _entry(self, name: BlockName, length: Any, value: Any, pages: Sequence[memoryview]) -> Miss | None:
-        for reply in (length, value):
+                        got = replies.read(heads[i], payload)
+                        out[i] = (length, got, heads[i], opening if isinstance(opening, Opening) else None)
+            return out
+
+        return self._attempt(run, deadline_s)
+
+    def _by_server(self, keys: Sequence[bytes]) -> list[tuple[redis.Redis, list[int]]]:
+        """The keys' indices by the server that holds them (a cluster's: by its slot map)."""
+        if not isinstance(self.client, RedisCluster):
+            return [(self.client, list(range(len(keys))))]
+        cluster: Any = self.client  # (redis-py: untyped)
+        groups: dict[str, tuple[redis.Redis, list[int]]] = {}
+        for i, key in enumerate(keys):
+            node = cluster.get_node_from_key(key)
+            groups.setdefault(node.name, (cluster.get_redis_connection(node), []))[1].append(i)
+        return list(groups.values())
+
+    def _entry(
+        self, name: BlockName, read: tuple[Any, Any, bytearray, Opening | None], pages: Sequence[memoryview]
+    ) -> Miss | None:
+        length, got, head, opening = read
+        for reply in (length, got):
             if isinstance(reply, Exception):
                 return Miss(_error_text(reply))
         if length == 0:  # (an empty value is no entry either)
             return Miss("absent")
-        seen = seen_of(length, value)
-        if length != self._entry_bytes:  # (a longer one: refused, the rest never read)
-            return Miss(getattr(self.codec.check(value, name), "reason", "length"), seen)
-        view = memoryview(value)
-        got = self.codec.open(view[:HEADER_BYTES], name, [view[HEADER_BYTES:]], pages)
-        return None if got is None else Miss(got.reason, seen)
+        seen = seen_of(length, head[: min(got, HEADER_BYTES)])
+        if opening is None or got != length:  # (a longer one: refused, the rest never read)
+            return Miss(getattr(self.codec.check(head[:got], name), "reason", "length"), seen)
+        miss = opening.finish()  # (the pages hold the plaintext: served only if proven)
+        return None if miss is None else Miss(miss.reason, seen)
 
     def _attempt(self, run: Callable[[], list[Any]], deadline_s: float) -> list[Any]:
         """``run``, and once more after a transport error (a dropped connection gets one fresh
@@ -259,7 +323,130 @@ class RedisBlockStore:
         self.client.close()
 
 
-def seen_of(length: int, head: bytes) -> bytes:
+@contextlib.contextmanager
+def _sent(client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> Iterator[_Replies]:
+    """Send ``commands`` in one pipeline over one of ``client``'s connections; the block reads
+    every reply, in order, from the ``_Replies`` given. A transport failure (or a reply left
+    unread) raises redis-py's ``ConnectionError`` / ``TimeoutError`` and drops the connection."""
+    pool: Any = client.connection_pool  # (redis-py: untyped)
+    conn = pool.get_connection()
+    try:
+        # (small commands: hiredis packs them in C, several times faster than the Python packer)
+        conn.send_packed_command([b"".join(map(hiredis.pack_command, commands))])
+        replies = _Replies(conn._sock)  # (redis-py's parser holds nothing between requests)
+        yield replies
+        if replies.read_count != len(commands) or replies.pending:
+            raise redis.ConnectionError("replies left unread")
+    except BaseException as e:
+        conn.disconnect()
+        if isinstance(e, OSError) and not isinstance(e, redis.RedisError):
+            error = redis.TimeoutError if isinstance(e, TimeoutError) else redis.ConnectionError
+            raise error(f"reading from the server: {e}") from e
+        raise
+    finally:
+        pool.release(conn)
+
+
+class _Replies:
+    """RESP replies (integers, errors, strings) read off a socket; a string's bytes go straight
+    into the buffers meant for them (``recv_into``), never through a copy of their own. What
+    redis-py's parsers cannot do: they return every string as a new ``bytes``."""
+
+    _CHUNK = 16384  # what one read asks for between strings (a string's bytes are read into place)
+    _PART = 256 << 10  # the most of a string one read puts in place
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._buf = bytearray()  # read, not yet consumed
+        self._chunk = bytearray(self._CHUNK)
+        self.read_count = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+    def read(
+        self,
+        head: bytearray | None = None,
+        rest: Callable[[], tuple[Sequence[memoryview], Callable[[memoryview], None]] | None] = lambda: None,
+    ) -> int | redis.ResponseError:
+        """The next reply: an integer, the server's error, or a string's length, its first
+        bytes read into ``head`` and the others into the buffers ``rest()`` gives then, in turn,
+        each part handed to its callback as soon as it is read (``None``: read and dropped). A
+        string longer than those buffers breaks the exchange."""
+        self.read_count += 1
+        line = self._line()
+        kind, rest_of_line = line[:1], line[1:]
+        if kind == b":":
+            return int(rest_of_line)
+        if kind == b"-":
+            return redis.ResponseError(rest_of_line.decode("utf-8", "replace"))
+        if kind != b"$":
+            raise redis.ConnectionError(f"unexpected reply {line[:32]!r}")
+        size = int(rest_of_line)
+        if size < 0:  # (no such value)
+            return 0
+        first = 0 if head is None else min(size, len(head))
+        if head is not None and first:
+            self._into(memoryview(head)[:first])
+        left = size - first
+        where = rest() if left else None
+        if where is None:
+            self._drop(left)
+            left = 0
+        else:
+            buffers, each = where
+            for buffer in buffers:
+                view = memoryview(buffer).cast("B")
+                self._into(view[: min(left, len(view))], each)
+                left -= min(left, len(view))
+        if left:
+            raise redis.ConnectionError(f"a reply of {size} bytes, more than was asked for")
+        if self._line():
+            raise redis.ConnectionError("a string reply not ended by CRLF")
+        return size
+
+    def _drop(self, size: int) -> None:
+        while size:
+            view = memoryview(self._chunk)[: min(size, len(self._chunk))]
+            self._into(view)
+            size -= len(view)
+
+    def _read(self) -> None:
+        n = self._sock.recv_into(self._chunk)
+        if not n:
+            raise redis.ConnectionError("the server closed the connection")
+        self._buf += memoryview(self._chunk)[:n]
+
+    def _line(self) -> bytes:
+        while (end := self._buf.find(b"\r\n")) < 0:
+            self._read()
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 2]
+        return line
+
+    def _into(self, view: memoryview, each: Callable[[memoryview], None] | None = None) -> None:
+        """Fill ``view``, handing each part read to ``each`` (parts of at most ``_PART``: what
+        ``each`` reads back is still in the CPU's cache)."""
+        at = min(len(self._buf), len(view))
+        view[:at] = self._buf[:at]
+        del self._buf[:at]
+        if each is not None and at:
+            each(view[:at])
+        while at < len(view):
+            n = self._sock.recv_into(view[at : at + self._PART])
+            if not n:
+                raise redis.ConnectionError("the server closed the connection")
+            if each is not None:
+                each(view[at : at + n])
+            at += n
+
+
+def _in_place(update: Callable[[memoryview, memoryview], None], part: memoryview) -> None:
+    update(part, part)
+
+
+def seen_of(length: int, head: bytes | bytearray) -> bytes:
     """What identifies a value a reader refused: its length and its head, whose nonce (random,
     new for every write) changes whenever a writer rewrites the key: a refused value is not
     offered again until then."""

@@ -49,7 +49,7 @@ import structlog
 
 from kvflow.core.commands import JobResult, TierRefused
 from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob
-from kvflow.core.names import BlockName
+from kvflow.core.names import BlockName, tier_names
 from kvflow.tiers.entry import REJECTED, Miss
 from kvflow.tiers.host_slots import SlotPages
 from kvflow.tiers.refusals import Refusals
@@ -158,12 +158,15 @@ class RemoteTierExecutor:
                 for part in parts:
                     self._work.put((part, deadline, whole))
 
-    def probe(self, names: Sequence[BlockName]) -> None:
+    def probe(self, keys: Sequence[int], names: Sequence[BlockName] = ()) -> None:
         now, absent, probing = self._clock(), self._absent_until, self._probing
-        todo = [n for n in names if n.key not in probing and absent.get(n.key, 0.0) <= now and n.full]
+        todo = [i for i, k in enumerate(keys) if k not in probing and absent.get(k, 0.0) <= now]
         if todo:
-            probing.update(dict.fromkeys(n.key for n in todo))
-            self._work.put((tuple(todo), now + self._deadline_s, None))
+            asked = [keys[i] for i in todo]
+            probing.update(dict.fromkeys(asked))
+            # (named in the worker: tier_names)
+            work = (tuple(asked), tuple(names[i] for i in todo) if names else ())
+            self._work.put((work, now + self._deadline_s, None))
 
     def remote_rejected(self) -> dict[str, int]:
         """Values refused since the tier was built (each once, by a probe or a load), by reason
@@ -256,8 +259,10 @@ class RemoteTierExecutor:
         with self._lock:
             self.stats[stat] += n
 
-    def _run_probe(self, names: tuple[BlockName, ...], deadline: float) -> None:
+    def _run_probe(self, work: tuple[tuple[int, ...], tuple[BlockName, ...]], deadline: float) -> None:
+        keys, given = work
         try:
+            names = [n for n in tier_names(keys, given) if n.full]
             seen = self._store_or_none().seen(names, deadline)
             self._count("probed_blocks", len(names))
             refused = self._refused
@@ -278,8 +283,8 @@ class RemoteTierExecutor:
         except Exception:
             pass  # a probe that fails finds nothing; the lookup just misses
         finally:
-            for name in names:
-                self._probing.pop(name.key, None)
+            for key in keys:
+                self._probing.pop(key, None)
 
     def _refuse(self, name: BlockName, miss: Miss, job_id: int = 0) -> None:
         """A value under ``name``'s key refused (by a probe, or the load ``job_id``): counted by
@@ -301,7 +306,7 @@ class RemoteTierExecutor:
 
     def _run_job(self, job: TransferJob, deadline: float) -> tuple[bool, str | None]:
         try:
-            names = job.names
+            names = tier_names(job.hashes, job.names)
             if len(names) != len(job.hashes) or not all(n.full for n in names):
                 return False, "a block of the job has no name (forgotten by the engine)"
             store = self._store_or_none()

@@ -101,8 +101,7 @@ class SimulatedRemoteExecutor:
     def _answer(self, job_id: int, ok: bool, error: str | None) -> None:
         self._ready.extend(JobResult(job_id=job_id, rank=r, ok=ok, error=error) for r in range(self._world))
 
-    def probe(self, names: Sequence[BlockName]) -> None:
-        keys = [n.key for n in names]
+    def probe(self, keys: Sequence[int], names: Sequence[BlockName] = ()) -> None:
         self._found.extend(h for h, there in zip(keys, self.store.contains(keys)) if there)
 
     def take_found(self) -> list[int]:

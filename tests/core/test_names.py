@@ -10,7 +10,15 @@ from core_helpers import consistent, manager, store, tokens
 
 from kvflow.core.errors import Rejected
 from kvflow.core.jobs import REMOTE_STORE
-from kvflow.core.names import NO_TENANT, BlockName, BlockNames, full_hash, name_of, tenant_id
+from kvflow.core.names import (
+    NO_TENANT,
+    BlockName,
+    BlockNames,
+    full_hash,
+    name_of,
+    tenant_id,
+    tier_names,
+)
 
 SHA = [int.from_bytes(hashlib.sha256(b"block %d" % i).digest(), "big") for i in range(8)]
 
@@ -64,6 +72,36 @@ def test_F21_a_remote_job_names_each_block_by_its_full_hash_and_tenant() -> None
         name_of(SHA[0]).key, full_hash(SHA[0]), NO_TENANT
     )
     assert names[7] == BlockName(7, full_hash(7), NO_TENANT)
+
+
+def test_a_job_whose_keys_are_all_their_own_hashes_is_named_by_the_tier() -> None:
+    m = manager(remote_blocks=100)
+    store(m, "a", [7, -8, 2**63 - 1], [1, 2, 3])
+    (push,) = [j for j in m.plan_step(0.0) if j.direction == REMOTE_STORE]
+    assert push.names == ()  # (the engine thread names nothing)
+    assert tier_names(push.hashes, push.names) == tuple(name_of(h) for h in (7, -8, 2**63 - 1))
+
+
+def test_tier_names_are_the_engines_when_given_and_an_unnamed_derived_key_gets_an_empty_name() -> None:
+    given = (name_of(SHA[0]), name_of(7, tenant_id("t")))
+    assert tier_names([n.key for n in given], given) == given
+    derived = name_of(SHA[1]).key
+    assert tier_names([3, derived], ()) == (name_of(3), BlockName(derived, b""))  # a tier fails that job
+
+
+def test_lookup_and_probe_computes_keys_once_and_remembers_the_candidates_names() -> None:
+    m = manager(cpu_blocks=8, remote_blocks=100)
+    m.blocks_computed("a", SHA[:2], [1, 2], tenant="t")
+    while jobs := m.plan_step(0.0):  # the store, then its write-through
+        for j in jobs:
+            m.job_result(j.job_id)
+    hits, keys, names = m.lookup_and_probe("b", SHA[:5], tokens(5), tenant="t")
+    assert hits == 2
+    assert names == [name_of(h, tenant_id("t")) for h in SHA[2:5]] and keys == [n.key for n in names]
+    assert all(m.names.name(n.key) == n for n in names)  # what the probe finds joins by key
+    assert m.lookup_and_probe("c", [5, 6], tokens(2)) == (0, [5, 6], [])  # the tier names those
+    m.accept_hits("b", [])
+    consistent(m)
 
 
 def test_a_key_collision_is_detected_and_never_served() -> None:

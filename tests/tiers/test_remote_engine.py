@@ -392,3 +392,45 @@ def test_F20_an_attackers_rewritten_entries_serve_no_byte(redis_standalone) -> N
         raw.close()
         writer.close()
         reader.close()
+
+
+def test_full_width_hashes_of_a_tenant_are_probed_and_loaded_by_name_and_never_for_another_tenant(
+    redis_standalone,  # noqa: F811
+) -> None:
+    """Derived keys: the engine names the blocks of its probes and jobs itself (the tier
+    cannot derive a tenant's names from keys)."""
+    import hashlib
+    from typing import Any
+
+    from core_helpers import settle
+
+    wide = [int.from_bytes(hashlib.sha256(b"wide %d" % i).digest(), "big") for i in range(4)]
+    tokens = len(wide) * 16 + 1
+    writer, writer_kv = instance(redis_standalone.url, False, seed=1)
+    reader, reader_kv = instance(redis_standalone.url, False, seed=2)
+    try:
+        writer.lookup("w", wide, tokens, tenant="t")
+        writer.blocks_computed("w", wide, (0, 1, 2, 3), tenant="t")
+        settle(writer)
+        assert writer.executor.stats["remote_stored_blocks"] == 4
+
+        def look(tenant: str, until: Any) -> int:
+            deadline = time.monotonic() + 2.0
+            while not until(hits := reader.lookup(tenant, wide, tokens, tenant=tenant)) and time.monotonic() < deadline:
+                reader.accept_hits(tenant, [])
+                reader.step()
+                time.sleep(0.002)
+            return hits
+
+        # another tenant: probed (by the names the engine gave), never found
+        assert look("u", lambda _: reader.executor.stats["probed_blocks"] >= 4) == 0
+        reader.accept_hits("u", [])
+        assert look("t", lambda hits: hits == 4) == 4
+        reader.accept_hits("t", (8, 9, 10, 11))
+        settle(reader)
+        assert reader.executor.stats["remote_loaded_blocks"] == 4
+        for a, b in zip(blocks_of(reader_kv, (8, 9, 10, 11)), blocks_of(writer_kv, (0, 1, 2, 3))):
+            assert a.equal(b)
+    finally:
+        writer.close()
+        reader.close()

@@ -100,6 +100,77 @@ def test_cluster_spreads_keys_over_every_node(redis_cluster) -> None:  # noqa: F
         node.cli("FLUSHALL")
 
 
+def test_a_batch_longer_than_one_pipeline_goes_in_several_and_each_block_reads_back(target) -> None:
+    store = store_for(target)
+    store._per_pipeline = 2  # (PIPELINE_BYTES' worth: 2 entries of this layout)
+    hashes = list(range(100, 107))
+    assert put(store, hashes) == [None] * len(hashes)
+    assert len(store._values) == 2  # the buffers are reused from one pipeline to the next
+    assert put(store, hashes[::-1]) == [None] * len(hashes)
+    for h, payload in zip(hashes, get(store, hashes)):
+        assert bytes(payload) == b"".join(pages_of(h))
+    store.close()
+
+
+def test_a_value_shorter_than_an_entry_is_refused_and_the_connection_stays_usable(target) -> None:
+    store = store_for(target)
+    put(store, [1, 2, 3])
+    key = store.key(name_of(2))
+    short = entry_of(2)[: HEADER_BYTES + 100]
+    client = store.client
+    client.set(key, short)
+    got = get(store, [1, 2, 3])
+    assert isinstance(got[1], Miss) and got[1].reason == "length"
+    assert [bytes(got[0]), bytes(got[2])] == [b"".join(pages_of(1)), b"".join(pages_of(3))]
+    assert get(store, [1]) == [b"".join(pages_of(1))]
+    store.close()
+
+
+def test_the_reply_reader_puts_strings_into_their_buffers_and_refuses_a_broken_stream() -> None:
+    import socket
+    import threading
+
+    import redis
+
+    from kvflow.tiers.redis_store import _Replies
+
+    def replies_of(stream: bytes) -> _Replies:
+        ours, theirs = socket.socketpair()
+        ours.settimeout(2.0)
+
+        def send() -> None:  # in small pieces: every boundary falls inside something
+            for i in range(0, len(stream), 7):
+                theirs.sendall(stream[i : i + 7])
+            theirs.close()
+
+        threading.Thread(target=send, daemon=True).start()
+        return _Replies(ours)
+
+    body = bytes(range(256)) * 200
+    reader = replies_of(b":51200\r\n-ERR wrong\r\n$51200\r\n" + body + b"\r\n$51200\r\n" + body + b"\r\n$-1\r\n:0\r\n")
+    assert reader.read() == 51200
+    error = reader.read()
+    assert isinstance(error, redis.ResponseError) and str(error) == "ERR wrong"
+    head, pages = bytearray(100), [memoryview(bytearray(51000)), memoryview(bytearray(200))]
+    parts: list[bytes] = []
+    assert reader.read(head, lambda: (pages, lambda part: parts.append(bytes(part)))) == 51200
+    assert bytes(head) + bytes(pages[0]) + bytes(pages[1][:100]) == body  # (the buffers may hold more)
+    assert b"".join(parts) == body[100:] and len(parts) > 1  # each part handed over as it was read
+    assert bytes(pages[1][100:]) == bytes(100)
+    assert reader.read(bytearray(100), lambda: None) == 51200  # read and dropped
+    assert reader.read(bytearray(100), lambda: (pages, parts.append)) == 0  # no such value
+    assert reader.read() == 0 and reader.read_count == 6 and not reader.pending
+
+    for stream, why in [
+        (b"$10\r\n0123456789\r\n", "more than was asked for"),  # longer than its buffers
+        (b"$4\r\n0123XY\r\n", "not ended by CRLF"),
+        (b"+OK\r\n", "unexpected reply"),
+        (b"$10\r\n01234", "closed the connection"),
+    ]:
+        with pytest.raises(redis.ConnectionError, match=why):
+            replies_of(stream).read(bytearray(2), lambda: ([memoryview(bytearray(4))], lambda _: None))
+
+
 def test_layouts_never_meet(redis_standalone) -> None:  # noqa: F811
     store = store_for(redis_standalone)
     other_layout = Layout(model="other-model", page_bytes=LAYOUT.page_bytes, block_tokens=16)
@@ -287,3 +358,4 @@ print(json.dumps([[m.reason for m in misses], [m.reason for m in seen], peak, (a
     assert reasons == ["length", "format"]
     assert seen == ["length", "format"]
     assert peak < 8 << 20 and grown < 32 << 20, (peak, grown)  # not one 128 MiB value read
+

@@ -2,7 +2,7 @@
 
     python tools/bench_remote.py [--url redis://127.0.0.1:6379] [--sizes-kib 256,2048,4096]
                                  [--modes none,mac,encrypt] [--total-mib 256] [--batch 16]
-                                 [--connections N] [--repeat 3] [--engine-requests 64]
+                                 [--connections N] [--repeat 3] [--engine-requests 64] [--engine-blocks 32]
                                  [--quick] [--profile]
 
 For each value size and protection mode: ``redis-benchmark`` SET and GET of values of the
@@ -40,7 +40,7 @@ from urllib.parse import urlparse
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = 4  # host regions per slot (a block's payload is one page of each)
-ENGINE_BLOCKS, ENGINE_PAGE_KIB = 32, 16  # the engine-thread measure: requests of 32 blocks of 64 KiB
+ENGINE_PAGE_KIB = 16  # the engine-thread measure: requests of --engine-blocks blocks of 64 KiB
 
 # redis_tier's extra arguments per protection mode: "none" an unkeyed checksum (opted out by
 # name), "mac" authenticated in the clear, "encrypt" encrypted and authenticated
@@ -130,9 +130,11 @@ def measure(executor: Any, payload: int, blocks: int, batch: int, base_id: int) 
     return {"store_gbs": payload * blocks / store_s / 1e9, "load_gbs": payload * blocks / load_s / 1e9}
 
 
-def engine_thread_cost(url: str, requests: int, remote: bool, profile: cProfile.Profile | None = None) -> dict[str, float]:
+def engine_thread_cost(
+    url: str, requests: int, remote: bool, profile: cProfile.Profile | None = None, blocks: int = 32
+) -> dict[str, float]:
     """CPU time of the engine's own thread per block: one instance stores ``requests`` requests
-    of 32 blocks (written through to the remote tier when ``remote``), another looks them up
+    of ``blocks`` blocks (written through to the remote tier when ``remote``), another looks them up
     (with a remote tier: probe, remote load, then the hit and its load to the device). The
     device copies are simulated (done when a virtual clock reaches them), so that what is
     measured is the engine's and the remote tier's cost, not the device executor's."""
@@ -140,7 +142,7 @@ def engine_thread_cost(url: str, requests: int, remote: bool, profile: cProfile.
     from kvflow.engine.sync import SyncEngine
     from kvflow.executors.simulated import SimulatedExecutor, TransferModel, VirtualClock
 
-    cpu_blocks = requests * ENGINE_BLOCKS
+    cpu_blocks = requests * blocks
     payload = ENGINE_PAGE_KIB * 1024 * LAYERS
 
     def build() -> tuple[SyncEngine, VirtualClock]:
@@ -170,10 +172,10 @@ def engine_thread_cost(url: str, requests: int, remote: bool, profile: cProfile.
             engine.step()
 
     def chain(r: int) -> list[int]:
-        return [r * ENGINE_BLOCKS + i + 1 for i in range(ENGINE_BLOCKS)]
+        return [r * blocks + i + 1 for i in range(blocks)]
 
-    tokens = ENGINE_BLOCKS * 16 + 1
-    device = list(range(ENGINE_BLOCKS))
+    tokens = blocks * 16 + 1
+    device = list(range(blocks))
     out: dict[str, float] = {}
     writer, clock = build()
     try:
@@ -215,7 +217,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16, help="blocks per remote job")
     parser.add_argument("--connections", type=int, default=None, help="the tier's (default: redis_tier's)")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--engine-requests", type=int, default=64, help="requests of 32 blocks (0: skip)")
+    parser.add_argument("--engine-requests", type=int, default=64, help="requests for the engine-thread measure (0: skip)")
+    parser.add_argument("--engine-blocks", type=int, default=32, help="blocks per request there (its commands are per request)")
     parser.add_argument("--quick", action="store_true", help="small sizes and counts (a smoke test)")
     parser.add_argument("--profile", action="store_true", help="cProfile of the engine thread's lookups")
     args = parser.parse_args()
@@ -283,11 +286,11 @@ def main() -> int:
             for _ in range(args.repeat):
                 for remote in (False, True):
                     _flush(url)
-                    run = engine_thread_cost(url, args.engine_requests, remote, profile if remote else None)
+                    run = engine_thread_cost(url, args.engine_requests, remote, profile if remote else None, args.engine_blocks)
                     cost[remote] = {k: min(v, cost.get(remote, run)[k]) for k, v in run.items()}
-            assert cost[True]["remote_loaded"] == args.engine_requests * ENGINE_BLOCKS, cost
+            assert cost[True]["remote_loaded"] == args.engine_requests * args.engine_blocks, cost
             print(
-                f"engine thread CPU per block (us), {ENGINE_BLOCKS}-block requests of "
+                f"engine thread CPU per block (us), {args.engine_blocks}-block requests of "
                 f"{ENGINE_PAGE_KIB * LAYERS} KiB blocks, best of {args.repeat}: compute + store "
                 f"{cost[False]['store']:.1f} without a remote tier, {cost[True]['store']:.1f} with it "
                 f"(write-through); lookups by another instance {cost[False]['load']:.1f} without "

@@ -72,6 +72,14 @@ def _top_field(line: bytes, stop: int | None = None, depth_limit: int | None = N
     return key.decode("utf-8", "replace")
 
 
+def is_utf8_error(exc: BaseException) -> bool:
+    """Whether a decoder refused a line for bytes that are not UTF-8 (msgspec raised a
+    ``UnicodeDecodeError`` before 0.23, a ``DecodeError`` saying so since)."""
+    return isinstance(exc, UnicodeDecodeError) or (
+        isinstance(exc, msgspec.DecodeError) and "utf-8" in str(exc).lower()
+    )
+
+
 def utf8_problem(line: bytes) -> str:
     """Why ``line`` is refused when it holds bytes that are not UTF-8: the field and column."""
     try:
@@ -93,7 +101,7 @@ def nesting_problem(line: bytes) -> str:
 
 def decode_problem(exc: BaseException, line: bytes) -> str:
     """The one-line message for a line the record decoder refused with ``exc``."""
-    if isinstance(exc, UnicodeDecodeError):
+    if is_utf8_error(exc):
         return utf8_problem(line)
     if isinstance(exc, RecursionError):
         return nesting_problem(line)

@@ -40,6 +40,7 @@ from kvflow.log.problems import (
     READ_ERRORS,
     decode_problem,
     field_message,
+    is_utf8_error,
     read_error,
 )
 from kvflow.log.ranges import first_out_of_range
@@ -120,9 +121,9 @@ class TraceReader:
             raise TraceError(self.path, 1, "empty file: expected a kvflow-trace header")
         try:
             raw = msgspec.json.decode(first)
-        except msgspec.DecodeError:
-            raise TraceError(self.path, 1, "header is not JSON (is this a kvflow trace?)") from None
-        except (UnicodeDecodeError, RecursionError) as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+            if isinstance(exc, msgspec.DecodeError) and not is_utf8_error(exc):
+                raise TraceError(self.path, 1, "header is not JSON (is this a kvflow trace?)") from None
             raise TraceError(self.path, 1, f"header: {decode_problem(exc, first)}") from None
         if not isinstance(raw, dict) or raw.get("format") != TRACE_FORMAT:
             raise TraceError(self.path, 1, "field 'format': not a kvflow-trace header")

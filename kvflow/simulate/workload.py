@@ -216,7 +216,10 @@ def _explain_bad_line(raw: bytes, error: msgspec.DecodeError) -> str:
 
         return utf8_problem(raw)
     except msgspec.DecodeError as json_error:
-        from kvflow.log.problems import syntax_error_field
+        from kvflow.log.problems import is_utf8_error, syntax_error_field, utf8_problem
+
+        if is_utf8_error(json_error):
+            return utf8_problem(raw)
 
         torn = "" if raw.endswith(b"\n") else " (last line has no newline: a torn write?)"
         field = syntax_error_field(str(json_error), raw)

@@ -410,25 +410,28 @@ def test_F22_a_second_vllm_process_loads_the_first_ones_prefixes_from_the_disk_t
     assert "no checkpoint after them" in incidents.stderr
 
 
+@pytest.mark.parametrize("cluster", [False, True], ids=["standalone", "cluster"])
 def test_a_second_vllm_process_loads_the_first_ones_prefixes_from_a_shared_redis(
-    model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]], tmp_path: Path
+    model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]], tmp_path: Path, cluster: bool
 ) -> None:
-    """Two vLLM processes sharing a real redis-server (entries sealed with a keys file): the
-    first computes the conversations' first turns (written through to Redis); the second,
-    with empty CPU and device caches, finds every conversation's prefix there by its workers'
-    probes at its first turn and loads it. Outputs are vLLM's own without kvflow, token for
-    token; the second's trace replays and re-decides clean."""
-    from redis_servers import RedisServer, require_redis
+    """Two vLLM processes sharing a real redis-server, standalone or a 3-node Redis Cluster
+    (entries sealed with a keys file): the first computes the conversations' first turns
+    (written through to Redis); the second, with empty CPU and device caches, finds every
+    conversation's prefix there by its workers' probes at its first turn and loads it. Outputs
+    are vLLM's own without kvflow, token for token; the second's trace replays and re-decides
+    clean."""
+    from redis_servers import RedisCluster, RedisServer, require_redis
     from tier_keys import keys_file
 
     require_redis()
-    server = RedisServer()
+    servers = RedisCluster() if cluster else RedisServer()
+    node = servers.nodes[0] if isinstance(servers, RedisCluster) else servers
     try:
-        extra = {"cpu_blocks": 64, "remote_url": f"redis://{server.host}:{server.port}",
+        extra = {"cpu_blocks": 64, "remote_url": f"redis://{node.host}:{node.port}", "remote_cluster": cluster,
                  "remote_key_file": str(keys_file(tmp_path))}  # fmt: skip
         (first, _), (second, second_trace) = two_processes(model_dir, tmp_path, extra)
     finally:
-        server.close()
+        servers.close()
     assert [o for o, _ in first] == [o for o, _ in second] == without_kvflow[0][:CONVERSATIONS]
     assert [c for _, c in first] == [0] * CONVERSATIONS  # nothing in Redis yet
     assert [c for _, c in second] == [PREFIX] * CONVERSATIONS  # every prefix from the remote tier

@@ -21,6 +21,9 @@ failed loads are named to vLLM (``get_block_ids_with_load_errors``) so that
 Ranks: every worker reports under its rank (vLLM's ``parallel_config.rank``) and the scheduler
 side counts vLLM's ``parallel_config.world_size`` ranks, so a job is over once every worker's
 copy is, and a copy that fails on one worker fails the job (vLLM recomputes its blocks).
+Remote tier: each worker's tier holds its own shard; the scheduler side's lookups send the blocks
+to ask it about with the next step's metadata (``StepPlan.probes``), the workers answer with
+their results (``KVFlowWorkerMetadata.probes``), and a block is found when every rank found it.
 
 This module imports without vLLM; the connector class needs it (``pip install vllm``).
 """

@@ -339,8 +339,8 @@ class StepPlan(msgspec.Struct, frozen=True):
     probes: list[BlockName] = []  # blocks every worker's remote tier is asked about
 
 
-# how long the scheduler side takes a block some rank's remote tier answered absent as absent
-# (a request waiting for its turn looks its prefix up every step)
+# how long a block some rank's remote tier answered absent is taken as absent, by the scheduler
+# side and by each worker's tier (a request waiting for its turn looks its prefix up every step)
 ABSENT_TTL_MS = 1000.0
 
 
@@ -421,8 +421,8 @@ class SchedulerSide:
         """How many tokens after the ``num_computed_tokens`` vLLM has can come from the tier.
         A request whose load failed is offered nothing again: vLLM recomputes its blocks
         (a load that keeps failing must not loop lookup -> load -> fail). ``None``: ask again
-        next step (a lower tier is loading blocks past the hits, or the remote tier is being asked
-about them; never longer than the job deadline for one request). ``tenant``: the request's
+        next step (a lower tier is loading blocks past the hits, or the remote tier is being
+        asked about them; never longer than the job deadline for one request). ``tenant``: the request's
         ``cache_salt`` (F21: its blocks never hit for another salt); ``token_ids``: its tokens
         (for the KV events of the blocks it stores)."""
         if request_id in self._load_failed:
@@ -767,6 +767,7 @@ class WorkerSide:
             insecure_no_key=config.remote_insecure_no_key,
             shard=(self.rank, self.world_size),
             ranks=(self.rank,),
+            absent_ttl_s=ABSENT_TTL_MS / 1000.0,
             **tls,
         )
 

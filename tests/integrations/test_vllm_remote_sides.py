@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_servers import RedisServer, redis_standalone  # noqa: F401
+from redis_servers import RedisServer, redis_standalone, tls_server  # noqa: F401
 from tier_keys import keys_file
 
 from kvflow.core.commands import JobResult
+from kvflow.core.errors import ConfigError
 from kvflow.integrations.vllm.sides import ConnectorConfig, SchedulerSide, StepPlan, WorkerSide
 
 B = 32
@@ -108,3 +109,21 @@ def test_a_second_deployment_loads_the_firsts_blocks_each_rank_its_own_shard(
     for worker in reader_workers:
         worker.close()
     reader.close()
+
+
+def test_a_worker_reaches_a_tls_server_with_the_configs_certificate_files(
+    tls_server: tuple[RedisServer, dict[str, str]], tmp_path: Path  # noqa: F811
+) -> None:
+    """``remote_tls_*`` reach redis-py: with the CA and the client's certificate the worker's
+    tier starts (the server answered a PING over TLS); without the client's certificate, the
+    server refuses it, in one line, before vLLM runs anything."""
+    server, certs = tls_server
+    extra = {"cpu_blocks": 8, "remote_url": server.url, "remote_key_file": str(keys_file(tmp_path)),
+             "remote_tls_ca_file": certs["ca.crt"]}  # fmt: skip
+    both = {**extra, "remote_tls_cert_file": certs["client.crt"], "remote_tls_key_file": certs["client.key"]}
+    worker = WorkerSide(ConnectorConfig.from_extra(both), model="glass:float32", block_tokens=B)
+    worker.register(shard(1))
+    worker.close()
+    with pytest.raises(ConfigError) as refused:
+        WorkerSide(ConnectorConfig.from_extra(extra), model="glass:float32", block_tokens=B).register(shard(1))
+    assert "\n" not in str(refused.value)

@@ -518,6 +518,7 @@ def redis_tier(
     insecure_no_key: bool = False,
     shard: tuple[int, int] = (0, 1),
     connections: int = DEFAULT_CONNECTIONS,
+    ranks: Sequence[int] | None = None,
     **redis_kwargs: Any,
 ) -> RemoteTierExecutor:
     """``executor`` (with its host pool) behind a Redis remote tier: the executor to hand to
@@ -527,7 +528,9 @@ def redis_tier(
     identity entries are keyed and checked by. ``timeout_s`` (socket timeout, one attempt)
     defaults to a quarter of the job deadline, at most 1 s. A block a probe found absent is not
     asked about again for ``absent_ttl_s``. ``connections``: connections to the server (each
-    in a thread of its own; a job's blocks are spread over them).
+    in a thread of its own; a job's blocks are spread over them). ``ranks``: the ranks whose
+    results a remote job's end reports (every rank of ``config.world_size`` when one pool
+    serves them all; a worker's own rank when each rank has a pool and a tier of its own).
 
     Entries are sealed with ``keys`` (``kvflow.tiers.keys.TierKeys``): encrypted, or with
     ``encrypt=False`` authenticated in the clear. Without keys the tier refuses to start unless
@@ -577,7 +580,7 @@ def redis_tier(
         open_store,
         SlotPages.of_pool(pool),
         job_deadline_ms=config.job_deadline_ms,
-        world_size=config.world_size,
+        ranks=range(config.world_size) if ranks is None else ranks,
         absent_ttl_s=absent_ttl_s,
         call_timeout_s=ATTEMPTS * timeout,
         connections=connections,

@@ -16,12 +16,13 @@ that wait.
 Anything the thread hits — a refused write (OOM), a miss (evicted, foreign, damaged entry), a
 lost connection, a bug — becomes that job's failure (F2), never an exception in the engine. A
 remote job moves every rank's pages of the shared host pool at once, so it answers for every
-rank of the world.
+rank of ``ranks`` (the world's, or this worker's alone when each rank has a pool of its own).
 
 Probes: ``probe(names)`` asks the remote tier which of a lookup's missing blocks it holds (the
 heads and lengths of their values: a value that cannot be the block's entry for this reader is
-not offered); ``take_found()`` hands the answer (keys) to the engine, which records it
-(``RemoteFound``).
+not offered); ``take_probed()`` hands over, for each probe over, the keys it was asked about and
+those it found (a key a probe answered absent a moment ago is answered at once, absent again);
+``take_found()`` the found keys alone, for an engine that records them (``RemoteFound``).
 
 A value that was loaded and refused (a forged, damaged or foreign payload under a head that
 fits) fails its load: the engine drops the block from its remote index. A value a probe can
@@ -84,7 +85,7 @@ class RemoteTierExecutor:
         slots: SlotPages,
         *,
         job_deadline_ms: float,
-        world_size: int = 1,
+        ranks: Sequence[int] = (0,),
         clock: Callable[[], float] = time.monotonic,
         absent_ttl_s: float = 1.0,
         call_timeout_s: float = 60.0,
@@ -94,16 +95,18 @@ class RemoteTierExecutor:
         long (a request waiting for its turn looks its prefix up every step).
         ``call_timeout_s``: the longest one call to the store can take (its attempts' socket
         timeouts): with the job deadline, it bounds how long ``close`` waits.
-        ``connections``: worker threads, each with a store (a connection) of its own."""
+        ``connections``: worker threads, each with a store (a connection) of its own.
+        ``ranks``: the ranks a remote job's end reports for."""
         self.inner = inner
         self.slots = slots
         self._open_store = open_store
         self._deadline_s = job_deadline_ms / 1000.0
-        self._world = world_size
+        self._ranks = tuple(ranks)
         self._clock = clock
         self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
-        self._found: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        # (keys a probe was asked about, keys it found), one pair per probe over
+        self._found: queue.SimpleQueue[tuple[list[int], list[int]]] = queue.SimpleQueue()
         self._log = structlog.get_logger("kvflow")
         self._results_ready = threading.Event()
         self._probing: dict[int, None] = {}  # hashes with a probe in flight (asked once)
@@ -161,6 +164,11 @@ class RemoteTierExecutor:
     def probe(self, keys: Sequence[int], names: Sequence[BlockName] = ()) -> None:
         now, absent, probing = self._clock(), self._absent_until, self._probing
         todo = [i for i, k in enumerate(keys) if k not in probing and absent.get(k, 0.0) <= now]
+        if len(todo) < len(keys):  # absent a moment ago: answered now (in flight: answered later)
+            asking = {keys[i] for i in todo}
+            known = [k for k in keys if k not in asking and k not in probing]
+            if known:
+                self._found.put((known, []))
         if todo:
             asked = [keys[i] for i in todo]
             probing.update(dict.fromkeys(asked))
@@ -188,12 +196,20 @@ class RemoteTierExecutor:
         """Whether a probe's answer is still to come."""
         return bool(self._probing)
 
-    def take_found(self) -> list[int]:
+    def take_probed(self) -> tuple[list[int], list[int]]:
+        """(the keys probes were asked about and are over for, those of them they found)
+        since the last call: a key asked and not found is absent (or could not be asked)."""
+        probed: list[int] = []
         found: list[int] = []
         answers = self._found
         while not answers.empty():  # (the engine's thread is the only one that takes)
-            found.extend(answers.get_nowait())
-        return found
+            asked, there = answers.get_nowait()
+            probed.extend(asked)
+            found.extend(there)
+        return probed, found
+
+    def take_found(self) -> list[int]:
+        return self.take_probed()[1]
 
     def poll(self) -> list[JobResult]:
         results: list[JobResult] = self.inner.poll()
@@ -241,7 +257,7 @@ class RemoteTierExecutor:
                 if whole.error is not None:
                     self.stats["remote_failed_jobs"] += 1
             ok, error, job_id = whole.error is None, whole.error, whole.job.job_id
-            for rank in range(self._world):
+            for rank in self._ranks:
                 self._done.put(JobResult(job_id=job_id, rank=rank, ok=ok, error=error))
             self._results_ready.set()
         if self._local.store is not None:
@@ -261,6 +277,7 @@ class RemoteTierExecutor:
 
     def _run_probe(self, work: tuple[tuple[int, ...], tuple[BlockName, ...]], deadline: float) -> None:
         keys, given = work
+        found: list[int] = []
         try:
             names = [n for n in tier_names(keys, given) if n.full]
             seen = self._store_or_none().seen(names, deadline)
@@ -270,7 +287,7 @@ class RemoteTierExecutor:
                 if isinstance(s, Miss):
                     self._refuse(name, s)
             there = [isinstance(s, bytes) and refused.get(n.key) != s for n, s in zip(names, seen)]
-            self._found.put([n.key for n, t in zip(names, there) if t])
+            found = [n.key for n, t in zip(names, there) if t]
             absent, until = self._absent_until, self._clock() + self._absent_ttl_s
             if len(absent) > _REMEMBERED:  # bounded: forget the old answers wholesale
                 absent.clear()
@@ -285,6 +302,7 @@ class RemoteTierExecutor:
         finally:
             for key in keys:
                 self._probing.pop(key, None)
+            self._found.put((list(keys), found))
 
     def _refuse(self, name: BlockName, miss: Miss, job_id: int = 0) -> None:
         """A value under ``name``'s key refused (by a probe, or the load ``job_id``): counted by

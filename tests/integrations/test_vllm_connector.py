@@ -330,37 +330,58 @@ def test_scheduler_and_worker_in_vllms_engine_process(
     assert replayed.exit_code == 0, replayed.output
 
 
-RESTART_SCRIPT = """
+SECOND_PROCESS_SCRIPT = """
 import json, os, sys, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 def main():
-    model, disk, trace, convs, keys = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5]
+    model, extra, convs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=128, block_size=32,
               enable_prefix_caching=True, num_gpu_blocks_override=8, max_num_seqs=2, max_num_batched_tokens=128,
               seed=0, enforce_eager=True, kv_transfer_config={
                   "kv_connector": "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm.connector",
-                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                  "kv_connector_extra_config": {"cpu_blocks": 64, "disk_path": disk, "disk_gb": 0.01,
-                                                "disk_key_file": keys, "disk_store_mode": "write_through",
-                                                "trace_path": trace}})
+                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra})
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     out = []
     for c in convs:
         r = llm.generate([TokensPrompt(prompt_token_ids=c)], params, use_tqdm=False)[0]
         out.append([list(r.outputs[0].token_ids), int(r.num_cached_tokens or 0)])
-    # a serving process steps on: the last turns' copies to disk are planned and run (a
-    # request shorter than a block stores nothing)
+    # a serving process steps on: the last turns' copies to the lower tier are planned and run
+    # (a request shorter than a block stores nothing)
     for _ in range(4):
         llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
     time.sleep(1.0)
     print("RESULT " + json.dumps(out), flush=True)
-    os._exit(0)  # no shutdown: the disk tier must outlive a process that just ends
+    os._exit(0)  # no shutdown: a tier that outlives the process must not need one
 
 if __name__ == "__main__":
     main()
 """
+
+
+def two_processes(model_dir: Path, tmp_path: Path, extra: dict[str, Any]) -> list[tuple[list[Any], Path]]:
+    """Two vLLM processes, one after the other, with the connector config ``extra`` (and a
+    trace each): every conversation's first turn, greedy, with vLLM's cached-token counts."""
+    import json
+    import subprocess
+
+    script = tmp_path / "serve.py"
+    script.write_text(SECOND_PROCESS_SCRIPT)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    runs = []
+    for name in ("first", "second"):
+        trace = tmp_path / f"{name}.jsonl"
+        done = subprocess.run(
+            [sys.executable, str(script), str(model_dir), json.dumps({**extra, "trace_path": str(trace)}),
+             json.dumps(conversations())],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "RESULT " in done.stdout, (done.stdout[-2000:], done.stderr[-2000:])
+        runs.append((json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0]), trace))
+    return runs
 
 
 def test_F22_a_second_vllm_process_loads_the_first_ones_prefixes_from_the_disk_tier(
@@ -371,24 +392,12 @@ def test_F22_a_second_vllm_process_loads_the_first_ones_prefixes_from_the_disk_t
     shutdown; the second, with an empty CPU tier, finds every conversation's prefix on disk at
     its first turn. Outputs are vLLM's own without kvflow, token for token."""
     import json
-    import subprocess
 
     from tier_keys import keys_file
 
-    script, disk, keys = tmp_path / "serve.py", tmp_path / "disk", keys_file(tmp_path)
-    script.write_text(RESTART_SCRIPT)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    runs = []
-    for name in ("first", "second"):
-        trace = tmp_path / f"{name}.jsonl"
-        done = subprocess.run(
-            [sys.executable, str(script), str(model_dir), str(disk), str(trace), json.dumps(conversations()), str(keys)],
-            capture_output=True, text=True, timeout=300, env=env,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert "RESULT " in done.stdout, (done.stdout[-2000:], done.stderr[-2000:])
-        runs.append((json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0]), trace))
+    extra = {"cpu_blocks": 64, "disk_path": str(tmp_path / "disk"), "disk_gb": 0.01,
+             "disk_key_file": str(keys_file(tmp_path)), "disk_store_mode": "write_through"}  # fmt: skip
+    runs = two_processes(model_dir, tmp_path, extra)
     (first, _), (second, second_trace) = runs
     assert [o for o, _ in first] == [o for o, _ in second] == without_kvflow[0][:CONVERSATIONS]
     assert [c for _, c in first] == [0] * CONVERSATIONS  # nothing on disk yet
@@ -399,3 +408,39 @@ def test_F22_a_second_vllm_process_loads_the_first_ones_prefixes_from_the_disk_t
     assert incidents.exit_code == 0, incidents.output
     assert json.loads(incidents.stdout) == []  # (stderr says the killed writer left no last checkpoint)
     assert "no checkpoint after them" in incidents.stderr
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["standalone", "cluster"])
+def test_a_second_vllm_process_loads_the_first_ones_prefixes_from_a_shared_redis(
+    model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]], tmp_path: Path, cluster: bool
+) -> None:
+    """Two vLLM processes sharing a real redis-server, standalone or a 3-node Redis Cluster
+    (entries sealed with a keys file): the first computes the conversations' first turns
+    (written through to Redis); the second, with empty CPU and device caches, finds every
+    conversation's prefix there by its workers' probes at its first turn and loads it. Outputs
+    are vLLM's own without kvflow, token for token; the second's trace replays and re-decides
+    clean."""
+    from redis_servers import RedisCluster, RedisServer, require_redis
+    from tier_keys import keys_file
+
+    require_redis()
+    servers = RedisCluster() if cluster else RedisServer()
+    node = servers.nodes[0] if isinstance(servers, RedisCluster) else servers
+    try:
+        extra = {"cpu_blocks": 64, "remote_url": f"redis://{node.host}:{node.port}", "remote_cluster": cluster,
+                 "remote_key_file": str(keys_file(tmp_path))}  # fmt: skip
+        (first, _), (second, second_trace) = two_processes(model_dir, tmp_path, extra)
+    finally:
+        servers.close()
+    assert [o for o, _ in first] == [o for o, _ in second] == without_kvflow[0][:CONVERSATIONS]
+    assert [c for _, c in first] == [0] * CONVERSATIONS  # nothing in Redis yet
+    assert [c for _, c in second] == [PREFIX] * CONVERSATIONS  # every prefix from the remote tier
+    replayed = CliRunner().invoke(kvflow_cli, ["replay", str(second_trace), "--redecide"])
+    assert replayed.exit_code == 0, replayed.output
+    from kvflow.core.events import EVENT_TYPES, JobCompleted
+    from kvflow.log.reader import read_trace
+
+    _, records = read_trace(second_trace)
+    completed = [r for _, r in records if isinstance(r, EVENT_TYPES) and isinstance(r, JobCompleted)]
+    loaded = sum(len(e.hashes) for e in completed if e.direction == "remote_load")
+    assert loaded == CONVERSATIONS * PREFIX // BLOCK  # every prefix block came over from Redis

@@ -82,6 +82,30 @@ def test_capacity_in_blocks_bytes_or_gb() -> None:
         ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_key_file": ""}, "disk_key_file must be a file's path"),
         ({"cpu_blocks": 4, "disk_path": "/tmp/kv", "disk_gb": 1, "disk_store_mode": 1, "disk_insecure_no_key": True},
          "disk_store_mode must be one of"),
+        # the remote tier: each value refused in one line naming its key
+        ({"cpu_blocks": 4, "remote_mode": "write_through"}, "remote_mode needs remote_url"),
+        ({"cpu_blocks": 4, "remote_url": "http://h:1", "remote_insecure_no_key": True},
+         "remote_url must be a redis:// or rediss:// URL"),
+        ({"cpu_blocks": 4, "remote_url": 6379, "remote_insecure_no_key": True}, "remote_url must be a redis:// or rediss://"),
+        ({"cpu_blocks": 4, "remote_url": "redis://:6379", "remote_insecure_no_key": True}, "remote_url: remote url"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379"}, "the remote tier needs a key: remote_key_file"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_key_file": ""}, "remote_key_file must be a file's path"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_key_file": 3}, "remote_key_file must be a file's path"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_insecure_no_key": "true"}, "remote_insecure_no_key must be true or false"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_insecure_no_key": True, "remote_cluster": "false"},
+         "remote_cluster must be true or false, got 'false'"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_insecure_no_key": True, "remote_mode": "lazy"}, "remote_mode must be one of"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_insecure_no_key": True, "remote_blocks": 0}, "remote_blocks must be a whole number"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_insecure_no_key": True, "remote_blocks": "10"}, "remote_blocks must be a whole number"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_insecure_no_key": True, "remote_blocks": 2**40}, "remote_blocks must be a whole number"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_insecure_no_key": True, "remote_encrypt": "false"},
+         "remote_encrypt must be true or false"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_insecure_no_key": True, "remote_tls_ca_file": ""},
+         "remote_tls_ca_file must be a file's path"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_insecure_no_key": True, "remote_tls_cert_file": 1},
+         "remote_tls_cert_file must be a file's path"),
+        ({"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:6379", "remote_insecure_no_key": True, "remote_tls_key_file": False},
+         "remote_tls_key_file must be a file's path"),
     ],
 )
 def test_bad_extra_config_is_one_clear_error(extra: dict, message: str) -> None:
@@ -428,3 +452,84 @@ def test_a_workers_disk_tier_refusals_reach_the_scheduler_sides_trace(tmp_path: 
     assert (event.tier, set(event.hashes), event.reasons, event.job_ids) == (
         "disk", set(load.hashes), ("unknown key",) * 2, (load.job_id,) * 2
     )
+
+
+# --- the remote tier: probes across the scheduler -> worker metadata ------------------------------
+
+
+def test_a_remote_tier_from_the_connector_config() -> None:
+    config = ConnectorConfig.from_extra(
+        {"cpu_blocks": 8, "remote_url": "rediss://h:6380", "remote_cluster": True, "remote_mode": "ahead_of_eviction",
+         "remote_key_file": "k", "remote_encrypt": False, "remote_tls_ca_file": "ca.pem",
+         "remote_tls_cert_file": "c.pem", "remote_tls_key_file": "c.key"}
+    )  # fmt: skip
+    assert (config.remote_url, config.remote_cluster, config.remote_blocks) == ("rediss://h:6380", True, 1_000_000)
+    assert (config.remote_key_file, config.remote_encrypt) == ("k", False)
+    assert dict(config.remote_tls) == {"ssl_ca_certs": "ca.pem", "ssl_certfile": "c.pem", "ssl_keyfile": "c.key"}
+    side = SchedulerSide(config, B, 4096)
+    assert (side.config.remote_blocks, side.config.remote_store_mode) == (1_000_000, "ahead_of_eviction")
+    assert SchedulerSide(ConnectorConfig(cpu_blocks=8), B, 4096).config.remote_blocks == 0
+
+
+def test_a_remote_tier_with_hashes_seeded_per_process_is_refused() -> None:
+    from kvflow.integrations.vllm.sides import check_shared_hashes
+
+    remote = ConnectorConfig.from_extra({"cpu_blocks": 8, "remote_url": "redis://h:1", "remote_insecure_no_key": True})
+    with pytest.raises(ConfigError, match="the remote tier needs block hashes .* set PYTHONHASHSEED"):
+        check_shared_hashes(remote, "xxhash_cbor", {})
+    check_shared_hashes(remote, "sha256", {})
+
+
+def remote_side(world_size: int = 1, deadline_ms: float = 30_000.0) -> SchedulerSide:
+    config = ConnectorConfig.from_extra(
+        {"cpu_blocks": 4, "remote_url": "redis://127.0.0.1:1", "remote_insecure_no_key": True,
+         "job_deadline_ms": deadline_ms}
+    )  # fmt: skip
+    return SchedulerSide(config, B, 4096, world_size=world_size)
+
+
+def test_a_probe_goes_to_every_worker_and_a_block_is_found_only_where_every_rank_found_it() -> None:
+    """The lookup's missing blocks go to the workers with the next plan; the request waits
+    (None) while they are asked; a block every rank found is loaded from the remote tier, one
+    a rank did not find is absent (and not asked about again for a while)."""
+    side = remote_side(world_size=2)
+    k1, k2 = key(hashes(1)[0]), key(hashes(2)[0])
+    t = 1000.0
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0, now_ms=t) is None  # being asked
+    plan = side.step([], [], now_ms=t)
+    assert [n.key for n in plan.probes] == [k1, k2] and all(n.full for n in plan.probes)
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0, now_ms=t) is None  # (asked once)
+    assert side.step([], [], now_ms=t).probes == []
+    side.results([], now_ms=t, probes={0: ([k1, k2], [k1, k2])})
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0, now_ms=t) is None  # rank 1 has not answered
+    side.results([], now_ms=t, probes={1: ([k1, k2], [k1])})  # rank 1 lacks block 2
+    assert side.remote_found == 1 and set(side.manager.state.remote) == {k1}
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0, now_ms=t) is None  # its remote load runs
+    plan = side.step([], [], now_ms=t)
+    (remote_load,) = plan.jobs
+    assert remote_load.direction == "remote_load" and remote_load.hashes == (k1,) and plan.probes == []
+    side.results([JobResult(job_id=remote_load.job_id, rank=0), JobResult(job_id=remote_load.job_id, rank=1)], now_ms=t)
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0, now_ms=t) == B  # block 1 hits; block 2 is absent
+    assert side.step([], [], now_ms=t).probes == []  # not asked again within the absent TTL
+    side.finished("r")
+    assert side.matched_tokens("s", hashes(1, 2), 2 * B + 1, 0, now_ms=t + 2000) is None  # asked again later
+    assert [n.key for n in side.step([], [], now_ms=t + 2000).probes] == [k2]
+    assert check_invariants(side.manager.state) == []
+
+
+def test_a_request_waits_for_a_probe_no_longer_than_the_job_deadline() -> None:
+    side = remote_side(deadline_ms=500.0)
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0, now_ms=0.0) is None
+    side.step([], [], now_ms=0.0)  # the workers never answer
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0, now_ms=499.0) is None
+    assert side.matched_tokens("r", hashes(1, 2), 2 * B + 1, 0, now_ms=500.0) == 0  # computed, not held again
+    side.step([], [], now_ms=500.0)  # the unanswered probe is forgotten
+    assert side.matched_tokens("q", hashes(1, 2), 2 * B + 1, 0, now_ms=600.0) is None  # asked afresh
+    assert [n.key for n in side.step([], [], now_ms=600.0).probes] == [key(hashes(1)[0]), key(hashes(2)[0])]
+
+
+def test_answers_of_a_rank_outside_the_world_or_of_keys_never_asked_are_ignored() -> None:
+    side = remote_side()
+    k1 = key(hashes(1)[0])
+    side.results([], now_ms=0.0, probes={0: ([k1], [k1]), 3: ([k1], [k1])})
+    assert side.remote_found == 0 and not side.manager.state.remote

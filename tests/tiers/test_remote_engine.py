@@ -21,13 +21,27 @@ from redis_servers import (  # noqa: E402
     redis_fresh,  # noqa: F401
     redis_standalone,  # noqa: F401
 )
-from remote_rig import HASHES, blocks_of, instance, load_prefix, random_kv, settle, store_prefix  # noqa: E402
+from remote_rig import (  # noqa: E402
+    CPU_BLOCKS,
+    HASHES,
+    MODEL,
+    B,
+    blocks_of,
+    instance,
+    load_prefix,
+    random_kv,
+    settle,
+    store_prefix,
+)
 from tier_keys import tier_keys  # noqa: E402
 
+from kvflow.core.config import Config  # noqa: E402
 from kvflow.core.events import JobFailed, JobTimedOut
-from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE  # noqa: E402
+from kvflow.core.jobs import REMOTE_LOAD, REMOTE_STORE, TransferJob  # noqa: E402
 from kvflow.core.names import name_of  # noqa: E402
 from kvflow.core.state.invariants import check_invariants  # noqa: E402
+from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
+from kvflow.tiers.redis_store import redis_tier  # noqa: E402
 
 RIG = Path(__file__).resolve().parents[1] / "remote_rig.py"
 
@@ -434,3 +448,44 @@ def test_full_width_hashes_of_a_tenant_are_probed_and_loaded_by_name_and_never_f
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_probe_answers_every_key_it_was_asked_and_a_tier_reports_for_its_ranks_alone(redis_standalone) -> None:  # noqa: F811
+    """``take_probed``: the keys each probe is over for and those it found; a key answered
+    absent a moment ago is answered at once, without asking the server. A tier built for one
+    rank of a world (each rank with a pool of its own) reports its jobs for that rank alone."""
+    redis_standalone.cli("FLUSHALL")
+    writer, _ = instance(redis_standalone.url, False, seed=1)
+    try:
+        store_prefix(writer, "w", (0, 1, 2, 3))
+    finally:
+        writer.close()
+    kv = random_kv(2)
+    config = Config(cpu_blocks=CPU_BLOCKS, block_tokens=B, remote_blocks=64, world_size=2)
+    tier = redis_tier(
+        TorchExecutor(kv, CPU_BLOCKS, device="cpu"), config, redis_standalone.url, model=MODEL, keys=tier_keys(),
+        ranks=(1,), absent_ttl_s=60.0,
+    )  # fmt: skip
+    try:
+        absent = 999
+        tier.probe([*HASHES, absent])
+        deadline = time.monotonic() + 10
+        while tier.probing():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        probed, found = tier.take_probed()
+        assert sorted(probed) == sorted([*HASHES, absent]) and sorted(found) == sorted(HASHES)
+        asked = tier.stats["probed_blocks"]
+        tier.probe([absent])  # answered absent a moment ago: at once, the server not asked
+        assert tier.take_probed() == ([absent], []) and tier.stats["probed_blocks"] == asked
+        assert tier.take_found() == []
+        job = TransferJob(job_id=1, direction=REMOTE_LOAD, hashes=(HASHES[0],), slots=(0,), device_blocks=())
+        tier.submit([job])
+        results: list = []
+        while not results:
+            assert time.monotonic() < deadline
+            results = tier.poll()
+            time.sleep(0.001)
+        assert [(r.job_id, r.rank, r.ok) for r in results] == [(1, 1, True)]  # for rank 1 only
+    finally:
+        tier.close()

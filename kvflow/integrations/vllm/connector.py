@@ -21,6 +21,9 @@ failed loads are named to vLLM (``get_block_ids_with_load_errors``) so that
 Ranks: every worker reports under its rank (vLLM's ``parallel_config.rank``) and the scheduler
 side counts vLLM's ``parallel_config.world_size`` ranks, so a job is over once every worker's
 copy is, and a copy that fails on one worker fails the job (vLLM recomputes its blocks).
+Remote tier: each worker's tier holds its own shard; the scheduler side's lookups send the blocks
+to ask it about with the next step's metadata (``StepPlan.probes``), the workers answer with
+their results (``KVFlowWorkerMetadata.probes``), and a block is found when every rank found it.
 
 This module imports without vLLM; the connector class needs it (``pip install vllm``).
 """
@@ -79,14 +82,17 @@ if HAVE_VLLM:
         results: list[JobResult] = field(default_factory=list)
         # rank -> what its disk tier held when it opened (sent once, a warm restart)
         disk_entries: dict[int, list[tuple[int, BlockName]]] = field(default_factory=dict)
-        # the entries the workers' disk tiers refused (recorded by the scheduler side)
+        # the entries the workers' shared tiers refused (recorded by the scheduler side)
         refused: list[TierRefused] = field(default_factory=list)
+        # rank -> its remote tier's probe answers: (keys asked and over, keys found)
+        probes: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
 
         def aggregate(self, other: KVFlowWorkerMetadata) -> KVFlowWorkerMetadata:
             return KVFlowWorkerMetadata(
                 results=[*self.results, *other.results],
                 disk_entries={**self.disk_entries, **other.disk_entries},
                 refused=[*self.refused, *other.refused],
+                probes={**self.probes, **other.probes},
             )
 
     @dataclass
@@ -125,6 +131,12 @@ if HAVE_VLLM:
             ("disk_load_bytes", "kvflow_disk_loaded_bytes", "Bytes kvflow loaded from its disk tier"),
             ("disk_store_failed_jobs", "kvflow_failed_disk_store_jobs", "kvflow disk store jobs that failed"),
             ("disk_load_failed_jobs", "kvflow_failed_disk_load_jobs", "kvflow disk load jobs that failed"),
+            ("remote_store_ok_blocks", "kvflow_remote_stored_blocks", "Blocks kvflow stored to its remote tier"),
+            ("remote_load_ok_blocks", "kvflow_remote_loaded_blocks", "Blocks kvflow loaded from its remote tier"),
+            ("remote_store_bytes", "kvflow_remote_stored_bytes", "Bytes kvflow stored to its remote tier"),
+            ("remote_load_bytes", "kvflow_remote_loaded_bytes", "Bytes kvflow loaded from its remote tier"),
+            ("remote_store_failed_jobs", "kvflow_failed_remote_store_jobs", "kvflow remote store jobs that failed"),
+            ("remote_load_failed_jobs", "kvflow_failed_remote_load_jobs", "kvflow remote load jobs that failed"),
         )
 
         def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any) -> None:
@@ -218,7 +230,7 @@ if HAVE_VLLM:
             if meta is None:
                 self._scheduler.results([])
             else:
-                self._scheduler.results(meta.results, refusals=meta.refused)
+                self._scheduler.results(meta.results, refusals=meta.refused, probes=meta.probes)
 
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
             assert self._scheduler is not None
@@ -321,10 +333,15 @@ if HAVE_VLLM:
             results = self._worker.take_results()
             disk = self._worker.take_disk_entries()
             refused = self._worker.take_refused()
-            if not results and disk is None and not refused:
+            probed = self._worker.take_probed()
+            if not results and disk is None and not refused and probed is None:
                 return None
+            rank = self._worker.rank
             return KVFlowWorkerMetadata(
-                results=results, disk_entries={} if disk is None else {self._worker.rank: disk}, refused=refused
+                results=results,
+                disk_entries={} if disk is None else {rank: disk},
+                refused=refused,
+                probes={} if probed is None else {rank: probed},
             )
 
         def shutdown(self) -> None:

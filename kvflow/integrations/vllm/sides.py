@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvflow.core.commands import JobResult, TierRefused
-from kvflow.core.config import DISK_STORE_MODES, Config
+from kvflow.core.config import DISK_STORE_MODES, MAX_REMOTE_BLOCKS, REMOTE_STORE_MODES, Config
 from kvflow.core.errors import ConfigError
 from kvflow.core.jobs import LOAD, STORE, TransferJob
-from kvflow.core.names import BlockName
+from kvflow.core.names import BlockName, tier_names
 from kvflow.core.policies.registry import policy_class
 from kvflow.core.values import is_int
 from kvflow.engine.manager import OffloadManager
@@ -78,6 +78,14 @@ class ConnectorConfig:
     disk_store_mode: str = "ahead_of_eviction"
     disk_key_file: str | None = None  # the disk tier's keys file (kvflow.tiers.keys)
     disk_insecure_no_key: bool = False
+    remote_url: str | None = None  # redis:// or rediss:// (a cluster: any one node)
+    remote_cluster: bool = False
+    remote_mode: str = "write_through"
+    remote_blocks: int = 1_000_000  # remote blocks kvflow remembers
+    remote_key_file: str | None = None
+    remote_insecure_no_key: bool = False
+    remote_encrypt: bool = True
+    remote_tls: tuple[tuple[str, str], ...] = ()  # redis-py's ssl_* keyword arguments
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -98,6 +106,7 @@ class ConnectorConfig:
             "disk_store_mode",
             "disk_key_file",
             "disk_insecure_no_key",
+            *_REMOTE_KEYS,
         }
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -133,6 +142,7 @@ class ConnectorConfig:
                 "kv_connector_extra_config: the disk tier needs a key: disk_key_file (a keys file, see "
                 "docs/disk-tier.md), or disk_insecure_no_key: true for a private single-tenant deployment"
             )
+        remote = _remote(extra)
         trace_path = extra.get("trace_path")
         if trace_path is not None and (not isinstance(trace_path, str) or not trace_path):
             raise ConfigError(f"kv_connector_extra_config: trace_path must be a file's path, got {trace_path!r}")
@@ -150,6 +160,7 @@ class ConnectorConfig:
             checksums=_flag(extra.get("checksums", False), "checksums"),
             fail_job_ids=_ids(extra.get("fail_job_ids", []), "fail_job_ids"),
             fail_ranks=_ids(extra.get("fail_ranks", []), "fail_ranks"),
+            **remote,
         )
 
     def disk_blocks(self, block_bytes: int) -> int:
@@ -172,15 +183,19 @@ class ConnectorConfig:
 
 
 def check_shared_hashes(config: ConnectorConfig, hash_algo: str, environ: Mapping[str, str]) -> None:
-    """A tier that outlives the process (the disk) is worth something only if every vLLM
-    process names a block the same way: refuse (one line, saying what to set) a hash function
-    vLLM seeds at random per process (its non-cryptographic ones, unless ``PYTHONHASHSEED``
-    fixes the seed)."""
-    if config.disk_path is None:
+    """A tier that outlives the process (the disk) or is shared between processes (the
+    remote tier) is worth something only if every vLLM process names a block the same way:
+    refuse (one line, saying what to set) a hash function vLLM seeds at random per process
+    (its non-cryptographic ones, unless ``PYTHONHASHSEED`` fixes the seed)."""
+    if config.remote_url is not None:
+        tier = "the remote tier"
+    elif config.disk_path is not None:
+        tier = "the disk tier"
+    else:
         return
     if hash_algo.startswith("xxhash") and environ.get("PYTHONHASHSEED") is None:
         raise ConfigError(
-            f"kv_connector_extra_config: the disk tier needs block hashes every vLLM process agrees on, but "
+            f"kv_connector_extra_config: {tier} needs block hashes every vLLM process agrees on, but "
             f"prefix_caching_hash_algo {hash_algo!r} is seeded at random per process: set PYTHONHASHSEED "
             "(the same value for every process) or use sha256"
         )
@@ -198,6 +213,73 @@ def _disk(extra: Mapping[str, Any]) -> tuple[str | None, int | None]:
     if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb <= 0:
         raise ConfigError(f"kv_connector_extra_config: disk_gb must be a number > 0, got {gb!r}")
     return path, int(gb * (1 << 30))
+
+
+# kv_connector_extra_config's TLS keys -> redis-py's keyword arguments
+_REMOTE_TLS = {
+    "remote_tls_ca_file": "ssl_ca_certs",
+    "remote_tls_cert_file": "ssl_certfile",
+    "remote_tls_key_file": "ssl_keyfile",
+}
+_REMOTE_KEYS = (
+    "remote_url", "remote_cluster", "remote_mode", "remote_blocks", "remote_key_file",
+    "remote_insecure_no_key", "remote_encrypt", *_REMOTE_TLS,
+)  # fmt: skip
+
+
+def _remote(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The remote tier's keys, checked (each value in one line naming its key); none of them
+    without ``remote_url``."""
+    given = [k for k in _REMOTE_KEYS if k in extra]
+    if "remote_url" not in extra:
+        if given:
+            raise ConfigError(f"kv_connector_extra_config: {given[0]} needs remote_url (the remote tier's server)")
+        return {}
+    url = extra["remote_url"]
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
+        raise ConfigError(f"kv_connector_extra_config: remote_url must be a redis:// or rediss:// URL, got {url!r}")
+    cluster = _flag(extra.get("remote_cluster", False), "remote_cluster")
+    from kvflow.tiers.redis_store import check_url  # (redis-py: imported only with a remote tier)
+
+    try:
+        check_url(url, cluster)
+    except ConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config: remote_url: {exc}") from None
+    key_file, no_key = extra.get("remote_key_file"), extra.get("remote_insecure_no_key", False)
+    if key_file is not None and (not isinstance(key_file, str) or not key_file):
+        raise ConfigError(f"kv_connector_extra_config: remote_key_file must be a file's path, got {key_file!r}")
+    if not isinstance(no_key, bool):
+        raise ConfigError(f"kv_connector_extra_config: remote_insecure_no_key must be true or false, got {no_key!r}")
+    if key_file is None and not no_key:
+        raise ConfigError(
+            "kv_connector_extra_config: the remote tier needs a key: remote_key_file (a keys file, see "
+            "docs/tier-keys.md), or remote_insecure_no_key: true for a private single-tenant deployment"
+        )
+    tls = []
+    for name, kwarg in _REMOTE_TLS.items():
+        path = extra.get(name)
+        if path is not None:
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"kv_connector_extra_config: {name} must be a file's path, got {path!r}")
+            tls.append((kwarg, path))
+    return {
+        "remote_url": url,
+        "remote_cluster": cluster,
+        "remote_mode": _choice(extra.get("remote_mode", "write_through"), "remote_mode", REMOTE_STORE_MODES),
+        "remote_blocks": _remote_blocks(extra.get("remote_blocks", 1_000_000)),
+        "remote_key_file": key_file,
+        "remote_insecure_no_key": no_key,
+        "remote_encrypt": _flag(extra.get("remote_encrypt", True), "remote_encrypt"),
+        "remote_tls": tuple(tls),
+    }
+
+
+def _remote_blocks(value: Any) -> int:
+    if not is_int(value) or not 0 < value <= MAX_REMOTE_BLOCKS:
+        raise ConfigError(
+            f"kv_connector_extra_config: remote_blocks must be a whole number in 1..{MAX_REMOTE_BLOCKS:,}, got {value!r}"
+        )
+    return int(value)
 
 
 def _choice(value: Any, name: str, choices: Sequence[str]) -> str:
@@ -254,6 +336,12 @@ class StepPlan(msgspec.Struct, frozen=True):
     jobs: list[TransferJob] = []
     delayed_free: list[str] = []
     preempted: list[str] = []
+    probes: list[BlockName] = []  # blocks every worker's remote tier is asked about
+
+
+# how long a block some rank's remote tier answered absent is taken as absent, by the scheduler
+# side and by each worker's tier (a request waiting for its turn looks its prefix up every step)
+ABSENT_TTL_MS = 1000.0
 
 
 @dataclass
@@ -285,8 +373,17 @@ class SchedulerSide:
             world_size=world_size,
             disk_blocks=config.disk_blocks(block_bytes),
             disk_store_mode=config.disk_store_mode,
+            remote_blocks=config.remote_blocks if config.remote_url is not None else 0,
+            remote_store_mode=config.remote_mode,
         )
         self._world_size = world_size
+        # the remote tier's probes: every rank's tier is asked (its own shard); a block is
+        # found once every rank found it, absent (for ABSENT_TTL_MS) once one did not
+        self._to_probe: dict[int, BlockName] = {}  # for the next plan
+        self._probing: dict[int, tuple[float, dict[int, bool]]] = {}  # key -> (asked at, rank -> found)
+        self._absent_until: dict[int, float] = {}
+        self._held_since: dict[str, float] = {}  # requests held back ("ask later"), since when
+        self.remote_found = 0
         # a warm restart: each rank's disk tier sends what its journal vouches for once; the
         # entries every rank holds are indexed when the last rank's list came
         self._disk_entries: dict[int, list[tuple[int, BlockName]]] | None = {}
@@ -319,11 +416,13 @@ class SchedulerSide:
         num_computed_tokens: int,
         tenant: str | None = None,
         token_ids: Sequence[int] = (),
+        now_ms: float | None = None,
     ) -> int | None:
         """How many tokens after the ``num_computed_tokens`` vLLM has can come from the tier.
         A request whose load failed is offered nothing again: vLLM recomputes its blocks
         (a load that keeps failing must not loop lookup -> load -> fail). ``None``: ask again
-        next step (the disk tier is loading blocks past the hits). ``tenant``: the request's
+        next step (a lower tier is loading blocks past the hits, or the remote tier is being
+        asked about them; never longer than the job deadline for one request). ``tenant``: the request's
         ``cache_salt`` (F21: its blocks never hit for another salt); ``token_ids``: its tokens
         (for the KV events of the blocks it stores)."""
         if request_id in self._load_failed:
@@ -337,14 +436,76 @@ class SchedulerSide:
         tracked.keys = self.manager.keys(tracked.hashes, tenant)
         self._vllm_hash.update(zip(tracked.keys, block_hashes))
         tracked.device_hit = num_computed_tokens // self.block_tokens
-        hits = self.manager.lookup(request_id, tracked.hashes, num_tokens, tracked.device_hit, tenant)
-        if self.manager.arriving(tracked.hashes, num_tokens, tracked.device_hit, tenant):
-            # the blocks after the hits are on their way from the disk tier: hold the request
-            # back (vLLM asks again next step) so that its next lookup hits them here; the load
-            # ends within the job deadline, landed, failed or timed out
-            self.manager.accept_hits(request_id, [])
-            return None
+        now = _now(now_ms)
+        asking = False
+        if self.config.remote:
+            hits, wanted, names = self.manager.lookup_and_probe(
+                request_id, tracked.hashes, num_tokens, tracked.device_hit, tenant
+            )
+            self._ask(wanted, names, now)
+            start = tracked.device_hit + hits
+            # the block right after the hits is being asked about: its answer may extend them
+            asking = bool(wanted) and start < len(tracked.keys) and wanted[0] == tracked.keys[start]
+            asking = asking and (wanted[0] in self._to_probe or wanted[0] in self._probing)
+        else:
+            hits = self.manager.lookup(request_id, tracked.hashes, num_tokens, tracked.device_hit, tenant)
+        if asking or self.manager.arriving(tracked.hashes, num_tokens, tracked.device_hit, tenant):
+            # the blocks after the hits are on their way from a lower tier, or the remote tier
+            # is being asked about them: hold the request back (vLLM asks again next step) so
+            # that its next lookup hits them here, for one job deadline at most
+            since = self._held_since.setdefault(request_id, now)
+            if now - since < self.config.job_deadline_ms:
+                self.manager.accept_hits(request_id, [])
+                return None
+        self._held_since.pop(request_id, None)
         return hits * self.block_tokens
+
+    def _ask(self, wanted: Sequence[int], names: Sequence[BlockName], now: float) -> None:
+        """Queue the remote tier's probe of ``wanted`` blocks (each once while asked, not again
+        while answered absent)."""
+        if not wanted:
+            return
+        absent, probing, to_probe = self._absent_until, self._probing, self._to_probe
+        for key, name in zip(wanted, names or tier_names(wanted, ())):
+            if key not in to_probe and key not in probing and absent.get(key, 0.0) <= now:
+                to_probe[key] = name
+
+    def _probed(self, answers: Mapping[int, tuple[Sequence[int], Sequence[int]]], now: float) -> list[int]:
+        """The workers' probe answers (rank -> (keys asked and over, keys found)): the keys
+        every rank found (the manager records them); a key one rank did not find is absent."""
+        everywhere: list[int] = []
+        probing, world = self._probing, self._world_size
+        for rank, (asked, found) in sorted(answers.items()):
+            if not 0 <= rank < world:
+                continue
+            there = set(found)
+            for key in asked:
+                entry = probing.get(key)
+                if entry is None:
+                    continue
+                entry[1][rank] = key in there
+                if len(entry[1]) == world:
+                    del probing[key]
+                    if all(entry[1].values()):
+                        everywhere.append(key)
+                    else:
+                        self._absent_until[key] = now + ABSENT_TTL_MS
+        self.remote_found += len(everywhere)
+        return everywhere
+
+    def _plan_probes(self, now: float) -> list[BlockName]:
+        """The probes for this step's plan; a probe some rank never answered (its tier lost
+        it) is forgotten after one job deadline, and so are absent answers that expired."""
+        deadline = self.config.job_deadline_ms
+        probing = self._probing
+        for key in [k for k, (asked, _) in probing.items() if now - asked >= deadline]:
+            del probing[key]
+        if len(self._absent_until) > 4 * self.config.cpu_blocks:
+            self._absent_until = {k: t for k, t in self._absent_until.items() if t > now}
+        out, self._to_probe = list(self._to_probe.values()), {}
+        for name in out:
+            probing[name.key] = (now, {})
+        return out
 
     def allocated(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: load the hits it took into the blocks after
@@ -376,8 +537,10 @@ class SchedulerSide:
         this step, new block ids or None, whether the ids replace the old ones). Stores the
         blocks that become full; the manager's step then times out what is overdue and plans
         every queued job, for the workers."""
+        now = _now(now_ms)
         for request_id in preempted:
             self.requests.pop(request_id, None)
+            self._held_since.pop(request_id, None)
             self.manager.finish_request(request_id, preempted=True)
         for request_id, computed_after, new_ids, replace in scheduled:
             tracked = self.requests.get(request_id)
@@ -386,10 +549,11 @@ class SchedulerSide:
             if new_ids is not None:
                 tracked.block_ids = list(new_ids) if replace else tracked.block_ids + list(new_ids)
             self._store_full_blocks(request_id, tracked, computed_after)
-        jobs, report = self.manager.step(_now(now_ms))
+        jobs, report = self.manager.step(now)
         self._told(report)
         delayed, self._delayed = self._delayed, []
-        return StepPlan(jobs=jobs, delayed_free=delayed, preempted=list(preempted))
+        probes = self._plan_probes(now) if self.config.remote else []
+        return StepPlan(jobs=jobs, delayed_free=delayed, preempted=list(preempted), probes=probes)
 
     def _store_full_blocks(self, request_id: str, tracked: _Tracked, computed_after: int) -> None:
         full = min(computed_after // self.block_tokens, len(tracked.hashes), len(tracked.block_ids))
@@ -422,13 +586,21 @@ class SchedulerSide:
         self.disk_restored = self.manager.disk_restored(everywhere) if everywhere else 0
 
     def results(
-        self, results: Sequence[JobResult], now_ms: float | None = None, refusals: Sequence[TierRefused] = ()
+        self,
+        results: Sequence[JobResult],
+        now_ms: float | None = None,
+        refusals: Sequence[TierRefused] = (),
+        probes: Mapping[int, tuple[Sequence[int], Sequence[int]]] | None = None,
     ) -> None:
         """The workers' outcomes for this step (every rank's), applied by the manager's step
         (each is recorded in the trace; one it refuses is logged and the rest applied, F2),
-        and the entries their disk tiers refused (recorded; dropped from the disk index).
+        the entries their shared tiers refused (recorded; dropped from the tier's index), and
+        their remote tiers' probe answers (``probes``: rank -> (keys asked and over, keys
+        found); what every rank found is recorded as found remotely).
         Jobs are not planned here: they go to the workers with the next step's metadata."""
-        _, report = self.manager.step(_now(now_ms), results, refusals=refusals, plan=False)
+        now = _now(now_ms)
+        found = self._probed(probes, now) if probes else []
+        _, report = self.manager.step(now, results, refusals=refusals, found=found, plan=False)
         self._told(report)
         if not self._closed:
             self.manager.log.flush()  # each step on disk: vLLM may end its engine process without shutdown()
@@ -446,6 +618,7 @@ class SchedulerSide:
         a store of it still reads its blocks: vLLM must keep them until the worker reports the
         request's saves over."""
         self.requests.pop(request_id, None)
+        self._held_since.pop(request_id, None)
         self._load_failed.discard(request_id)
         self.manager.finish_request(request_id)
         storing = any(
@@ -534,7 +707,7 @@ class WorkerSide:
         layout = KVLayout.from_caches(dict(kv_caches), block_dim=0)
         self.block_bytes = int(layout.block_bytes)
         cpu_blocks = self.config.blocks(layout.block_bytes)
-        executor = TorchExecutor(
+        executor: Any = TorchExecutor(
             dict(kv_caches),
             cpu_blocks,
             block_dim=0,
@@ -560,10 +733,52 @@ class WorkerSide:
                 shard=(self.rank, self.world_size),
             )
             self._disk_entries = tier.disk_entries()
-            self.executor = tier
-        else:
-            self.executor = executor
+            executor = tier
+        if self.config.remote_url is not None:
+            executor = self._remote_tier(executor, cpu_blocks)
+        self.executor = executor
         return int(layout.block_bytes)
+
+    def _remote_tier(self, executor: Any, cpu_blocks: int) -> Any:
+        """``executor`` behind this rank's remote tier: its shard of every block, under the
+        layout identity of this rank of the world (ranks never read each other's shard),
+        reporting its jobs for this rank alone."""
+        from kvflow.tiers.keys import TierKeys
+        from kvflow.tiers.redis_store import redis_tier
+
+        config = self.config
+        assert config.remote_url is not None
+        key_file = config.remote_key_file
+        tls: dict[str, Any] = dict(config.remote_tls)
+        return redis_tier(
+            executor,
+            Config(
+                cpu_blocks=cpu_blocks,
+                block_tokens=self.block_tokens,
+                job_deadline_ms=config.job_deadline_ms,
+                remote_blocks=config.remote_blocks,
+                remote_store_mode=config.remote_mode,
+            ),
+            config.remote_url,
+            model=self.model,
+            cluster=config.remote_cluster,
+            keys=TierKeys.from_file(key_file) if key_file is not None else None,
+            encrypt=config.remote_encrypt,
+            insecure_no_key=config.remote_insecure_no_key,
+            shard=(self.rank, self.world_size),
+            ranks=(self.rank,),
+            absent_ttl_s=ABSENT_TTL_MS / 1000.0,
+            **tls,
+        )
+
+    def take_probed(self) -> tuple[list[int], list[int]] | None:
+        """This rank's remote tier's probe answers since the last call: (keys asked and over,
+        keys found), or None when there are none (or no remote tier)."""
+        take = getattr(self.executor, "take_probed", None)
+        if take is None:
+            return None
+        asked, found = take()
+        return (asked, found) if asked else None
 
     def take_refused(self) -> list[TierRefused]:
         """The entries this rank's disk tier refused since the last call (for the scheduler
@@ -581,6 +796,8 @@ class WorkerSide:
         self._pending_loads = [j for j in plan.jobs if j.direction != STORE]
         self._pending_stores = [j for j in plan.jobs if j.direction == STORE]
         self._delayed.update(plan.delayed_free)
+        if plan.probes and self.executor is not None and hasattr(self.executor, "probe"):
+            self.executor.probe([n.key for n in plan.probes], plan.probes)
         if plan.preempted:
             self._wait_for(set(plan.preempted))
 
@@ -628,7 +845,7 @@ class WorkerSide:
             kind = f"{job.direction}_{'ok' if result.ok else 'failed'}"
             stats = self._stats
             stats[f"{kind}_jobs"] = stats.get(f"{kind}_jobs", 0) + 1
-            blocks = len(job.hashes if job.disk_slots else job.device_blocks)
+            blocks = len(job.device_blocks if job.direction in (LOAD, STORE) else job.hashes)
             stats[f"{kind}_blocks"] = stats.get(f"{kind}_blocks", 0) + blocks
             if result.ok:
                 moved = blocks * self.block_bytes

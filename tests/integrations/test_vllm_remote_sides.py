@@ -127,3 +127,4 @@ def test_a_worker_reaches_a_tls_server_with_the_configs_certificate_files(
     with pytest.raises(ConfigError) as refused:
         WorkerSide(ConnectorConfig.from_extra(extra), model="glass:float32", block_tokens=B).register(shard(1))
     assert "\n" not in str(refused.value)
+    assert str(refused.value).startswith("kv_connector_extra_config: remote tier rediss://")

@@ -533,3 +533,13 @@ def test_answers_of_a_rank_outside_the_world_or_of_keys_never_asked_are_ignored(
     k1 = key(hashes(1)[0])
     side.results([], now_ms=0.0, probes={0: ([k1], [k1]), 3: ([k1], [k1])})
     assert side.remote_found == 0 and not side.manager.state.remote
+
+
+def test_a_tier_refused_when_a_worker_builds_it_is_one_line_naming_the_config(tmp_path: Path) -> None:
+    config = ConnectorConfig.from_extra(
+        {"cpu_blocks": 8, "disk_path": str(tmp_path / "disk"), "disk_gb": 0.001, "disk_key_file": str(tmp_path / "none.keys")}
+    )
+    with pytest.raises(ConfigError) as refused:
+        WorkerSide(config, rank=0, model="m", block_tokens=B).register(kv_shard(1))
+    text = str(refused.value)
+    assert text.startswith("kv_connector_extra_config: keys file ") and "\n" not in text

@@ -324,6 +324,9 @@ def _whole(value: Any, name: str) -> int:
     return value
 
 
+_PREFIX = "kv_connector_extra_config: "
+
+
 def _now(now_ms: float | None) -> float:
     return time.monotonic() * 1000.0 if now_ms is None else now_ms
 
@@ -715,7 +718,16 @@ class WorkerSide:
             checksums=self.config.checksums,
             fail_job_ids=self.config.fail_job_ids if self.rank in self.config.fail_ranks or not self.config.fail_ranks else (),
         )
-        disk_blocks = self.config.disk_blocks(layout.block_bytes)
+        try:  # (a tier's refusal, its keys file's, its server's: one line naming where it came from)
+            self.executor = self._tiers(executor, cpu_blocks, layout.block_bytes)
+        except ConfigError as exc:
+            text = str(exc)
+            raise ConfigError(text if text.startswith(_PREFIX) else _PREFIX + text) from None
+        return int(layout.block_bytes)
+
+    def _tiers(self, executor: Any, cpu_blocks: int, block_bytes: int) -> Any:
+        """``executor`` behind this rank's disk and remote tiers, as configured."""
+        disk_blocks = self.config.disk_blocks(block_bytes)
         if disk_blocks and self.config.disk_path:
             from kvflow.tiers.disk_executor import disk_tier
             from kvflow.tiers.keys import TierKeys
@@ -736,8 +748,7 @@ class WorkerSide:
             executor = tier
         if self.config.remote_url is not None:
             executor = self._remote_tier(executor, cpu_blocks)
-        self.executor = executor
-        return int(layout.block_bytes)
+        return executor
 
     def _remote_tier(self, executor: Any, cpu_blocks: int) -> Any:
         """``executor`` behind this rank's remote tier: its shard of every block, under the

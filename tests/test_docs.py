@@ -7,6 +7,7 @@ story of how the code was written)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shlex
@@ -215,3 +216,31 @@ def test_the_documented_vllm_test_command_is_what_ci_runs() -> None:
     assert parts[-1].startswith("KVFLOW_REQUIRE_VLLM=1 ") and "pytest" in parts[-1]
     for part in parts:
         assert part in ci_script(), part
+
+
+VLLM_FLAGS = [
+    pytest.param(body, id=f"{path.relative_to(ROOT)}:{start}")
+    for path in USER_DOCS
+    for start, body in blocks(path, "bash", "sh", "shell")
+    if "vllm serve" in body and "--kv-transfer-config" in body
+]
+
+
+def test_the_documents_show_vllm_flags() -> None:
+    assert {str(p.id).split(":")[0] for p in VLLM_FLAGS} >= {"README.md", "docs/remote-tier.md", "docs/disk-tier.md"}
+
+
+@pytest.mark.parametrize("body", VLLM_FLAGS)
+def test_a_documented_vllm_flag_is_one_the_connector_accepts(body: str) -> None:
+    """A ``vllm serve ... --kv-transfer-config '{...}'`` a user would paste: its JSON parses, names
+    kvflow's connector, and its ``kv_connector_extra_config`` passes the connector's checks."""
+    from kvflow.integrations.vllm.sides import ConnectorConfig, check_shared_hashes
+
+    flag = json.loads(body.split("--kv-transfer-config", 1)[1].strip().split("'")[1])
+    assert flag["kv_connector"] == "KVFlowConnector"
+    assert flag["kv_connector_module_path"] == "kvflow.integrations.vllm.connector"
+    extra = dict(flag["kv_connector_extra_config"])
+    if ":" in str(extra.get("policy", "")):  # a policy of the user's own module (docs/policies.md)
+        extra.pop("policy")
+    config = ConnectorConfig.from_extra(extra)
+    check_shared_hashes(config, "sha256", {})  # (vLLM's default hash)

@@ -336,7 +336,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 def main():
-    model, extra, convs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    model, extra, convs, salt = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=128, block_size=32,
               enable_prefix_caching=True, num_gpu_blocks_override=8, max_num_seqs=2, max_num_batched_tokens=128,
               seed=0, enforce_eager=True, kv_transfer_config={
@@ -345,7 +345,8 @@ def main():
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     out = []
     for c in convs:
-        r = llm.generate([TokensPrompt(prompt_token_ids=c)], params, use_tqdm=False)[0]
+        prompt = TokensPrompt(prompt_token_ids=c, **({"cache_salt": salt} if salt else {}))
+        r = llm.generate([prompt], params, use_tqdm=False)[0]
         out.append([list(r.outputs[0].token_ids), int(r.num_cached_tokens or 0)])
     # a serving process steps on: the last turns' copies to the lower tier are planned and run
     # (a request shorter than a block stores nothing)
@@ -360,9 +361,12 @@ if __name__ == "__main__":
 """
 
 
-def two_processes(model_dir: Path, tmp_path: Path, extra: dict[str, Any]) -> list[tuple[list[Any], Path]]:
+def two_processes(
+    model_dir: Path, tmp_path: Path, extra: dict[str, Any], salts: tuple[str | None, str | None] = (None, None)
+) -> list[tuple[list[Any], Path]]:
     """Two vLLM processes, one after the other, with the connector config ``extra`` (and a
-    trace each): every conversation's first turn, greedy, with vLLM's cached-token counts."""
+    trace each): every conversation's first turn, greedy, with vLLM's cached-token counts.
+    ``salts``: each process's requests' ``cache_salt`` (their tenant), None for none."""
     import json
     import subprocess
 
@@ -371,11 +375,11 @@ def two_processes(model_dir: Path, tmp_path: Path, extra: dict[str, Any]) -> lis
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     runs = []
-    for name in ("first", "second"):
+    for name, salt in zip(("first", "second"), salts):
         trace = tmp_path / f"{name}.jsonl"
         done = subprocess.run(
             [sys.executable, str(script), str(model_dir), json.dumps({**extra, "trace_path": str(trace)}),
-             json.dumps(conversations())],
+             json.dumps(conversations()), json.dumps(salt)],
             capture_output=True, text=True, timeout=300, env=env,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
@@ -444,3 +448,29 @@ def test_a_second_vllm_process_loads_the_first_ones_prefixes_from_a_shared_redis
     completed = [r for _, r in records if isinstance(r, EVENT_TYPES) and isinstance(r, JobCompleted)]
     loaded = sum(len(e.hashes) for e in completed if e.direction == "remote_load")
     assert loaded == CONVERSATIONS * PREFIX // BLOCK  # every prefix block came over from Redis
+
+
+def test_F21_a_second_vllm_process_of_another_tenant_finds_nothing_in_a_shared_redis(
+    model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]], tmp_path: Path
+) -> None:
+    """As above, but the first process's requests carry ``cache_salt`` "alice" and the second's
+    "mallory": the second finds none of alice's blocks in the shared Redis (no hit, no remote
+    load), and computes, token for token as vLLM alone."""
+    from redis_servers import RedisServer, require_redis
+    from tier_keys import keys_file
+
+    require_redis()
+    server = RedisServer()
+    try:
+        extra = {"cpu_blocks": 64, "remote_url": server.url, "remote_key_file": str(keys_file(tmp_path))}
+        (first, _), (second, second_trace) = two_processes(model_dir, tmp_path, extra, salts=("alice", "mallory"))
+    finally:
+        server.close()
+    assert [o for o, _ in first] == [o for o, _ in second] == without_kvflow[0][:CONVERSATIONS]
+    assert [c for _, c in second] == [0] * CONVERSATIONS
+    from kvflow.core.events import EVENT_TYPES, JobCompleted
+    from kvflow.log.reader import read_trace
+
+    _, records = read_trace(second_trace)
+    assert not [r for _, r in records if isinstance(r, EVENT_TYPES) and isinstance(r, JobCompleted)
+                and r.direction == "remote_load"]  # fmt: skip

@@ -26,11 +26,13 @@ from kvflow.cli.common import EXIT_FOUND, EXIT_OK, echo_error
 # Every verb, imported only when run (or listed by --help): name -> "module:attribute".
 LAZY_COMMANDS: dict[str, str] = {
     "diagram": "kvflow.cli.diagram:diagram",
+    "explain": "kvflow.cli.explain:explain",
     "incidents": "kvflow.cli.inspect:incidents",
     "inspect": "kvflow.cli.inspect:inspect",
     "kv-events": "kvflow.cli.kv_events:kv_events_command",
     "replay": "kvflow.cli.replay:replay",
     "simulate": "kvflow.cli.simulate:simulate",
+    "what-if": "kvflow.cli.what_if:what_if",
 }
 
 

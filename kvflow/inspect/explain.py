@@ -695,9 +695,11 @@ def why(block: BlockOutcome) -> str:
         return f"still being stored: {f.reason}"
     if c in ("evicted", "corrupt", "invalidated"):
         by = _BY_COMMAND.get(f.command or "", "{r}").format(r=f.request_id)
+        if c == "evicted" and f.reason == "capacity":
+            policy = f" (policy {block.policy})" if block.policy else ""
+            return f"evicted{_at(f)} to make room for {by}{policy}" + _lower(block)
         if c == "evicted":
-            policy = f", policy {block.policy}" if block.policy else ""
-            return f"evicted{_at(f)} ({f.reason}) by {by}{policy}" + _lower(block)
+            return f"evicted{_at(f)} by {by}" + _lower(block)
         if c == "invalidated":
             return f"invalidated{_at(f)} by {by}" + _lower(block)
         if f.job_id is not None:

@@ -3,6 +3,8 @@ request's blocks missed (one request, block by block; or every request, summed).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from typing import Any
 
 import click
@@ -28,21 +30,19 @@ def explain(trace: str, request_id: str | None, every: bool, as_json: bool) -> N
         fail("give --request ID (one request, block by block) or --all (every request), not both" if every
              else "give --request ID (one request, block by block) or --all (every request)")
     with user_errors():
-        if every:
-            if as_json:
-                found = explain(trace)
-            else:
-                top: list[RequestOutcome] = []
+        if every and not as_json:
+            # the table names a few requests: the rest are summed, not kept
+            top: list[tuple[int, int, RequestOutcome]] = []
+            seen = itertools.count(1)
 
-                def keep(outcome: RequestOutcome) -> bool:
-                    missed = outcome.num_tokens - outcome.total_hit_tokens
-                    top.append(outcome)
-                    top.sort(key=lambda o: -(o.num_tokens - o.total_hit_tokens))
-                    del top[TOP_REQUESTS:]
-                    return missed < 0  # (kept in ``top`` alone: a table shows a few)
+            def keep(outcome: RequestOutcome) -> bool:
+                # (missed tokens, then the earlier request: the heap drops the least of them)
+                entry = (outcome.num_tokens - outcome.total_hit_tokens, -next(seen), outcome)
+                (heapq.heappush if len(top) < TOP_REQUESTS else heapq.heappushpop)(top, entry)
+                return False
 
-                found = explain(trace, keep=keep)
-                found.requests = top
+            found = explain(trace, keep=keep)
+            found.requests = [o for _, _, o in sorted(top, key=lambda e: (-e[0], -e[1]))]
         else:
             found = explain(trace, request_id)
     for warning in found.warnings:

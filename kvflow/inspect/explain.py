@@ -17,7 +17,9 @@ with ``evolve``, as every fold does, and beside it every block absent from the C
 last fact the log says about it. A lookup reads the folded state as its decision read it (before
 its events) and those facts; its hits are the recorded ``pins_acquired``; its load's outcome is
 the recorded terminal event. Nothing decides a second time: a cause is an event the decision
-code recorded. Memory: the state, one fact per block off the tier, and the live requests.
+code recorded. Memory: the state, one fact per block off the tier, and the live requests and
+jobs (unlike ``kvflow.inspect.walk``'s pass, which keeps every job's description for the
+incident and history queries, this one forgets a job when it ends).
 
 The ``--json`` schema is documented in docs/debugging.md ("The explain schema").
 """
@@ -202,7 +204,7 @@ class Totals:
     remote_loaded_blocks: int = 0
     bytes_per_block: int | None = None  # from the trace's header, when it says
 
-    def add(self, outcome: RequestOutcome, block_tokens: int) -> None:
+    def add(self, outcome: RequestOutcome) -> None:
         self.requests += 1
         self.prompt_tokens += outcome.num_tokens
         for tier, tokens in outcome.hit_tokens.items():
@@ -608,7 +610,7 @@ class ExplainFold:
             run.request_id, run.line, run.lookups, cmd.num_tokens, len(full), cap, skip, hits,
             {c: missed[c] for c in CAUSES if c in missed}, blocks,
         )  # fmt: skip
-        self.totals.add(outcome, B)
+        self.totals.add(outcome)
         return outcome
 
 
@@ -645,13 +647,14 @@ def explain(
     :class:`~kvflow.core.errors.TraceError` for an unreadable trace."""
     fold = ExplainFold(path, (lambda rid: rid == request_id) if request_id is not None else (lambda rid: False))
     kept: list[RequestOutcome] = []
-    runs: dict[str, int] = {}
+    runs: dict[str, int] = {}  # (of the requests kept: what is not kept is only summed)
     for outcome in fold.outcomes():
         if request_id is not None and outcome.request_id != request_id:
             continue
+        if keep is not None and not keep(outcome):
+            continue
         outcome.run = runs[outcome.request_id] = runs.get(outcome.request_id, 0) + 1
-        if keep is None or keep(outcome):
-            kept.append(outcome)
+        kept.append(outcome)
     if request_id is not None and not kept:
         raise ExplainError(f"no lookup of request {request_id!r} in {fold.path} (last seq {fold.last_seq})")
     return Explanation(fold.path, fold.config.to_dict(), kept, fold.totals, fold.last_seq, fold.warnings)

@@ -111,10 +111,12 @@ def recorded_workload(path: str | os.PathLike[str]) -> Iterator[RecordedRequest]
                 now_ms = max(now_ms, rec.now_ms)
             elif kind is Lookup:
                 rid = rec.request_id
-                if waiting.get(rid, None) is not None:  # (finished, looked up again: a new request)
+                finished = waiting.get(rid)
+                if finished is not None:  # finished, and looked up again: a new request of that id
                     yield from _ready(waiting)
-                    if waiting.get(rid) is not None:
-                        yield waiting.pop(rid)  # type: ignore[misc]
+                    if rid in waiting:  # (behind an older request still live: it goes first)
+                        del waiting[rid]
+                        yield finished
                 latest[rid] = RecordedRequest(
                     line, now_ms, rec.num_tokens, 0, rec.block_hashes, rid, rec.device_hit_blocks
                 )

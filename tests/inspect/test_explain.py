@@ -14,6 +14,7 @@ from core_helpers import BT, config, tokens
 
 from kvflow.cli.main import main
 from kvflow.core.commands import TierRefused
+from kvflow.core.names import name_of
 from kvflow.engine.manager import OffloadManager
 from kvflow.inspect.explain import BlockOutcome, ExplainError, explain
 from kvflow.log.reader import read_trace
@@ -205,6 +206,47 @@ def test_another_tenants_entry_refused_by_the_remote_tier(tmp_path: Path) -> Non
     assert a.fact is not None and a.fact.cause == "refused" and a.fact.tier == "remote"
     assert a.fact.reason == "another tenant" and a.fact.seq == seq_of(path, "entries_refused")
     assert a.lower_tiers == {"remote": "absent"}  # (the refusal dropped it from the index)
+
+
+def lower_load(m: OffloadManager, rid: str, hashes: list[int]) -> None:
+    """A lookup that queues a lower tier's load of those of ``hashes`` the CPU tier lacks, which
+    lands; then the lookup that counts, whose hits load."""
+    m.lookup(rid, hashes, tokens(len(hashes)))
+    m.accept_hits(rid, [])
+    for job in m.plan_step(0.0):
+        m.job_result(job.job_id)
+    hits = m.lookup(rid, hashes, tokens(len(hashes)))
+    m.accept_hits(rid, range(hits))
+    for job in m.plan_step(0.0):
+        m.job_result(job.job_id)
+    m.finish_request(rid)
+
+
+def test_blocks_brought_from_the_disk_tier(tmp_path: Path) -> None:
+    def script(m: OffloadManager) -> None:
+        m.disk_restored([(0, name_of(7)), (1, name_of(8))])
+        request(m, "a", [7, 8])  # a does not wait for the disk: both on their way
+        lower_load(m, "b", [7, 8, 9])  # b waits: a's load landed already, so they hit on the CPU tier
+        m.disk_restored([(2, name_of(5))])
+        lower_load(m, "c", [5])  # c waits for its own disk load
+
+    path = recorded(tmp_path, script, cpu_blocks=8, disk_blocks=8)
+    a = blocks(path, "a")
+    assert all(x.fact is not None and x.fact.cause == "arriving" and x.fact.tier == "disk" for x in a)
+    b = blocks(path, "b")
+    assert [x.tier for x in b[:2]] == ["cpu", "cpu"]
+    assert b[2].fact is not None and b[2].fact.cause == "never_stored" and b[2].lower_tiers == {"disk": "absent"}
+    assert [x.tier for x in blocks(path, "c")] == ["disk"]
+
+
+def test_blocks_brought_from_the_remote_tier(tmp_path: Path) -> None:
+    def script(m: OffloadManager) -> None:
+        m.remote_found([7, 8])
+        lower_load(m, "a", [7, 8])
+
+    path = recorded(tmp_path, script, cpu_blocks=8, remote_blocks=16)
+    assert [x.tier for x in blocks(path, "a")] == ["remote", "remote"]
+    assert explain(path, "a").requests[0].hit_tokens["remote"] == 2 * BT
 
 
 def test_not_accepted_and_beyond_the_cap(tmp_path: Path) -> None:

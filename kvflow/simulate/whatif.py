@@ -21,6 +21,7 @@ unless given.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import fields, replace
 from typing import Any
@@ -92,7 +93,12 @@ def with_changes(recorded: SimOptions, changes: dict[str, Any]) -> SimOptions:
         # the disk keeps its blocks, whatever a block now weighs
         blocks = round(recorded.disk_gb * GB) // recorded.bytes_per_block
         given["disk_gb"] = blocks * replace(recorded, **given).bytes_per_block / GB
-    return replace(recorded, **given)
+    options = replace(recorded, **given)
+    disk_model = [k for k in ("disk_bandwidth_gbps", "disk_latency_us", "disk_store_mode") if k in given]
+    if disk_model and not options.disk_gb:
+        flag = "--" + disk_model[0].replace("_mode", "").replace("_", "-")
+        raise ConfigError(f"{flag} applies to a disk tier: give --disk-gb (the trace was recorded without one)")
+    return options
 
 
 def recorded_workload(path: str | os.PathLike[str]) -> Iterator[RecordedRequest]:
@@ -101,7 +107,9 @@ def recorded_workload(path: str | os.PathLike[str]) -> Iterator[RecordedRequest]
     the requests that have looked up and not finished, and those behind the oldest of them."""
     with TraceReader(path) as reader:
         now_ms = 0.0
-        waiting: dict[str, RecordedRequest | None] = {}  # first lookup order; None: still live
+        # first-lookup order (None: still live); an OrderedDict finds its first entry at once,
+        # where a dict emptied from the front scans every slot it has freed
+        waiting: OrderedDict[str, RecordedRequest | None] = OrderedDict()
         latest: dict[str, RecordedRequest] = {}
         for line, rec in reader.records():
             kind = type(rec)
@@ -130,10 +138,11 @@ def recorded_workload(path: str | os.PathLike[str]) -> Iterator[RecordedRequest]
                 yield req
 
 
-def _ready(waiting: dict[str, RecordedRequest | None]) -> Iterator[RecordedRequest]:
+def _ready(waiting: OrderedDict[str, RecordedRequest | None]) -> Iterator[RecordedRequest]:
     """The finished requests at the head of ``waiting`` (in first-lookup order)."""
     while waiting:
-        rid, req = next(iter(waiting.items()))
+        rid = next(iter(waiting))
+        req = waiting[rid]
         if req is None:
             return
         del waiting[rid]
@@ -162,6 +171,8 @@ def what_if(path: str | os.PathLike[str], changes: dict[str, Any], record: str |
     ``changes`` (SimOptions fields; None: as recorded), recording the rerun at ``record``.
     Returns the simulation's summary (``kvflow simulate --json``'s keys) with ``trace`` and
     ``device_hits`` ("simulated" or "as recorded")."""
+    if record is not None and os.path.exists(record) and os.path.samefile(record, path):
+        raise ConfigError(f"--record {record} is the trace being rerun: write the rerun elsewhere")
     with TraceReader(path) as reader:
         recorded, simulated = recorded_options(reader)
     options = replace(with_changes(recorded, changes), record=record)

@@ -108,11 +108,14 @@ def test_an_engine_trace_keeps_its_device_hits_and_is_deterministic() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [["--policy", "mru"], ["--cpu-blocks", "-1"], ["--cpu-gb", "1", "--cpu-blocks", "2"]],
-    ids=["policy", "negative", "twice"],
+    [["--policy", "mru"], ["--cpu-blocks", "-1"], ["--cpu-gb", "1", "--cpu-blocks", "2"],
+     ["--disk-latency-us", "5"], ["--record", "{trace}"]],
+    ids=["policy", "negative", "twice", "disk model without a disk", "record over the trace"],
 )
 def test_bad_options_are_one_line(trace: Path, args: list[str]) -> None:
-    out = run("what-if", trace, *args)
+    before = trace.read_bytes()
+    out = run("what-if", trace, *(a.format(trace=trace) for a in args))
+    assert trace.read_bytes() == before
     assert out.exit_code == 2 and out.output.count("\n") == 1 and "Traceback" not in out.output, out.output
 
 

@@ -88,7 +88,7 @@ class ExplainError(KvflowError):
     """A question the trace cannot answer (no such request, a trace that does not fold); one line."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fact:
     """The last thing the log says about a block that is off the CPU tier (or, for a load,
     about its copy to the device): the cause it gives a miss, and where the log says it."""
@@ -104,7 +104,7 @@ class Fact:
     stored_before: bool = False  # the block was on the CPU tier at some point before
 
 
-@dataclass
+@dataclass(slots=True)
 class BlockOutcome:
     """One full block of a request: a hit (``tier``) or a miss (``cause`` and the fact behind it)."""
 
@@ -365,15 +365,14 @@ class ExplainFold:
         elif kind is BlocksEvicted:
             cause = _EVICTION_CAUSE.get(event.reason, "evicted")
             by = getattr(self._command, "request_id", None)
-            for h in event.hashes:
-                self._gone[h] = self._fact(cause, event, line, request_id=by, reason=event.reason, stored=True)
+            evicted = self._fact(cause, event, line, request_id=by, reason=event.reason, stored=True)
+            self._gone.update(dict.fromkeys(event.hashes, evicted))  # (one fact for the event's blocks)
             self.totals.evicted_blocks += len(event.hashes)
         elif kind is EntriesRefused:
             for h, reason, job in zip(event.hashes, event.reasons, event.job_ids):
                 self._gone[h] = self._fact("refused", event, line, job_id=job or None, reason=reason, tier=event.tier, block=h)
         elif kind is Reset:
-            for h in state.slot_of:
-                self._gone[h] = self._fact("reset", event, line, stored=True)
+            self._gone.update(dict.fromkeys(state.slot_of, self._fact("reset", event, line, stored=True)))
             for jid in event.abandoned_job_ids:
                 job = state.jobs.get(jid)
                 if job is None:

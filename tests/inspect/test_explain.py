@@ -374,3 +374,48 @@ def test_a_bad_trace_is_one_line(tmp_path: Path) -> None:
     assert out.exit_code == 2 and out.output.count("\n") == 1 and f"{bad}:1" in out.output
     missing = run("explain", tmp_path / "missing.jsonl", "--all")
     assert missing.exit_code == 2 and missing.output.count("\n") == 1
+
+
+# -- every trace the repository has ---------------------------------------------------------------
+
+GOLDEN = sorted((Path(__file__).resolve().parents[2] / "traces").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=[p.name for p in GOLDEN])
+def test_every_full_block_is_a_hit_or_a_miss_with_a_cause(path: Path) -> None:
+    found = explain(path)
+    assert found.requests and found.warnings == []
+    for outcome in found.requests:
+        hit_blocks = sum(outcome.hit_tokens.values()) // found.config["block_tokens"]
+        assert hit_blocks + sum(outcome.missed.values()) == outcome.full_blocks, outcome.request_id
+    for rid in {o.request_id for o in found.requests[:5]}:
+        for outcome in explain(path, rid).requests:
+            assert outcome.blocks is not None and len(outcome.blocks) == outcome.full_blocks
+            assert all(b.hit == (b.fact is None) for b in outcome.blocks)
+
+
+def test_explain_streams_its_memory_follows_the_tier_not_the_trace(tmp_path: Path) -> None:
+    """The same workload three times over: three times the trace, about the same peak memory."""
+    import tracemalloc
+
+    lines = EXAMPLE_WORKLOAD.read_text().splitlines()
+    last = json.loads(lines[-1])["timestamp"]
+    peaks = []
+    for times in (1, 3):
+        workload = tmp_path / f"w{times}.jsonl"
+        with workload.open("w") as out:
+            for k in range(times):
+                for text in lines:
+                    row = json.loads(text)
+                    row["timestamp"] += k * (last + 1)
+                    out.write(json.dumps(row) + "\n")
+        trace = tmp_path / f"t{times}.jsonl"
+        simulate(str(workload), SimOptions(cpu_blocks=128, record=str(trace)))
+        tracemalloc.start()
+        try:
+            totals = explain(trace, keep=lambda o: False).totals
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        assert totals.requests == 200 * times
+    assert peaks[1] < peaks[0] * 1.25 + (256 << 10), peaks

@@ -18,14 +18,16 @@ sorted by slot, see ``transfer_plan``):
   without Triton for pages of 512 KiB and up) hands every page of the batch to the copy
   engines in one ``cuMemcpyBatchAsync`` call (``batch_copy``); ``"uva"`` (CUDA) lets torch kernels gather/scatter the pinned pool region by
   region through unified addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host
-  memory and gathers or scatters on the CPU region by region (stores scatter in the completion
-  thread, loads gather in the caller, each region's copy overlapping the next one's gather).
+  memory and gathers or scatters on the CPU region by region (stores scatter once their copy
+  is over, in the thread that delivers their results; loads gather in the caller, each
+  region's copy overlapping the next one's gather).
 * With ``checksums``, a store records a per-slot checksum of what it copied and a load verifies
   it (a mismatch fails the job: the host copy is corrupt, recompute).
 
 The host side that can only run once the copies are done (host scatter, checksum bookkeeping)
-is returned as a ``Finish`` callable that the executor's completion thread runs. ``PageCopies``
-is a mixin of ``TorchExecutor``: the kernels read and set the executor's own attributes, which
+is returned as a ``Finish`` callable that the executor runs when it delivers the batch's
+results (in the thread that found the copies over: ``poll`` or ``wait``). ``PageCopies`` is a
+mixin of ``TorchExecutor``: the kernels read and set the executor's own attributes, which
 benchmarks and tests also switch directly (``scatter``, ``_batched``, ``_uva_views``).
 """
 

@@ -185,6 +185,15 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def _indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without the host waiting for the GPU: a copy from pageable
+    memory makes CUDA finish the stream's earlier work first, which stalled every token."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @torch.inference_mode()
 def forward(
     model: Llama,
@@ -201,11 +210,11 @@ def forward(
     dims, B = model.dims, kv.block_tokens
     n, total = len(tokens), start + len(tokens)
     dev = model.device
-    ids = torch.tensor(tokens, device=dev)
+    ids = _indices(tokens, dev)
     positions = torch.arange(start, total, device=dev)
-    page = torch.tensor([table[p // B] for p in range(start, total)], device=dev)
+    page = _indices([table[p // B] for p in range(start, total)], dev)
     offset = positions % B
-    blocks = torch.tensor(table[: (total + B - 1) // B], device=dev)
+    blocks = _indices(table[: (total + B - 1) // B], dev)
     mask = None
     if start:  # the new positions attend to the whole prefix: causal, aligned bottom-right
         from torch.nn.attention.bias import causal_lower_right
@@ -262,6 +271,9 @@ class TurnStats:
     ttft_s: float = 0.0
     load_s: float = 0.0
     prefill_s: float = 0.0  # the forward pass over what was neither cached nor loaded
+    # overlapped, on CUDA: (before the hits were accepted, after the load's copies) recorded on
+    # the load stream with timing, so a benchmark can tell the copies' time from their delivery
+    load_marks: tuple[Any, Any] | None = None
 
 
 class RefEngine:
@@ -344,6 +356,20 @@ class RefEngine:
                 return outcome
             report = self._step()
 
+    def _mark(self) -> Any:
+        """A timing event on the load stream now (None off CUDA)."""
+        stream = self.kvflow.executor.stream("load") if hasattr(self.kvflow.executor, "stream") else None
+        if stream is None:
+            return None
+        event = torch.Event(device=self.model.device, enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _marks(self, before: Any) -> tuple[Any, Any] | None:
+        """(``before``, a timing event after the copies enqueued on the load stream so far)."""
+        after = self._mark()
+        return None if before is None or after is None else (before, after)
+
     def _layer_events(self) -> list[Any] | None:
         """Per layer, the event after which its pages (K and V, regions 2i and 2i+1) have
         landed: the last load's group events, else its whole-batch event for every layer."""
@@ -390,10 +416,12 @@ class RefEngine:
             hits = self.kvflow.lookup(rid, hashes, len(prompt), d)
             if hits:
                 t0 = time.perf_counter()
+                before = self._mark()
                 job = self.kvflow.accept_hits(rid, table[d : d + hits])
                 report = None
                 if self.overlap:  # hand the load over, then the pass over the new tokens
                     report = self._step()
+                    stats.load_marks = self._marks(before)
                     ready = self._layer_events()
                     t_prefill = time.perf_counter()
                     start = (d + hits) * B

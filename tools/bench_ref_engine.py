@@ -112,6 +112,7 @@ def main() -> int:
             ttft[mode].append(st2.ttft_s)
             load_s[mode].append(st2.load_s)
             if st2.load_marks is not None:
+                st2.load_marks[1].synchronize()
                 copies_s.append(st2.load_marks[0].elapsed_time(st2.load_marks[1]) / 1e3)
             suffix_s[mode].append(st2.prefill_s)
             identical &= first == second

@@ -32,6 +32,7 @@ import hashlib
 import json
 import math
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -392,6 +393,15 @@ class RefEngine:
     # -- generation ----------------------------------------------------------------------
 
     def generate(self, prompt: list[int], max_new: int) -> tuple[list[int], TurnStats]:
+        """Greedy tokens after ``prompt`` (``max_new`` of them) and the turn's statistics."""
+        for out, stats in self.turn(prompt, max_new):
+            pass
+        return out, stats
+
+    def turn(self, prompt: list[int], max_new: int) -> Iterator[tuple[list[int], TurnStats]]:
+        """``generate`` a token at a time: yields (the tokens so far, the statistics) after the
+        first token and after each later one; the request ends when the iterator is
+        exhausted. A benchmark interleaves two engines token by token with it."""
         import time
 
         B = self.kv.block_tokens
@@ -455,6 +465,7 @@ class RefEngine:
         self._store(rid, hashes, table, done, full)
         if self.kvflow is not None:
             self._step()
+        yield out, stats
         tokens = prompt + out
         for _ in range(max_new - 1):
             logits = forward(self.model, self.kv, [tokens[-1]], len(tokens) - 1, table)
@@ -466,11 +477,11 @@ class RefEngine:
             tokens.append(out[-1])
             if self.kvflow is not None:
                 self._step()
+            yield out, stats
         if self.kvflow is not None:
             self.kvflow.finish_request(rid)  # (kvflow touches the chain it saw, deepest first)
         self._release(table)
         self.last_table = table
-        return out, stats
 
     def forget_device_cache(self) -> None:
         """Drop every cached block (as a device cache under pressure would): the next request

@@ -155,10 +155,16 @@ def _done(events: list[Any]) -> bool:
 
 
 class KvflowMethod(Method):
-    name = "kvflow"
+    """``engines``: as if the other direction always copied, so the staged path moves whole
+    blocks on the copy engines in each direction alone too; ``programs``: the kernels'
+    programs (0: the executor's default)."""
 
-    def __init__(self, rig: Rig) -> None:
-        self.ex = TorchExecutor(rig.kv, rig.cpu_blocks, block_dim=0)
+    def __init__(self, rig: Rig, *, engines: bool = False, programs: int = 0) -> None:
+        extra = [w for w, on in (("copy engines", engines), (f"{programs} programs", programs)) if on]
+        self.name = "kvflow" + (f" ({', '.join(extra)})" if extra else "")
+        self.ex = TorchExecutor(rig.kv, rig.cpu_blocks, block_dim=0, copy_programs=programs)
+        if engines:
+            self.ex._copying = lambda lane: True  # type: ignore[method-assign]
         self.host = [self.ex.pool.region(r, torch.bfloat16) for r in range(rig.geometry.regions)]
         self.next_id = 0
         self.finished: set[int] = set()
@@ -462,6 +468,7 @@ class Row:
 def measure(
     device: torch.device, geometries: Sequence[Geometry], run_bytes: int, step_blocks: int,
     reps: int, decode_pairs: int, decode_s: float, say: Callable[[str], None],
+    variants: bool = False,
 ) -> list[Row]:
     rows: list[Row] = []
     decode = Decode(device) if device.type == "cuda" else None
@@ -472,7 +479,11 @@ def measure(
         rig = build_rig(geo, 2 * run_blocks, device)
         methods: list[Method] = [
             ContiguousMethod(rig, run_blocks * geo.block_bytes),
-            KvflowMethod(rig), BatchMethod(rig), CopyLoopMethod(rig),
+            KvflowMethod(rig), *(
+                [KvflowMethod(rig, engines=True), KvflowMethod(rig, engines=True, programs=16)]
+                if variants else []
+            ),
+            BatchMethod(rig), CopyLoopMethod(rig),
         ]
         ceiling: dict[str, float] = {}
         for what in ("store", "load", "both"):
@@ -534,6 +545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode-pairs", type=int, default=5)
     ap.add_argument("--decode-s", type=float, default=0.3, help="seconds of decode per run")
+    ap.add_argument("--variants", action="store_true",
+                    help="also kvflow's staged path on the copy engines in each direction alone, "
+                         "with the default and with 16 kernel programs")
     ap.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda"))
@@ -560,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)  # (a pool of threads per small copy times the pool, not the copy)
     try:
         measure(device, geometries, run_bytes, step_blocks, args.reps, args.decode_pairs,
-                args.decode_s, say)
+                args.decode_s, say, args.variants)
     finally:
         torch.set_num_threads(threads)
     if args.out:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -254,11 +255,13 @@ def forward(
 
 
 def block_hashes(tokens: list[int], block_tokens: int) -> list[int]:
-    """Chained hashes of the full blocks (a block's hash covers its whole prefix)."""
+    """Chained hashes of the full blocks (a block's hash covers its whole prefix), over the
+    tokens' 8-byte values: hashing them as JSON text showed in a long prompt's first token."""
+    whole = np.asarray(tokens, dtype=np.int64).tobytes()
+    step = 8 * block_tokens
     out, parent = [], b""
     for i in range(len(tokens) // block_tokens):
-        chunk = tokens[i * block_tokens : (i + 1) * block_tokens]
-        parent = hashlib.blake2b(parent + json.dumps(chunk).encode(), digest_size=8).digest()
+        parent = hashlib.blake2b(parent + whole[i * step : (i + 1) * step], digest_size=8).digest()
         out.append(int.from_bytes(parent, "big") & _MASK)
     return out
 
@@ -270,6 +273,7 @@ class TurnStats:
     loaded_blocks: int = 0
     load_failed: bool = False
     ttft_s: float = 0.0
+    before_load_s: float = 0.0  # from the request's start to handing the hits over (host)
     load_s: float = 0.0
     prefill_s: float = 0.0  # the forward pass over what was neither cached nor loaded
     # overlapped, on CUDA: (before the hits were accepted, after the load's copies) recorded on
@@ -426,6 +430,7 @@ class RefEngine:
             hits = self.kvflow.lookup(rid, hashes, len(prompt), d)
             if hits:
                 t0 = time.perf_counter()
+                stats.before_load_s = t0 - start_time
                 before = self._mark()
                 job = self.kvflow.accept_hits(rid, table[d : d + hits])
                 report = None

@@ -93,7 +93,7 @@ class TorchExecutor(PageCopies):
     consecutive slots per batch, use ``scatter`` instead of one copy per run and region (default
     0 for the ``kernel`` scatter: every batch in one launch; 1 for ``batch``; 16 for the others).
     ``scatter``: ``auto`` (default: ``staged`` on CUDA with Triton, over a page-first pool: the
-    page kernel for one direction alone, whole blocks on the copy engines while both copy;
+    page kernel for loads in groups, whole blocks on the copy engines otherwise;
     without Triton ``batch``, one cuMemcpyBatchAsync call per batch, for pages of 512 KiB and up
     where the driver has it, UVA kernels otherwise; ``host`` staging on NPU and CPU), or one of
     ``runs``, ``host``, ``uva``, ``kernel``, ``batch``, ``staged``. ``staging_bytes``: the most device staging memory one batch allocates

@@ -4,7 +4,7 @@ for the whole load, and overlapped with it layer by layer), decode throughput wi
 off, the transfer rate inside the loop.
 
     python tools/bench_ref_engine.py [--prefix 16384] [--decode 128] [--repeat 3] [--decode-repeat 4]
-                                     [--load-groups 32] [--out FILE]
+                                     [--load-groups 32] [--copy-programs 0] [--out FILE]
 
 The load inside the loop: from accepting the hits to knowing the load's outcome (host clock),
 and the copies' own span on the load stream (GPU clock, timing events recorded before the hits
@@ -63,6 +63,8 @@ def main() -> int:
     ap.add_argument("--decode-repeat", type=int, default=4)
     ap.add_argument("--load-groups", type=int, default=None,
                     help="groups a load is enqueued in (default: one per layer)")
+    ap.add_argument("--copy-programs", type=int, default=0,
+                    help="the page kernel's programs (0: the executor's default)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lines = []
@@ -75,12 +77,13 @@ def main() -> int:
     prefix_blocks = args.prefix // B
     kv = ref.PagedKV(model.dims, num_blocks=2 * prefix_blocks + 64, block_tokens=B, device=model.device, dtype=model.dtype)
     groups = args.load_groups or model.dims.layers
-    ex = TorchExecutor(kv.tensors(), prefix_blocks + 64, block_dim=0, load_groups=groups)
+    ex = TorchExecutor(kv.tensors(), prefix_blocks + 64, block_dim=0, load_groups=groups,
+                       copy_programs=args.copy_programs)
     kvflow = SyncEngine(Config(cpu_blocks=prefix_blocks + 64, block_tokens=B, job_deadline_ms=60_000.0), ex)
     on = ref.RefEngine(model, kv, kvflow)
     gbps = link_gbps()
     say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; one contiguous pinned H2D copy {gbps:.1f} GB/s; "
-        f"loads in {groups} groups")
+        f"loads in {groups} groups, copy programs {args.copy_programs or 'default'}")
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.dims.vocab, (args.prefix + B // 2,), generator=g).tolist()
 

@@ -23,8 +23,8 @@ per job on ONE channel (``result_channel``), batches found over together in laun
 blocking ``wait`` sleeps on the job's event (in the driver, without the GIL, on CUDA) and then
 delivers the same way. No other thread has to run for a result to arrive: a completion thread
 waking from its event needs the GIL, and an engine whose scheduler spins on ``step()`` holds it
-for up to the interpreter's switch interval (5 ms), which cost a 2 GiB load in a model's loop a
-tenth of the link. Every phase of a batch, the staged path's chunks too, is enqueued on its
+for up to the interpreter's switch interval, so the engine learnt late of copies long over
+(docs/performance.md, "Results at the engine's own poll"). Every phase of a batch, the staged path's chunks too, is enqueued on its
 stream by ``submit``, so nothing but the host side is left for the delivery. Any exception in a
 copy becomes a failed result for the jobs of that batch and the executor keeps serving (F2).
 """

@@ -311,8 +311,6 @@ def run(args: argparse.Namespace) -> int:
             except Exception as e:  # noqa: BLE001 - one mode missing must not cost the run
                 print(f"  {label:<22} {mode:<10} unavailable: {e}", flush=True)
                 continue
-            if mode.endswith(":poll"):  # completion threads poll events instead of sleeping
-                ex.traits = dataclasses.replace(ex.traits, wait_mode="query")
             try:
                 ok = check(ex, pat, windows["load"])
                 for what, steps in windows.items():
@@ -376,8 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--modes", default="kernel,uva,host,runs",
                     help="executor scatter modes to compare (torch-staged: the staged path "
                          "without the page kernel, as on an NPU); kernel:N sets the kernel's programs "
-                         "(0: one per multiprocessor); a :poll suffix makes the completion threads "
-                         "poll their events instead of sleeping on them")
+                         "(0: one per multiprocessor)")
     rp.add_argument("--out", default=None, help="also write the table as markdown here")
     args = ap.parse_args(argv)
     if args.verb == "extract":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command used on the GPU machine (see docs/executor.md):
-#   bash tools/device_run.sh [all|tests|bench|churn|ref|ranks|disk]
+#   bash tools/device_run.sh [all|tests|bench|churn|ref|methods|ranks|disk]
 # Run from the repository root. Logs and results go under $OUT (default /tmp/kvflow-out).
 # msgspec and structlog are not in the GPU image: carry `.whl` (cp312 / pure wheels: msgspec,
 # structlog, anyio, sniffio, pytest-asyncio for the async engine tests; glassllm for the
@@ -60,6 +60,10 @@ ref() {
   $PY tools/bench_ref_engine.py --out "$OUT/ref_engine_results.txt" 2>&1 | tee "$OUT/ref.log"
 }
 
+methods() {
+  $PY tools/bench_copy_methods.py --out "$OUT/copy_methods_results.md" 2>&1 | tee "$OUT/methods.log"
+}
+
 disk() {
   # the disk tier on the machine's local disk: its tests, then a 16k-token prefix disk -> GPU
   $PY -m pytest -q -p no:cacheprovider tests/tiers/test_disk_file.py tests/tiers/test_disk_engine.py \
@@ -75,8 +79,9 @@ case "$MODE" in
   bench) bench || rc=$? ;;
   churn) churn || rc=$? ;;
   ref) ref || rc=$? ;;
+  methods) methods || rc=$? ;;
   disk) probe; disk || rc=$? ;;
   ranks) probe; $PY -m pytest -q -p no:cacheprovider tests/executors/test_ranks.py -rs 2>&1 | tee "$OUT/ranks.log" || rc=$? ;;
-  *) echo "usage: $0 [all|tests|bench|churn|ref|ranks|disk]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|tests|bench|churn|ref|methods|ranks|disk]" >&2; exit 2 ;;
 esac
 exit $rc

@@ -32,10 +32,12 @@ import hashlib
 import json
 import math
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -185,6 +187,15 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def _indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without the host waiting for the GPU: a copy from pageable
+    memory makes CUDA finish the stream's earlier work first, which stalled every token."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @torch.inference_mode()
 def forward(
     model: Llama,
@@ -201,11 +212,11 @@ def forward(
     dims, B = model.dims, kv.block_tokens
     n, total = len(tokens), start + len(tokens)
     dev = model.device
-    ids = torch.tensor(tokens, device=dev)
+    ids = _indices(tokens, dev)
     positions = torch.arange(start, total, device=dev)
-    page = torch.tensor([table[p // B] for p in range(start, total)], device=dev)
+    page = _indices([table[p // B] for p in range(start, total)], dev)
     offset = positions % B
-    blocks = torch.tensor(table[: (total + B - 1) // B], device=dev)
+    blocks = _indices(table[: (total + B - 1) // B], dev)
     mask = None
     if start:  # the new positions attend to the whole prefix: causal, aligned bottom-right
         from torch.nn.attention.bias import causal_lower_right
@@ -244,11 +255,13 @@ def forward(
 
 
 def block_hashes(tokens: list[int], block_tokens: int) -> list[int]:
-    """Chained hashes of the full blocks (a block's hash covers its whole prefix)."""
+    """Chained hashes of the full blocks (a block's hash covers its whole prefix), over the
+    tokens' 8-byte values: hashing them as JSON text showed in a long prompt's first token."""
+    whole = np.asarray(tokens, dtype=np.int64).tobytes()
+    step = 8 * block_tokens
     out, parent = [], b""
     for i in range(len(tokens) // block_tokens):
-        chunk = tokens[i * block_tokens : (i + 1) * block_tokens]
-        parent = hashlib.blake2b(parent + json.dumps(chunk).encode(), digest_size=8).digest()
+        parent = hashlib.blake2b(parent + whole[i * step : (i + 1) * step], digest_size=8).digest()
         out.append(int.from_bytes(parent, "big") & _MASK)
     return out
 
@@ -260,8 +273,12 @@ class TurnStats:
     loaded_blocks: int = 0
     load_failed: bool = False
     ttft_s: float = 0.0
+    before_load_s: float = 0.0  # from the request's start to handing the hits over (host)
     load_s: float = 0.0
     prefill_s: float = 0.0  # the forward pass over what was neither cached nor loaded
+    # overlapped, on CUDA: (before the hits were accepted, after the load's copies) recorded on
+    # the load stream with timing, so a benchmark can tell the copies' time from their delivery
+    load_marks: tuple[Any, Any] | None = None
 
 
 class RefEngine:
@@ -344,6 +361,20 @@ class RefEngine:
                 return outcome
             report = self._step()
 
+    def _mark(self) -> Any:
+        """A timing event on the load stream now (None off CUDA)."""
+        stream = self.kvflow.executor.stream("load") if hasattr(self.kvflow.executor, "stream") else None
+        if stream is None:
+            return None
+        event = torch.Event(device=self.model.device, enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _marks(self, before: Any) -> tuple[Any, Any] | None:
+        """(``before``, a timing event after the copies enqueued on the load stream so far)."""
+        after = self._mark()
+        return None if before is None or after is None else (before, after)
+
     def _layer_events(self) -> list[Any] | None:
         """Per layer, the event after which its pages (K and V, regions 2i and 2i+1) have
         landed: the last load's group events, else its whole-batch event for every layer."""
@@ -366,6 +397,15 @@ class RefEngine:
     # -- generation ----------------------------------------------------------------------
 
     def generate(self, prompt: list[int], max_new: int) -> tuple[list[int], TurnStats]:
+        """Greedy tokens after ``prompt`` (``max_new`` of them) and the turn's statistics."""
+        for out, stats in self.turn(prompt, max_new):
+            pass
+        return out, stats
+
+    def turn(self, prompt: list[int], max_new: int) -> Iterator[tuple[list[int], TurnStats]]:
+        """``generate`` a token at a time: yields (the tokens so far, the statistics) after the
+        first token and after each later one; the request ends when the iterator is
+        exhausted. A benchmark interleaves two engines token by token with it."""
         import time
 
         B = self.kv.block_tokens
@@ -390,10 +430,13 @@ class RefEngine:
             hits = self.kvflow.lookup(rid, hashes, len(prompt), d)
             if hits:
                 t0 = time.perf_counter()
+                stats.before_load_s = t0 - start_time
+                before = self._mark()
                 job = self.kvflow.accept_hits(rid, table[d : d + hits])
                 report = None
                 if self.overlap:  # hand the load over, then the pass over the new tokens
                     report = self._step()
+                    stats.load_marks = self._marks(before)
                     ready = self._layer_events()
                     t_prefill = time.perf_counter()
                     start = (d + hits) * B
@@ -427,6 +470,7 @@ class RefEngine:
         self._store(rid, hashes, table, done, full)
         if self.kvflow is not None:
             self._step()
+        yield out, stats
         tokens = prompt + out
         for _ in range(max_new - 1):
             logits = forward(self.model, self.kv, [tokens[-1]], len(tokens) - 1, table)
@@ -438,11 +482,11 @@ class RefEngine:
             tokens.append(out[-1])
             if self.kvflow is not None:
                 self._step()
+            yield out, stats
         if self.kvflow is not None:
             self.kvflow.finish_request(rid)  # (kvflow touches the chain it saw, deepest first)
         self._release(table)
         self.last_table = table
-        return out, stats
 
     def forget_device_cache(self) -> None:
         """Drop every cached block (as a device cache under pressure would): the next request

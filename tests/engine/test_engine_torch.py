@@ -6,6 +6,7 @@ through a SyncEngine with world_size 2: few tests, since spawning ranks is slow.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -154,6 +155,40 @@ def test_F1_an_injected_load_failure_reports_the_device_blocks_and_keeps_the_ent
     engine.accept_hits("C", (25, 26, 27))
     assert len(step_until_idle(engine).loads_finished) == 1
     assert all(torch.equal(x, y) for x, y in zip(blocks_of(kv, (25, 26, 27)), original, strict=True))
+
+
+def spin_until_over(event: Any) -> None:
+    """Spin, as a busy scheduler does, until ``event`` has happened (None: on the CPU device
+    the copy ended inside ``submit``)."""
+    while event is not None and not event.query():
+        pass
+
+
+def test_F6_a_scheduler_spinning_on_step_learns_of_each_copy_at_its_next_step(rig: Any) -> None:
+    """The engine's thread spins on ``step()`` and no other thread runs (a switch interval of
+    60 s): the step after the one that submitted a copy reports it, once it is over."""
+    engine, ex, kv = rig(fail_job_ids={2})  # job 1: A's store; job 2: B's load (fails)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        engine.lookup("A", A_HASHES, 3 * B + 1)
+        store = engine.blocks_computed("A", A_HASHES, A_BLOCKS)
+        submitted = engine.step()
+        spin_until_over(ex.last_event("store"))
+        stored = engine.step()
+        engine.finish_request("A")
+        assert engine.lookup("B", (*A_HASHES, 14), 3 * B + 7) == 3
+        load = engine.accept_hits("B", B_BLOCKS)
+        engine.step()
+        spin_until_over(ex.last_event("load"))
+        failed = engine.step()
+    finally:
+        sys.setswitchinterval(interval)
+    assert [j.job_id for j in submitted.submitted] == [store] and submitted.stores_finished == []
+    assert stored.stores_finished == [store]
+    assert [(f.request_id, f.job_id) for f in failed.loads_failed] == [("B", load)]
+    engine.finish_request("B")
+    assert_clean(engine)
 
 
 def test_F17_a_corrupted_host_slot_fails_the_load_and_leaves_the_tier(rig: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import numpy as np
@@ -191,6 +192,32 @@ def test_F2_a_copy_that_raises_becomes_a_failed_result(device: str) -> None:
             and "load launch failed" in res.error
         )
         assert run(ex, [TransferJob(3, "load", (5,), (0,))])[3].ok  # still serving
+
+
+def test_F6_a_copy_that_is_over_reaches_the_next_poll_of_a_spinning_caller(device: str) -> None:
+    """An engine's scheduler spins on ``step()``: its thread keeps the GIL for the interpreter's
+    whole switch interval, so no other thread of the process runs meanwhile. A copy that is
+    over must reach that thread's next ``poll`` without another thread running first (none
+    can here: the switch interval is 60 s): a store, a load and a failed copy (F2), each once."""
+    kv = make_kv("separate", device)
+    with TorchExecutor(kv, 16, fail_job_ids={3}) as ex:
+        assert run(ex, [TransferJob(9, "store", (0,), (0,))])[9].ok  # (warm-up)
+        assert [r.job_id for r in ex.poll()] == [9]
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(60.0)
+        try:
+            ex.submit([TransferJob(1, "store", (1, 2), (1, 2)), TransferJob(2, "load", (5,), (0,))])
+            ex.submit([TransferJob(3, "store", (3,), (3,))])  # its copy raises (fail_job_ids)
+            events = [ex.last_event(d) for d in ("store", "load")]
+            while not all(e is None or e.query() for e in events):  # spin until the copies end
+                pass
+            first = ex.poll()
+            again = ex.poll()
+        finally:
+            sys.setswitchinterval(interval)
+    assert sorted(r.job_id for r in first) == [1, 2, 3]
+    assert [r.job_id for r in first if not r.ok] == [3] and again == []
+    assert "injected fault for job 3" in next(r.error for r in first if r.job_id == 3)
 
 
 def test_F12_waiting_on_an_unknown_job_or_submitting_one_twice_is_refused(device: str) -> None:
@@ -496,13 +523,9 @@ def test_staged_path_moves_whole_blocks_through_runs(
         load_groups=groups,
     ) as ex:
         assert ex._stage is not None and ex._stage.tables is not None
-        if both_ways:  # as if the other direction always had a batch running
-            for lane in ex._lanes.values():
-                lane.batches_running += 1
+        if both_ways:  # as if the other direction always had copies in flight
+            ex._copying = lambda lane: True  # type: ignore[method-assign]
         _staged_scenario(ex, kv)
-        if both_ways:
-            for lane in ex._lanes.values():
-                lane.batches_running -= 1
 
 
 @pytest.mark.parametrize("staging_blocks,groups", [(64, 1), (2, 3)])

@@ -61,10 +61,10 @@ class LateLoads(TorchExecutor):
     def submit(self, jobs: Any, compute_done: Any = None) -> None:
         self._loads.update(j.job_id for j in jobs if j.direction == "load")
         super().submit(jobs, compute_done)
-        # Wait here for this batch's results (the CPU device's copies end within
-        # milliseconds), so that what a poll returns never depends on how fast the
-        # completion thread ran: on a loaded machine a store reported a poll late timed out
-        # too, and its blocks were never offered to the next turn.
+        # Wait here for this batch's results (the CPU device's copies end inside submit),
+        # so that what a poll returns never depends on how fast the copies ran: on a
+        # loaded machine a store reported a poll late timed out too, and its blocks were
+        # never offered to the next turn.
         pending = {j.job_id for j in jobs}
         give_up = time.monotonic() + 60.0
         while pending and time.monotonic() < give_up:

@@ -1,7 +1,7 @@
 """The torch executor: real copies between device KV tensors and a pinned host pool.
 
 - ``executor``: ``TorchExecutor`` (submit, poll, close); ``ranks``: ``RankGroup``, one worker
-  process per rank; ``result_channel``: results from copy threads to ``poll``;
+  process per rank; ``result_channel``: each result once, to ``poll``;
 - ``host_pool``: the pinned host pool, sized once; ``layout``: the device KV layout;
 - ``transfer_plan``: a job's device blocks and slots as contiguous runs;
 - ``streams``: copy streams and the compute-done event; ``npu``: what differs on Ascend NPUs;

@@ -68,6 +68,7 @@ def _entry() -> Any | None:
         get = lib.cuGetProcAddress_v2
     except (OSError, AttributeError):
         return None
+    lib.cuInit(0)  # (looked up before any CUDA call, the entry point would read as missing)
     get.restype = ctypes.c_int
     get.argtypes = [
         ctypes.c_char_p,

@@ -37,10 +37,10 @@ def auto_scatter(
     use and its largest page.
 
     Measured on an H200 replaying a churned tier and with one 1 GiB submit
-    (docs/performance.md, "Copies on the GPU"): ``staged`` (a page-first pool; the page
-    kernel for one direction alone, whole blocks on the copy engines while both directions
-    copy) moves 0.91-0.95 of the link each way and 0.86-0.91 both ways at 16 KiB - 2 MiB
-    pages. Without it: the page kernel (0.90-0.95 each way, 0.69-0.78 both ways) below 512 KiB;
+    (docs/performance.md, "Copies on the GPU"): ``staged`` (a page-first pool; whole blocks
+    on the copy engines, the page kernel for loads in groups and where the driver has no
+    batched copies) moves 0.87-0.92 of the link each way and 0.94-0.96 both ways at 32 KiB and
+    2 MiB pages, and leaves the multiprocessors to the engine's compute (``_whole_blocks``). Without it: the page kernel (0.90-0.95 each way, 0.69-0.78 both ways) below 512 KiB;
     above, ``batch`` (each page a copy-engine transfer, 0.97; the driver spends host time on
     every page, so it is no choice below: docs/performance.md) or the UVA kernels. Host
     staging (a CPU gather per byte) is the portable fallback: NPU, CPU, unpinned pools.

@@ -2,8 +2,8 @@
 
 One code path for CUDA, Ascend NPU and the CPU device, over ``torch.Stream`` / ``torch.Event``
 (``kvflow.executors.torch.npu`` holds the few per-device decisions). This module is the executor's job
-bookkeeping: it accepts jobs, tracks them until each has exactly one result, and runs the
-completion threads. The rest is split by job:
+bookkeeping: it accepts jobs and tracks them until each has exactly one result. The rest is
+split by job:
 
 * ``transfer_plan``: a ``submit`` validates each job and merges all of its store jobs together,
   all of its load jobs together, sorted by slot (a job with a bad index fails alone, before
@@ -16,18 +16,25 @@ completion threads. The rest is split by job:
 
 When a submit stores and loads the same blocks or slots, the load waits for the store's event.
 
-Completion (F6): a thread per direction waits for each batch's event (``synchronize`` on a
-blocking-sync event on CUDA, ``synchronize`` on NPU, nothing on CPU where copies are
-synchronous), runs the batch's host side (host scatter, checksum check) and reports one
-``JobResult`` per job on ONE channel (``result_channel``); ``poll``/``wait`` read it from the
-engine's thread. Any exception in a copy becomes a failed result for the jobs of that batch and
-the executor keeps serving (F2).
+Completion (F6): the thread that asks learns. ``poll`` queries the event of each direction's
+oldest batches in launch order, without blocking, and delivers every batch whose copies are
+over: it runs the batch's host side (host scatter, checksum check) and puts one ``JobResult``
+per job on ONE channel (``result_channel``), batches found over together in launch order. A
+blocking ``wait`` sleeps on the job's event (in the driver, without the GIL, on CUDA) and then
+delivers the same way. No other thread has to run for a result to arrive: a completion thread
+waking from its event needs the GIL, and an engine whose scheduler spins on ``step()`` holds it
+for up to the interpreter's switch interval, so the engine learnt late of copies long over
+(docs/performance.md, "Results at the engine's own poll"). Every phase of a batch, the staged path's chunks too, is enqueued on its
+stream by ``submit``, so nothing but the host side is left for the delivery. Any exception in a
+copy becomes a failed result for the jobs of that batch and the executor keeps serving (F2).
 """
 
 from __future__ import annotations
 
-import queue
+import itertools
 import threading
+import time
+from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +52,7 @@ from kvflow.executors.torch.layout import KVCaches, KVLayout
 from kvflow.executors.torch.page_copies import PageCopies
 from kvflow.executors.torch.page_kernel import DEFAULT_PROGRAMS
 from kvflow.executors.torch.result_channel import ResultChannel
-from kvflow.executors.torch.streams import new_stream, record_event, wait_event
+from kvflow.executors.torch.streams import event_over, new_stream, record_event, wait_event
 from kvflow.executors.torch.transfer_plan import Plan, overlaps, plan_jobs
 from kvflow.executors.torch.uva import device_alias
 
@@ -55,24 +62,24 @@ _device_alias = device_alias
 
 @dataclass
 class _Batch:
-    """One direction's share of one submit call, as the completion thread sees it."""
+    """One direction's share of one submit call, until its results are delivered."""
 
+    seq: int  # launch order over both directions
     direction: str
     jobs: list[TransferJob]
     event: Any | None
     finish: Finish | None = None
     keepalive: list[Any] = field(default_factory=list)
-    error: str | None = None  # set when launching failed: every job fails with it
+    error: str | None = None  # set when launching failed or the copy raised: every job fails
 
 
 @dataclass
 class _Lane:
     direction: str
     stream: Any | None
-    pending: queue.SimpleQueue[_Batch | None]
-    thread: threading.Thread | None = None
+    # launched, results not delivered yet, in launch order (one stream: they end in this order)
+    running: deque[_Batch] = field(default_factory=deque)
     last_event: Any | None = None
-    batches_running: int = 0  # launched, not yet reported (under the executor's lock)
 
 
 class TorchExecutor(PageCopies):
@@ -86,7 +93,7 @@ class TorchExecutor(PageCopies):
     consecutive slots per batch, use ``scatter`` instead of one copy per run and region (default
     0 for the ``kernel`` scatter: every batch in one launch; 1 for ``batch``; 16 for the others).
     ``scatter``: ``auto`` (default: ``staged`` on CUDA with Triton, over a page-first pool: the
-    page kernel for one direction alone, whole blocks on the copy engines while both copy;
+    page kernel for loads in groups, whole blocks on the copy engines otherwise;
     without Triton ``batch``, one cuMemcpyBatchAsync call per batch, for pages of 512 KiB and up
     where the driver has it, UVA kernels otherwise; ``host`` staging on NPU and CPU), or one of
     ``runs``, ``host``, ``uva``, ``kernel``, ``batch``, ``staged``. ``staging_bytes``: the most device staging memory one batch allocates
@@ -163,6 +170,8 @@ class TorchExecutor(PageCopies):
 
         self._results = ResultChannel(rank)
         self._lock = threading.Lock()  # the counters and the lanes' running batches
+        self._delivering = threading.Lock()  # one thread delivers at a time: each batch once
+        self._seq = itertools.count()
         self._closed = False
         self._counters = {
             "bytes_stored": 0,
@@ -190,18 +199,10 @@ class TorchExecutor(PageCopies):
             and all(r.word_dtype == torch.int64 for r in self.layout.regions)
         )
 
-    # --- lanes: one stream and one completion thread per direction ----------------------------
+    # --- lanes: one stream per direction -------------------------------------------------------
 
     def _start_lane(self, direction: str) -> _Lane:
-        lane = _Lane(direction, new_stream(self.device, self.traits), queue.SimpleQueue())
-        lane.thread = threading.Thread(
-            target=self._complete_loop,
-            args=(lane,),
-            name=f"kvflow-{direction}-r{self.rank}",
-            daemon=True,
-        )
-        lane.thread.start()
-        return lane
+        return _Lane(direction, new_stream(self.device, self.traits))
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -243,30 +244,58 @@ class TorchExecutor(PageCopies):
             self._launch(LOAD, load_plan, compute_done, after, both)
 
     def poll(self) -> list[JobResult]:
-        """Every result that arrived since the last poll (each exactly once); never blocks."""
+        """The results of every copy over by now (each exactly once); never blocks: the
+        calling thread queries the copies' events itself (F6)."""
+        self._deliver(block=False)
         return self._results.poll()
 
     def wait(self, job_id: int, timeout_s: float | None = None) -> JobResult:
         """Block until ``job_id`` is terminal and return its result (``poll`` still reports it).
 
-        Raises ``UnknownJob`` for an id never submitted (F12), ``TimeoutError`` after ``timeout_s``.
+        Without ``timeout_s`` the thread sleeps on the job's event (in the driver on CUDA);
+        with one it queries the events with short sleeps until then. Raises ``UnknownJob`` for
+        an id never submitted (F12), ``TimeoutError`` after ``timeout_s``.
         """
-        return self._results.wait(job_id, timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        nap = _Nap()
+        while True:
+            self._deliver(block=True)
+            done = self._results.finished(job_id)
+            if done is not None:
+                return done
+            event = self._event_of(job_id) if deadline is None else None
+            if event is not None:
+                try:
+                    wait_event(event, self.traits)
+                except Exception:  # noqa: BLE001 - the delivery reports the copy's failure (F2)
+                    pass
+                continue
+            if not nap.sleep(deadline):
+                raise TimeoutError(f"job {job_id} not finished after {timeout_s} s")
 
     def wait_any(self, timeout_s: float | None = None) -> list[JobResult]:
         """Block until at least one result is ready (or ``timeout_s``), then poll."""
-        return self._results.wait_any(timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        nap = _Nap()
+        while True:
+            self._deliver(block=True)
+            out = self._results.poll()
+            if out or not nap.sleep(deadline):
+                return out
 
     def close(self) -> None:
-        """Finish in-flight copies, stop the completion threads and free the host pool we own."""
+        """Finish in-flight copies, deliver their results (``poll`` still returns them) and
+        free the host pool we own."""
         if self._closed:
             return
         self._closed = True
         for lane in self._lanes.values():
-            lane.pending.put(None)
-        for lane in self._lanes.values():
-            if lane.thread is not None:
-                lane.thread.join()
+            for batch in list(lane.running):
+                try:
+                    wait_event(batch.event, self.traits)
+                except Exception:  # noqa: BLE001 - the delivery reports the copy's failure (F2)
+                    pass
+        self._deliver(block=True)
         if self._owns_pool:
             self.pool.close()
 
@@ -343,10 +372,8 @@ class TorchExecutor(PageCopies):
         """Enqueue one direction's copies; a raise here fails the batch, never the caller (F2)."""
         lane = self._lanes[direction]
         other = self._lanes[LOAD if direction == STORE else STORE]
-        with self._lock:
-            both_ways = both or other.batches_running > 0  # the other direction copies too
-            lane.batches_running += 1
-        batch = _Batch(direction, plan.jobs, None)
+        both_ways = both or self._copying(other)  # the other direction copies too
+        batch = _Batch(next(self._seq), direction, plan.jobs, None)
         try:
             injected = [j.job_id for j in plan.jobs if j.job_id in self._fail_job_ids]
             if injected:
@@ -367,44 +394,105 @@ class TorchExecutor(PageCopies):
             lane.last_event = batch.event
         except Exception as e:  # noqa: BLE001 - F2: every copy error becomes a failed result
             batch.error = f"{direction} launch failed on {self.device}: {one_line(e)}"
-        lane.pending.put(batch)
+        with self._lock:
+            lane.running.append(batch)
         return batch.event
 
-    # --- completion thread --------------------------------------------------------------------
+    # --- delivery: the thread that asks finds the copies that are over ----------------------
 
-    def _complete_loop(self, lane: _Lane) -> None:
-        """Wait for each batch in launch order and publish its results (F6: one channel)."""
-        block_bytes = self.layout.block_bytes
-        while True:
-            batch = lane.pending.get()
-            if batch is None:
-                return
-            errors: Failures = {}
-            if batch.error is not None:
-                errors = {j.job_id: (batch.error, ()) for j in batch.jobs}
-            else:
-                try:
-                    wait_event(batch.event, self.traits)
-                    if batch.finish is not None:
-                        errors = batch.finish()
-                except Exception as e:  # noqa: BLE001 - F2
-                    msg = f"{batch.direction} copy failed on {self.device}: {one_line(e)}"
-                    errors = {j.job_id: (msg, ()) for j in batch.jobs}
-            batch.keepalive.clear()
-            ok_bytes = 0
+    def _over(self, batch: _Batch) -> bool:
+        """Whether ``batch``'s copies are over (a query, never a wait); a query that raises
+        ends the batch as failed."""
+        if batch.error is not None or batch.event is None:
+            return True
+        try:
+            return event_over(batch.event, self.traits)
+        except Exception as e:  # noqa: BLE001 - F2: the copy's error becomes failed results
+            batch.error = f"{batch.direction} copy failed on {self.device}: {one_line(e)}"
+            return True
+
+    def _copying(self, lane: _Lane) -> bool:
+        """Whether ``lane`` still has copies in flight (its last batch's event is pending)."""
+        with self._lock:
+            last = lane.running[-1] if lane.running else None
+        return last is not None and last.error is None and last.event is not None and not (
+            self._over(last)
+        )
+
+    def _event_of(self, job_id: int) -> Any | None:
+        """The event of the in-flight batch holding ``job_id`` (None if none or no event)."""
+        with self._lock:
+            for lane in self._lanes.values():
+                for batch in lane.running:
+                    if batch.event is not None and any(j.job_id == job_id for j in batch.jobs):
+                        return batch.event
+        return None
+
+    def _deliver(self, *, block: bool) -> None:
+        """Deliver every batch whose copies are over: each lane's in launch order (one stream:
+        a later batch is never over before an earlier one), those found together in launch
+        order over both directions. ``block=False`` (``poll``): when another thread is
+        delivering, leave it to that thread rather than wait; its results reach the next poll.
+        """
+        if not self._delivering.acquire(blocking=block):
+            return
+        try:
+            done: list[_Batch] = []
             with self._lock:
-                lane.batches_running -= 1
-                for job in batch.jobs:
-                    if job.job_id in errors:
-                        self._counters["jobs_failed"] += 1
-                    else:
-                        self._counters["jobs_completed"] += 1
-                        ok_bytes += len(job.slots) * block_bytes
-                key = "bytes_stored" if batch.direction == STORE else "bytes_loaded"
-                self._counters[key] += ok_bytes
+                for lane in self._lanes.values():
+                    while lane.running and self._over(lane.running[0]):
+                        done.append(lane.running.popleft())
+            for batch in sorted(done, key=lambda b: b.seq):
+                self._finish(batch)
+        finally:
+            self._delivering.release()
+
+    def _finish(self, batch: _Batch) -> None:
+        """Run ``batch``'s host side and put one result per job (its copies are over)."""
+        errors: Failures = {}
+        if batch.error is not None:
+            errors = {j.job_id: (batch.error, ()) for j in batch.jobs}
+        elif batch.finish is not None:
+            try:
+                errors = batch.finish()
+            except Exception as e:  # noqa: BLE001 - F2
+                msg = f"{batch.direction} copy failed on {self.device}: {one_line(e)}"
+                errors = {j.job_id: (msg, ()) for j in batch.jobs}
+        batch.keepalive.clear()
+        ok_bytes = 0
+        block_bytes = self.layout.block_bytes
+        with self._lock:
             for job in batch.jobs:
-                failure = errors.get(job.job_id)
-                if failure is None:
-                    self._results.put(job, True, None)
+                if job.job_id in errors:
+                    self._counters["jobs_failed"] += 1
                 else:
-                    self._results.put(job, False, failure[0], failure[1])
+                    self._counters["jobs_completed"] += 1
+                    ok_bytes += len(job.slots) * block_bytes
+            key = "bytes_stored" if batch.direction == STORE else "bytes_loaded"
+            self._counters[key] += ok_bytes
+        for job in batch.jobs:
+            failure = errors.get(job.job_id)
+            if failure is None:
+                self._results.put(job, True, None)
+            else:
+                self._results.put(job, False, failure[0], failure[1])
+
+
+class _Nap:
+    """Short sleeps of a blocking wait that queries events: from 20 us doubling to 1 ms (the
+    waiting thread gives the GIL up while it sleeps); ``sleep`` answers False, without
+    sleeping, once ``deadline`` (a monotonic time, None: never) has passed."""
+
+    def __init__(self) -> None:
+        self.delay = 20e-6
+
+    def sleep(self, deadline: float | None) -> bool:
+        pause = self.delay
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            pause = min(pause, left)
+        time.sleep(pause)
+        self.delay = min(self.delay * 2, 1e-3)
+        return True

@@ -11,13 +11,12 @@ from CUDA in three ways that matter here:
 * **task queue**: with ``TASK_QUEUE_ENABLE`` on (torch-npu's default), kernels and event records
   are queued on the host and dispatched later by a torch-npu thread, so ``event.query()`` reads
   False until the record is dispatched even when the copy is long finished. A poll must
-  therefore never treat "not yet" as a failure; the completion thread blocks in
-  ``event.synchronize()`` instead of querying.
+  therefore never treat "not yet" as a failure: a poll that finds an event pending leaves the
+  batch for a later poll, and a blocking wait sleeps in ``event.synchronize()``.
 
-CUDA batch events are created with the blocking-sync flag and waited for with ``synchronize()``:
-the completion thread sleeps in the driver, without the GIL, until the copy is done. (Without
-the flag ``synchronize()`` spins a core; polling ``query()`` with short sleeps instead woke the
-thread tens of thousands of times a second, each time taking the GIL from the engine's thread.)
+CUDA batch events are created with the blocking-sync flag: a blocking ``wait`` sleeps in the
+driver, without the GIL, until the copy is done (without the flag ``synchronize()`` spins a
+core). ``poll`` only queries them, from the caller's own thread.
 
 Everything here is a pure decision from strings and an environment mapping, so it is tested on
 CPU with fake device types; nothing imports torch-npu.
@@ -42,7 +41,7 @@ class DeviceTraits:
     device_type: str
     has_streams: bool  # False: copies run synchronously in the caller (CPU device)
     stream_priority: int | None  # None: create streams without a priority argument
-    wait_mode: WaitMode  # how the completion thread waits for a submission's event
+    wait_mode: WaitMode  # how a blocking wait waits for a submission's event
     pin_strategy: PinStrategy  # how the host pool is page-locked
     memory_stats: StatsSource
     task_queue: bool  # NPU host-side task queue on: event.query() lags dispatch
@@ -82,7 +81,7 @@ def event_state(traits: DeviceTraits, queried: bool) -> Literal["done", "pending
     """What a False ``event.query()`` means: only ever "pending", never a failure.
 
     Under the NPU task queue a False answer can also mean "not dispatched yet"; either way the
-    completion thread keeps waiting (synchronize), and only a raised error fails a job.
+    batch stays in flight (a poll asks again later), and only a raised error fails a job.
     """
     del traits  # same answer everywhere; kept so the rule is stated (and tested) in one place
     return "done" if queried else "pending"

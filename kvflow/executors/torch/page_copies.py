@@ -18,14 +18,16 @@ sorted by slot, see ``transfer_plan``):
   without Triton for pages of 512 KiB and up) hands every page of the batch to the copy
   engines in one ``cuMemcpyBatchAsync`` call (``batch_copy``); ``"uva"`` (CUDA) lets torch kernels gather/scatter the pinned pool region by
   region through unified addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host
-  memory and gathers or scatters on the CPU region by region (stores scatter in the completion
-  thread, loads gather in the caller, each region's copy overlapping the next one's gather).
+  memory and gathers or scatters on the CPU region by region (stores scatter once their copy
+  is over, in the thread that delivers their results; loads gather in the caller, each
+  region's copy overlapping the next one's gather).
 * With ``checksums``, a store records a per-slot checksum of what it copied and a load verifies
   it (a mismatch fails the job: the host copy is corrupt, recompute).
 
 The host side that can only run once the copies are done (host scatter, checksum bookkeeping)
-is returned as a ``Finish`` callable that the executor's completion thread runs. ``PageCopies``
-is a mixin of ``TorchExecutor``: the kernels read and set the executor's own attributes, which
+is returned as a ``Finish`` callable that the executor runs when it delivers the batch's
+results (in the thread that found the copies over: ``poll`` or ``wait``). ``PageCopies`` is a
+mixin of ``TorchExecutor``: the kernels read and set the executor's own attributes, which
 benchmarks and tests also switch directly (``scatter``, ``_batched``, ``_uva_views``).
 """
 
@@ -125,6 +127,24 @@ class PageCopies(CopySetup):
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
+    def _whole_blocks(self, both_ways: bool, grouped: bool) -> bool:
+        """Whether a staged batch moves as whole blocks (device staging rows, then the copy
+        engines) rather than through the page kernel: always where the kernel cannot run, and
+        never for a load in groups (the kernel marks each group). Otherwise whenever the
+        copy engines take batched calls, and while the other direction copies (``both_ways``)
+        without them. The page kernel reads or writes pinned memory from every multiprocessor:
+        it moved one direction at 0.89-0.93 of the link but slowed a concurrent decode step
+        on the same GPU 1.8 to 6 times, against +5-6% on the copy engines at 0.87-0.92
+        (tools/bench_copy_methods.py, docs/performance.md); with both directions at once
+        kernels share the link badly."""
+        if self.scatter != "staged":
+            return False
+        if self._tables is None:
+            return True
+        if grouped:
+            return False
+        return both_ways or (self._stage is not None and self._stage.engines)
+
     def _scattered(self, plan: Plan) -> bool:
         if self.scatter == "staged":  # a page-first pool: the per-region paths cannot slice it
             return True
@@ -134,10 +154,7 @@ class PageCopies(CopySetup):
         self, stream: Any | None, plan: Plan, compute_done: Any, keep: list[Any],
         both_ways: bool = False,
     ) -> Finish | None:
-        """``both_ways``: loads are copying meanwhile; the staged path then takes the copy
-        engines (whole blocks), which share the link between directions better than kernels,
-        and the page kernel otherwise (one direction alone: 0.93-0.95 of the link against
-        0.85-0.90 staged, whose gather and transfer run one after the other)."""
+        """``both_ways``: loads are copying meanwhile (see ``_whole_blocks``)."""
         slots, n = plan.slots, len(plan.slots)
         scattered = self._scattered(plan)
         runs = [] if scattered else plan.runs
@@ -146,9 +163,7 @@ class PageCopies(CopySetup):
         cs_host = None
         with on_stream(stream, self.device):
             wait_for(stream, compute_done)
-            whole_blocks = (
-                scattered and self.scatter == "staged" and (both_ways or self._tables is None)
-            )
+            whole_blocks = scattered and self._whole_blocks(both_ways, grouped=False)
             if whole_blocks:
                 idx, slot_idx = self._host_index(plan.device_blocks, keep), None
                 sums = self._sums_buffer(n)
@@ -230,8 +245,8 @@ class PageCopies(CopySetup):
         self, stream: Any | None, plan: Plan, compute_done: Any, after: Any, keep: list[Any],
         both_ways: bool = False,
     ) -> Finish | None:
-        """``both_ways``: as for ``_launch_store``; a load in groups (``load_groups``) always
-        takes the page kernel, which marks each group with an event."""
+        """``both_ways``: as for ``_launch_store``; a load in groups (``load_groups``) takes
+        the page kernel, which marks each group with an event."""
         slots, n = plan.slots, len(plan.slots)
         scattered = self._scattered(plan)
         runs = [] if scattered else plan.runs
@@ -246,9 +261,7 @@ class PageCopies(CopySetup):
             wait_for(stream, after)
             idx, slot_idx, sums = self._launch_indices(plan, scattered)
             single = len(runs) == 1
-            whole_blocks = scattered and self.scatter == "staged" and (
-                self._tables is None or (self.load_groups == 1 and both_ways)
-            )
+            whole_blocks = scattered and self._whole_blocks(both_ways, self.load_groups > 1)
             kernel = scattered and (
                 self.scatter == "kernel" or (self.scatter == "staged" and not whole_blocks)
             )

@@ -81,15 +81,23 @@ def compute_done_event(device: torch.device) -> Any | None:
     return event
 
 
+def event_over(event: Any | None, traits: DeviceTraits) -> bool:
+    """Whether ``event`` has happened, without waiting (None: the work is done already); a
+    pending answer is never a failure (``adapter.event_state``)."""
+    if event is None:
+        return True
+    return adapter.event_state(traits, bool(event.query())) == "done"
+
+
 def wait_event(event: Any | None, traits: DeviceTraits) -> None:
-    """Block the calling (completion) thread until ``event`` has happened, the device's way."""
+    """Block the calling thread until ``event`` has happened, the device's way."""
     if event is None:
         return
     if traits.wait_mode in ("synchronize", "blocking"):
         event.synchronize()
         return
     delay = 20e-6
-    while adapter.event_state(traits, bool(event.query())) == "pending":
+    while not event_over(event, traits):
         time.sleep(delay)
         delay = min(delay * 2, 200e-6)
 

@@ -32,7 +32,13 @@ import torch
 import transformers
 
 from kvflow.core.errors import ConfigError
-from kvflow.integrations.transformers.tier import KvflowTier, TierSide, TierStats, build_engine, check_tier
+from kvflow.integrations.transformers.tier import (
+    KvflowTier,
+    TierSide,
+    TierStats,
+    build_engine,
+    check_tier,
+)
 
 SUPPORTED_TRANSFORMERS = "5.17.0"
 if transformers.__version__ != SUPPORTED_TRANSFORMERS:
@@ -53,6 +59,7 @@ from transformers.generation.continuous_batching.continuous_api import (  # noqa
 from transformers.generation.continuous_batching.initialization import (  # noqa: E402
     update_cb_config_after_cache_creation,
 )
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs  # noqa: E402
 from transformers.generation.continuous_batching.requests import (  # noqa: E402
     GenerationOutput,
     RequestState,
@@ -168,7 +175,8 @@ class _TierScheduling(Scheduler):
 
 
 @functools.cache
-def _tier_scheduler(base: type[Scheduler]) -> type[_TierScheduling]:
+def _tier_scheduler(base: type[Scheduler]) -> Any:
+    """transformers' scheduler class ``base`` with kvflow's admission and ends mixed in."""
     return type(f"Kvflow{base.__name__}", (_TierScheduling, base), {})
 
 
@@ -194,7 +202,9 @@ class _TierProcessor(ContinuousBatchProcessor):
         return ready
 
     def update_batch(self) -> None:
-        batch = [future.state for future in self.inputs_and_outputs.requests_in_batch]
+        io = self.inputs_and_outputs
+        assert isinstance(io, ContinuousBatchingIOs)  # (synchronous batching: see the manager)
+        batch = [future.state for future in io.requests_in_batch]
         super().update_batch()
         tables = self.cache.group_cache_managers[0].block_table
         for state in batch:
@@ -263,7 +273,7 @@ class KvflowBatchingManager(ContinuousBatchingManager):
         )
         if cache.num_sliding_attention_groups > 0:
             cb.max_blocks_per_request = 0
-        scheduler = _tier_scheduler(SCHEDULER_MAPPING.get(cb.scheduler_type, FIFOScheduler))(
+        scheduler: _TierScheduling = _tier_scheduler(SCHEDULER_MAPPING.get(cb.scheduler_type, FIFOScheduler))(
             cache=cache, safety_margin=cb.safety_margin, max_requests_per_batch=cb.max_requests_per_batch
         )
         processor = _TierProcessor(
@@ -291,7 +301,7 @@ class KvflowBatchingManager(ContinuousBatchingManager):
             stream = processor.inputs_and_outputs.compute_stream
             if stream is None:
                 return None
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
             return event
 

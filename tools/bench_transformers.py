@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 BLOCK = 16
-MOONCAKE_BLOCK = 512
+VOCAB = {True: 512, False: 128256}  # --tiny's, Llama-3's
 
 
 @dataclass(frozen=True)
@@ -73,37 +73,32 @@ def read_conversations(
     path: str, conversations: int, turns: int, tokens_per_id: int, max_new: int, vocab: int
 ) -> list[list[Turn]]:
     """The first ``conversations`` multi-turn conversations of the trace (at most ``turns``
-    turns each), hash ids mapped to token ids."""
-    groups: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    order: list[int] = []
-    with open(path, encoding="utf-8") as stream:
-        for number, line in enumerate(stream, 1):
-            if not line.strip():
-                continue
-            try:
-                request = json.loads(line)
-                ids, length, out = request["hash_ids"], int(request["input_length"]), int(request["output_length"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise SystemExit(f"{path}:{number}: not a Mooncake request line ({exc})") from None
-            if not ids:
-                continue
-            if ids[0] not in groups:
-                order.append(ids[0])
-            groups[ids[0]].append({"ids": ids, "length": length, "out": out})
-    chosen = [groups[g][:turns] for g in order if len(groups[g]) >= 2][:conversations]
+    turns each), hash ids mapped to token ids; the whole trace scaled by ``tokens_per_id / 512``
+    (prompts and outputs alike, outputs capped at ``max_new``)."""
+    from kvflow.core.errors import KvflowError
+    from kvflow.simulate.workload import MOONCAKE_BLOCK_TOKENS, read_workload
+
+    groups: dict[int, list[Any]] = defaultdict(list)
+    try:
+        for request in read_workload(path):
+            if request.hash_ids:
+                groups[request.hash_ids[0]].append(request)
+    except KvflowError as exc:
+        raise SystemExit(str(exc)) from None
+    chosen = [requests[:turns] for requests in groups.values() if len(requests) >= 2][:conversations]
     if not chosen:
         raise SystemExit(f"{path}: no conversation (two requests sharing their first hash id)")
-    result = []
-    for requests in chosen:
-        convo = []
-        for r in requests:
-            prompt = [t for h in r["ids"] for t in tokens_of(h, tokens_per_id, vocab)]
-            # the whole trace is scaled by tokens_per_id / 512: prompts and outputs alike
-            length = max(1, math.ceil(r["length"] * tokens_per_id / MOONCAKE_BLOCK))
-            out = max(1, min(math.ceil(r["out"] * tokens_per_id / MOONCAKE_BLOCK), max_new))
-            convo.append(Turn(prompt[:length], out))
-        result.append(convo)
-    return result
+    scale = tokens_per_id / MOONCAKE_BLOCK_TOKENS
+    return [
+        [
+            Turn(
+                [t for h in r.hash_ids for t in tokens_of(h, tokens_per_id, vocab)][: max(1, math.ceil(r.input_length * scale))],
+                max(1, min(math.ceil(r.output_length * scale), max_new)),
+            )
+            for r in requests
+        ]
+        for requests in chosen
+    ]
 
 
 def run_conversations(
@@ -155,12 +150,12 @@ def build_model(tiny: bool, seed: int, device: str, dtype: torch.dtype) -> Any:
 
     if tiny:
         config = LlamaConfig(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            vocab_size=VOCAB[True], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
         )
     else:  # Llama-3-8B's geometry
         config = LlamaConfig(
-            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            vocab_size=VOCAB[False], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
         )
     torch.manual_seed(seed)
@@ -263,13 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cpu" and "transformers" in arms:  # torch pins host memory only beside an accelerator
         print("transformers: skipped (its swap pool is pinned host memory, which needs CUDA)")
         arms.remove("transformers")
+    conversations = read_conversations(
+        args.trace, args.conversations, args.turns, args.tokens_per_id, args.max_new, VOCAB[args.tiny]
+    )
     if args.tiny:
         torch.set_num_threads(1)  # (a tiny model's matrices: threads only contend)
     dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
     model = build_model(args.tiny, args.seed, device, dtype)
-    conversations = read_conversations(
-        args.trace, args.conversations, args.turns, args.tokens_per_id, args.max_new, model.config.vocab_size
-    )
     need = [max(math.ceil((len(t.prompt) + t.max_new) / BLOCK) for t in c) for c in conversations]
     num_blocks = max(math.ceil(args.cache_fraction * sum(need)), 2 * max(need) + 2)
     cpu_blocks = args.cpu_blocks or sum(

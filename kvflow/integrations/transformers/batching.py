@@ -128,7 +128,8 @@ class _TierScheduling(Scheduler):
                 self.active_requests[rid] = state
                 waiting_done.add(rid)
                 state.status = RequestStatus.PREFILLING
-            cache.mark_shareable_blocks_as_complete(state, hits)  # they join the device prefix cache
+            if not side.held().intersection(blocks):  # (a held block cannot give way to a twin)
+                cache.mark_shareable_blocks_as_complete(state, hits)  # they join the device prefix cache
             side.mark_offered(rid, device + hits)
         elif fenced:
             # F15: the late copy may still write these blocks: the request computes into
@@ -155,7 +156,9 @@ class _TierScheduling(Scheduler):
         self._ending.add(request_id)
 
     def clear_cancelled_requests(self) -> list[RequestState]:
-        for request_id in sorted(self._requests_to_cancel):
+        with self._cancellation_lock:  # (cancellations arrive from other threads)
+            cancelling = sorted(self._requests_to_cancel)
+        for request_id in cancelling:
             self._offer_before_free(request_id)
         cancelled: list[RequestState] = super().clear_cancelled_requests()
         self._ending.update(state.request_id for state in cancelled)

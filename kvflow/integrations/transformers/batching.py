@@ -32,6 +32,7 @@ import torch
 import transformers
 
 from kvflow.core.errors import ConfigError
+from kvflow.executors.torch.streams import record_event
 from kvflow.integrations.transformers.tier import (
     KvflowTier,
     TierSide,
@@ -300,15 +301,14 @@ class KvflowBatchingManager(ContinuousBatchingManager):
             tensors = [t.view(shape) for pair in zip(cache.key_cache, cache.value_cache) for t in pair]
             engine = build_engine(self.tier, tensors)
 
-        def compute_done() -> Any:
-            stream = processor.inputs_and_outputs.compute_stream
-            if stream is None:
-                return None
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-            return event
-
-        side = TierSide(engine, cache.block_size, cache._block_manager, compute_done)
+        device = torch.device(cache.device)
+        # the stores read what the step's forward pass wrote on transformers' compute stream
+        side = TierSide(
+            engine,
+            cache.block_size,
+            cache._block_manager,
+            lambda: record_event(processor.inputs_and_outputs.compute_stream, device),
+        )
         scheduler.side = processor.side = side
         self._side, self._cache, self.stats = side, cache, side.stats
         return processor

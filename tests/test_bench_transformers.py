@@ -14,6 +14,7 @@ import pytest
 if not os.environ.get("KVFLOW_REQUIRE_TRANSFORMERS"):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    pytest.importorskip("psutil")  # (transformers sizes its cache on the CPU device with it)
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

@@ -62,6 +62,7 @@ def has_transformers() -> bool:
     if os.environ.get("KVFLOW_REQUIRE_TRANSFORMERS"):  # CI: a missing transformers fails the block
         return True
     try:
+        import psutil  # noqa: F401  (transformers sizes its cache on the CPU device with it)
         import transformers  # noqa: F401
     except ImportError:
         return False
@@ -91,7 +92,7 @@ def test_a_python_block_runs_as_written(code: str, tmp_path: Path) -> None:
     if re.search(r"\btorch\b|TorchExecutor", code) and not has_torch():
         pytest.skip("needs torch")
     if "transformers" in code and not has_transformers():
-        pytest.skip("needs transformers (pip install 'kvflow[transformers]'; CI installs it)")
+        pytest.skip("needs transformers and psutil (pip install 'kvflow[transformers]'; CI installs them)")
     script = tmp_path / "block.py"
     script.write_text(code, encoding="utf-8")
     done = subprocess.run(

@@ -7,7 +7,7 @@ its deadline (fenced) are recomputed with identical outputs; nothing is left beh
 fence, pin or held device block; transformers' cache all free); the trace replays and
 ``kvflow incidents`` names the failed loads.
 
-Skips without transformers; under ``KVFLOW_REQUIRE_TRANSFORMERS=1`` (CI) a missing one fails.
+Skips without transformers (or psutil, its CPU sizing: both in ``kvflow[transformers]``); under ``KVFLOW_REQUIRE_TRANSFORMERS=1`` (CI) a missing one fails.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ if os.environ.get("KVFLOW_REQUIRE_TRANSFORMERS"):  # CI: a missing transformers 
 else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("psutil")  # (transformers sizes its cache on the CPU device with it)
 
 from click.testing import CliRunner  # noqa: E402
 

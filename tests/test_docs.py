@@ -24,7 +24,10 @@ DOCS = ROOT / "docs"
 # The documents a user reads: the README, docs/, and the notes beside the golden traces
 # (CHANGELOG.md, a history by nature, is not one of them).
 USER_DOCS = sorted([ROOT / "README.md", *DOCS.glob("**/*.md"), ROOT / "traces" / "README.md"])
-RUN_PYTHON = [ROOT / "README.md", DOCS / "embedding.md", DOCS / "simulate.md", DOCS / "disk-tier.md", DOCS / "tier-keys.md"]
+RUN_PYTHON = [
+    ROOT / "README.md", DOCS / "embedding.md", DOCS / "simulate.md", DOCS / "disk-tier.md", DOCS / "tier-keys.md",
+    DOCS / "transformers.md",
+]
 RUN_COMMANDS = [ROOT / "README.md", DOCS / "simulate.md"]
 
 FENCE = re.compile(r"^[ \t]*```(\w*)[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
@@ -54,6 +57,18 @@ def has_torch() -> bool:
     return True
 
 
+@functools.cache
+def has_transformers() -> bool:
+    if os.environ.get("KVFLOW_REQUIRE_TRANSFORMERS"):  # CI: a missing transformers fails the block
+        return True
+    try:
+        import psutil  # noqa: F401  (transformers sizes its cache on the CPU device with it)
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 # -- Python blocks ------------------------------------------------------------------------
 
 
@@ -65,7 +80,10 @@ PY_BLOCKS = [
 
 
 def test_the_documents_have_python_to_run() -> None:
-    assert {str(p.id).split(":")[0] for p in PY_BLOCKS} == {"README.md", "docs/embedding.md", "docs/simulate.md", "docs/disk-tier.md", "docs/tier-keys.md"}
+    assert {str(p.id).split(":")[0] for p in PY_BLOCKS} == {
+        "README.md", "docs/embedding.md", "docs/simulate.md", "docs/disk-tier.md", "docs/tier-keys.md",
+        "docs/transformers.md",
+    }
 
 
 @pytest.mark.parametrize("code", PY_BLOCKS)
@@ -73,6 +91,8 @@ def test_a_python_block_runs_as_written(code: str, tmp_path: Path) -> None:
     """Each block alone, in a fresh interpreter, from an empty folder (what it writes stays there)."""
     if re.search(r"\btorch\b|TorchExecutor", code) and not has_torch():
         pytest.skip("needs torch")
+    if "transformers" in code and not has_transformers():
+        pytest.skip("needs transformers and psutil (pip install 'kvflow[transformers]'; CI installs them)")
     script = tmp_path / "block.py"
     script.write_text(code, encoding="utf-8")
     done = subprocess.run(

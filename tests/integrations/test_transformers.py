@@ -1,0 +1,236 @@
+"""kvflow behind transformers' continuous batching, on the CPU device: a small
+Llama-architecture model with random weights from a fixed seed (nothing downloaded) runs chats
+(each turn's prompt is the conversation so far) through transformers' scheduler, paged cache and
+preemption, with kvflow's CPU tier on and off. Greedy outputs are identical; the tier serves
+prefixes across turns and restores preempted requests; a failed load and a copy that outlives
+its deadline (fenced) are recomputed with identical outputs; nothing is left behind (no job,
+fence, pin or held device block; transformers' cache all free); the trace replays and
+``kvflow incidents`` names the failed loads.
+
+Skips without transformers (or psutil, its CPU sizing: both in ``kvflow[transformers]``); under ``KVFLOW_REQUIRE_TRANSFORMERS=1`` (CI) a missing one fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("KVFLOW_REQUIRE_TRANSFORMERS"):  # CI: a missing transformers is a failure, not a skip
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("psutil")  # (transformers sizes its cache on the CPU device with it)
+
+from click.testing import CliRunner  # noqa: E402
+
+from kvflow.cli.main import main as kvflow_cli  # noqa: E402
+from kvflow.core.config import Config  # noqa: E402
+from kvflow.core.errors import ConfigError  # noqa: E402
+from kvflow.engine.protocols import JobResult  # noqa: E402
+from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
+from kvflow.integrations.transformers import batching  # noqa: E402
+from kvflow.integrations.transformers.tier import KvflowTier, TierStats  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import bench_transformers as bench  # noqa: E402
+
+B = 16
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (a tiny model's matrices: threads only contend)
+    try:
+        yield bench.build_model(True, seed=0, device="cpu", dtype=torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def chats() -> list[list[bench.Turn]]:
+    """Five chats of three turns: a 37-token opening, then 6 new tokens a turn."""
+    return [
+        [bench.Turn([(31 * c + 7 * k + 11 * t) % 480 + 20 for k in range(37 if t == 0 else 6)], 7) for t in range(3)]
+        for c in range(5)
+    ]
+
+
+def run(model: Any, tier: KvflowTier | None) -> tuple[dict[str, list[int]], TierStats]:
+    """The chats through continuous batching; a device cache of 12 blocks (the chats need
+    35) that admits requests to its last block: prefixes fall out of it and requests are
+    preempted."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    cb = ContinuousBatchingConfig(
+        block_size=B, num_blocks=12, max_batch_tokens=48, max_blocks_per_request=0, safety_margin=0.0
+    )
+    generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = batching.init_continuous_batching(model, tier=tier, generation_config=generation, continuous_batching_config=cb)
+    manager.start()
+    try:
+        results = bench.run_conversations(manager, chats(), history=True, timeout_s=120.0)
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    return {rid: list(r.generated_tokens) for rid, r in results.items()}, manager.stats
+
+
+def tier(tmp_path: Path, **kwargs: Any) -> KvflowTier:
+    return KvflowTier(Config(cpu_blocks=96, block_tokens=B, job_deadline_ms=30_000.0), trace_path=str(tmp_path / "t.jsonl"), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def baseline(model: Any) -> dict[str, list[int]]:
+    outputs, stats = run(model, None)
+    assert stats.preemptions > 0, "the device cache must be small enough to preempt"
+    assert stats.leaks == []
+    return outputs
+
+
+def test_the_tier_serves_turns_and_preempted_requests_with_identical_outputs(
+    model: Any, baseline: dict[str, list[int]], tmp_path: Path
+) -> None:
+    outputs, stats = run(model, tier(tmp_path))
+    assert outputs == baseline
+    # later turns' conversations so far and preempted requests came back from the tier
+    assert stats.tier_hit_tokens >= 10 * B
+    assert stats.preemptions > 0 and stats.loads_failed == 0
+    assert stats.leaks == []
+    replayed = CliRunner().invoke(kvflow_cli, ["replay", str(tmp_path / "t.jsonl"), "--redecide"])
+    assert replayed.exit_code == 0, replayed.output
+
+
+class FailingLoads(TorchExecutor):
+    """The first ``failures`` loads fail (their copies never start); the rest copy as usual."""
+
+    def __init__(self, *args: Any, failures: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failures = failures
+        self.failed: list[JobResult] = []
+
+    def submit(self, jobs: Any, compute_done: Any = None) -> None:
+        kept = []
+        for job in jobs:
+            if job.direction == "load" and self.failures > 0:
+                self.failures -= 1
+                self.failed.append(JobResult(job_id=job.job_id, rank=0, ok=False, error="injected copy failure"))
+            else:
+                kept.append(job)
+        if kept:
+            super().submit(kept, compute_done)
+
+    def poll(self) -> list[JobResult]:
+        out, self.failed = self.failed + super().poll(), []
+        return out
+
+
+def test_failed_loads_are_recomputed_and_named_by_incidents(
+    model: Any, baseline: dict[str, list[int]], tmp_path: Path
+) -> None:
+    executor = lambda tensors, slots: FailingLoads(tensors, slots, block_dim=0, failures=2)  # noqa: E731
+    outputs, stats = run(model, tier(tmp_path, executor=executor))
+    assert outputs == baseline
+    assert stats.loads_failed == 2 and stats.loads_fenced == 0 and stats.recomputed_tokens > 0
+    assert stats.tier_hit_tokens > 0  # the other loads landed
+    assert stats.leaks == []
+    found = CliRunner().invoke(kvflow_cli, ["incidents", str(tmp_path / "t.jsonl"), "--json"])
+    assert found.exit_code == 0, found.output
+    incidents = json.loads(found.stdout)
+    assert [i["direction"] for i in incidents] == ["load", "load"]
+
+
+class LateLoads(TorchExecutor):
+    """Reports each load's result one poll late (stores on time): with the engine's clock
+    jumping a minute a step, every load outlives its deadline and is fenced, deterministically."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loads: set[int] = set()
+        self.held: list[JobResult] = []
+        self.ready: list[JobResult] = []
+
+    def submit(self, jobs: Any, compute_done: Any = None) -> None:
+        self.loads.update(j.job_id for j in jobs if j.direction == "load")
+        super().submit(jobs, compute_done)
+        # this batch's results are in before the next poll (the CPU device's copies take
+        # milliseconds), so that only loads come late, whatever the machine's load
+        pending = {j.job_id for j in jobs}
+        give_up = time.monotonic() + 60.0
+        while pending and time.monotonic() < give_up:
+            for r in super().poll():
+                pending.discard(r.job_id)
+                self.ready.append(r)
+            if pending:
+                time.sleep(0.001)
+
+    def poll(self) -> list[JobResult]:
+        fresh, self.ready = self.ready + super().poll(), []
+        out = self.held + [r for r in fresh if r.job_id not in self.loads]
+        self.held = [r for r in fresh if r.job_id in self.loads]
+        return out
+
+
+def test_late_copies_are_fenced_and_recomputed_into_fresh_blocks(
+    model: Any, baseline: dict[str, list[int]], tmp_path: Path
+) -> None:
+    ticks = iter(range(0, 10**12, 60_000))
+    executor = lambda tensors, slots: LateLoads(tensors, slots, block_dim=0)  # noqa: E731
+    outputs, stats = run(model, tier(tmp_path, executor=executor, clock=lambda: float(next(ticks))))
+    assert outputs == baseline
+    assert stats.loads_fenced > 0 and stats.loads_fenced == stats.loads_failed
+    assert stats.tier_hit_tokens == 0
+    assert stats.leaks == []  # every fence lifted when its copy reported; the blocks came back
+    found = CliRunner().invoke(kvflow_cli, ["incidents", str(tmp_path / "t.jsonl"), "--json"])
+    assert found.exit_code == 0, found.output
+    assert len(json.loads(found.stdout)) == stats.loads_fenced
+
+
+def test_generate_batch_turns_the_tier_on_with_one_argument(model: Any, tmp_path: Path) -> None:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    prompts = [[(5 * k + c) % 400 + 30 for k in range(40)] for c in range(3)] * 2
+    generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
+    runs = []
+    for on in (None, tier(tmp_path)):
+        cb = ContinuousBatchingConfig(block_size=B, num_blocks=10, max_batch_tokens=64, max_blocks_per_request=0)
+        outputs, stats = batching.generate_batch(
+            model, prompts, tier=on, generation_config=generation, continuous_batching_config=cb, max_new_tokens=5
+        )
+        assert list(outputs) == [f"req_{i}" for i in range(len(prompts))] and stats.leaks == []
+        runs.append(([o.generated_tokens for o in outputs.values()], stats))
+    assert runs[0][0] == runs[1][0]
+    assert runs[1][1].offered_blocks > 0
+
+
+def test_refusals_are_one_line(model: Any) -> None:
+    from transformers import ContinuousBatchingConfig
+
+    cases = [
+        (Config(cpu_blocks=8, block_tokens=32), {}, "block_tokens=32"),
+        (Config(cpu_blocks=8, block_tokens=B, store_mode="lazy"), {}, "store_mode"),
+        (Config(cpu_blocks=8, block_tokens=B), {"cpu_offload_space": 1.0}, "cpu_offload_space"),
+        (Config(cpu_blocks=8, block_tokens=B), {"use_async_batching": True}, "use_async_batching"),
+    ]
+    for config, extra, word in cases:
+        cb = ContinuousBatchingConfig(block_size=B, num_blocks=8, **extra)
+        with pytest.raises(ConfigError, match=word) as refused:
+            batching.init_continuous_batching(model, tier=KvflowTier(config), continuous_batching_config=cb)
+        assert "\n" not in str(refused.value)
+
+
+def test_another_transformers_release_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (the module object transformers registered last: its lazy loader may swap it)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")
+    with pytest.raises(ImportError, match=r"needs transformers==5\.17\.0, not 5\.99\.0"):
+        importlib.reload(batching)
+    monkeypatch.undo()
+    importlib.reload(batching)

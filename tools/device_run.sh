@@ -4,7 +4,8 @@
 # Run from the repository root. Logs and results go under $OUT (default /tmp/kvflow-out).
 # msgspec and structlog are not in the GPU image: carry `.whl` (cp312 / pure wheels: msgspec,
 # structlog, anyio, sniffio, pytest-asyncio for the async engine tests; glassllm for the
-# token-exact reference-engine test; xxhash for the disk tier) and they are installed. `churn` needs the patterns that
+# token-exact reference-engine test; xxhash for the disk tier; cryptography, cffi, pycparser, redis and
+# hiredis for the documents' tier examples) and they are installed. `churn` needs the patterns that
 # `tools/bench_churn.py extract` wrote, at $CHURN (default .data/churn.npz).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvflow-out}

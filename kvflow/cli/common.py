@@ -98,6 +98,42 @@ def print_rich(renderable: Any) -> None:
     click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
 
 
+class WholeNumber(click.ParamType):
+    """A seq, a job id, a slot: a whole number >= 0, written in decimal. The one rule of every
+    verb's ``--until``, ``--at``, ``--job`` and ``--slot`` (a negative number counts from
+    nowhere: seqs start at 1 and a trace streams, so there is no end to count back from)."""
+
+    name = "N"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        text = str(value).strip()
+        if not text.isdigit():
+            self.fail(f"expected a whole number >= 0, got {value!r}", param, ctx)
+        return int(text)
+
+
+WHOLE_NUMBER = WholeNumber()
+
+
+def trace_argument(function: Any) -> Any:
+    """The TRACE argument of every verb that reads a trace: a file (``.gz``: gzip), or ``-``
+    for standard input (gzip or not, told by its first bytes)."""
+    return click.argument("trace", metavar="TRACE")(function)
+
+
+def seq_option(name: str, help: str) -> Any:
+    """A ``--until`` / ``--at``-style option naming a seq (see ``WholeNumber``)."""
+    return click.option(name, type=WHOLE_NUMBER, metavar="SEQ", help=help)
+
+
+def id_option(name: str, metavar: str, help: str, dest: str | None = None) -> Any:
+    """A ``--job`` / ``--slot``-style option naming a job id or a slot (see ``WholeNumber``)."""
+    decls = [name] if dest is None else [name, dest]
+    return click.option(*decls, type=WHOLE_NUMBER, metavar=metavar, help=help)
+
+
 def parse_int(text: str, what: str) -> int:
     try:
         return int(text) if text.strip().lstrip("+-").isdigit() else int(text, 0)

@@ -156,7 +156,7 @@ def inspect_trace(
     following = bool(selector.given())
     if at is not None and at < 0:
         raise InspectError(f"--at must be a seq >= 0, got {at}")
-    walk = _Walk(path, slots=selector.slot is not None)
+    walk = _Walk(path, slots=selector.slot is not None, keep=lambda info: _job_matches(selector, info))
     state = walk.state
     history: list[HistoryEntry] = []
     snapshot: State | None = state.copy() if at == 0 else None

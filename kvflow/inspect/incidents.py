@@ -267,8 +267,8 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
                     "fenced_slots": dict(state.fenced_slots),
                     "pins": {h: entries[h].pins for h in rec.hashes if h in entries},
                 }
+            info = walk.jobs.get(rec.job_id)  # (before the job ends and leaves walk.jobs)
             walk.apply(line, rec)
-            info = walk.jobs.get(rec.job_id)
             verified = folding and walk.folding
             if verified:
                 recovery = _recovery_from_state(state, rec, info, before)
@@ -359,4 +359,4 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
             f"{len(held)} fenced job{'s' if len(held) > 1 else ''} never reported the copy over "
             f"by the end of the trace (their slots and device blocks still fenced): jobs {held[:8]}"
         )
-    return IncidentReport(walk.path, incidents, len(walk.jobs), walk.last_seq, walk.warnings, refused)
+    return IncidentReport(walk.path, incidents, walk.job_count, walk.last_seq, walk.warnings, refused)

@@ -123,9 +123,9 @@ def trace_argument(function: Any) -> Any:
     return click.argument("trace", metavar="TRACE")(function)
 
 
-def seq_option(name: str, help: str) -> Any:
+def seq_option(name: str, help: str, dest: str | None = None) -> Any:
     """A ``--until`` / ``--at``-style option naming a seq (see ``WholeNumber``)."""
-    return click.option(name, type=WHOLE_NUMBER, metavar="SEQ", help=help)
+    return id_option(name, "SEQ", help, dest)
 
 
 def id_option(name: str, metavar: str, help: str, dest: str | None = None) -> Any:

@@ -84,6 +84,7 @@ class Inspection:
     focus: dict[str, Any] | None  # ... or the followed thing's state at ``at``
     last_seq: int
     warnings: list[str]
+    cpu_blocks: int = 0  # the trace's CPU tier: the slots there are
 
     def to_dict(self) -> dict[str, Any]:
         given = self.selector.given()
@@ -206,7 +207,8 @@ def inspect_trace(
         else:
             state_out = state_to_dict(snapshot)
     return Inspection(
-        walk.path, selector, history, at, state_out, focus_out, walk.last_seq, walk.warnings
+        walk.path, selector, history, at, state_out, focus_out, walk.last_seq, walk.warnings,
+        walk.reader.config.cpu_blocks,
     )
 
 

@@ -15,7 +15,7 @@ import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 import click
 
@@ -57,6 +57,29 @@ def user_errors() -> Iterator[None]:
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         fail(f"{where}{exc.strerror or exc}")
+
+
+@contextmanager
+def output_file(path: str) -> Iterator[IO[str]]:
+    """A text file that appears at ``path`` only when the block ends without an error (a
+    refused call leaves nothing behind, nor half a file): written beside it, then renamed."""
+    import tempfile
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        out = tempfile.NamedTemporaryFile(
+            "w", encoding="utf-8", dir=folder, prefix=f".{name}.", suffix=".partial", delete=False
+        )
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, path) from None  # (named as the user named it)
+    with out:
+        try:
+            yield out
+        except BaseException:
+            out.close()
+            os.unlink(out.name)
+            raise
+    os.replace(out.name, path)
 
 
 def print_json(data: Any) -> None:

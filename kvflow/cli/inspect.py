@@ -68,7 +68,7 @@ def _print_incidents(report: Any) -> None:
     title = f"{report.path}: {len(found)} incidents of {report.jobs} jobs ({tally})"
     from kvflow.inspect.incidents import RefusedEntry
 
-    rows = [_refused_cells(i) if isinstance(i, RefusedEntry) else _incident_cells(i) for i in found]
+    rows = [refused_cells(i) if isinstance(i, RefusedEntry) else incident_cells(i) for i in found]
     width = output_width()
     if width < TABLE_MIN_WIDTH:
         _print_incident_blocks(title, rows, width)
@@ -76,7 +76,7 @@ def _print_incidents(report: Any) -> None:
         _print_incident_table(title, rows)
 
 
-def _refused_cells(entry: Any) -> dict[str, str]:
+def refused_cells(entry: Any) -> dict[str, str]:
     """One refused entry's texts, in the columns of a job incident."""
     from kvflow.inspect.render import exact_ms
 
@@ -101,7 +101,7 @@ def _refused_cells(entry: Any) -> dict[str, str]:
     }
 
 
-def _incident_cells(incident: Any) -> dict[str, str]:
+def incident_cells(incident: Any) -> dict[str, str]:
     """One incident's texts, shared by the table and the narrow layout."""
     from kvflow.inspect.render import exact_ms, few, recovery_summary
 

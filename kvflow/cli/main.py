@@ -26,10 +26,12 @@ from kvflow.cli.common import EXIT_FOUND, EXIT_OK, echo_error
 # Every verb, imported only when run (or listed by --help): name -> "module:attribute".
 LAZY_COMMANDS: dict[str, str] = {
     "diagram": "kvflow.cli.diagram:diagram",
+    "export": "kvflow.cli.export:export",
     "incidents": "kvflow.cli.inspect:incidents",
     "inspect": "kvflow.cli.inspect:inspect",
     "kv-events": "kvflow.cli.kv_events:kv_events_command",
     "replay": "kvflow.cli.replay:replay",
+    "report": "kvflow.cli.report:report",
     "simulate": "kvflow.cli.simulate:simulate",
 }
 

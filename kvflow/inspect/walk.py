@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.core.commands import PlanStep, Tick
+from kvflow.core.commands import COMMAND_TYPES, PlanStep, Tick
 from kvflow.core.errors import IllegalTransition
 from kvflow.core.events import (
     DiskLoadQueued,
@@ -30,6 +30,7 @@ from kvflow.core.events import (
 )
 from kvflow.core.jobs import DISK_LOAD, DISK_STORE, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.core.state.apply import evolve
+from kvflow.log.format import Checkpoint
 from kvflow.log.reader import TraceReader
 
 
@@ -90,6 +91,14 @@ class _Walk:
                 f"{self.fold_error}; state-based details after it are not verified "
                 f"(run: kvflow replay {self.path})"
             )
+
+    def feed(self, line: int, rec: Any) -> None:
+        """Take one record: a command is noted, an event folded, a checkpoint passed by."""
+        kind = type(rec)
+        if kind in COMMAND_TYPES:
+            self.on_command(line, rec)
+        elif kind is not Checkpoint:
+            self.apply(line, rec)
 
     def on_command(self, line: int, command: Any) -> None:
         self.command, self.command_line = command, line

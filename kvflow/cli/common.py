@@ -13,9 +13,9 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import IO, Any, NoReturn
+from typing import IO, Any, NoReturn, TypeVar
 
 import click
 
@@ -121,7 +121,7 @@ def print_rich(renderable: Any) -> None:
     click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
 
 
-class WholeNumber(click.ParamType):
+class WholeNumber(click.ParamType):  # type: ignore[type-arg]  # (generic from click 8.2; kvflow takes 8.1)
     """A seq, a job id, a slot: a whole number >= 0, written in decimal. The one rule of every
     verb's ``--until``, ``--at``, ``--job`` and ``--slot`` (a negative number counts from
     nowhere: seqs start at 1 and a trace streams, so there is no end to count back from)."""
@@ -140,18 +140,21 @@ class WholeNumber(click.ParamType):
 WHOLE_NUMBER = WholeNumber()
 
 
-def trace_argument(function: Any) -> Any:
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def trace_argument(function: F) -> F:
     """The TRACE argument of every verb that reads a trace: a file (``.gz``: gzip), or ``-``
     for standard input (gzip or not, told by its first bytes)."""
     return click.argument("trace", metavar="TRACE")(function)
 
 
-def seq_option(name: str, help: str, dest: str | None = None) -> Any:
+def seq_option(name: str, help: str, dest: str | None = None) -> Callable[[F], F]:
     """A ``--until`` / ``--at``-style option naming a seq (see ``WholeNumber``)."""
     return id_option(name, "SEQ", help, dest)
 
 
-def id_option(name: str, metavar: str, help: str, dest: str | None = None) -> Any:
+def id_option(name: str, metavar: str, help: str, dest: str | None = None) -> Callable[[F], F]:
     """A ``--job`` / ``--slot``-style option naming a job id or a slot (see ``WholeNumber``)."""
     decls = [name] if dest is None else [name, dest]
     return click.option(*decls, type=WHOLE_NUMBER, metavar=metavar, help=help)

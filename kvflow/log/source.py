@@ -12,7 +12,6 @@ from kvflow.core.errors import TraceError
 from kvflow.log.format import MAX_LINE_BYTES
 from kvflow.log.problems import READ_ERRORS
 
-
 STDIN = "-"
 """The path that names standard input (every verb that reads a trace takes it)."""
 STDIN_NAME = "<stdin>"

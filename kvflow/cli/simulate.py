@@ -384,6 +384,7 @@ def _print_fleet(summary: dict[str, Any], workload: str) -> None:
         ("cpu tier stored / loaded", lambda s: f"{_gb(s['cpu_bytes_stored'])} / {_gb(s['cpu_bytes_loaded'])}"),
         ("remote tier stored / loaded", lambda s: f"{_gb(s['remote_bytes_stored'])} / {_gb(s['remote_bytes_loaded'])}"),
         ("held at the end: cpu / remote", lambda s: f"{_gb(s['cpu_bytes_held'])} / {_gb(s['remote_bytes_held'])}"),
+        ("failed jobs", lambda s: f"{s['failed_jobs']:,} (timed out {s['timed_out_jobs']:,})"),
     ]
     for name, cell in rows:
         table.add_row(name, cell(shared), cell(local))

@@ -87,7 +87,8 @@ def bench(trace: str, verbs: list[str] | None = None) -> list[dict[str, Any]]:
         for verb in verbs or trace_verbs():
             for extra in VERB_ARGS.get(verb, [[]]):
                 args = [verb, trace, *(a.format(out=out, job=job) for a in extra)]
-                rows.append({"verb": " ".join([verb, *extra]).replace(out, "OUT"), **run_one(args)})
+                shown = " ".join([verb, *(a.format(out="OUT", job=job) for a in extra)])
+                rows.append({"verb": shown, **run_one(args)})
     return rows
 
 

@@ -79,6 +79,9 @@ def output_file(path: str) -> Iterator[IO[str]]:
             out.close()
             os.unlink(out.name)
             raise
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(out.name, 0o666 & ~mask)  # (as open() would have made it; a temporary file is private)
     os.replace(out.name, path)
 
 

@@ -105,7 +105,7 @@ def render_page(timeline: Any, found: Any) -> str:
             f'<span id="hit-rate" data-hit-tokens="{int(hits)}" data-tokens="{int(tokens)}">{_pct(hits, tokens)}</span>'
             f" ({int(hits):,} of {int(tokens):,} looked-up tokens)",
         ),
-        ("incidents", f'<span id="incident-count">{len(found.found())}</span>'),
+        ("incidents", f'<span id="incident-count" data-count="{len(found.found())}">{len(found.found()):,}</span>'),
         ("marks", esc(marks)),
     ]
     rows = []

@@ -474,7 +474,8 @@ _MODEL_NAMES = ", ".join(MODELS)
 @click.option("--policy", default="lru", show_default=True,
               help="Eviction policy: lru, arc, or module:Class of your own. With a sweep: only this one "
                    "(default: both lru and arc).")
-@click.option("--store", "store", default="eager", show_default=True, help="Store mode: eager or lazy.")
+@click.option("--store", "store", type=click.Choice(["eager", "lazy"]), default="eager", show_default=True,
+              help="Store mode: eager (every computed block) or lazy (blocks the device cache evicts).")
 @click.option("--block-tokens", type=int, default=512, show_default=True, help="Tokens per block (Mooncake: 512).")
 @click.option("--fault-rate", type=float, default=0.0, show_default=True, help="Probability that a transfer job fails.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the fault draws.")
@@ -502,7 +503,7 @@ _MODEL_NAMES = ", ".join(MODELS)
 @click.option("--sweep-disk-gb", default=None, metavar="GBS",
               help="Comma-separated disk tier sizes in GB of KV cache: run the CPU tier given (--cpu-blocks or "
                    "--cpu-gb) above a disk of each size, under lru and arc, and plot the hit rates.")
-@click.option("--plot", default="sweep.png", show_default=True, help="PNG written by a sweep.")
+@click.option("--plot", default="sweep.png", show_default=True, metavar="FILE", help="PNG written by a sweep.")
 @click.option("--instances", type=int, default=1, show_default=True,
               help="Route the requests across N instances (own device cache and CPU tier each) and compare a "
                    "shared remote tier with per-instance tiers only.")

@@ -176,7 +176,8 @@ class _Live:
     """What the timeline keeps of a job until it ends."""
 
     rank_ends: dict[int, tuple[int, float | None]] = field(default_factory=dict)
-    history: list[tuple[int | None, int, str]] = field(default_factory=list)  # (seq, line, text)
+    # (seq, line, record): described only if the job fails (most jobs do not)
+    history: list[tuple[int | None, int, Any]] = field(default_factory=list)
 
 
 class Timeline:
@@ -275,12 +276,14 @@ class Timeline:
 
     def _note(self, job_id: int, seq: int | None, line: int, rec: Any) -> None:
         """A record naming a job joins its history: while it lives, or after it failed."""
-        history = self.histories.get(job_id)
-        if history is None:
-            live = self._live.get(job_id)
-            history = None if live is None else live.history
-        if history is not None and len(history) < MAX_HISTORY_LINES:
-            history.append((seq, line, describe(rec)))
+        ended = self.histories.get(job_id)
+        if ended is not None:
+            if len(ended) < MAX_HISTORY_LINES:
+                ended.append((seq, line, describe(rec)))
+            return
+        live = self._live.get(job_id)
+        if live is not None and len(live.history) < MAX_HISTORY_LINES:
+            live.history.append((seq, line, rec))
 
     def _sample(self) -> None:
         walk = self.walk
@@ -345,7 +348,7 @@ class Timeline:
             self._fenced[rec.job_id] = rec.direction
         if outcome == "completed":
             return
-        self.histories[rec.job_id] = live.history
+        self.histories[rec.job_id] = [(seq, line, describe(r)) for seq, line, r in live.history]
         if outcome == "failed" and rec.rank >= 0:
             ranks = [rec.rank]
             text = rec.error

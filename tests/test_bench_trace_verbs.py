@@ -31,7 +31,7 @@ def test_a_big_trace_is_valid_and_every_verb_is_measured_on_it(tmp_path: Path) -
     assert 2 << 20 <= trace.stat().st_size < 12 << 20  # (the writer hands records over 4,096 at a time)
     replayed = CliRunner().invoke(main, ["replay", str(trace), "--json"], catch_exceptions=False)
     assert replayed.exit_code == 0 and replayed.stderr == "", replayed.output
-    assert json.loads(replayed.stdout)["checkpoints"] >= 2
+    assert json.loads(replayed.stdout)["checkpoints_verified"] >= 2
     found = json.loads(CliRunner().invoke(main, ["incidents", str(trace), "--json"]).stdout)
     assert found  # (its faults give the incident verbs something to find)
 

@@ -42,4 +42,4 @@ def test_a_big_trace_is_valid_and_every_verb_is_measured_on_it(tmp_path: Path) -
         assert row["exit"] == 0, row
         assert row["seconds"] > 0 and 10 < row["peak_rss_mib"] < 1024, row
     table = tool("tools/bench_trace_verbs.py", str(trace), "--verbs", "replay,kv-events")
-    assert "peak RSS MiB" in table and len(table.strip().splitlines()) == 2 + 2
+    assert "peak RSS MiB" in table and len(table.strip().splitlines()) == 2 + 3  # (replay: plain and --redecide)

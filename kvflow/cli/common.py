@@ -62,8 +62,13 @@ def user_errors() -> Iterator[None]:
 @contextmanager
 def output_file(path: str) -> Iterator[IO[str]]:
     """A text file that appears at ``path`` only when the block ends without an error (a
-    refused call leaves nothing behind, nor half a file): written beside it, then renamed."""
+    refused call leaves nothing behind, nor half a file): written beside it, then renamed.
+    ``-`` is standard output (written as it comes)."""
     import tempfile
+
+    if path == "-":
+        yield sys.stdout
+        return
 
     folder, name = os.path.split(os.path.abspath(path))
     try:

@@ -24,7 +24,8 @@ PID = 1
 @trace_argument
 @click.option(
     "--chrome-trace", "chrome_path", metavar="FILE", required=True,
-    help="Write the jobs to FILE as Chrome trace-event JSON (Perfetto, chrome://tracing).",
+    help="Write the jobs to FILE (- for standard output) as Chrome trace-event JSON (Perfetto, "
+    "chrome://tracing).",
 )  # fmt: skip
 def export(trace: str, chrome_path: str) -> None:
     """TRACE's transfer jobs as Chrome trace-event JSON: a track per direction and rank, a
@@ -38,6 +39,8 @@ def export(trace: str, chrome_path: str) -> None:
             writer.close(timeline)
     for warning in timeline.walk.warnings:
         warn(warning)
+    if chrome_path == "-":
+        return  # (the events went to standard output)
     click.echo(
         f"{timeline.walk.path}: wrote {chrome_path}: {timeline.jobs_ended:,} jobs on "
         f"{len(timeline.tracks)} track{'' if len(timeline.tracks) == 1 else 's'}, "

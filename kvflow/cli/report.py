@@ -20,7 +20,9 @@ from kvflow.cli.common import output_file, trace_argument, user_errors, warn
 
 @click.command()
 @trace_argument
-@click.option("--html", "html_path", metavar="FILE", required=True, help="Write the page to FILE.")
+@click.option(
+    "--html", "html_path", metavar="FILE", required=True, help="Write the page to FILE (- for standard output)."
+)
 def report(trace: str, html_path: str) -> None:
     """TRACE as an HTML page that needs no network: hit rate and tier occupancy over the
     trace, the jobs per direction and rank, and the incidents linked to each job's records.
@@ -39,6 +41,8 @@ def report(trace: str, html_path: str) -> None:
         with output_file(html_path) as out:
             out.write(page)
     runs = len(timeline.bins.bins)
+    if html_path == "-":
+        return  # (the page went to standard output)
     click.echo(
         f"{found.path}: wrote {html_path}: {len(found.found())} incidents of {found.jobs} jobs, "
         f"last seq {found.last_seq}, in {runs} run{'' if runs == 1 else 's'} of "

@@ -248,6 +248,8 @@ def test_export_writes_the_jobs_as_trace_events(tmp_path: Path, name: str) -> No
     assert sorted(e["args"]["job"] for e in events if e["ph"] == "i" and e["cat"] == "fenced") == sorted(fenced * world)
     assert kvflow("export", trace, "--chrome-trace", out).exit_code == 0
     assert json.loads(out.read_text()) == data  # deterministic
+    to_stdout = kvflow("export", trace, "--chrome-trace", "-")
+    assert to_stdout.exit_code == 0 and to_stdout.stdout == out.read_text()
 
 
 def test_export_streams_a_long_trace(tmp_path: Path, big_trace: Path) -> None:

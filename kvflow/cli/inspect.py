@@ -323,10 +323,10 @@ def _print_state(path: str, state: dict[str, Any], limit: int | None) -> None:
         f"{len(state['held_device_blocks']):,} device blocks held"
     )
     if "remote_index" in state:
-        click.echo(f"  remote:   {len(state['remote_index']):,} blocks known there {few(state['remote_index'], 8)}")
+        click.echo(f"  remote tier: {len(state['remote_index'])} blocks known there {few(state['remote_index'], 8)}")
     if "disk_index" in state:
         on_disk = [e["hash"] for e in state["disk_index"]]
-        click.echo(f"  disk:     {len(on_disk):,} blocks, {state['disk_free_slots']:,} slots free {few(on_disk, 8)}")
+        click.echo(f"  disk tier: {len(on_disk)} blocks, {state['disk_free_slots']} slots free {few(on_disk, 8)}")
     if entries:
         rows = shown(entries, "entries")
         table = Table(title="entries (by slot)", title_justify="left")

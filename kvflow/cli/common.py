@@ -15,7 +15,7 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import IO, Any, NoReturn, TypeVar
+from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
@@ -129,7 +129,13 @@ def print_rich(renderable: Any) -> None:
     click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
 
 
-class WholeNumber(click.ParamType):  # type: ignore[type-arg]  # (generic from click 8.2; kvflow takes 8.1)
+if TYPE_CHECKING:
+    _IntParam = click.ParamType[int]
+else:  # (click's ParamType is generic from 8.2; kvflow takes 8.1)
+    _IntParam = click.ParamType
+
+
+class WholeNumber(_IntParam):
     """A seq, a job id, a slot: a whole number >= 0, written in decimal. The one rule of every
     verb's ``--until``, ``--at``, ``--job`` and ``--slot`` (a negative number counts from
     nowhere: seqs start at 1 and a trace streams, so there is no end to count back from)."""

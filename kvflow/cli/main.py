@@ -26,6 +26,7 @@ from kvflow.cli.common import EXIT_FOUND, EXIT_OK, echo_error
 # Every verb, imported only when run (or listed by --help): name -> "module:attribute".
 LAZY_COMMANDS: dict[str, str] = {
     "diagram": "kvflow.cli.diagram:diagram",
+    "explain": "kvflow.cli.explain:explain",
     "export": "kvflow.cli.export:export",
     "incidents": "kvflow.cli.inspect:incidents",
     "inspect": "kvflow.cli.inspect:inspect",
@@ -33,6 +34,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "replay": "kvflow.cli.replay:replay",
     "report": "kvflow.cli.report:report",
     "simulate": "kvflow.cli.simulate:simulate",
+    "what-if": "kvflow.cli.what_if:what_if",
 }
 
 

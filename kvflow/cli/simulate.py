@@ -453,49 +453,82 @@ def _given() -> set[str]:
 _MODEL_NAMES = ", ".join(MODELS)
 
 
+# The options of one simulated run, shared by ``kvflow simulate`` and ``kvflow what-if`` (which
+# reruns a trace's workload: an option it is not given keeps the value the trace recorded).
+# name -> (click.option keywords, simulate's default).
+_RUN_OPTIONS: dict[str, tuple[dict[str, Any], Any]] = {
+    "--cpu-blocks": (dict(type=int, help="CPU tier capacity in blocks (0 disables offload)."), None),
+    "--cpu-gb": (dict(type=float, metavar="GB",
+                      help="CPU tier capacity in GB (10^9 bytes) of KV cache instead of --cpu-blocks, rounded "
+                           "down to whole blocks of the KV geometry (give --model or --kv-bytes-per-token; 0 "
+                           "disables offload)."), None),
+    "--model": (dict(type=click.Choice(list(MODELS), case_sensitive=False),
+                     help="The model whose KV cache is simulated: its layers x KV heads x head dim x dtype bytes "
+                          "size each block (and so --cpu-gb and the bytes moved)."), None),
+    "--kv-dtype": (dict(type=click.Choice(list(KV_DTYPES), case_sensitive=False),
+                        help=f"With --model: the KV cache's dtype ({DEFAULT_KV_DTYPE} unless given)."), None),
+    "--kv-bytes-per-token": (dict(type=int, metavar="N",
+                                  help="KV bytes per token (K and V, all layers) of a model not in --model's "
+                                       f"list ({DEFAULT_BYTES_PER_TOKEN} when no geometry is given)."), None),
+    "--device-blocks": (dict(type=int, help="Device prefix-cache capacity in blocks (0 allowed)."), 0),
+    "--policy": (dict(help="Eviction policy: lru, arc, or module:Class of your own."), "lru"),
+    "--store": (dict(type=click.Choice(["eager", "lazy"]),
+                     help="Store mode: eager (every computed block) or lazy (blocks the device cache evicts)."),
+                "eager"),
+    "--fault-rate": (dict(type=float, help="Probability that a transfer job fails."), 0.0),
+    "--seed": (dict(type=int, help="Seed of the fault draws."), 0),
+    "--mode": (dict(type=click.Choice(["sequential", "timed"]),
+                    help="sequential: one request at a time; timed: arrivals at their timestamp, concurrent."),
+               "sequential"),
+    "--bandwidth-gbps": (dict(type=float, help="Copy bandwidth per direction, GB/s."), 55.5),
+    "--latency-us": (dict(type=float, help="Fixed cost per transfer job, µs."), 20.0),
+    "--prefill-tokens-per-ms": (dict(type=float, help="Timed mode: prefill speed."), 10.0),
+    "--disk-gb": (dict(type=float, metavar="GB",
+                       help="A disk tier below the CPU tier, of GB (10^9 bytes) of KV cache in whole blocks "
+                            "(0: none; sequential mode only)."), None),
+    "--disk-bandwidth-gbps": (dict(type=float, help="With a disk tier: its bandwidth per direction, GB/s."),
+                              DEFAULT_DISK_BANDWIDTH_GBPS),
+    "--disk-latency-us": (dict(type=float, help="With a disk tier: the fixed cost of each disk job, µs."),
+                          DEFAULT_DISK_LATENCY_US),
+    "--disk-store": (dict(type=click.Choice([m.replace("_", "-") for m in DISK_STORE_MODES]),
+                          help="With a disk tier: copy the CPU tier's coldest blocks ahead of their eviction, "
+                               "or every block as its CPU-tier store completes."),
+                     DISK_STORE_MODES[0].replace("_", "-")),
+    "--record": (dict(type=click.Path(dir_okay=False), help="Write a kvflow trace of the run here."), None),
+}
+_SIMULATE_HELP = {
+    "--cpu-blocks": f"  [default: {DEFAULT_CPU_BLOCKS}]",  # (not click's: --cpu-gb may size it instead)
+    "--policy": " With a sweep: only this one (default: both lru and arc).",
+}
+"""What ``kvflow simulate``'s help adds to an option's."""
+
+
+def run_options(as_recorded: bool = False) -> Callable[[Any], Any]:
+    """The options of one simulated run as click decorators: with ``kvflow simulate``'s
+    defaults, or (``as_recorded``) defaulting to what the trace being rerun recorded (None)."""
+
+    def decorate(command: Any) -> Any:
+        for name, (keywords, default) in reversed(_RUN_OPTIONS.items()):
+            keywords = dict(keywords)
+            if as_recorded:
+                keywords["help"] += "  [default: as recorded]"
+                keywords["default"] = None
+            else:
+                keywords["default"] = default
+                keywords["show_default"] = default is not None
+                keywords["help"] += _SIMULATE_HELP.get(name, "")
+            command = click.option(name, **keywords)(command)
+        return command
+
+    return decorate
+
+
 @click.command()
 @click.argument("workload", required=False, type=click.Path(dir_okay=False))
 @click.option("--example", is_flag=True,
               help="Run the example workload that ships with kvflow (200 chat requests) instead of a WORKLOAD file.")
-@click.option("--cpu-blocks", type=int, default=None,
-              help=f"CPU tier capacity in blocks (0 disables offload).  [default: {DEFAULT_CPU_BLOCKS}]")
-@click.option("--cpu-gb", type=float, default=None, metavar="GB",
-              help="CPU tier capacity in GB (10^9 bytes) of KV cache instead of --cpu-blocks, rounded down to "
-                   "whole blocks of the KV geometry (give --model or --kv-bytes-per-token; 0 disables offload).")
-@click.option("--model", type=click.Choice(list(MODELS), case_sensitive=False), default=None,
-              help="The model whose KV cache is simulated: its layers x KV heads x head dim x dtype bytes size "
-                   "each block (and so --cpu-gb and the bytes moved).")
-@click.option("--kv-dtype", type=click.Choice(list(KV_DTYPES), case_sensitive=False), default=None,
-              help=f"With --model: the KV cache's dtype.  [default: {DEFAULT_KV_DTYPE}]")
-@click.option("--kv-bytes-per-token", type=int, default=None, metavar="N",
-              help="KV bytes per token (K and V, all layers) of a model not in --model's list.  "
-                   f"[default without --model: {DEFAULT_BYTES_PER_TOKEN}]")
-@click.option("--device-blocks", type=int, default=0, show_default=True, help="Device prefix-cache capacity in blocks (0 allowed).")
-@click.option("--policy", default="lru", show_default=True,
-              help="Eviction policy: lru, arc, or module:Class of your own. With a sweep: only this one "
-                   "(default: both lru and arc).")
-@click.option("--store", "store", type=click.Choice(["eager", "lazy"]), default="eager", show_default=True,
-              help="Store mode: eager (every computed block) or lazy (blocks the device cache evicts).")
+@run_options()
 @click.option("--block-tokens", type=int, default=512, show_default=True, help="Tokens per block (Mooncake: 512).")
-@click.option("--fault-rate", type=float, default=0.0, show_default=True, help="Probability that a transfer job fails.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the fault draws.")
-@click.option("--mode", type=click.Choice(["sequential", "timed"]), default="sequential", show_default=True,
-              help="sequential: one request at a time; timed: arrivals at their timestamp, concurrent.")
-@click.option("--bandwidth-gbps", type=float, default=55.5, show_default=True, help="Copy bandwidth per direction, GB/s.")
-@click.option("--latency-us", type=float, default=20.0, show_default=True, help="Fixed cost per transfer job, µs.")
-@click.option("--prefill-tokens-per-ms", type=float, default=10.0, show_default=True, help="Timed mode: prefill speed.")
-@click.option("--disk-gb", type=float, default=None, metavar="GB",
-              help="A disk tier below the CPU tier, of GB (10^9 bytes) of KV cache in whole blocks (0: none; "
-                   "sequential mode only).")
-@click.option("--disk-bandwidth-gbps", type=float, default=DEFAULT_DISK_BANDWIDTH_GBPS, show_default=True,
-              help="With a disk tier: its bandwidth per direction, GB/s.")
-@click.option("--disk-latency-us", type=float, default=DEFAULT_DISK_LATENCY_US, show_default=True,
-              help="With a disk tier: the fixed cost of each disk job, µs.")
-@click.option("--disk-store", type=click.Choice([m.replace("_", "-") for m in DISK_STORE_MODES]),
-              default=DISK_STORE_MODES[0].replace("_", "-"), show_default=True,
-              help="With a disk tier: copy the CPU tier's coldest blocks ahead of their eviction, or every "
-                   "block as its CPU-tier store completes.")
-@click.option("--record", type=click.Path(dir_okay=False), default=None, help="Write a kvflow trace of the run here.")
 @click.option("--sweep", default=None, metavar="BLOCKS",
               help="Comma-separated CPU capacities in blocks: run lru and arc at each, plot the hit rates.")
 @click.option("--sweep-gb", default=None, metavar="GBS",

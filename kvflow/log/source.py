@@ -3,6 +3,7 @@ the damage (a cut stream, corrupt data), in blocks of whole lines of bounded len
 
 from __future__ import annotations
 
+import os
 import sys
 import zlib
 from collections.abc import Generator, Iterator
@@ -33,6 +34,19 @@ def is_gzip(path: str, file: IO[bytes]) -> bool:
     if isinstance(file, _Stdin):
         return file.head(len(GZIP_MAGIC)) == GZIP_MAGIC
     return path.endswith(".gz")
+
+
+def spool(stream: IO[bytes], folder: str) -> str:
+    """Copy ``stream`` (standard input) to a file in ``folder``, for a reader that reads its
+    trace more than once; the file's name says whether it is gzip, as its first bytes do."""
+    import shutil
+
+    head = stream.read(len(GZIP_MAGIC))
+    path = os.path.join(folder, "stdin.jsonl.gz" if head == GZIP_MAGIC else "stdin.jsonl")
+    with open(path, "wb") as out:
+        out.write(head)
+        shutil.copyfileobj(stream, out, 1 << 20)
+    return path
 
 
 class _Stdin:

@@ -256,6 +256,15 @@ class Simulation:
             "fault_rate": options.fault_rate,
             "seed": options.seed,
             "kv": options.geometry().as_dict(),
+            # (the copy model, so that ``kvflow what-if`` reruns the trace as it ran)
+            "bandwidth_gbps": options.bandwidth_gbps,
+            "latency_us": options.latency_us,
+            "prefill_tokens_per_ms": options.prefill_tokens_per_ms,
+            **(
+                {"disk_bandwidth_gbps": options.disk_bandwidth_gbps, "disk_latency_us": options.disk_latency_us}
+                if self.config.disk
+                else {}
+            ),
         }
         self.engine = SyncEngine(
             self.config,
@@ -274,6 +283,15 @@ class Simulation:
     def _wrap(self, executor: SimulatedExecutor) -> Any:
         """The executor the engine drives (a fleet instance puts its remote tier beside it)."""
         return executor
+
+    def _request_id(self, req: WorkloadRequest) -> str:
+        """The id the engine knows the request by: ``r`` and its line in the workload."""
+        return f"r{req.line}"
+
+    def _device_hits(self, req: WorkloadRequest, full: tuple[int, ...], cap: int) -> int:
+        """The device hits of rule 1: the longest prefix of ``full`` (at most ``cap`` blocks) in
+        the device cache."""
+        return self.device.prefix_hits(full, cap)
 
     # -- sequential ---------------------------------------------------------------------
 
@@ -296,8 +314,8 @@ class Simulation:
         L = req.input_length
         full = req.hash_ids[: L // B]
         cap = max(0, (L - 1) // B)
-        rid = f"r{req.line}"
-        d = self.device.prefix_hits(full, cap)
+        rid = self._request_id(req)
+        d = self._device_hits(req, full, cap)
         r = self._before_lookup(rid, full, L, d)
         c = engine.lookup(rid, full, L, d)
         if c:
@@ -420,9 +438,9 @@ class Simulation:
             while pending_arrival is not None and pending_arrival.timestamp_ms <= now:
                 req = pending_arrival
                 pending_arrival = next(source, None)
-                live = _Live(req, f"r{req.line}", req.hash_ids[: req.input_length // B])
+                live = _Live(req, self._request_id(req), req.hash_ids[: req.input_length // B])
                 cap = max(0, (req.input_length - 1) // B)
-                live.d = self.device.prefix_hits(live.full, cap)
+                live.d = self._device_hits(req, live.full, cap)
                 if self.config.disk:
                     # the blocks past its hits that the disk holds come first: it waits for them
                     hits = engine.lookup(live.rid, live.full, req.input_length, live.d)

@@ -709,7 +709,7 @@ def test_a_trace_that_stops_folding(tmp_path: Path) -> None:
     assert kvflow("inspect", path, "--at", str(gone - 1)).exit_code == 0
 
 
-@pytest.mark.parametrize(("doc", "minimum"), [("docs/debugging.md", 7)])
+@pytest.mark.parametrize(("doc", "minimum"), [("docs/debugging.md", 10)])
 def test_the_docs_show_real_output(monkeypatch: pytest.MonkeyPatch, doc: str, minimum: int) -> None:
     """Every ``$ kvflow ...`` pasted in the docs prints what they show (a trailing
     ``| head -n N`` is applied to the real output; other pipes are not checked).

@@ -259,3 +259,14 @@ def test_export_streams_a_long_trace(tmp_path: Path, big_trace: Path) -> None:
     _, records = trace_lines(big_trace)
     ended = sum(1 for r in records if r["type"] in ("job_completed", "job_failed", "job_timed_out"))
     assert sum(1 for e in events if e["ph"] == "X") == ended > 2_000
+
+
+def test_the_tier_of_the_walks_trace_fills_where_the_docs_say() -> None:
+    """docs/debugging.md: on traces/clean.jsonl the tier is full from about seq 207 on."""
+    from kvflow.inspect.timeline import follow
+
+    timeline, _ = follow(TRACES / "clean.jsonl")
+    samples = [b["sample"] for b in timeline.bins.to_list() if b["sample"] is not None]
+    first_full = next(s["seq"] for s in samples if s["free"] == 0)
+    doc = " ".join((REPO / "docs" / "debugging.md").read_text(encoding="utf-8").split())
+    assert f"the tier full from about seq {first_full} on" in doc

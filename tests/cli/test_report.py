@@ -270,3 +270,12 @@ def test_the_tier_of_the_walks_trace_fills_where_the_docs_say() -> None:
     first_full = next(s["seq"] for s in samples if s["free"] == 0)
     doc = " ".join((REPO / "docs" / "debugging.md").read_text(encoding="utf-8").split())
     assert f"the tier full from about seq {first_full} on" in doc
+
+
+def test_the_page_is_the_same_every_time(tmp_path: Path) -> None:
+    pages = []
+    for n in range(2):
+        page = tmp_path / f"page{n}.html"
+        assert kvflow("report", TRACES / "two_ranks.jsonl", "--html", page).exit_code == 0
+        pages.append(page.read_bytes())
+    assert pages[0] == pages[1]

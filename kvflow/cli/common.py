@@ -13,9 +13,9 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
@@ -59,6 +59,37 @@ def user_errors() -> Iterator[None]:
         fail(f"{where}{exc.strerror or exc}")
 
 
+@contextmanager
+def output_file(path: str) -> Iterator[IO[str]]:
+    """A text file that appears at ``path`` only when the block ends without an error (a
+    refused call leaves nothing behind, nor half a file): written beside it, then renamed.
+    ``-`` is standard output (written as it comes)."""
+    import tempfile
+
+    if path == "-":
+        yield sys.stdout
+        return
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        out = tempfile.NamedTemporaryFile(
+            "w", encoding="utf-8", dir=folder, prefix=f".{name}.", suffix=".partial", delete=False
+        )
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, path) from None  # (named as the user named it)
+    with out:
+        try:
+            yield out
+        except BaseException:
+            out.close()
+            os.unlink(out.name)
+            raise
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(out.name, 0o666 & ~mask)  # (as open() would have made it; a temporary file is private)
+    os.replace(out.name, path)
+
+
 def print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2))
 
@@ -96,6 +127,51 @@ def print_rich(renderable: Any) -> None:
     with console.capture() as captured:
         console.print(renderable)
     click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
+
+
+if TYPE_CHECKING:
+    _IntParam = click.ParamType[int]
+else:  # (click's ParamType is generic from 8.2; kvflow takes 8.1)
+    _IntParam = click.ParamType
+
+
+class WholeNumber(_IntParam):
+    """A seq, a job id, a slot: a whole number >= 0, written in decimal. The one rule of every
+    verb's ``--until``, ``--at``, ``--job`` and ``--slot`` (a negative number counts from
+    nowhere: seqs start at 1 and a trace streams, so there is no end to count back from)."""
+
+    name = "N"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        text = str(value).strip()
+        if not text.isdigit():
+            self.fail(f"expected a whole number >= 0, got {value!r}", param, ctx)
+        return int(text)
+
+
+WHOLE_NUMBER = WholeNumber()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def trace_argument(function: F) -> F:
+    """The TRACE argument of every verb that reads a trace: a file (``.gz``: gzip), or ``-``
+    for standard input (gzip or not, told by its first bytes)."""
+    return click.argument("trace", metavar="TRACE")(function)
+
+
+def seq_option(name: str, help: str, dest: str | None = None) -> Callable[[F], F]:
+    """A ``--until`` / ``--at``-style option naming a seq (see ``WholeNumber``)."""
+    return id_option(name, "SEQ", help, dest)
+
+
+def id_option(name: str, metavar: str, help: str, dest: str | None = None) -> Callable[[F], F]:
+    """A ``--job`` / ``--slot``-style option naming a job id or a slot (see ``WholeNumber``)."""
+    decls = [name] if dest is None else [name, dest]
+    return click.option(*decls, type=WHOLE_NUMBER, metavar=metavar, help=help)
 
 
 def parse_int(text: str, what: str) -> int:

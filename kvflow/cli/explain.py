@@ -9,13 +9,13 @@ from typing import Any
 
 import click
 
-from kvflow.cli.common import fail, print_json, print_rich, user_errors, warn
+from kvflow.cli.common import fail, print_json, print_rich, trace_argument, user_errors, warn
 
 TOP_REQUESTS = 10  # --all: the requests that missed the most tokens, listed by name
 
 
 @click.command()
-@click.argument("trace")
+@trace_argument
 @click.option("--request", "request_id", default=None, metavar="ID", help="The request to explain, block by block.")
 @click.option("--all", "every", is_flag=True, help="Every request: hits per tier and misses per cause, summed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema: docs/debugging.md).")

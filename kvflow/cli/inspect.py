@@ -12,17 +12,24 @@ import click
 
 from kvflow.cli.common import (
     fail,
+    id_option,
     output_width,
     parse_int,
     print_json,
     print_rich,
+    seq_option,
+    trace_argument,
     user_errors,
     warn,
 )
 
+STATE_LIMIT = 20
+"""How many items of each kind ``inspect --at`` lists unless told (a tier holds thousands)."""
+
+
 
 @click.command()
-@click.argument("trace")
+@trace_argument
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per incident.")
 def incidents(trace: str, as_json: bool) -> None:
     """Every failed, timed-out or cancelled job in TRACE and what recovery did, and every entry
@@ -61,7 +68,7 @@ def _print_incidents(report: Any) -> None:
     title = f"{report.path}: {len(found)} incidents of {report.jobs} jobs ({tally})"
     from kvflow.inspect.incidents import RefusedEntry
 
-    rows = [_refused_cells(i) if isinstance(i, RefusedEntry) else _incident_cells(i) for i in found]
+    rows = [refused_cells(i) if isinstance(i, RefusedEntry) else incident_cells(i) for i in found]
     width = output_width()
     if width < TABLE_MIN_WIDTH:
         _print_incident_blocks(title, rows, width)
@@ -69,7 +76,7 @@ def _print_incidents(report: Any) -> None:
         _print_incident_table(title, rows)
 
 
-def _refused_cells(entry: Any) -> dict[str, str]:
+def refused_cells(entry: Any) -> dict[str, str]:
     """One refused entry's texts, in the columns of a job incident."""
     from kvflow.inspect.render import exact_ms
 
@@ -94,7 +101,7 @@ def _refused_cells(entry: Any) -> dict[str, str]:
     }
 
 
-def _incident_cells(incident: Any) -> dict[str, str]:
+def incident_cells(incident: Any) -> dict[str, str]:
     """One incident's texts, shared by the table and the narrow layout."""
     from kvflow.inspect.render import exact_ms, few, recovery_summary
 
@@ -174,14 +181,16 @@ def _print_incident_blocks(title: str, rows: list[dict[str, str]], width: int) -
 
 
 @click.command()
-@click.argument("trace")
+@trace_argument
 @click.option("--block", "block_text", metavar="HASH", help="Follow one block (its hash).")
-@click.option("--job", type=int, metavar="ID", help="Follow one transfer job.")
+@id_option("--job", "ID", "Follow one transfer job.")
 @click.option("--request", metavar="ID", help="Follow one request.")
-@click.option("--slot", type=click.IntRange(min=0), metavar="N", help="Follow one host-pool slot.")
-@click.option(
-    "--at", "at_seq", type=click.IntRange(min=0), metavar="SEQ", help="The state after this seq."
+@id_option("--slot", "N", "Follow one host-pool slot.")
+@seq_option("--at", "The state after this seq.", "at_seq")
+@id_option(
+    "--limit", "N", f"With --at: list the first N entries, jobs and pins of each kind [default: {STATE_LIMIT}]."
 )
+@click.option("--all", "show_all", is_flag=True, help="With --at: list every entry, job and pin.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(
     trace: str,
@@ -190,9 +199,15 @@ def inspect(
     request: str | None,
     slot: int | None,
     at_seq: int | None,
+    limit: int | None,
+    show_all: bool,
     as_json: bool,
 ) -> None:
-    """The full history of one block, job, request or slot in TRACE, and/or the state at SEQ."""
+    """The full history of one block, job, request or slot in TRACE, and/or the state at SEQ.
+
+    The state is summarised (entries per state, pins, live jobs, fences, lower tiers), then
+    listed up to --limit items of each kind (--all: every one; --json: always every one).
+    """
     from kvflow.inspect.history import Selector, inspect_trace
 
     block = None if block_text is None else parse_int(block_text, "--block")
@@ -204,12 +219,16 @@ def inspect(
         )
     if len(given) > 1:
         fail(f"follow one thing at a time: got --{' and --'.join(given)}")
+    if (limit is not None or show_all) and (at_seq is None or given):
+        fail("--limit and --all list the state at a seq: give them with --at SEQ alone")
+    if limit is not None and show_all:
+        fail("give --limit N or --all, not both")
     with user_errors():
         result = inspect_trace(trace, selector, at=at_seq)
     for warning in result.warnings:
         warn(warning)
     if given and not result.history:
-        _refuse_unknown(trace, result)
+        _refuse_unknown(result)
     if as_json:
         print_json(result.to_dict())
         return
@@ -218,10 +237,10 @@ def inspect(
     if result.focus is not None:
         _print_focus(result)
     if result.state is not None:
-        _print_state(result.path, result.state)
+        _print_state(result.path, result.state, None if show_all else STATE_LIMIT if limit is None else limit)
 
 
-def _refuse_unknown(trace: str, result: Any) -> None:
+def _refuse_unknown(result: Any) -> None:
     """No record names the followed thing. A job id, request id or block hash that never
     appears is a typo or the wrong trace: exit 2 rather than print an empty history. A slot
     is different: one inside the tier that no job ever used is a fair question (it stayed
@@ -229,12 +248,7 @@ def _refuse_unknown(trace: str, result: Any) -> None:
     selector = result.selector
     if selector.slot is None:
         fail(f"{selector} never appears in {result.path} (last seq {result.last_seq})")
-    from kvflow.log.reader import TraceReader
-
-    with user_errors():
-        reader = TraceReader(trace)
-        reader.close()
-    slots = reader.config.cpu_blocks
+    slots = result.cpu_blocks
     if selector.slot >= slots:
         fail(f"{selector} is not in {result.path}: its CPU tier has {slots} slots (0..{slots - 1})")
 
@@ -270,30 +284,55 @@ def _print_focus(result: Any) -> None:
             click.echo(f"  {key}: {'-' if value is None else shown}")
 
 
-def _print_state(path: str, state: dict[str, Any]) -> None:
+def _print_state(path: str, state: dict[str, Any], limit: int | None) -> None:
+    """The state at a seq: a summary, then each listing cut to ``limit`` items (None: all),
+    saying how many it left out and how to see them."""
     from rich.table import Table
 
     from kvflow.inspect.render import exact_ms, few
 
+    def shown(rows: list[Any], what: str) -> list[Any]:
+        if limit is None or len(rows) <= limit:
+            return rows
+        click.echo(f"({what}: the first {limit} of {len(rows):,}; --limit N or --all for more)")
+        return rows[:limit]
+
+    entries, jobs, pins = state["entries"], state["jobs"], state["pins"]
     by_state: dict[str, int] = {}
-    for entry in state["entries"]:
+    for entry in entries:
         by_state[entry["state"]] = by_state.get(entry["state"], 0) + 1
-    states = ", ".join(f"{n} {name}" for name, n in sorted(by_state.items())) or "empty"
+    states = ", ".join(f"{n:,} {name}" for name, n in sorted(by_state.items())) or "empty"
+    pinned = sum(1 for e in entries if e["pins"])
+    total_pins = sum(n for per in pins.values() for n in per.values())
+    by_direction: dict[str, int] = {}
+    for j in jobs:
+        by_direction[j["direction"]] = by_direction.get(j["direction"], 0) + 1
+    directions = ", ".join(f"{n} {d}" for d, n in sorted(by_direction.items()))
+    fenced_jobs = sum(1 for j in jobs if j["fenced"] or j["abandoned"])
     click.echo(f"state of {path} at seq {state['seq']} (digest {state['digest']})")
     click.echo(
-        f"  tier: {state['capacity']} slots ({state['policy']}): {states}; "
-        f"{state['free_slots']} free, {len(state['fenced_slots'])} fenced"
+        f"  tier:     {state['capacity']:,} slots ({state['policy']}): {states}; "
+        f"{state['free_slots']:,} free, {len(state['fenced_slots'])} fenced"
+    )
+    click.echo(
+        f"  pins:     {total_pins:,} on {pinned:,} blocks, held by {len(pins):,} "
+        f"request{'' if len(pins) == 1 else 's'}"
+    )
+    click.echo(
+        f"  jobs:     {len(jobs):,} live{f' ({directions})' if jobs else ''}, {fenced_jobs} fenced or abandoned; "
+        f"{len(state['held_device_blocks']):,} device blocks held"
     )
     if "remote_index" in state:
         click.echo(f"  remote tier: {len(state['remote_index'])} blocks known there {few(state['remote_index'], 8)}")
     if "disk_index" in state:
         on_disk = [e["hash"] for e in state["disk_index"]]
         click.echo(f"  disk tier: {len(on_disk)} blocks, {state['disk_free_slots']} slots free {few(on_disk, 8)}")
-    if state["entries"]:
+    if entries:
+        rows = shown(entries, "entries")
         table = Table(title="entries (by slot)", title_justify="left")
         for column in ("slot", "hash", "state", "pins", "job"):
             table.add_column(column, justify="right" if column != "state" else "left")
-        for e in state["entries"]:
+        for e in rows:
             job = e.get("job")
             table.add_row(
                 str(e["slot"]),
@@ -303,14 +342,15 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
                 "" if job is None else str(job),
             )
         print_rich(table)
-    if state["pins"]:
+    if pins:
         click.echo("pins per request:")
-        for request_id, pins in state["pins"].items():
-            listed = ", ".join(f"{h}" + (f" x{n}" if n > 1 else "") for h, n in pins.items())
-            click.echo(f"  {request_id}: {sum(pins.values())} pins on {listed}")
+        for request_id, per in shown(list(pins.items()), "requests holding pins"):
+            listed = ", ".join(f"{h}" + (f" x{n}" if n > 1 else "") for h, n in per.items())
+            click.echo(f"  {request_id}: {sum(per.values())} pins on {listed}")
     else:
         click.echo("pins per request: none")
-    if state["jobs"]:
+    if jobs:
+        rows = shown(jobs, "live jobs")
         table = Table(title="live jobs", title_justify="left")
         for column in (
             "job",
@@ -323,7 +363,7 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
             "device blocks",
         ):
             table.add_column(column)
-        for j in state["jobs"]:
+        for j in rows:
             flags = " (fenced)" if j["abandoned"] else ""
             table.add_row(
                 str(j["job"]),
@@ -338,10 +378,15 @@ def _print_state(path: str, state: dict[str, Any]) -> None:
         print_rich(table)
     else:
         click.echo("live jobs: none")
-    fenced = ", ".join(f"slot {q['slot']} (job {q['job']})" for q in state["fenced_slots"])
-    click.echo(f"fenced slots: {fenced or 'none'}")
+    fenced = state["fenced_slots"]
+    cut = fenced if limit is None else fenced[:limit]
+    more = f", +{len(fenced) - len(cut)} more" if len(cut) < len(fenced) else ""
+    listed = ", ".join(f"slot {q['slot']} (job {q['job']})" for q in cut)
+    click.echo(f"fenced slots: {listed + more if fenced else 'none'}")
     held = state["held_device_blocks"]
+    cut = held if limit is None else held[:limit]
+    more = f", +{len(held) - len(cut)} more" if len(cut) < len(held) else ""
     click.echo(
         "held device blocks: "
-        + (", ".join(f"{h['device_block']} (job {h['job']})" for h in held) if held else "none")
+        + (", ".join(f"{h['device_block']} (job {h['job']})" for h in cut) + more if held else "none")
     )

@@ -8,12 +8,12 @@ import sys
 
 import click
 
-from kvflow.cli.common import user_errors, warn
+from kvflow.cli.common import seq_option, trace_argument, user_errors, warn
 
 
 @click.command("kv-events")
-@click.argument("trace", type=click.Path(dir_okay=False))
-@click.option("--until", type=int, default=None, help="Stop after this seq.")
+@trace_argument
+@seq_option("--until", "Stop after this seq.")
 def kv_events_command(trace: str, until: int | None) -> None:
     """The vLLM-compatible KV events (BlockStored / BlockRemoved / AllBlocksCleared, medium
     CPU) that TRACE's events imply, as JSON lines."""

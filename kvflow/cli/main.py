@@ -27,10 +27,12 @@ from kvflow.cli.common import EXIT_FOUND, EXIT_OK, echo_error
 LAZY_COMMANDS: dict[str, str] = {
     "diagram": "kvflow.cli.diagram:diagram",
     "explain": "kvflow.cli.explain:explain",
+    "export": "kvflow.cli.export:export",
     "incidents": "kvflow.cli.inspect:incidents",
     "inspect": "kvflow.cli.inspect:inspect",
     "kv-events": "kvflow.cli.kv_events:kv_events_command",
     "replay": "kvflow.cli.replay:replay",
+    "report": "kvflow.cli.report:report",
     "simulate": "kvflow.cli.simulate:simulate",
     "what-if": "kvflow.cli.what_if:what_if",
 }

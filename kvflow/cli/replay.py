@@ -11,12 +11,21 @@ from typing import Any
 
 import click
 
-from kvflow.cli.common import EXIT_FOUND, EXIT_OK, exit_with, print_json, user_errors, warn
+from kvflow.cli.common import (
+    EXIT_FOUND,
+    EXIT_OK,
+    exit_with,
+    print_json,
+    seq_option,
+    trace_argument,
+    user_errors,
+    warn,
+)
 
 
 @click.command()
-@click.argument("trace")
-@click.option("--until", type=click.IntRange(min=0), metavar="SEQ", help="Stop after this seq.")
+@trace_argument
+@seq_option("--until", "Stop after this seq.")
 @click.option("--redecide", is_flag=True, help="Re-run the commands through today's decisions.")
 @click.option("--strict", is_flag=True, help="Check every invariant after every event (slow).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -41,9 +50,9 @@ def replay(trace: str, until: int | None, redecide: bool, strict: bool, as_json:
         data["repro"] = repro
         print_json(data)
     elif divergence is None:
-        _print_replay_summary(trace, result, until)
+        _print_replay_summary(result.path, result, until)
     else:
-        _print_divergence(trace, result, repro or "")
+        _print_divergence(result.path, result, repro or "")
     exit_with(EXIT_OK if divergence is None else EXIT_FOUND)
 
 

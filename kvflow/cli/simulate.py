@@ -384,6 +384,7 @@ def _print_fleet(summary: dict[str, Any], workload: str) -> None:
         ("cpu tier stored / loaded", lambda s: f"{_gb(s['cpu_bytes_stored'])} / {_gb(s['cpu_bytes_loaded'])}"),
         ("remote tier stored / loaded", lambda s: f"{_gb(s['remote_bytes_stored'])} / {_gb(s['remote_bytes_loaded'])}"),
         ("held at the end: cpu / remote", lambda s: f"{_gb(s['cpu_bytes_held'])} / {_gb(s['remote_bytes_held'])}"),
+        ("failed jobs", lambda s: f"{s['failed_jobs']:,} (timed out {s['timed_out_jobs']:,})"),
     ]
     for name, cell in rows:
         table.add_row(name, cell(shared), cell(local))
@@ -471,7 +472,9 @@ _RUN_OPTIONS: dict[str, tuple[dict[str, Any], Any]] = {
                                        f"list ({DEFAULT_BYTES_PER_TOKEN} when no geometry is given)."), None),
     "--device-blocks": (dict(type=int, help="Device prefix-cache capacity in blocks (0 allowed)."), 0),
     "--policy": (dict(help="Eviction policy: lru, arc, or module:Class of your own."), "lru"),
-    "--store": (dict(help="Store mode: eager or lazy."), "eager"),
+    "--store": (dict(type=click.Choice(["eager", "lazy"]),
+                     help="Store mode: eager (every computed block) or lazy (blocks the device cache evicts)."),
+                "eager"),
     "--fault-rate": (dict(type=float, help="Probability that a transfer job fails."), 0.0),
     "--seed": (dict(type=int, help="Seed of the fault draws."), 0),
     "--mode": (dict(type=click.Choice(["sequential", "timed"]),
@@ -533,7 +536,7 @@ def run_options(as_recorded: bool = False) -> Callable[[Any], Any]:
 @click.option("--sweep-disk-gb", default=None, metavar="GBS",
               help="Comma-separated disk tier sizes in GB of KV cache: run the CPU tier given (--cpu-blocks or "
                    "--cpu-gb) above a disk of each size, under lru and arc, and plot the hit rates.")
-@click.option("--plot", default="sweep.png", show_default=True, help="PNG written by a sweep.")
+@click.option("--plot", default="sweep.png", show_default=True, metavar="FILE", help="PNG written by a sweep.")
 @click.option("--instances", type=int, default=1, show_default=True,
               help="Route the requests across N instances (own device cache and CPU tier each) and compare a "
                    "shared remote tier with per-instance tiers only.")

@@ -5,19 +5,20 @@ shown side by side."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from typing import Any
 
 import click
 
-from kvflow.cli.common import print_json, print_rich, user_errors, warn
+from kvflow.cli.common import print_json, print_rich, trace_argument, user_errors, warn
 from kvflow.cli.simulate import run_options
 
 TOP_CHANGES = 10  # the table lists the requests whose hits changed the most
 
 
 @click.command("what-if")
-@click.argument("trace")
+@trace_argument
 @run_options(as_recorded=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema: docs/debugging.md).")
 def what_if(trace: str, record: str | None, as_json: bool, **changes: Any) -> None:
@@ -25,22 +26,34 @@ def what_if(trace: str, record: str | None, as_json: bool, **changes: Any) -> No
     the recorded commands) through kvflow's real decision code under another configuration, and
     show its figures beside the recording's, with the requests whose hits changed. Every option
     not given keeps the value the trace recorded."""
+    from kvflow.core.errors import TraceError
     from kvflow.inspect.explain import compare
+    from kvflow.log.source import STDIN, STDIN_NAME, spool
     from kvflow.simulate.whatif import what_if as rerun
 
     if changes.get("disk_store") is not None:
         changes["disk_store_mode"] = changes.pop("disk_store").replace("-", "_")
     else:
         changes.pop("disk_store", None)
+    shown = trace
     with user_errors(), tempfile.TemporaryDirectory(prefix="kvflow-what-if-") as scratch:
+        if trace == STDIN:
+            # the trace is read more than once (its options, its workload, the comparison)
+            trace = spool(sys.stdin.buffer, scratch)
+            shown = STDIN_NAME
         path = record if record is not None else os.path.join(scratch, "what-if.jsonl")
-        summary = rerun(trace, changes, record=path)
-        found = compare(trace, path)
+        try:
+            summary = rerun(trace, changes, record=path)
+            found = compare(trace, path)
+        except TraceError as exc:
+            if shown != trace:  # (name standard input as every verb does, not the copy of it)
+                exc.args = (str(exc).replace(trace, STDIN_NAME),)
+            raise
     for warning in found.warnings:
-        warn(warning)
+        warn(warning.replace(trace, shown))
     changed = sorted(found.changed, key=lambda c: (-abs(c.delta), c.request_id, c.run))
     out = {
-        "trace": trace,
+        "trace": shown,
         "recorded": found.recorded.to_dict(),
         "what_if": found.what_if.to_dict(),
         "what_if_config": summary["config"],

@@ -287,8 +287,8 @@ class ExplainFold:
     requests get their blocks one by one. After the pass: ``totals``, ``warnings``."""
 
     def __init__(self, path: str | os.PathLike[str], detail: Callable[[str], bool] = lambda rid: False) -> None:
-        self.path = str(path)
         self.reader = TraceReader(path)
+        self.path = self.reader.path
         self.config = self.reader.config
         self.state = self.reader.new_state()
         self.policy = self.config.policy

@@ -84,6 +84,7 @@ class Inspection:
     focus: dict[str, Any] | None  # ... or the followed thing's state at ``at``
     last_seq: int
     warnings: list[str]
+    cpu_blocks: int = 0  # the trace's CPU tier: the slots there are
 
     def to_dict(self) -> dict[str, Any]:
         given = self.selector.given()
@@ -156,7 +157,7 @@ def inspect_trace(
     following = bool(selector.given())
     if at is not None and at < 0:
         raise InspectError(f"--at must be a seq >= 0, got {at}")
-    walk = _Walk(path, slots=selector.slot is not None)
+    walk = _Walk(path, slots=selector.slot is not None, keep=lambda info: _job_matches(selector, info))
     state = walk.state
     history: list[HistoryEntry] = []
     snapshot: State | None = state.copy() if at == 0 else None
@@ -206,7 +207,8 @@ def inspect_trace(
         else:
             state_out = state_to_dict(snapshot)
     return Inspection(
-        walk.path, selector, history, at, state_out, focus_out, walk.last_seq, walk.warnings
+        walk.path, selector, history, at, state_out, focus_out, walk.last_seq, walk.warnings,
+        walk.reader.config.cpu_blocks,
     )
 
 

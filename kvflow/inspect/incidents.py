@@ -239,24 +239,27 @@ def _recovery_from_event(event: JobFailed | JobTimedOut, info: JobInfo | None) -
     return recovery
 
 
-def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
-    """Every failed, timed-out or cancelled job of the trace, in seq order, and every entry a
-    shared tier refused.
+class IncidentFinder:
+    """The incident finder, fed one record at a time (it applies each to ``walk``), so that
+    another analysis can share its pass over a trace (``kvflow report``)."""
 
-    Raises :class:`~kvflow.core.errors.TraceError` for an unreadable trace.
-    """
-    walk = _Walk(path)
-    incidents: list[Incident] = []
-    refused: list[RefusedEntry] = []
-    by_job: dict[int, Incident] = {}
-    state = walk.state
-    for line, rec in walk.records():
+    def __init__(self, walk: _Walk) -> None:
+        self.walk = walk
+        self.incidents: list[Incident] = []
+        self.refused: list[RefusedEntry] = []
+        self.by_job: dict[int, Incident] = {}
+
+    def feed(self, line: int, rec: Any) -> None:
+        """Apply one record of the walk's trace, noting what it tells of incidents."""
+        walk, state, incidents, refused, by_job = (
+            self.walk, self.walk.state, self.incidents, self.refused, self.by_job
+        )
         kind = type(rec)
         if kind is Checkpoint:
-            continue
+            return
         if kind in COMMAND_TYPES:
             walk.on_command(line, rec)
-            continue
+            return
         if kind is JobFailed or kind is JobTimedOut:
             before: dict[str, Any] = {}
             folding = walk.folding
@@ -267,8 +270,8 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
                     "fenced_slots": dict(state.fenced_slots),
                     "pins": {h: entries[h].pins for h in rec.hashes if h in entries},
                 }
+            info = walk.jobs.get(rec.job_id)  # (before the job ends and leaves walk.jobs)
             walk.apply(line, rec)
-            info = walk.jobs.get(rec.job_id)
             verified = folding and walk.folding
             if verified:
                 recovery = _recovery_from_state(state, rec, info, before)
@@ -311,7 +314,7 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
             )
             incidents.append(incident)
             by_job[rec.job_id] = incident
-            continue
+            return
         if kind is FenceLifted:
             free_before = {s for s in rec.slots if s in state.free_slots}
             walk.apply(line, rec)
@@ -326,7 +329,7 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
                     else list(rec.slots),
                     "device_blocks_released": list(rec.device_blocks),
                 }
-            continue
+            return
         walk.apply(line, rec)
         if kind is EntriesRefused:
             dropped = set(rec.dropped)
@@ -337,7 +340,7 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
                 )
                 for h, reason, job_id in zip(rec.hashes, rec.reasons, rec.job_ids)
             )  # fmt: skip
-            continue
+            return
         if kind is BlocksEvicted and rec.reason == "corrupt" and incidents and incidents[-1].seq == rec.seq - 1:
             # F17: the failed load found these host copies bad; they left the tier with it
             recovery = incidents[-1].recovery
@@ -349,14 +352,31 @@ def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
             ended = by_job.get(rec.job_id)
             if ended is not None:
                 ended.late_results.append(LateResult(rec.seq, line, rec.rank, rec.ok, rec.error))
-    for entry in refused:  # (a load's failure may be recorded before or after its refusals)
-        failed = by_job.get(entry.job_id) if entry.job_id is not None else None
-        if failed is not None:
-            entry.job_seq, entry.job_line = failed.seq, failed.line
-    held = [i.job_id for i in incidents if i.fenced and i.fence_lifted is None]
-    if held:
-        walk.warnings.append(
-            f"{len(held)} fenced job{'s' if len(held) > 1 else ''} never reported the copy over "
-            f"by the end of the trace (their slots and device blocks still fenced): jobs {held[:8]}"
-        )
-    return IncidentReport(walk.path, incidents, len(walk.jobs), walk.last_seq, walk.warnings, refused)
+
+    def report(self) -> IncidentReport:
+        """What was found, once every record was fed."""
+        walk, incidents, refused, by_job = self.walk, self.incidents, self.refused, self.by_job
+        for entry in refused:  # (a load's failure may be recorded before or after its refusals)
+            failed = by_job.get(entry.job_id) if entry.job_id is not None else None
+            if failed is not None:
+                entry.job_seq, entry.job_line = failed.seq, failed.line
+        held = [i.job_id for i in incidents if i.fenced and i.fence_lifted is None]
+        if held:
+            walk.warnings.append(
+                f"{len(held)} fenced job{'s' if len(held) > 1 else ''} never reported the copy over "
+                f"by the end of the trace (their slots and device blocks still fenced): jobs {held[:8]}"
+            )
+        return IncidentReport(walk.path, incidents, walk.job_count, walk.last_seq, walk.warnings, refused)
+
+
+def find_incidents(path: str | os.PathLike[str]) -> IncidentReport:
+    """Every failed, timed-out or cancelled job of the trace, in seq order, and every entry a
+    shared tier refused.
+
+    Raises :class:`~kvflow.core.errors.TraceError` for an unreadable trace.
+    """
+    walk = _Walk(path)
+    finder = IncidentFinder(walk)
+    for line, rec in walk.records():
+        finder.feed(line, rec)
+    return finder.report()

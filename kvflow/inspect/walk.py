@@ -7,11 +7,11 @@ they report about state is what ``evolve`` computed, not a re-reading of the eve
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.core.commands import PlanStep, Tick
+from kvflow.core.commands import COMMAND_TYPES, PlanStep, Tick
 from kvflow.core.errors import IllegalTransition
 from kvflow.core.events import (
     DiskLoadQueued,
@@ -30,6 +30,7 @@ from kvflow.core.events import (
 )
 from kvflow.core.jobs import DISK_LOAD, DISK_STORE, LOAD, REMOTE_LOAD, REMOTE_STORE, STORE
 from kvflow.core.state.apply import evolve
+from kvflow.log.format import Checkpoint
 from kvflow.log.reader import TraceReader
 
 
@@ -56,10 +57,14 @@ class _Walk:
     """Streams a trace's records and keeps the context every analysis needs: the folded
     state, the engine step and time, the current command, and every job's description."""
 
-    def __init__(self, path: str | os.PathLike[str], slots: bool = False) -> None:
-        """``slots``: keep ``filled``, for an analysis that asks who owns a slot."""
-        self.path = str(path)
+    def __init__(
+        self, path: str | os.PathLike[str], slots: bool = False, keep: Callable[[JobInfo], bool] | None = None
+    ) -> None:
+        """``slots``: keep ``filled``, for an analysis that asks who owns a slot. ``jobs``
+        holds the live jobs, and the ended ones ``keep`` asks for: a trace streams, so what
+        it holds must not grow with the trace (``job_count`` counts them all)."""
         self.reader = TraceReader(path)
+        self.path = self.reader.path
         self.state = self.reader.new_state()
         self.folding = True
         self.fold_error: str | None = None
@@ -69,6 +74,8 @@ class _Walk:
         self.command_line: int | None = None
         self.command_before_seq = 0
         self.jobs: dict[int, JobInfo] = {}
+        self.job_count = 0
+        self.keep = keep
         self.last_seq = 0
         self.warnings: list[str] = []
         # slot -> the blocks the trace admitted into it, in order (with ``slots``): the state
@@ -84,6 +91,14 @@ class _Walk:
                 f"{self.fold_error}; state-based details after it are not verified "
                 f"(run: kvflow replay {self.path})"
             )
+
+    def feed(self, line: int, rec: Any) -> None:
+        """Take one record: a command is noted, an event folded, a checkpoint passed by."""
+        kind = type(rec)
+        if kind in COMMAND_TYPES:
+            self.on_command(line, rec)
+        elif kind is not Checkpoint:
+            self.apply(line, rec)
 
     def on_command(self, line: int, command: Any) -> None:
         self.command, self.command_line = command, line
@@ -107,9 +122,17 @@ class _Walk:
         kind = type(event)
         jobs = self.jobs
         if self.filled is not None and (kind is StoreQueued or kind is RemoteLoadQueued):
+            slot_of = self.state.slot_of
             for s, h in zip(event.slots, event.hashes):
-                self.filled.setdefault(s, []).append(h)
+                # a block that left the slot owns it again only when admitted again (and
+                # listed again then): while the state folds, only the current ones are kept
+                kept = self.filled.get(s, [])
+                if self.folding:
+                    kept = [x for x in kept if slot_of.get(x) == s]
+                kept.append(h)
+                self.filled[s] = kept
         if kind is StoreQueued or kind is LoadQueued:
+            self.job_count += 1
             jobs[event.job_id] = JobInfo(
                 event.job_id,
                 STORE if kind is StoreQueued else LOAD,
@@ -120,9 +143,11 @@ class _Walk:
                 event.seq,
             )
         elif kind is RemoteLoadQueued or kind is RemoteStoreQueued:
+            self.job_count += 1
             direction = REMOTE_LOAD if kind is RemoteLoadQueued else REMOTE_STORE
             jobs[event.job_id] = JobInfo(event.job_id, direction, None, event.hashes, (), event.slots, event.seq)
         elif kind is DiskLoadQueued or kind is DiskStoreQueued:
+            self.job_count += 1
             direction = DISK_LOAD if kind is DiskLoadQueued else DISK_STORE
             jobs[event.job_id] = JobInfo(event.job_id, direction, None, event.hashes, (), event.slots, event.seq)
         elif kind is JobsSubmitted:
@@ -145,6 +170,7 @@ class _Walk:
             info = jobs.get(event.job_id)
             if info is not None:
                 info.ended = "lifted"
+                self._drop(info)
         elif kind is JobCompleted or kind is JobFailed or kind is JobTimedOut:
             info = jobs.get(event.job_id)
             if info is not None:
@@ -155,3 +181,10 @@ class _Walk:
                     if kind is JobFailed
                     else "timed_out"
                 )
+                if not getattr(event, "fenced", False):  # (a fenced one ends when its fence lifts)
+                    self._drop(info)
+
+    def _drop(self, info: JobInfo) -> None:
+        """An ended job leaves ``jobs`` unless ``keep`` asks for it."""
+        if self.keep is None or not self.keep(info):
+            del self.jobs[info.job_id]

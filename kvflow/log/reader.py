@@ -63,16 +63,16 @@ class TraceReader:
     """
 
     def __init__(self, path: str | os.PathLike[str], chunk_bytes: int | None = None) -> None:
-        self.path = str(path)
+        self.path = source.STDIN_NAME if str(path) == source.STDIN else str(path)
         self.warnings: list[str] = []
         self.mismatch: tuple[int, str] | None = None
         self.complete = False
         self.unverified = 0
         self._checked_line = 1  # the last line the record chain vouches for (the header)
-        self._file = source.open_bytes(self.path)
+        self._file = source.open_bytes(str(path))
         try:
             size = min(chunk_bytes or CHUNK_BYTES, MAX_LINE_BYTES)  # so a line within one read is short enough
-            unzip = source.gzip_data if self.path.endswith(".gz") else source.plain_data
+            unzip = source.gzip_data if source.is_gzip(self.path, self._file) else source.plain_data
             self._data = unzip(self._file, size)
             first = self._read_header_line()
             self.header = self._parse_header(first)

@@ -3,20 +3,78 @@ the damage (a cut stream, corrupt data), in blocks of whole lines of bounded len
 
 from __future__ import annotations
 
+import os
+import sys
 import zlib
 from collections.abc import Generator, Iterator
-from typing import IO
+from typing import IO, cast
 
 from kvflow.core.errors import TraceError
 from kvflow.log.format import MAX_LINE_BYTES
 from kvflow.log.problems import READ_ERRORS
 
+STDIN = "-"
+"""The path that names standard input (every verb that reads a trace takes it)."""
+STDIN_NAME = "<stdin>"
+"""How messages name standard input."""
+GZIP_MAGIC = b"\x1f\x8b"
+
 
 def open_bytes(path: str) -> IO[bytes]:
+    if path == STDIN:
+        return cast("IO[bytes]", _Stdin(sys.stdin.buffer))
     try:
         return open(path, "rb")
     except OSError as exc:
         raise TraceError(path, None, f"cannot open: {exc.strerror or exc}") from None
+
+
+def is_gzip(path: str, file: IO[bytes]) -> bool:
+    """A file is gzip by its name (``.gz``); standard input, which has none, by its first bytes."""
+    if isinstance(file, _Stdin):
+        return file.head(len(GZIP_MAGIC)) == GZIP_MAGIC
+    return path.endswith(".gz")
+
+
+def spool(stream: IO[bytes], folder: str) -> str:
+    """Copy ``stream`` (standard input) to a file in ``folder``, for a reader that reads its
+    trace more than once; the file's name says whether it is gzip, as its first bytes do."""
+    import shutil
+
+    head = stream.read(len(GZIP_MAGIC))
+    path = os.path.join(folder, "stdin.jsonl.gz" if head == GZIP_MAGIC else "stdin.jsonl")
+    with open(path, "wb") as out:
+        out.write(head)
+        shutil.copyfileobj(stream, out, 1 << 20)
+    return path
+
+
+class _Stdin:
+    """Standard input as a trace's bytes: its first bytes can be looked at before they are
+    read (to tell gzip), and closing it leaves the process's stdin open."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._stream = stream
+        self._head = b""
+
+    def head(self, n: int) -> bytes:
+        while len(self._head) < n:
+            more = self._stream.read(n - len(self._head))
+            if not more:
+                break
+            self._head += more
+        return self._head[:n]
+
+    def read(self, size: int = -1) -> bytes:
+        head, self._head = self._head, b""
+        if not head:
+            return self._stream.read(size)
+        if 0 <= size < len(head):
+            head, self._head = head[:size], head[size:]
+        return head  # (a short read: readers read on until one returns nothing)
+
+    def close(self) -> None:
+        pass
 
 
 def plain_data(file: IO[bytes], size: int) -> Generator[bytes, None, None]:

@@ -36,7 +36,7 @@ def replay(
     checkpoint and at the end). ``on_event(line, event)`` observes each applied event.
     """
     with TraceReader(path) as reader:
-        result = ReplayResult(path=str(path), state=reader.new_state(), redecided=redecide)
+        result = ReplayResult(path=reader.path, state=reader.new_state(), redecided=redecide)
         if redecide:
             redecide_trace(reader, result, until, strict, on_event)
         else:

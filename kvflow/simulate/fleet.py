@@ -23,6 +23,14 @@ from kvflow.simulate.workload import WorkloadRequest, read_workload
 from kvflow.tiers.simulated_remote import SimulatedRemoteExecutor, SimulatedRemoteStore
 
 ROUTINGS = ("round-robin", "session")
+MAX_INSTANCES = 1024
+
+
+def instance_seed(seed: int, index: int) -> int:
+    """The seed of instance ``index``'s fault draws (``--seed`` for the first, so a fleet of
+    one is the plain simulation): each instance draws faults of its own, where one seed for
+    all would fail the same jobs of every instance."""
+    return seed + (index << 32)
 
 
 class FleetInstance(Simulation):
@@ -34,7 +42,12 @@ class FleetInstance(Simulation):
         super().__init__(options)
 
     def _wrap(self, executor: SimulatedExecutor) -> Any:
+        self.copies = executor
         return executor if self.remote is None else SimulatedRemoteExecutor(executor, self.remote, self.clock)
+
+    def faults_injected(self) -> int:
+        """The faults its simulated executor drew (``--fault-rate``)."""
+        return self.copies.stats.faults_injected
 
     def _before_lookup(self, rid: str, full: tuple[int, ...], L: int, d: int) -> int:
         """A first lookup probes the remote tier for what the CPU tier lacks, a second
@@ -68,7 +81,7 @@ def run_fleet(
     """One run over ``instances``; a shared remote tier of ``remote_blocks`` (0: none)."""
     shared = SimulatedRemoteStore(remote_blocks) if remote_blocks else None
     per = replace(options, remote_blocks=remote_blocks, record=None)
-    sims = [FleetInstance(per, shared) for _ in range(instances)]
+    sims = [FleetInstance(replace(per, seed=instance_seed(options.seed, i)), shared) for i in range(instances)]
     pick = route(routing, instances)
     try:
         for i, req in enumerate(read_workload(path, options.block_tokens)):
@@ -90,6 +103,11 @@ def run_fleet(
         "remote_bytes_loaded": sum(c.remote_bytes_loaded for c in counters),
         "cpu_bytes_held": sum(s.engine.manager.state.num_resident() for s in sims) * bpb,
         "remote_bytes_held": len(shared) * bpb if shared is not None else 0,
+        # every instance's failed and timed-out jobs (its CPU tier's and its remote tier's)
+        "jobs": sum(c.jobs_submitted for c in counters),
+        "failed_jobs": sum(c.jobs_failed + c.jobs_timed_out for c in counters),
+        "timed_out_jobs": sum(c.jobs_timed_out for c in counters),
+        "faults_injected": sum(s.faults_injected() for s in sims),
         "per_instance_hit_rate": [
             s.totals.hit_tokens / s.totals.prompt_tokens if s.totals.prompt_tokens else 0.0 for s in sims
         ],
@@ -100,8 +118,8 @@ def run_fleet(
 def simulate_fleet(path: str, options: SimOptions, instances: int, routing: str, remote_blocks: int) -> dict[str, Any]:
     """Both runs, side by side: ``shared`` (the remote tier) and ``local`` (CPU tiers only)."""
     options.validate()
-    if not is_int(instances) or not 1 <= instances <= 1024:
-        raise ConfigError(f"--instances must be a whole number within 1..1024, got {instances!r}")
+    if not is_int(instances) or not 1 <= instances <= MAX_INSTANCES:
+        raise ConfigError(f"--instances must be a whole number within 1..{MAX_INSTANCES}, got {instances!r}")
     if routing not in ROUTINGS:
         raise ConfigError(f"--routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
     if not is_int(remote_blocks) or remote_blocks <= 0:

@@ -107,6 +107,8 @@ class SimOptions:
         return TransferModel(self.bytes_per_block, self.disk_bandwidth_gbps, self.disk_latency_us)
 
     def validate(self) -> None:
+        if self.cpu_blocks is not None and (not is_int(self.cpu_blocks) or self.cpu_blocks < 0):
+            raise ConfigError(f"--cpu-blocks must be a whole number >= 0 (0 disables offload), got {self.cpu_blocks!r}")
         if not is_int(self.device_blocks) or self.device_blocks < 0:
             raise ConfigError(f"--device-blocks must be a whole number >= 0, got {self.device_blocks!r}")
         if not is_int(self.block_tokens) or self.block_tokens <= 0:

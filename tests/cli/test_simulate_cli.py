@@ -435,7 +435,7 @@ def test_a_nonexistent_file(tmp_path: Path) -> None:
 
 
 def test_negative_cpu_blocks() -> None:
-    assert_one_line_error(kvflow("simulate", EXAMPLE_WORKLOAD, "--cpu-blocks", -1), "cpu_blocks", "-1")
+    assert_one_line_error(kvflow("simulate", EXAMPLE_WORKLOAD, "--cpu-blocks", -1), "--cpu-blocks must be a whole number >= 0", "-1")
 
 
 def test_an_unknown_policy_lists_the_known_ones() -> None:

@@ -109,3 +109,37 @@ def test_ahead_of_eviction_mode_shares_blocks_too() -> None:
                "--remote-store", "ahead-of-eviction", "--json"],
     )  # fmt: skip
     assert json.loads(result.output)["shared"]["hit_tokens"] == ahead["hit_tokens"]
+
+
+def test_a_fleet_reports_the_failed_jobs_of_every_instance() -> None:
+    """Faults injected into a fleet's instances show in its results: every injected fault
+    fails one job (without a shared tier nothing else fails or times out), and each
+    instance draws faults of its own rather than failing the same jobs as the others."""
+    faulty = SimOptions(cpu_blocks=50, fault_rate=0.1, seed=3)
+    out = simulate_fleet(str(EXAMPLE_WORKLOAD), faulty, 4, "round-robin", 500)
+    local, shared = out["local"], out["shared"]
+    assert local["failed_jobs"] == local["faults_injected"] > 0
+    assert shared["failed_jobs"] >= shared["faults_injected"] > 0
+    result = CliRunner().invoke(
+        main, ["simulate", "--example", "--cpu-blocks", "50", "--instances", "4", "--fault-rate", "0.1", "--seed", "3"]
+    )
+    row = next(line for line in result.output.splitlines() if "failed jobs" in line)
+    assert f"{shared['failed_jobs']} (timed out" in row and f"{local['failed_jobs']} (timed out" in row
+    from kvflow.simulate.fleet import FleetInstance, instance_seed
+
+    seeds = {instance_seed(3, i) for i in range(4)}
+    assert len(seeds) == 4 and instance_seed(3, 0) == 3
+    draws = []
+    for i in range(2):
+        sim = FleetInstance(SimOptions(cpu_blocks=50, fault_rate=0.5, seed=instance_seed(3, i)), None)
+        draws.append([sim.copies.rng.random() for _ in range(8)])
+    assert draws[0] != draws[1]
+
+
+def test_a_fleet_of_one_with_faults_is_the_plain_simulation() -> None:
+    faulty = SimOptions(cpu_blocks=50, fault_rate=0.1, seed=5)
+    plain = simulate(str(EXAMPLE_WORKLOAD), faulty)
+    fleet = run_fleet(str(EXAMPLE_WORKLOAD), faulty, 1, "round-robin", 0)
+    assert plain["failed_jobs"] > 0
+    for key in ("hit_tokens", "failed_jobs", "timed_out_jobs", "jobs"):
+        assert fleet[key] == plain[key], key

@@ -41,11 +41,10 @@ def main() -> int:
     out_path = Path(sys.argv[2])
     program, connector = spec["program"], spec.get("connector")
     workdir = Path(spec["workdir"])
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     from conformance_profiles import Plan
     from stall_proxy import StallProxy
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     plan = Plan.of(int(spec["seed"]))
     profile: Any = None

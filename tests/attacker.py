@@ -3,7 +3,8 @@ and knows what anyone can read (kvflow's entry format and key layout, a model's 
 prompts whose blocks a victim will look up), but holds none of the victim's keys. Run by
 tests/tiers/test_remote_attacks.py:
 
-    python tests/attacker.py URL rewrite                      every kvflow value: its head kept, its
+    python tests/attacker.py URL rewrite [N]                  every kvflow value (or the first N, in
+                                                              key order): its head kept, its
                                                               payload replaced, its tag recomputed
                                                               as an unkeyed entry's checksum
     python tests/attacker.py URL unkey                        every kvflow value turned into a valid
@@ -16,6 +17,7 @@ tests/tiers/test_remote_attacks.py:
     python tests/attacker.py URL save FILE                    every kvflow value, kept for later
     python tests/attacker.py URL restore FILE                 the saved values written back
 
+URL is redis-py's: credentials in it, TLS files as query arguments (``?ssl_ca_certs=...``).
 Prints one JSON line: what it wrote.
 """
 
@@ -51,7 +53,8 @@ def main() -> int:
     server = redis.Redis.from_url(url)
     wrote = 0
     if action in ("rewrite", "unkey"):
-        for key in _kvflow_keys(server):
+        keys = _kvflow_keys(server)
+        for key in keys[: int(args[0])] if args else keys:
             value = server.get(key)
             header = bytearray(value[: HEADER_BYTES - TAG_BYTES])
             payload = bytes([ATTACKER_BYTE]) * (len(value) - HEADER_BYTES)

@@ -290,6 +290,17 @@ def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Redi
     cluster.close()
 
 
+def tls_acl_server(where: Path) -> tuple[RedisServer, dict[str, str]]:
+    """A server as a shared deployment runs one: TLS only (clients show a certificate its CA
+    signed) and ``acl_server``'s users (``ACL_USER`` may touch kvflow's keys alone). The
+    certificate files by name (``make_certs``); stop it with ``close()``."""
+    require_redis("openssl")
+    certs = make_certs(where / "certs")
+    options, cli = _tls_args(certs)
+    server = RedisServer("--aclfile", _acl_file(where), *options, tls=True, cli_args=(*cli, *_ACL_CLI))
+    return server, certs
+
+
 @pytest.fixture(scope="session")
 def redis_standalone() -> Iterator[RedisServer]:
     """One standalone server shared by the session's tests (flush between uses)."""

@@ -264,3 +264,31 @@ def test_a_documented_vllm_flag_is_one_the_connector_accepts(body: str) -> None:
         extra.pop("policy")
     config = ConnectorConfig.from_extra(extra)
     check_shared_hashes(config, "sha256", {})  # (vLLM's default hash)
+
+
+def test_the_conformance_documents_commands_and_profile_are_the_suites() -> None:
+    """docs/conformance.md: its commands run the suite CI runs, with the variables the suite
+    reads; the profile it shows has every attribute of the suite's profile interface."""
+    path = DOCS / "conformance.md"
+    suite = (ROOT / "tests" / "conformance" / "test_conformance.py").read_text(encoding="utf-8")
+    commands = [body.strip() for _, body in blocks(path, "bash")]
+    assert commands
+    for command in commands:
+        assert command.endswith(".venv-vllm/bin/python -m pytest -q tests/conformance"), command
+        for name in re.findall(r"\b(KVFLOW_\w+)=", command):
+            assert name == "KVFLOW_REQUIRE_VLLM" or f'"{name}"' in suite, name
+    assert re.search(r"KVFLOW_REQUIRE_VLLM=1 \.venv-vllm/bin/python -m pytest -q [^\n]*tests/conformance\b", ci_script())
+    (profile_block,) = [body for _, body in blocks(path, "python")]
+    namespace: dict[str, object] = {}
+    exec(compile(profile_block, str(path), "exec"), namespace)
+    sys.path.insert(0, str(ROOT / "tests" / "conformance"))
+    try:
+        import conformance_profiles
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "conformance"))
+    interface = [name for name in vars(conformance_profiles.FaultProfile) if not name.startswith("_")]
+    profile = namespace["PROFILE"]
+    assert [name for name in interface if not hasattr(profile, name)] == []
+    assert set(getattr(profile, "faults")) <= set(conformance_profiles.FAULTS)
+    for name in conformance_profiles.FAULTS:
+        assert name in path.read_text(encoding="utf-8").replace(" ", "_").lower(), name

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ import glassllm_model  # noqa: E402
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 CONVERSATIONS = 6
 PREFIX = 2 * BLOCK  # each conversation's own system prompt: two full blocks
+FORGED = 3  # entries an attacker rewrites in a shared Redis (of the 12 the first process stored)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +342,7 @@ def main():
     model, extra, convs, salt = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=128, block_size=32,
               enable_prefix_caching=True, num_gpu_blocks_override=8, max_num_seqs=2, max_num_batched_tokens=128,
-              seed=0, enforce_eager=True, kv_transfer_config={
+              seed=0, enforce_eager=True, disable_log_stats=False, kv_transfer_config={
                   "kv_connector": "KVFlowConnector", "kv_connector_module_path": "kvflow.integrations.vllm.connector",
                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra})
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -353,6 +356,12 @@ def main():
     for _ in range(4):
         llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
     time.sleep(1.0)
+    llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
+    # kvflow's counters in vLLM's own Prometheus registry (vLLM's stat loggers feed them)
+    import prometheus_client
+    metrics = [[s.name, s.labels.get("reason"), s.value] for family in prometheus_client.REGISTRY.collect()
+               if family.name.startswith("kvflow_") for s in family.samples if s.name.endswith("_total") and s.value]
+    print("METRICS " + json.dumps(metrics), flush=True)
     print("RESULT " + json.dumps(out), flush=True)
     os._exit(0)  # no shutdown: a tier that outlives the process must not need one
 
@@ -362,11 +371,18 @@ if __name__ == "__main__":
 
 
 def two_processes(
-    model_dir: Path, tmp_path: Path, extra: dict[str, Any], salts: tuple[str | None, str | None] = (None, None)
+    model_dir: Path,
+    tmp_path: Path,
+    extra: dict[str, Any],
+    salts: tuple[str | None, str | None] = (None, None),
+    between: Callable[[], None] | None = None,
+    metrics: list[Any] | None = None,
 ) -> list[tuple[list[Any], Path]]:
     """Two vLLM processes, one after the other, with the connector config ``extra`` (and a
     trace each): every conversation's first turn, greedy, with vLLM's cached-token counts.
-    ``salts``: each process's requests' ``cache_salt`` (their tenant), None for none."""
+    ``salts``: each process's requests' ``cache_salt`` (their tenant), None for none;
+    ``between``: run after the first process ended; ``metrics``: gets the second's kvflow
+    counters from vLLM's Prometheus registry, ``[name, reason label, value]``."""
     import json
     import subprocess
 
@@ -376,6 +392,8 @@ def two_processes(
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     runs = []
     for name, salt in zip(("first", "second"), salts):
+        if name == "second" and between is not None:
+            between()
         trace = tmp_path / f"{name}.jsonl"
         done = subprocess.run(
             [sys.executable, str(script), str(model_dir), json.dumps({**extra, "trace_path": str(trace)}),
@@ -385,6 +403,8 @@ def two_processes(
         assert done.returncode == 0, done.stderr[-3000:]
         assert "RESULT " in done.stdout, (done.stdout[-2000:], done.stderr[-2000:])
         runs.append((json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0]), trace))
+        if metrics is not None:
+            metrics[:] = json.loads(done.stdout.split("METRICS ", 1)[1].splitlines()[0])
     return runs
 
 
@@ -414,31 +434,59 @@ def test_F22_a_second_vllm_process_loads_the_first_ones_prefixes_from_the_disk_t
     assert "no checkpoint after them" in incidents.stderr
 
 
-@pytest.mark.parametrize("cluster", [False, True], ids=["standalone", "cluster"])
+@pytest.mark.parametrize("deployment", ["tls-acl", "cluster"])
 def test_a_second_vllm_process_loads_the_first_ones_prefixes_from_a_shared_redis(
-    model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]], tmp_path: Path, cluster: bool
+    model_dir: Path, without_kvflow: tuple[list[list[int]], list[int]], tmp_path: Path, deployment: str
 ) -> None:
-    """Two vLLM processes sharing a real redis-server, standalone or a 3-node Redis Cluster
-    (entries sealed with a keys file): the first computes the conversations' first turns
-    (written through to Redis); the second, with empty CPU and device caches, finds every
-    conversation's prefix there by its workers' probes at its first turn and loads it. Outputs
-    are vLLM's own without kvflow, token for token; the second's trace replays and re-decides
-    clean."""
-    from redis_servers import RedisCluster, RedisServer, require_redis
+    """Two vLLM processes sharing a real Redis, entries sealed with a keys file: a 3-node Redis
+    Cluster, or a server as a shared deployment runs one (TLS only, a client certificate, an ACL
+    user allowed kvflow's keys alone). The first computes the conversations' first turns
+    (written through to Redis); the second, with empty CPU and device caches, finds their
+    prefixes there by its workers' probes at its first turn and loads them. Outputs are vLLM's
+    own without kvflow, token for token; the second's trace replays and re-decides clean.
+
+    Over TLS, an attacker (``tests/attacker.py``: a process of its own with plain redis-py and
+    the ACL user's password, none of the keys) rewrites some of the first's entries between
+    the two processes: the second refuses each one it reads (``forged``, counted in vLLM's own
+    Prometheus registry as ``kvflow_remote_rejected_total{reason="forged"}``), recomputes
+    those prefixes and loads the others."""
+    import json
+    import subprocess
+    from urllib.parse import urlencode
+
+    from redis_servers import ACL_PASSWORD, ACL_USER, RedisCluster, require_redis, tls_acl_server
     from tier_keys import keys_file
 
     require_redis()
-    servers = RedisCluster() if cluster else RedisServer()
-    node = servers.nodes[0] if isinstance(servers, RedisCluster) else servers
+    extra: dict[str, Any] = {"cpu_blocks": 64, "remote_key_file": str(keys_file(tmp_path))}
+    forged: list[dict[str, Any]] = []
+    metrics: list[Any] = []
+    between = None
+    if deployment == "cluster":
+        servers: Any = RedisCluster()
+        node = servers.nodes[0]
+        extra.update(remote_url=f"redis://{node.host}:{node.port}", remote_cluster=True)
+    else:
+        servers, certs = tls_acl_server(tmp_path / "tls")
+        url = f"rediss://{ACL_USER}:{ACL_PASSWORD}@{servers.host}:{servers.port}"
+        extra.update(remote_url=url, remote_tls_ca_file=certs["ca.crt"], remote_tls_cert_file=certs["client.crt"],
+                     remote_tls_key_file=certs["client.key"])  # fmt: skip
+        tls = {"ssl_ca_certs": certs["ca.crt"], "ssl_certfile": certs["client.crt"], "ssl_keyfile": certs["client.key"]}
+
+        def between() -> None:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+            done = subprocess.run(
+                [sys.executable, str(ROOT / "tests" / "attacker.py"), f"{url}?{urlencode(tls)}", "rewrite", str(FORGED)],
+                capture_output=True, text=True, timeout=60, env=env, check=True,
+            )  # fmt: skip
+            forged.append(json.loads(done.stdout))
+
     try:
-        extra = {"cpu_blocks": 64, "remote_url": f"redis://{node.host}:{node.port}", "remote_cluster": cluster,
-                 "remote_key_file": str(keys_file(tmp_path))}  # fmt: skip
-        (first, _), (second, second_trace) = two_processes(model_dir, tmp_path, extra)
+        (first, _), (second, second_trace) = two_processes(model_dir, tmp_path, extra, between=between, metrics=metrics)
     finally:
         servers.close()
     assert [o for o, _ in first] == [o for o, _ in second] == without_kvflow[0][:CONVERSATIONS]
     assert [c for _, c in first] == [0] * CONVERSATIONS  # nothing in Redis yet
-    assert [c for _, c in second] == [PREFIX] * CONVERSATIONS  # every prefix from the remote tier
     replayed = CliRunner().invoke(kvflow_cli, ["replay", str(second_trace), "--redecide"])
     assert replayed.exit_code == 0, replayed.output
     from kvflow.core.events import EVENT_TYPES, JobCompleted
@@ -447,7 +495,16 @@ def test_a_second_vllm_process_loads_the_first_ones_prefixes_from_a_shared_redis
     _, records = read_trace(second_trace)
     completed = [r for _, r in records if isinstance(r, EVENT_TYPES) and isinstance(r, JobCompleted)]
     loaded = sum(len(e.hashes) for e in completed if e.direction == "remote_load")
-    assert loaded == CONVERSATIONS * PREFIX // BLOCK  # every prefix block came over from Redis
+    cached = [c for _, c in second]
+    assert loaded * BLOCK == sum(cached)  # what vLLM counts as cached came over from Redis
+    if deployment == "cluster":
+        assert cached == [PREFIX] * CONVERSATIONS  # every prefix from the remote tier
+        return
+    assert forged == [{"action": "rewrite", "wrote": FORGED}]
+    rejected = {reason: value for name, reason, value in metrics if name == "kvflow_remote_rejected_total"}
+    assert set(rejected) == {"forged"} and 1 <= rejected["forged"] <= FORGED, metrics
+    # the conversations whose entries were not forged came from the remote tier
+    assert cached.count(PREFIX) >= CONVERSATIONS - FORGED and sum(cached) < PREFIX * CONVERSATIONS, cached
 
 
 def test_F21_a_second_vllm_process_of_another_tenant_finds_nothing_in_a_shared_redis(

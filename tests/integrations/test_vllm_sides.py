@@ -543,3 +543,31 @@ def test_a_tier_refused_when_a_worker_builds_it_is_one_line_naming_the_config(tm
         WorkerSide(config, rank=0, model="m", block_tokens=B).register(kv_shard(1))
     text = str(refused.value)
     assert text.startswith("kv_connector_extra_config: keys file ") and "\n" not in text
+
+
+class _RefusingTiers:
+    """What a worker's stacked tiers answer for their refusals: totals by reason, since built
+    (``RemoteTierExecutor.remote_rejected``, ``DiskTierExecutor.disk_rejected``)."""
+
+    def __init__(self) -> None:
+        self.remote = {"forged": 0, "another tenant": 0}
+        self.disk = {"corrupt": 0}
+
+    def remote_rejected(self) -> dict[str, int]:
+        return dict(self.remote)
+
+    def disk_rejected(self) -> dict[str, int]:
+        return dict(self.disk)
+
+
+def test_a_workers_stats_carry_its_shared_tiers_refusals_since_the_last_call() -> None:
+    worker = WorkerSide(ConnectorConfig.from_extra({"cpu_blocks": 4}))
+    tiers = _RefusingTiers()
+    worker.executor = tiers
+    assert worker.take_stats() == {}
+    tiers.remote["forged"] = 3
+    tiers.disk["corrupt"] = 1
+    assert worker.take_stats() == {"remote_rejected:forged": 3, "disk_rejected:corrupt": 1}
+    assert worker.take_stats() == {}  # each refusal once
+    tiers.remote.update({"forged": 4, "another tenant": 2})
+    assert worker.take_stats() == {"remote_rejected:forged": 1, "remote_rejected:another tenant": 2}

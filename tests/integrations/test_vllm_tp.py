@@ -3,9 +3,10 @@
 The model is glassllm's, its MLP padded with zero units so that it splits over two ranks (the
 same function: ``tools/glassllm_model.py --split 2``). Each vLLM run is a process of its own
 (vLLM's multiprocessing executor starts the two workers); the runs are: without kvflow, with
-kvflow's CPU tier, and with a load that fails on rank 1 only. Outputs must be the same token for
-token; the second turn of each conversation must come from kvflow's tier; the rank-1 failure must
-be reported once, fenced until both ranks are over, and recomputed.
+kvflow's CPU tier (written through to a real redis-server), a second process that finds the
+first's prefixes in that Redis, and with a load that fails on rank 1 only. Outputs must be the
+same token for token; the second turn of each conversation must come from kvflow's tier; the
+rank-1 failure must be reported once, fenced until both ranks are over, and recomputed.
 
 Skips without vLLM and glassllm (``.ci/run`` installs both); under ``KVFLOW_REQUIRE_VLLM=1``
 (CI) a missing one, or a machine with fewer than two cores, is a failure, never a skip.
@@ -17,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,18 +120,44 @@ def without_kvflow(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return runs
 
 
+@pytest.fixture(scope="module")
+def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A real redis-server for the module's kvflow runs, and the connector keys that reach it
+    (entries sealed with a keys file)."""
+    from redis_servers import RedisServer, require_redis
+    from tier_keys import keys_file
+
+    require_redis()
+    server = RedisServer()
+    yield {"server": server, "extra": {"remote_url": server.url,
+                                       "remote_key_file": str(keys_file(tmp_path_factory.mktemp("keys")))}}  # fmt: skip
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def with_kvflow(
+    model_dir: Path, shared_redis: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[tuple[list[int], int]], Path]:
+    """kvflow's CPU tier (written through to the shared Redis): the runs and the trace."""
+    where = tmp_path_factory.mktemp("tp2")
+    trace = where / "tp2.jsonl"
+    return serve(model_dir, {"cpu_blocks": 64, "trace_path": str(trace), **shared_redis["extra"]}, where), trace
+
+
 def test_two_ranks_load_every_prefix_from_the_cpu_tier_with_identical_outputs(
-    model_dir: Path, without_kvflow: list[tuple[list[int], int]], tmp_path: Path
+    with_kvflow: tuple[list[tuple[list[int], int]], Path], without_kvflow: list[tuple[list[int], int]]
 ) -> None:
-    trace = tmp_path / "tp2.jsonl"
-    runs = serve(model_dir, {"cpu_blocks": 64, "trace_path": str(trace)}, tmp_path)
+    runs, trace = with_kvflow
     assert [o for o, _ in runs] == [o for o, _ in without_kvflow]
     assert [c for _, c in runs] == [0] * CONVERSATIONS + [PREFIX] * CONVERSATIONS
     header, *rest = records(trace)
     assert header["config"]["world_size"] == 2
-    kinds = [r.get("type") for r in rest]
-    # every job is over once both ranks reported it, and no rank's result comes late
-    assert kinds.count("job_completed") == 2 * CONVERSATIONS and "late_result_ignored" not in kinds
+    assert "late_result_ignored" not in [r.get("type") for r in rest]  # no rank's result comes late
+    # every job is over once both ranks reported it (the CPU tier's: the first turns' stores
+    # and the second turns' loads)
+    local = {r["job_id"] for r in rest if r.get("type") == "job_completed" and r["direction"] in ("store", "load")}
+    assert len(local) == 2 * CONVERSATIONS
+    kinds = [r.get("type") for r in rest if r.get("job_id") in local]
     assert kinds.count("rank_succeeded") == 2 * CONVERSATIONS and kinds.count("job_result") == 4 * CONVERSATIONS
     replayed = CliRunner().invoke(kvflow_cli, ["replay", str(trace), "--redecide"])
     assert replayed.exit_code == 0, replayed.output
@@ -151,3 +179,37 @@ def test_a_load_failing_on_rank_1_only_is_fenced_reported_once_and_recomputed(
     assert incidents.exit_code == 0, incidents.output
     (incident,) = json.loads(incidents.stdout)
     assert incident["job_id"] == FAILING_LOAD
+
+
+def test_two_tp2_processes_share_a_redis_each_rank_reading_its_own_shard(
+    model_dir: Path,
+    without_kvflow: list[tuple[list[int], int]],
+    with_kvflow: tuple[list[tuple[list[int], int]], Path],
+    shared_redis: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    """A second vLLM process at tensor parallelism 2 shares the Redis the first
+    (``with_kvflow``) wrote through to: each of its ranks finds its own shard of every prefix
+    there, under a layout of its own (its rank of two), and loads it at its first turn. Outputs
+    are the same token for token (a rank that read the other's shard would compute something
+    else); Redis holds each block twice, once per rank's layout; no rank refused an entry
+    (another layout's is refused, never served) and both ranks reported every remote load."""
+    trace = tmp_path / "second.jsonl"
+    second = serve(model_dir, {"cpu_blocks": 64, "trace_path": str(trace), **shared_redis["extra"]}, tmp_path)
+    keys = shared_redis["server"].cli("--scan", "--pattern", "kvflow:*").split()
+    assert [o for o, _ in second] == [o for o, _ in with_kvflow[0]] == [o for o, _ in without_kvflow]
+    assert [c for _, c in second] == [PREFIX] * (2 * CONVERSATIONS)  # the first turns from Redis
+    # kvflow:<layout>:<tenant>:<block>: one layout per rank, each holding every block once
+    blocks = CONVERSATIONS * PREFIX // 32
+    by_layout: dict[str, set[str]] = {}
+    for key in keys:
+        _, layout, _, block = key.split(":")
+        by_layout.setdefault(layout, set()).add(block)
+    assert len(by_layout) == 2 and [len(b) for b in by_layout.values()] == [blocks, blocks], by_layout.keys()
+    rest = records(trace)[1:]
+    assert not [r for r in rest if r.get("type") == "entries_refused"]
+    remote_loads = {r["job_id"]: len(r["hashes"]) for r in rest
+                    if r.get("type") == "job_completed" and r["direction"] == "remote_load"}  # fmt: skip
+    assert sum(remote_loads.values()) == blocks
+    ranks = sorted(r.get("rank", 0) for r in rest if r.get("type") == "job_result" and r["job_id"] in remote_loads)
+    assert ranks == sorted([0, 1] * len(remote_loads))

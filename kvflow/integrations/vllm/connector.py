@@ -38,6 +38,7 @@ from kvflow.core.commands import JobResult, TierRefused
 from kvflow.core.names import BlockName
 from kvflow.integrations.vllm.kv_events import BlockRemoved, BlockStored
 from kvflow.integrations.vllm.sides import (
+    SHARED_TIERS,
     ConnectorConfig,
     SchedulerSide,
     StepPlan,
@@ -148,12 +149,26 @@ if HAVE_VLLM:
                 }
                 for key, name, doc in self._COUNTERS
             }
+            # the shared tiers' refusals by reason (the workers' stats say "<tier>_rejected:<reason>")
+            self._rejected = {
+                tier: self._counter_cls(
+                    name=f"kvflow_{tier}_rejected",
+                    documentation=f"Values kvflow's {tier} tier refused to serve, by reason",
+                    labelnames=[*labelnames, "reason"],
+                )
+                for tier in SHARED_TIERS
+            }
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             for key, per_engine in self._counters.items():
                 value = transfer_stats_data.get(key, 0)
                 if value:
                     per_engine[engine_idx].inc(value)
+            values = self.per_engine_labelvalues[engine_idx]
+            for key, value in transfer_stats_data.items():
+                tier, _, reason = key.partition("_rejected:")
+                if reason and tier in self._rejected and value:
+                    self._rejected[tier].labels(*values, reason).inc(value)
 
     class KVFlowConnector(KVConnectorBase_V1):
         """kvflow's CPU tier as a vLLM v1 KV connector (see the module docstring)."""

@@ -342,6 +342,9 @@ class StepPlan(msgspec.Struct, frozen=True):
     probes: list[BlockName] = []  # blocks every worker's remote tier is asked about
 
 
+# the tiers whose entries are read back from outside the process: their refusals are counted
+SHARED_TIERS = ("remote", "disk")
+
 # how long a block some rank's remote tier answered absent is taken as absent, by the scheduler
 # side and by each worker's tier (a request waiting for its turn looks its prefix up every step)
 ABSENT_TTL_MS = 1000.0
@@ -699,6 +702,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._delayed: set[str] = set()
         self._stats: dict[str, int] = {}  # since the last take_stats (vLLM's connector stats)
+        self._rejected_seen: dict[str, dict[str, int]] = {}  # tier -> reason -> refusals taken
         self.block_bytes = 0
 
     def register(self, kv_caches: Mapping[str, Any]) -> int:
@@ -888,8 +892,20 @@ class WorkerSide:
         return out
 
     def take_stats(self) -> dict[str, int]:
-        """Jobs, blocks and bytes by direction and outcome since the last call."""
+        """Jobs, blocks and bytes by direction and outcome since the last call, and the values
+        this rank's shared tiers refused to serve since then, by reason
+        (``remote_rejected:<reason>``, ``disk_rejected:<reason>``: ``kvflow.tiers.entry.REJECTED``)."""
         out, self._stats = self._stats, {}
+        for tier in SHARED_TIERS:
+            # (tiers stack: each answers for the tiers it wraps; the counts are totals)
+            counts = getattr(self.executor, f"{tier}_rejected", None) if self.executor is not None else None
+            if counts is None:
+                continue
+            seen = self._rejected_seen.setdefault(tier, {})
+            for reason, total in counts().items():
+                if total > seen.get(reason, 0):
+                    out[f"{tier}_rejected:{reason}"] = total - seen.get(reason, 0)
+                    seen[reason] = total
         return out
 
     def take_load_errors(self) -> set[int]:

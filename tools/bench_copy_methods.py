@@ -155,16 +155,15 @@ def _done(events: list[Any]) -> bool:
 
 
 class KvflowMethod(Method):
-    """``engines``: as if the other direction always copied, so the staged path moves whole
-    blocks on the copy engines in each direction alone too; ``programs``: the kernels'
-    programs (0: the executor's default)."""
+    """``scatter`` and ``programs``: the executor's (``auto`` and 0: its defaults)."""
 
-    def __init__(self, rig: Rig, *, engines: bool = False, programs: int = 0) -> None:
-        extra = [w for w, on in (("copy engines", engines), (f"{programs} programs", programs)) if on]
+    def __init__(self, rig: Rig, *, scatter: str = "auto", programs: int = 0) -> None:
+        extra = [w for w, on in ((scatter, scatter != "auto"), (f"{programs} programs", programs)) if on]
         self.name = "kvflow" + (f" ({', '.join(extra)})" if extra else "")
-        self.ex = TorchExecutor(rig.kv, rig.cpu_blocks, block_dim=0, copy_programs=programs)
-        if engines:
-            self.ex._copying = lambda lane: True  # type: ignore[method-assign]
+        self.ex = TorchExecutor(
+            rig.kv, rig.cpu_blocks, block_dim=0, scatter=scatter,  # type: ignore[arg-type]
+            copy_programs=programs,
+        )
         self.host = [self.ex.pool.region(r, torch.bfloat16) for r in range(rig.geometry.regions)]
         self.next_id = 0
         self.finished: set[int] = set()
@@ -470,7 +469,7 @@ class Row:
 def measure(
     device: torch.device, geometries: Sequence[Geometry], run_bytes: int, step_blocks: int,
     reps: int, decode_pairs: int, decode_s: float, say: Callable[[str], None],
-    variants: bool = False,
+    variants: Sequence[tuple[str, int]] = (),
 ) -> list[Row]:
     rows: list[Row] = []
     decode = Decode(device) if device.type == "cuda" else None
@@ -481,10 +480,8 @@ def measure(
         rig = build_rig(geo, 2 * run_blocks, device)
         methods: list[Method] = [
             ContiguousMethod(rig, run_blocks * geo.block_bytes),
-            KvflowMethod(rig), *(
-                [KvflowMethod(rig, engines=True), KvflowMethod(rig, engines=True, programs=16)]
-                if variants else []
-            ),
+            KvflowMethod(rig),
+            *(KvflowMethod(rig, scatter=scatter, programs=programs) for scatter, programs in variants),
             BatchMethod(rig), CopyLoopMethod(rig),
         ]
         ceiling: dict[str, float] = {}
@@ -538,6 +535,19 @@ def format_row(row: Row) -> str:
             f"{row.checked} |")
 
 
+def variant_list(text: str) -> list[tuple[str, int]]:
+    """``staged,kernel:8`` -> [("staged", 0), ("kernel", 8)]."""
+    out = []
+    for part in text.split(","):
+        scatter, _, programs = part.strip().partition(":")
+        if scatter not in ("runs", "host", "uva", "kernel", "batch", "staged"):
+            raise argparse.ArgumentTypeError(f"unknown scatter {scatter!r} in {part!r}")
+        if programs and not programs.isdigit():
+            raise argparse.ArgumentTypeError(f"programs must be a count, not {programs!r}")
+        out.append((scatter, int(programs or 0)))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes on the CPU device")
@@ -547,9 +557,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode-pairs", type=int, default=5)
     ap.add_argument("--decode-s", type=float, default=0.3, help="seconds of decode per run")
-    ap.add_argument("--variants", action="store_true",
-                    help="also kvflow's staged path on the copy engines in each direction alone, "
-                         "with the default and with 16 kernel programs")
+    ap.add_argument("--variants", type=variant_list, default=(), metavar="SCATTER[:PROGRAMS],...",
+                    help="also kvflow with these scatter modes and page-kernel programs, "
+                         "e.g. staged,kernel:8")
     ap.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda"))

@@ -124,6 +124,35 @@ def test_scattered_slots(device: str, scatter: str, max_runs: int) -> None:
         assert same(pages(ex, dst), before)
 
 
+def test_auto_moves_large_pages_straight_on_the_copy_engines(device: str) -> None:
+    """Pages of BATCH_MIN_PAGE and up: ``auto`` takes one batched copy-engine call per batch
+    where the driver has it (no staging rows), a single run of slots and both directions at
+    once too; the pages land bit for bit."""
+    from kvflow.executors.torch.copy_setup import BATCH_MIN_PAGE
+
+    kv = [_rand((N_BLOCKS, BATCH_MIN_PAGE // 2), device, 5)]  # one region of fp16 pages
+    with TorchExecutor(kv, 24, checksums=True) as ex:
+        if batch_copy.available(device):
+            assert ex.scatter == "batch" and ex.max_runs == 0 and ex._stage is None
+        src, slots = [8, 1, 30, 12, 4, 22], (11, 2, 7, 19, 0, 5)
+        before = pages(ex, src)
+        assert run(ex, [TransferJob(1, "store", tuple(src), slots)])[1].ok
+        assert run(ex, [TransferJob(2, "store", (16, 17), (20, 21))])[2].ok  # one run
+        two = pages(ex, [16, 17])
+        refill(kv, seed=3)
+        again = pages(ex, [9, 10])
+        results = run(ex, [
+            TransferJob(3, "load", (29, 3, 14, 0, 9, 17), slots),
+            TransferJob(4, "load", (5, 6), (20, 21)),
+            TransferJob(5, "store", (9, 10), (22, 23)),
+        ])
+        assert all(r.ok for r in results.values())
+        assert same(pages(ex, [29, 3, 14, 0]), [t[:4] for t in before])
+        assert same(pages(ex, [5, 6]), two)
+        assert run(ex, [TransferJob(6, "load", (1, 2), (22, 23))])[6].ok
+        assert same(pages(ex, [1, 2]), again)
+
+
 def test_multi_job_batching_and_both_directions_in_one_submit(device: str) -> None:
     kv = make_kv("separate", device)
     with TorchExecutor(kv, 16) as ex:
@@ -584,6 +613,8 @@ def test_auto_picks_the_kernel_for_small_pages_and_the_copy_engines_for_large_on
         return auto_scatter(kernel=kernel, uva=uva, batch=batch, page_bytes=page)
 
     assert auto_scatter(kernel=True, uva=True, batch=True, page_bytes=16 << 10, staged=True) == "staged"
+    assert auto_scatter(kernel=True, uva=True, batch=True, page_bytes=2 << 20, staged=True) == "batch"
+    assert auto_scatter(kernel=True, uva=True, batch=False, page_bytes=2 << 20, staged=True) == "staged"
     assert pick(32 << 10) == "kernel"
     assert pick(64 << 10, batch=True) == "kernel"  # the driver's cost per copy would bound it
     assert pick(BATCH_MIN_PAGE, batch=True) == "batch"

@@ -30,6 +30,16 @@ KERNEL_MAX_PAGE = 512 << 10  # bytes; at larger pages the copy engines move a pa
 BATCH_MIN_PAGE = 512 << 10  # bytes; below, the driver's host time per page copy bounds ``batch``
 
 
+def batch_pages(batch: bool, page_bytes: int) -> bool:
+    """Whether ``scatter="auto"`` hands every page straight to the copy engines (``batch``):
+    where the driver takes batched copies and pages are large enough that its host time per
+    page does not bound the link. Whole 2 MiB pages moved that way at the link's speed and
+    slowed a concurrent decode step no more than one contiguous copy did, where the staged
+    path's device gather and scatter cost it 2-4 points more (docs/performance.md, "Copy
+    methods side by side")."""
+    return batch and page_bytes >= BATCH_MIN_PAGE
+
+
 def auto_scatter(
     *, kernel: bool, uva: bool, batch: bool, page_bytes: int, staged: bool = False
 ) -> ScatterMode:
@@ -45,10 +55,10 @@ def auto_scatter(
     every page, so it is no choice below: docs/performance.md) or the UVA kernels. Host
     staging (a CPU gather per byte) is the portable fallback: NPU, CPU, unpinned pools.
     """
+    if batch_pages(batch, page_bytes):
+        return "batch"
     if staged:
         return "staged"
-    if batch and page_bytes >= BATCH_MIN_PAGE:
-        return "batch"
     if kernel and page_bytes < KERNEL_MAX_PAGE:
         return "kernel"
     return "uva" if uva else "host"
@@ -71,6 +81,7 @@ class CopySetup(StagedCopies):
     def _init_copies(self, staging_bytes: int, max_runs: int | None) -> None:
         """The pool's views per region, the scatter mode, checksum tables, batching tables."""
         pool = self.pool
+        largest = max(r.page_bytes for r in self.layout.regions)
         self._host_views: list[torch.Tensor] = []
         self._uva_views: list[torch.Tensor] = []
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -83,7 +94,8 @@ class CopySetup(StagedCopies):
             ]
             self._init_kernel()
             self._init_batch()
-            self._init_staged(staging_bytes)
+            if not (self.scatter == "auto" and batch_pages(self._addresses is not None, largest)):
+                self._init_staged(staging_bytes)
             if self.scatter == "uva" or (
                 self.scatter == "auto" and self.device.type == "cuda" and pool.pinned
             ):
@@ -102,15 +114,14 @@ class CopySetup(StagedCopies):
                 kernel=self._tables is not None,
                 uva=bool(self._uva_views),
                 batch=self._addresses is not None,
-                page_bytes=max(r.page_bytes for r in self.layout.regions),
+                page_bytes=largest,
                 staged=self._stage is not None,
             )
-        # The page kernel moves every batch in one launch, a single run too (0.93-0.95 of the
-        # link, as the copy engines, where one copy per region would take the host a copy
-        # call per region). The batched copy engines take every batch of two runs or more:
-        # a single run is one copy per region already.
+        # The page kernel, the staged path and the batched copy engines move every batch in
+        # one launch or call, a single run too: the per-region path would gather the pages on
+        # the device first (index_select), and take the host a copy call per region.
         self.max_runs = int(max_runs) if max_runs is not None else (
-            0 if self.scatter in ("kernel", "staged") else 1 if self.scatter == "batch" else 16
+            0 if self.scatter in ("kernel", "staged", "batch") else 16
         )
         self._cs_mult = None
         self._cs_table = np.zeros(max(pool.cpu_blocks, 0), dtype=np.int64)

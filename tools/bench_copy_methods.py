@@ -2,6 +2,7 @@
 
     python tools/bench_copy_methods.py [--gib 1] [--step-blocks 128] [--reps 3] [--out FILE]
     python tools/bench_copy_methods.py --quick        # tiny sizes, runs on the CPU device
+    python tools/bench_copy_methods.py --variants staged,kernel:8   # kvflow on other paths too
 
 Methods, each driven the way an engine's scheduler drives copies (a step's blocks handed over at
 once, at most two steps in flight, the caller spinning until a step is over):

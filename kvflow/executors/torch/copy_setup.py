@@ -33,10 +33,10 @@ BATCH_MIN_PAGE = 512 << 10  # bytes; below, the driver's host time per page copy
 def batch_pages(batch: bool, page_bytes: int) -> bool:
     """Whether ``scatter="auto"`` hands every page straight to the copy engines (``batch``):
     where the driver takes batched copies and pages are large enough that its host time per
-    page does not bound the link. Whole 2 MiB pages moved that way at the link's speed and
-    slowed a concurrent decode step no more than one contiguous copy did, where the staged
-    path's device gather and scatter cost it 2-4 points more (docs/performance.md, "Copy
-    methods side by side")."""
+    page does not bound the link. Whole 2 MiB pages moved that way at 0.97-0.98 of one
+    contiguous copy each way and slowed a concurrent decode step as much as that copy did
+    (+0.8-0.9% stores, +2.2-2.3% loads), where the staged path's device gather and scatter
+    cost it about 4 points more (docs/performance.md, "Copy methods side by side")."""
     return batch and page_bytes >= BATCH_MIN_PAGE
 
 
@@ -46,14 +46,17 @@ def auto_scatter(
     """What ``scatter="auto"`` picks for batches of several runs, from what this executor can
     use and its largest page.
 
-    Measured on an H200 replaying a churned tier and with one 1 GiB submit
-    (docs/performance.md, "Copies on the GPU"): ``staged`` (a page-first pool; whole blocks
-    on the copy engines, the page kernel for loads in groups and where the driver has no
-    batched copies) moves 0.87-0.92 of the link each way and 0.94-0.96 both ways at 32 KiB and
-    2 MiB pages, and leaves the multiprocessors to the engine's compute (``_whole_blocks``). Without it: the page kernel (0.90-0.95 each way, 0.69-0.78 both ways) below 512 KiB;
-    above, ``batch`` (each page a copy-engine transfer, 0.97; the driver spends host time on
-    every page, so it is no choice below: docs/performance.md) or the UVA kernels. Host
-    staging (a CPU gather per byte) is the portable fallback: NPU, CPU, unpinned pools.
+    Measured on an H200 (docs/performance.md, "Copies on the GPU" and "Copy methods side by
+    side"): pages of 512 KiB and up take ``batch`` where the driver has it (``batch_pages``).
+    Below, the driver's host time per page bounds ``batch`` (0.40-0.79 of the link at 32 KiB),
+    and ``staged`` (a page-first pool; whole blocks on the copy engines, the page kernel for
+    loads in groups and where the driver has no batched copies) moves 0.88-0.93 of the link
+    each way and 0.88-0.92 both ways at 32 KiB pages; its device gather and scatter cost a
+    concurrent decode step 4 to 7.5 points more than the copy itself, and the page kernel straight
+    over the pinned pool costs it more still, even with 8 programs (+20% for stores at 0.93,
+    and loads fall to 0.48 of the link). Without either: the page kernel (0.90-0.95 each way,
+    0.69-0.78 both ways) below 512 KiB, the UVA kernels above. Host staging (a CPU gather per
+    byte) is the portable fallback: NPU, CPU, unpinned pools.
     """
     if batch_pages(batch, page_bytes):
         return "batch"

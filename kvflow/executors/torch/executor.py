@@ -91,11 +91,12 @@ class TorchExecutor(PageCopies):
     load. ``fail_job_ids``: fault injection for tests: a batch holding one of these jobs raises
     inside the copy path, as a real copy error would. ``max_runs``: above this many runs of
     consecutive slots per batch, use ``scatter`` instead of one copy per run and region (default
-    0 for the ``kernel`` scatter: every batch in one launch; 1 for ``batch``; 16 for the others).
-    ``scatter``: ``auto`` (default: ``staged`` on CUDA with Triton, over a page-first pool: the
-    page kernel for loads in groups, whole blocks on the copy engines otherwise;
-    without Triton ``batch``, one cuMemcpyBatchAsync call per batch, for pages of 512 KiB and up
-    where the driver has it, UVA kernels otherwise; ``host`` staging on NPU and CPU), or one of
+    0 for the ``kernel``, ``staged`` and ``batch`` scatters: every batch in one launch or call;
+    16 for the others). ``scatter``: ``auto`` (default: on CUDA, ``batch`` for pages of 512 KiB
+    and up where the driver has cuMemcpyBatchAsync, one call per batch straight between the
+    device pages and the pool; smaller pages ``staged`` with Triton, over a page-first pool: the
+    page kernel for loads in groups, whole blocks on the copy engines otherwise; UVA kernels
+    without either; ``host`` staging on NPU and CPU), or one of
     ``runs``, ``host``, ``uva``, ``kernel``, ``batch``, ``staged``. ``staging_bytes``: the most device staging memory one batch allocates
     at a time (the ``staged`` path keeps that much per direction, allocated once).
     ``load_groups``: a scattered load is launched in this many groups of consecutive regions

@@ -10,13 +10,13 @@ sorted by slot, see ``transfer_plan``):
   into a device staging buffer, then one ``index_copy_`` into the engine's device blocks.
 * Slots that do not form a few runs (``max_runs``) go through ``scatter``: ``"staged"`` (CUDA
   with Triton, the default there; every batch) moves whole blocks of a page-first pool through
-  device staging rows, one copy-engine transfer per run of slots, while both directions copy,
-  and takes the page kernel when one direction copies alone; ``"kernel"`` (``max_runs`` 0)
+  device staging rows, one copy-engine transfer per run of slots, and takes the page kernel
+  for loads in groups and where the driver has no batched copies; ``"kernel"`` (``max_runs`` 0)
   copies every region's pages in ONE launch straight between the device cache and the pinned
   pool (``page_kernel``), optionally split into ``load_groups`` launches with one event each
   so an engine can start a layer once its pages landed; ``"batch"`` (CUDA 12.8+, the default
-  without Triton for pages of 512 KiB and up) hands every page of the batch to the copy
-  engines in one ``cuMemcpyBatchAsync`` call (``batch_copy``); ``"uva"`` (CUDA) lets torch kernels gather/scatter the pinned pool region by
+  for pages of 512 KiB and up) hands every page of the batch to the copy engines in one
+  ``cuMemcpyBatchAsync`` call (``batch_copy``), with no gather or scatter on the device; ``"uva"`` (CUDA) lets torch kernels gather/scatter the pinned pool region by
   region through unified addressing; ``"host"`` (the fallback: NPU, CPU) stages in pinned host
   memory and gathers or scatters on the CPU region by region (stores scatter once their copy
   is over, in the thread that delivers their results; loads gather in the caller, each

@@ -228,7 +228,7 @@ class RedisBlockStore:
         key or the server's error. Reads the heads only."""
         out: list[bytes | Miss | None] = []
         for name, (length, got, head, _) in zip(names, self._reads(names, [()] * len(names), deadline_s)):
-            if not isinstance(length, int) or not isinstance(got, int) or length == 0:
+            if not isinstance(length, int) or not isinstance(got, int) or length == 0 or got == 0:
                 out.append(None)
                 continue
             seen = seen_of(length, head[:got])
@@ -242,8 +242,9 @@ class RedisBlockStore:
         self, names: Sequence[BlockName], into: Sequence[Sequence[memoryview]], deadline_s: float
     ) -> list[tuple[Any, Any, bytearray, Opening | None]]:
         """Per key: the value's length (``STRLEN``: 0 when absent), how many of its first bytes
-        were read (``GETRANGE`` of at most the head and ``into``'s pages), or the server's error
-        for either; a buffer holding the head; and the proof of a value read into its pages.
+        were read (``GETRANGE`` of at most the head and ``into``'s pages; 0 when the key went
+        between the two commands, evicted under maxmemory or expired: absent, not refused), or
+        the server's error for either; a buffer holding the head; and the proof of a value read into its pages.
         The rest of a value goes into its pages only when its length and head can be the
         block's entry (a value refused by its head never reaches them), each part proven (and
         decrypted, in place) as it arrives; else it is read and dropped."""
@@ -297,7 +298,7 @@ class RedisBlockStore:
         for reply in (length, got):
             if isinstance(reply, Exception):
                 return Miss(_error_text(reply))
-        if length == 0:  # (an empty value is no entry either)
+        if length == 0 or got == 0:  # (an empty value is no entry either; 0 read: gone since STRLEN)
             return Miss("absent")
         seen = seen_of(length, head[: min(got, HEADER_BYTES)])
         if opening is None or got != length:  # (a longer one: refused, the rest never read)

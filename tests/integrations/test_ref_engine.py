@@ -7,7 +7,6 @@ pretrained one (when installed) for token-exact checks, else small random weight
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import ref_engine as ref  # noqa: E402
+from late_loads import LateLoads  # noqa: E402
 
 from kvflow.core.config import Config  # noqa: E402
 from kvflow.engine.sync import SyncEngine  # noqa: E402
@@ -46,40 +46,6 @@ def model(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
 def conversations(model: ref.Llama, n: int = 5) -> list[list[int]]:
     vocab = model.dims.vocab
     return [[(31 * c + 7 * k) % (vocab - 10) + 5 for k in range(3 * B + 5)] for c in range(n)]
-
-
-class LateLoads(TorchExecutor):
-    """Reports each load's result one poll late (stores on time): with the engine's clock
-    jumping a minute a step, every load outlives its deadline and is fenced, deterministically."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._loads: set[int] = set()
-        self._held: list[Any] = []
-        self._ready: list[Any] = []
-
-    def submit(self, jobs: Any, compute_done: Any = None) -> None:
-        self._loads.update(j.job_id for j in jobs if j.direction == "load")
-        super().submit(jobs, compute_done)
-        # Wait here for this batch's results (the CPU device's copies end inside submit),
-        # so that what a poll returns never depends on how fast the copies ran: on a
-        # loaded machine a store reported a poll late timed out too, and its blocks were
-        # never offered to the next turn.
-        pending = {j.job_id for j in jobs}
-        give_up = time.monotonic() + 60.0
-        while pending and time.monotonic() < give_up:
-            for r in super().poll():
-                pending.discard(r.job_id)
-                self._ready.append(r)
-            if pending:
-                time.sleep(0.001)
-
-    def poll(self) -> list[Any]:
-        fresh = self._ready + super().poll()
-        self._ready = []
-        out = self._held + [r for r in fresh if r.job_id not in self._loads]
-        self._held = [r for r in fresh if r.job_id in self._loads]
-        return out
 
 
 def run(

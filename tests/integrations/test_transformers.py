@@ -16,7 +16,6 @@ import importlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,12 @@ else:
     pytest.importorskip("psutil")  # (transformers sizes its cache on the CPU device with it)
 
 from click.testing import CliRunner  # noqa: E402
+from late_loads import LateLoads  # noqa: E402
 
 from kvflow.cli.main import main as kvflow_cli  # noqa: E402
+from kvflow.core.commands import JobResult  # noqa: E402
 from kvflow.core.config import Config  # noqa: E402
 from kvflow.core.errors import ConfigError  # noqa: E402
-from kvflow.engine.protocols import JobResult  # noqa: E402
 from kvflow.executors.torch.executor import TorchExecutor  # noqa: E402
 from kvflow.integrations.transformers import batching  # noqa: E402
 from kvflow.integrations.transformers.tier import KvflowTier, TierStats  # noqa: E402
@@ -146,37 +146,6 @@ def test_failed_loads_are_recomputed_and_named_by_incidents(
     assert found.exit_code == 0, found.output
     incidents = json.loads(found.stdout)
     assert [i["direction"] for i in incidents] == ["load", "load"]
-
-
-class LateLoads(TorchExecutor):
-    """Reports each load's result one poll late (stores on time): with the engine's clock
-    jumping a minute a step, every load outlives its deadline and is fenced, deterministically."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.loads: set[int] = set()
-        self.held: list[JobResult] = []
-        self.ready: list[JobResult] = []
-
-    def submit(self, jobs: Any, compute_done: Any = None) -> None:
-        self.loads.update(j.job_id for j in jobs if j.direction == "load")
-        super().submit(jobs, compute_done)
-        # this batch's results are in before the next poll (the CPU device's copies take
-        # milliseconds), so that only loads come late, whatever the machine's load
-        pending = {j.job_id for j in jobs}
-        give_up = time.monotonic() + 60.0
-        while pending and time.monotonic() < give_up:
-            for r in super().poll():
-                pending.discard(r.job_id)
-                self.ready.append(r)
-            if pending:
-                time.sleep(0.001)
-
-    def poll(self) -> list[JobResult]:
-        fresh, self.ready = self.ready + super().poll(), []
-        out = self.held + [r for r in fresh if r.job_id not in self.loads]
-        self.held = [r for r in fresh if r.job_id in self.loads]
-        return out
 
 
 def test_late_copies_are_fenced_and_recomputed_into_fresh_blocks(

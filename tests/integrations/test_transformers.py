@@ -163,6 +163,29 @@ def test_late_copies_are_fenced_and_recomputed_into_fresh_blocks(
     assert len(json.loads(found.stdout)) == stats.loads_fenced
 
 
+def test_loads_overlap_the_other_requests_work(model: Any, baseline: dict[str, list[int]], tmp_path: Path) -> None:
+    """Each load reports four polls after its copy: while it is outstanding, the loop goes on
+    scheduling and computing the other requests (forward passes run), and the loading request
+    joins a batch once its load landed, its blocks computed; outputs identical."""
+    executors: list[LateLoads] = []
+
+    def executor(tensors: list[Any], slots: int) -> LateLoads:
+        executors.append(LateLoads(tensors, slots, block_dim=0, polls=4))
+        return executors[-1]
+
+    passes: list[int] = []  # loads outstanding at each forward pass
+    hook = model.register_forward_hook(lambda *_: passes.append(executors[0].outstanding if executors else 0))
+    try:
+        outputs, stats = run(model, tier(tmp_path, executor=executor))
+    finally:
+        hook.remove()
+    assert outputs == baseline
+    assert stats.tier_hit_tokens >= 10 * B and stats.loads_failed == 0
+    overlapped = sum(1 for loading in passes if loading)
+    assert overlapped > 0, f"no forward pass ran while a load was outstanding ({len(passes)} passes)"
+    assert stats.leaks == []
+
+
 def test_generate_batch_turns_the_tier_on_with_one_argument(model: Any, tmp_path: Path) -> None:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 

@@ -158,17 +158,16 @@ class _TierScheduling(Scheduler):
     ) -> tuple[list[FutureRequestState], bool, bool, int, int]:
         """transformers' pass over the candidates, less the requests whose loads are out."""
         ready = [state for state in candidates if state.request_id not in self._loads]
-        return super()._process_candidates(ready, token_budget, cache_budget, request_ids_to_remove_from_waiting)
-
-    def schedule_batch(self, token_budget: int, cache_budget: int) -> tuple[list[FutureRequestState] | None, bool, int, int]:
-        # (mixed in before a concrete scheduler class: ``_tier_scheduler``)
-        batch, fast, q_tokens, kv_read = super().schedule_batch(token_budget, cache_budget)  # type: ignore[safe-super]
-        if batch is None and self.waits_for_kvflow():
+        batch, failed, fast, q_tokens, kv_read = super()._process_candidates(
+            ready, token_budget, cache_budget, request_ids_to_remove_from_waiting
+        )
+        if not batch and failed and self.waits_for_kvflow():
             # No room for anyone while loads are out or kvflow holds device blocks: those come
-            # back when the copies are over, so the loop waits for them rather than offloading
-            # (transformers never offloads its last active request, and may have no other).
-            return [], fast, 0, 0
-        return batch, fast, q_tokens, kv_read
+            # back when the copies are over, so the batch is empty (the loop waits for them)
+            # rather than failed (transformers would offload; it never offloads its last
+            # active request, and may have no other)
+            failed = False
+        return batch, failed, fast, q_tokens, kv_read
 
     def waits_for_kvflow(self) -> bool:
         """Whether a request waits for its load, or kvflow holds device blocks (a copy

@@ -163,6 +163,84 @@ def test_late_copies_are_fenced_and_recomputed_into_fresh_blocks(
     assert len(json.loads(found.stdout)) == stats.loads_fenced
 
 
+def test_loads_overlap_the_other_requests_work(model: Any, baseline: dict[str, list[int]], tmp_path: Path) -> None:
+    """Each load reports four polls after its copy: while it is outstanding, the loop goes on
+    scheduling and computing the other requests (forward passes run), and the loading request
+    joins a batch once its load landed, its blocks computed; outputs identical."""
+    executors: list[LateLoads] = []
+
+    def executor(tensors: list[Any], slots: int) -> LateLoads:
+        executors.append(LateLoads(tensors, slots, block_dim=0, polls=4))
+        return executors[-1]
+
+    passes: list[int] = []  # loads outstanding at each forward pass
+    hook = model.register_forward_hook(lambda *_: passes.append(executors[0].outstanding if executors else 0))
+    try:
+        outputs, stats = run(model, tier(tmp_path, executor=executor))
+    finally:
+        hook.remove()
+    assert outputs == baseline
+    assert stats.tier_hit_tokens >= 10 * B and stats.loads_failed == 0
+    overlapped = sum(1 for loading in passes if loading)
+    assert overlapped > 0, f"no forward pass ran while a load was outstanding ({len(passes)} passes)"
+    assert stats.leaks == []
+
+
+def test_a_request_cancelled_while_its_load_is_out_leaves_nothing_behind(
+    model: Any, baseline: dict[str, list[int]], tmp_path: Path
+) -> None:
+    """The chats' second turns, whose prefixes load from the tier; the request of the first
+    load is cancelled while it is outstanding (ten polls): its copy ends on its own, its
+    blocks come back, the other turns' outputs are unchanged."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    cancelled: list[str] = []
+
+    class CancelFirstLoad(LateLoads):
+        def submit(self, jobs: Any, compute_done: Any = None) -> None:
+            for job in jobs:
+                if job.direction == "load" and not cancelled:
+                    cancelled.append(job.request_id)
+                    manager.cancel_request(job.request_id)
+            super().submit(jobs, compute_done)
+
+    executor = lambda tensors, slots: CancelFirstLoad(tensors, slots, block_dim=0, polls=10)  # noqa: E731
+    cb = ContinuousBatchingConfig(
+        block_size=B, num_blocks=12, max_batch_tokens=48, max_blocks_per_request=0, safety_margin=0.0
+    )
+    generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = batching.init_continuous_batching(
+        model, tier=tier(tmp_path, executor=executor), generation_config=generation, continuous_batching_config=cb
+    )
+    manager.start()
+    outputs: dict[str, list[int]] = {}
+    # the chats' first turns; other prompts that push their blocks out of the device cache;
+    # the chats' second turns, whose prefixes the tier has
+    waves = [
+        {f"c{c}t0": chat[0].prompt for c, chat in enumerate(chats())},
+        {f"x{i}": [(5 * k + i) % 400 + 30 for k in range(40)] for i in range(4)},
+        {f"c{c}t1": chat[0].prompt + baseline[f"c{c}t0"] + chat[1].prompt for c, chat in enumerate(chats())},
+    ]
+    try:
+        for wave in waves:
+            for rid, prompt in wave.items():
+                manager.add_request(prompt, request_id=rid, max_new_tokens=7)
+            while not set(wave) - set(cancelled) <= set(outputs):
+                result = manager.get_result(timeout=30)
+                assert result is not None and result.error is None
+                if result.is_finished():
+                    outputs[result.request_id] = list(result.generated_tokens)
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    assert len(cancelled) == 1 and cancelled[0] not in outputs, cancelled
+    assert {rid: out for rid, out in outputs.items() if rid in baseline} == {
+        rid: out for rid, out in baseline.items() if rid in outputs
+    }
+    assert len(outputs) == 13
+    assert manager.stats.leaks == []
+
+
 def test_generate_batch_turns_the_tier_on_with_one_argument(model: Any, tmp_path: Path) -> None:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 

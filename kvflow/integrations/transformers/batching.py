@@ -6,10 +6,11 @@ How it is hooked (transformers' own classes, subclassed; nothing of transformers
 * the manager (``KvflowBatchingManager``) builds its batch processor as transformers does,
   with a scheduler of the configured type that knows kvflow and a processor that steps it;
 * admission: after transformers' device prefix cache matched what it holds, the scheduler asks
-  kvflow for the blocks after them, allocates device blocks for the hits, loads them and waits
-  for the outcome. Landed: the request starts after them, and they join transformers' prefix
-  cache. Failed or late: the request computes them (into fresh blocks when the copy may still
-  be writing, F15);
+  kvflow for the blocks after them, allocates device blocks for the hits and starts their load;
+  the request stays out of every batch while the loop schedules and computes the others. Each
+  step polls kvflow first: a request whose load is over joins the batching, admitted. Landed:
+  it starts after the loaded blocks, which join transformers' prefix cache. Failed or late: it
+  computes them (into fresh blocks when the copy may still be writing, F15);
 * after each forward pass, every block that became full is stored (eager), and a request that
   finishes offers its last full blocks before transformers frees them;
 * preemption: a request transformers sends back to waiting is soft reset (the swap pool is
@@ -25,7 +26,9 @@ release is refused in one line at import.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +57,7 @@ from transformers.generation.continuous_batching.cache import (  # noqa: E402
     group_layers_by_attn_type,
 )
 from transformers.generation.continuous_batching.continuous_api import (  # noqa: E402
+    BackgroundThreadStatus,
     ContinuousBatchingManager,
     ContinuousBatchProcessor,
 )
@@ -62,6 +66,7 @@ from transformers.generation.continuous_batching.initialization import (  # noqa
 )
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs  # noqa: E402
 from transformers.generation.continuous_batching.requests import (  # noqa: E402
+    FutureRequestState,
     GenerationOutput,
     RequestState,
     RequestStatus,
@@ -78,6 +83,17 @@ def _sequence(state: RequestState) -> list[int]:
     return list(state.initial_tokens) + list(state.generated_tokens)
 
 
+@dataclass(frozen=True)
+class _Load:
+    """A request whose tier hits are loading: out of every batch until the outcome."""
+
+    state: RequestState
+    job: int
+    device: int  # its blocks found on the device before the hits
+    hits: int  # the hits loading, into its next device blocks
+    allocated: int  # device blocks transformers allocated for them
+
+
 class _TierScheduling(Scheduler):
     """Mixed in before transformers' scheduler class of the configured type."""
 
@@ -87,6 +103,7 @@ class _TierScheduling(Scheduler):
         super().reset()
         # requests transformers just finished: preempted if they come back to waiting at once
         self._ending: set[str] = set()
+        self._loads: dict[str, _Load] = {}  # by request id, in the order the loads started
 
     # -- admission -----------------------------------------------------------------------
 
@@ -99,49 +116,102 @@ class _TierScheduling(Scheduler):
         self.side.stats.device_hit_tokens += state.position_offset - before
         if self.side.engine is None:
             return tokens
-        return self._admit(state, request_ids_to_remove_from_waiting)
+        return self._admit(state)
 
-    def _admit(self, state: RequestState, waiting_done: set[str]) -> list[int]:
-        """Load from kvflow's tier the blocks after the device's prefix hits."""
+    def _admit(self, state: RequestState) -> list[int]:
+        """Start loading from kvflow's tier the blocks after the device's prefix hits; the
+        request waits for the outcome out of the batches (``take_loads``)."""
         side, cache = self.side, self.cache
-        rid, size = state.request_id, cache.block_size
+        rid = state.request_id
         table = cache.group_cache_managers[0].block_table.get(rid, [])
         device = len(table)
         hits = side.hits(rid, state.initial_tokens, device)
-        if hits and state.position_offset == device * size:
+        if hits and state.position_offset == device * cache.block_size:
             allocated = cache.allocate_blocks(hits, rid, state.allocated_blocks)
         else:
             allocated = None
+        side.mark_offered(rid, device)
         if not allocated:
             if hits:
                 side.release(rid)
-            side.mark_offered(rid, device)
             return list(state.remaining_prefill_tokens)
         state.allocated_blocks += allocated
-        table = cache.group_cache_managers[0].block_table[rid]
-        blocks = table[device : device + hits]
-        landed, fenced = side.load(rid, blocks)
-        if landed:
-            n = hits * size
-            state.position_offset += n
-            state.remaining_prefill_tokens = state.remaining_prefill_tokens[n:]
+        blocks = cache.group_cache_managers[0].block_table[rid][device : device + hits]
+        job = side.start_load(rid, blocks)
+        if job is not None:
+            self._loads[rid] = _Load(state, job, device, hits, allocated)
+        # (no job: nothing writes the blocks, the request computes them in place)
+        return list(state.remaining_prefill_tokens)
+
+    def _allocate_blocks_if_needed(self, state: RequestState, len_next_tokens: int) -> bool:
+        if state.request_id in self._loads:  # its load started in this pass: not in this batch
+            return False
+        allocated: bool = super()._allocate_blocks_if_needed(state, len_next_tokens)
+        return allocated
+
+    def _process_candidates(
+        self,
+        candidates: list[RequestState],
+        token_budget: int,
+        cache_budget: int,
+        request_ids_to_remove_from_waiting: set[str],
+    ) -> tuple[list[FutureRequestState], bool, bool, int, int]:
+        """transformers' pass over the candidates, less the requests whose loads are out."""
+        ready = [state for state in candidates if state.request_id not in self._loads]
+        batch, failed, fast, q_tokens, kv_read = super()._process_candidates(
+            ready, token_budget, cache_budget, request_ids_to_remove_from_waiting
+        )
+        if not batch and failed and self.waits_for_kvflow():
+            # No room for anyone while loads are out or kvflow holds device blocks: those come
+            # back when the copies are over, so the batch is empty (the loop waits for them)
+            # rather than failed (transformers would offload; it never offloads its last
+            # active request, and may have no other)
+            failed = False
+        return batch, failed, fast, q_tokens, kv_read
+
+    def waits_for_kvflow(self) -> bool:
+        """Whether a request waits for its load, or kvflow holds device blocks (a copy
+        running or fenced): what a later step gives back."""
+        return bool(self._loads or self.side.held())
+
+    def take_loads(self) -> None:
+        """Requests whose loads a step reported join the batching, admitted: landed, they start
+        after the loaded blocks, which join the device prefix cache; failed or late, they
+        compute them (into fresh blocks when the copy may still be writing, F15)."""
+        side, cache = self.side, self.cache
+        for rid, load in list(self._loads.items()):
+            outcome = side.outcome(load.job)
+            if outcome is None:
+                continue
+            del self._loads[rid]
+            landed, fenced = outcome
+            state = load.state
+            table = cache.group_cache_managers[0].block_table[rid]
+            blocks = table[load.device : load.device + load.hits]
+            if landed:
+                n = load.hits * cache.block_size
+                state.position_offset += n
+                state.remaining_prefill_tokens = state.remaining_prefill_tokens[n:]
+                if not side.held().intersection(blocks):  # (a held block cannot give way to a twin)
+                    cache.mark_shareable_blocks_as_complete(state, load.hits)  # they join the device prefix cache
+                side.mark_offered(rid, load.device + load.hits)
+            elif fenced:
+                # F15: the late copy may still write these blocks: the request computes into
+                # fresh ones; kvflow's reference keeps them from reuse until the copy is over
+                del table[load.device :]
+                state.allocated_blocks -= load.allocated
+                cache._block_manager.free_blocks(blocks, shareable=True)
+            # (failed, not fenced: nothing writes them any more, computed in place)
             if state.status == RequestStatus.PENDING:  # as transformers does on a device prefix hit
                 self.active_requests[rid] = state
-                waiting_done.add(rid)
                 state.status = RequestStatus.PREFILLING
-            if not side.held().intersection(blocks):  # (a held block cannot give way to a twin)
-                cache.mark_shareable_blocks_as_complete(state, hits)  # they join the device prefix cache
-            side.mark_offered(rid, device + hits)
-        elif fenced:
-            # F15: the late copy may still write these blocks: the request computes into
-            # fresh ones; kvflow's reference keeps them from reuse until the copy is over
-            del table[device:]
-            state.allocated_blocks -= allocated
-            cache._block_manager.free_blocks(blocks, shareable=True)
-            side.mark_offered(rid, device)
-        else:  # nothing writes them any more: computed in place
-            side.mark_offered(rid, device)
-        return list(state.remaining_prefill_tokens)
+                self.waiting_requests.pop(rid, None)
+                self._cleanup_waiting_queue({rid})
+
+    def _forget_load(self, request_id: str) -> None:
+        load = self._loads.pop(request_id, None)
+        if load is not None:
+            self.side.abandon(load.job)
 
     # -- the end of a request ------------------------------------------------------------
 
@@ -153,6 +223,7 @@ class _TierScheduling(Scheduler):
 
     def finish_request(self, request_id: str) -> None:
         self._offer_before_free(request_id)
+        self._forget_load(request_id)
         super().finish_request(request_id)
         self._ending.add(request_id)
 
@@ -161,6 +232,7 @@ class _TierScheduling(Scheduler):
             cancelling = sorted(self._requests_to_cancel)
         for request_id in cancelling:
             self._offer_before_free(request_id)
+            self._forget_load(request_id)
         cancelled: list[RequestState] = super().clear_cancelled_requests()
         self._ending.update(state.request_id for state in cancelled)
         return cancelled
@@ -191,19 +263,28 @@ class _TierProcessor(ContinuousBatchProcessor):
     scheduler: _TierScheduling
 
     def prepare_next_batch(self) -> bool:
-        self.scheduler.settle()
-        self.side.step()  # (also while idle: the loop comes here every wait)
-        swapped = {
-            rid: state.position_offset
-            for rid, state in self.scheduler.waiting_requests.items()
-            if state.is_cpu_offloaded
-        }
-        ready: bool = super().prepare_next_batch()
-        for rid, tokens in swapped.items():
-            state = self.scheduler.active_requests.get(rid)
-            if state is not None and not state.is_cpu_offloaded:
-                self.side.stats.swap_restored_tokens += tokens
-        return ready
+        """Each step polls kvflow first: requests whose loads it reported join this batch.
+        When nothing can run until kvflow gives something back (a load out, device blocks
+        held by a copy), it polls here until then (transformers' loop would sleep a tenth of a
+        second before it asks again)."""
+        while True:
+            self.scheduler.settle()
+            self.side.step()  # (also while idle: the loop comes here every wait)
+            self.scheduler.take_loads()
+            swapped = {
+                rid: state.position_offset
+                for rid, state in self.scheduler.waiting_requests.items()
+                if state.is_cpu_offloaded
+            }
+            ready: bool = super().prepare_next_batch()
+            for rid, tokens in swapped.items():
+                state = self.scheduler.active_requests.get(rid)
+                if state is not None and not state.is_cpu_offloaded:
+                    self.side.stats.swap_restored_tokens += tokens
+            hard_stop = self.background_thread_status.tp_status == BackgroundThreadStatus.HARD_STOP
+            if ready or hard_stop or not self.scheduler.has_pending_requests() or not self.scheduler.waits_for_kvflow():
+                return ready
+            time.sleep(0.0002)  # (the executor's completion thread needs the interpreter)
 
     def update_batch(self) -> None:
         io = self.inputs_and_outputs

@@ -11,7 +11,6 @@ between the two block bookkeepings: no block is freed under a running copy (F15)
 from __future__ import annotations
 
 import hashlib
-import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +102,7 @@ class TierSide:
         self.stats = TierStats()
         self._requests: dict[str, _Request] = {}
         self._held: set[int] = set()  # device blocks this side holds a reference on
+        self._loading: dict[int, int] = {}  # load job -> its blocks, until ``outcome`` takes it
         self._outcomes: dict[int, tuple[bool, bool]] = {}  # load job -> (landed, fenced)
 
     # -- holds ---------------------------------------------------------------------------
@@ -131,9 +131,11 @@ class TierSide:
 
     def _absorb(self, report: StepReport) -> None:
         for _, job in report.loads_finished:
-            self._outcomes[job] = (True, False)
+            if job in self._loading:
+                self._outcomes[job] = (True, False)
         for failure in report.loads_failed:
-            self._outcomes[failure.job_id] = (False, failure.fenced)
+            if failure.job_id in self._loading:
+                self._outcomes[failure.job_id] = (False, failure.fenced)
         self._sync_holds()
 
     # -- admission -----------------------------------------------------------------------
@@ -152,21 +154,25 @@ class TierSide:
         if self.engine is not None:
             self.engine.accept_hits(request_id, [])
 
-    def load(self, request_id: str, device_blocks: list[int]) -> tuple[bool, bool]:
-        """Load the first ``len(device_blocks)`` hits into them and wait for the outcome:
-        (landed, fenced). A load that fails or outlives its deadline is reported failed; fenced
-        means its copy may still write the blocks, which stay held until it is over."""
+    def start_load(self, request_id: str, device_blocks: list[int]) -> int | None:
+        """Load the first ``len(device_blocks)`` hits into them: the load's job, whose outcome
+        a later step brings (``outcome``), or None when there is nothing to load (the hits
+        are computed)."""
         assert self.engine is not None
         job = self.engine.accept_hits(request_id, device_blocks)
         self._sync_holds()
-        if job is None:
-            return False, False
-        while job not in self._outcomes:
-            self.step()
-            if job not in self._outcomes:
-                time.sleep(0.0002)  # (the executor's completion thread needs the interpreter)
+        if job is not None:
+            self._loading[job] = len(device_blocks)
+        return job
+
+    def outcome(self, job: int) -> tuple[bool, bool] | None:
+        """The load's outcome once a step brought it, (landed, fenced); None while it is
+        outstanding. A load that fails or outlives its deadline is reported failed; fenced
+        means its copy may still write the blocks, which stay held until it is over."""
+        if job not in self._outcomes:
+            return None
         landed, fenced = self._outcomes.pop(job)
-        tokens = len(device_blocks) * self.block_tokens
+        tokens = self._loading.pop(job) * self.block_tokens
         if landed:
             self.stats.tier_hit_tokens += tokens
         else:
@@ -174,6 +180,12 @@ class TierSide:
             self.stats.loads_fenced += fenced
             self.stats.recomputed_tokens += tokens
         return landed, fenced
+
+    def abandon(self, job: int) -> None:
+        """The request of this load went (cancelled): its outcome is not waited for (the
+        blocks stay held until the copy is over, as for any job)."""
+        self._loading.pop(job, None)
+        self._outcomes.pop(job, None)
 
     def mark_offered(self, request_id: str, blocks: int) -> None:
         """The request's first ``blocks`` full blocks need no store (on the device's prefix
@@ -228,6 +240,8 @@ class TierSide:
             leaks.append("jobs still in flight")
         if engine.fences():
             leaks.append(f"{len(engine.fences())} fenced jobs")
+        if self._loading:
+            leaks.append(f"{len(self._loading)} loads whose outcome no request took")
         if self._held:
             leaks.append(f"{len(self._held)} device blocks held")
         pinned = sum(1 for pins in engine.manager.state.pin_count.values() if pins)

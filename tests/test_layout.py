@@ -7,6 +7,7 @@ it may import; this test holds the rooms to it:
 * ``executors`` and ``tiers`` import only ``core`` (and themselves);
 * ``log`` imports only ``core``; ``replay`` and ``inspect`` only ``core`` and ``log``;
 * nothing imports ``cli`` but ``cli`` (and ``kvflow.__main__``, which runs it);
+* torch is imported only in ``executors`` (the core and every other room run without it);
 * the top floor holds only the public face, ``__main__`` and the version;
 * every name is imported from the module that defines it: no module inside kvflow imports a
   name through another module that merely imported it (no re-exports, no aliases of modules).
@@ -97,6 +98,20 @@ def test_rooms_import_only_what_their_docstring_allows(module: str) -> None:
     allowed = ALLOWED[room] | {room}
     path = MODULES[module]
     bad = [f"{path.relative_to(ROOT)}:{line}: imports kvflow.{r}" for line, r in imported_rooms(path) if r not in allowed]
+    assert bad == []
+
+
+def test_torch_is_imported_only_by_the_executors() -> None:
+    bad = []
+    for module, path in MODULES.items():
+        if room_of(module) == "executors":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            if any(n.split(".")[0] == "torch" for n in names):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert bad == []
 
 

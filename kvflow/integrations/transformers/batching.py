@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import transformers
 
 from kvflow.core.errors import ConfigError
@@ -382,7 +381,7 @@ class KvflowBatchingManager(ContinuousBatchingManager):
             tensors = [t.view(shape) for pair in zip(cache.key_cache, cache.value_cache) for t in pair]
             engine = build_engine(self.tier, tensors)
 
-        device = torch.device(cache.device)
+        device = cache.key_cache[0].device  # (a torch.device, whatever form cache.device has)
         # the stores read what the step's forward pass wrote on transformers' compute stream
         side = TierSide(
             engine,
